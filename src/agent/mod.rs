@@ -1,0 +1,320 @@
+//! `harvester-node-agent run`: orchestration of the node daemon.
+//!
+//! Start-up order matters to systemd: configuration is validated before this
+//! module is entered; here the state directory and control socket are set up,
+//! then `READY=1` is sent. The cluster connection is not part of readiness:
+//! the daemon must do its local work on a node that has not joined yet.
+
+pub mod status;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context as _;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+
+use crate::config::Config;
+use crate::control;
+use crate::credentials::{self, Discovery, HostEnv};
+use crate::systemd::{self, Heartbeat, Liveness, Notifier};
+use status::{AgentStatus, ClusterState, StateDirStatus};
+
+/// How long one API health request may take before the cluster counts as
+/// unreachable.
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs until SIGTERM or SIGINT.
+pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()> {
+    let started = SystemTime::now();
+    let watchdog = systemd::watchdog_period();
+    let beat_every = systemd::heartbeat_interval(watchdog);
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        node = %cfg.node_name,
+        config = ?cfg.file,
+        state_dir = %cfg.state_dir.display(),
+        socket = %cfg.socket.display(),
+        watchdog = ?watchdog,
+        "starting harvester-node-agent"
+    );
+
+    crate::state_dir::prepare(&cfg.state_dir)?;
+    let state_dir = StateDirStatus {
+        path: cfg.state_dir.clone(),
+        ok: true,
+        message: "writable".into(),
+    };
+    let listener = control::bind(&cfg.socket).await?;
+
+    let (cluster_tx, cluster_rx) = watch::channel(initial_cluster_state(&cfg));
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let liveness = Liveness::default();
+
+    let snapshot = {
+        let cluster_rx = cluster_rx.clone();
+        let node = cfg.node_name.clone();
+        let state_dir = state_dir.clone();
+        move || {
+            let cluster = cluster_rx.borrow().clone();
+            AgentStatus {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                pid: std::process::id(),
+                node_name: node.clone(),
+                started_at: humantime::format_rfc3339_seconds(started).to_string(),
+                uptime_seconds: started.elapsed().map(|d| d.as_secs()).unwrap_or(0),
+                summary: status::summary(&node, &state_dir, &cluster),
+                state_dir: state_dir.clone(),
+                cluster,
+            }
+        }
+    };
+
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(serve_control(
+        listener,
+        snapshot.clone(),
+        liveness.register("control-socket"),
+        beat_every,
+        shutdown_rx.clone(),
+    ));
+    tasks.spawn(watch_credentials(
+        cfg.clone(),
+        cluster_tx,
+        liveness.register("credentials"),
+        beat_every,
+        shutdown_rx.clone(),
+    ));
+    tasks.spawn(publish_status(
+        notifier.clone(),
+        cluster_rx.clone(),
+        snapshot.clone(),
+        shutdown_rx.clone(),
+    ));
+    if let Some(period) = watchdog {
+        tasks.spawn(systemd::run_watchdog(
+            notifier.clone(),
+            liveness.clone(),
+            period,
+            shutdown_rx.clone(),
+        ));
+    }
+
+    notifier.ready();
+    tracing::info!(summary = %snapshot().summary, "ready");
+
+    let main_beat = liveness.register("main");
+    let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    let mut tick = tokio::time::interval(beat_every);
+    let signal_name = loop {
+        tokio::select! {
+            _ = sigterm.recv() => break "SIGTERM",
+            _ = sigint.recv() => break "SIGINT",
+            _ = tick.tick() => main_beat.beat(),
+        }
+    };
+
+    tracing::info!(signal = signal_name, "stopping");
+    notifier.stopping();
+    notifier.status(&format!("stopping ({signal_name})"));
+    let _ = shutdown_tx.send(true);
+    let drain = async { while tasks.join_next().await.is_some() {} };
+    if tokio::time::timeout(Duration::from_secs(10), drain)
+        .await
+        .is_err()
+    {
+        tracing::warn!("some tasks did not stop within 10s; exiting anyway");
+    }
+    let _ = std::fs::remove_file(&cfg.socket);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn initial_cluster_state(cfg: &Config) -> ClusterState {
+    match credentials::discover(cfg, &HostEnv) {
+        Discovery::NotFound {
+            searched,
+            configured,
+        } => ClusterState::WaitingForCredentials {
+            searched,
+            configured,
+        },
+        Discovery::File { path, .. } => ClusterState::Unreachable {
+            kubeconfig: Some(path),
+            error: "not connected yet".into(),
+        },
+        Discovery::InCluster => ClusterState::Unreachable {
+            kubeconfig: None,
+            error: "not connected yet".into(),
+        },
+    }
+}
+
+/// Drives `fut` to completion while beating, so a loop waiting on bounded
+/// network I/O still counts as alive.
+async fn beating<F: Future>(hb: &Heartbeat, every: Duration, fut: F) -> F::Output {
+    tokio::pin!(fut);
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            out = &mut fut => return out,
+            _ = tick.tick() => hb.beat(),
+        }
+    }
+}
+
+async fn serve_control(
+    listener: tokio::net::UnixListener,
+    snapshot: impl Fn() -> AgentStatus + Clone + Send + 'static,
+    hb: Heartbeat,
+    beat_every: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(beat_every);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let snapshot = snapshot.clone();
+                    tokio::spawn(control::serve_connection(stream, snapshot));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "control socket accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            _ = tick.tick() => hb.beat(),
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+/// Finds credentials, connects, and keeps checking the API server. Picks up a
+/// kubeconfig that appears (node joins) or changes (credentials rotated).
+async fn watch_credentials(
+    cfg: Config,
+    cluster: watch::Sender<ClusterState>,
+    hb: Heartbeat,
+    beat_every: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut connected: Option<(Discovery, Option<SystemTime>, kube::Client, String)> = None;
+    let mut tick = tokio::time::interval(cfg.credentials_retry);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beat = tokio::time::interval(beat_every);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = beat.tick() => { hb.beat(); continue; }
+            _ = shutdown.changed() => return,
+        }
+        hb.beat();
+        let found = credentials::discover(&cfg, &HostEnv);
+        let kubeconfig = match &found {
+            Discovery::File { path, .. } => Some(path.clone()),
+            _ => None,
+        };
+        let mtime = kubeconfig.as_ref().and_then(|p| modified(p));
+        let next = match (&found, &connected) {
+            (
+                Discovery::NotFound {
+                    searched,
+                    configured,
+                },
+                _,
+            ) => {
+                connected = None;
+                ClusterState::WaitingForCredentials {
+                    searched: searched.clone(),
+                    configured: *configured,
+                }
+            }
+            (_, Some((was, was_mtime, client, server))) if *was == found && *was_mtime == mtime => {
+                let (client, server) = (client.clone(), server.clone());
+                match beating(
+                    &hb,
+                    beat_every,
+                    tokio::time::timeout(API_TIMEOUT, client.apiserver_version()),
+                )
+                .await
+                {
+                    Ok(Ok(info)) => ClusterState::Connected {
+                        kubeconfig: kubeconfig.clone(),
+                        server,
+                        server_version: info.git_version,
+                    },
+                    Ok(Err(e)) => ClusterState::Unreachable {
+                        kubeconfig: kubeconfig.clone(),
+                        error: e.to_string(),
+                    },
+                    Err(_) => ClusterState::Unreachable {
+                        kubeconfig: kubeconfig.clone(),
+                        error: format!(
+                            "API server did not answer within {}",
+                            humantime::format_duration(API_TIMEOUT)
+                        ),
+                    },
+                }
+            }
+            _ => match beating(&hb, beat_every, credentials::connect(&found, API_TIMEOUT)).await {
+                Ok(conn) => {
+                    tracing::info!(server = %conn.server, version = %conn.server_version, kubeconfig = ?kubeconfig, "connected to the guest cluster");
+                    connected = Some((found.clone(), mtime, conn.client, conn.server.clone()));
+                    ClusterState::Connected {
+                        kubeconfig: kubeconfig.clone(),
+                        server: conn.server,
+                        server_version: conn.server_version,
+                    }
+                }
+                Err(e) => {
+                    connected = None;
+                    ClusterState::Unreachable {
+                        kubeconfig: kubeconfig.clone(),
+                        error: format!("{e:#}"),
+                    }
+                }
+            },
+        };
+        cluster.send_if_modified(|current| {
+            if *current != next {
+                *current = next;
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+fn modified(path: &std::path::Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Keeps `STATUS=` and the log in step with the state.
+async fn publish_status(
+    notifier: Arc<dyn Notifier>,
+    mut cluster: watch::Receiver<ClusterState>,
+    snapshot: impl Fn() -> AgentStatus,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut last = String::new();
+    loop {
+        let summary = snapshot().summary;
+        if summary != last {
+            notifier.status(&summary);
+            match &*cluster.borrow() {
+                ClusterState::Unreachable { error, .. } => {
+                    tracing::warn!(%error, "{summary}")
+                }
+                _ => tracing::info!("{summary}"),
+            }
+            last = summary;
+        }
+        tokio::select! {
+            changed = cluster.changed() => if changed.is_err() { return },
+            _ = shutdown.changed() => return,
+        }
+    }
+}

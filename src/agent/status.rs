@@ -1,0 +1,118 @@
+//! The daemon's live state as reported by `status`, `STATUS=` and logs.
+//! Plain data plus the one-line summary derived from it.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Connection to the guest cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state")]
+pub enum ClusterState {
+    /// No kubeconfig yet: normal before the node has joined.
+    WaitingForCredentials {
+        searched: Vec<PathBuf>,
+        configured: bool,
+    },
+    /// Credentials found, the API server answered.
+    Connected {
+        kubeconfig: Option<PathBuf>,
+        server: String,
+        server_version: String,
+    },
+    /// Credentials found but unusable or the server did not answer.
+    Unreachable {
+        kubeconfig: Option<PathBuf>,
+        error: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateDirStatus {
+    pub path: PathBuf,
+    pub ok: bool,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentStatus {
+    pub version: String,
+    pub pid: u32,
+    pub node_name: String,
+    /// RFC 3339 UTC.
+    pub started_at: String,
+    pub uptime_seconds: u64,
+    pub state_dir: StateDirStatus,
+    pub cluster: ClusterState,
+    /// The line systemd shows as `Status:`.
+    pub summary: String,
+}
+
+/// One line for `systemctl status`: the node, then what needs attention
+/// first.
+pub fn summary(node: &str, state_dir: &StateDirStatus, cluster: &ClusterState) -> String {
+    let cluster_part = match cluster {
+        ClusterState::WaitingForCredentials {
+            configured: true,
+            searched,
+        } => format!(
+            "waiting for kubeconfig {}",
+            searched
+                .first()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        ),
+        ClusterState::WaitingForCredentials { searched, .. } => format!(
+            "waiting for kubeconfig (node not joined? searched {} paths)",
+            searched.len()
+        ),
+        ClusterState::Connected {
+            server,
+            server_version,
+            ..
+        } => format!("cluster connected ({server_version} at {server})"),
+        ClusterState::Unreachable { error, .. } => format!("cluster unreachable: {error}"),
+    };
+    let dir_part = if state_dir.ok {
+        String::new()
+    } else {
+        format!("; state dir: {}", state_dir.message)
+    };
+    format!("node {node}: {cluster_part}{dir_part}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_names_node_and_cluster_state() {
+        let dir = StateDirStatus {
+            path: "/var/lib/x".into(),
+            ok: true,
+            message: "writable".into(),
+        };
+        let s = summary(
+            "guest-1",
+            &dir,
+            &ClusterState::Connected {
+                kubeconfig: None,
+                server: "https://127.0.0.1:6443/".into(),
+                server_version: "v1.20.2".into(),
+            },
+        );
+        assert_eq!(
+            s,
+            "node guest-1: cluster connected (v1.20.2 at https://127.0.0.1:6443/)"
+        );
+        let s = summary(
+            "g",
+            &dir,
+            &ClusterState::WaitingForCredentials {
+                searched: vec!["/a".into(), "/b".into()],
+                configured: false,
+            },
+        );
+        assert!(s.contains("searched 2 paths"), "{s}");
+    }
+}

@@ -1,0 +1,317 @@
+//! Command line: subcommands, flags and exit codes. The only place that turns
+//! errors into process exit codes.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::check::{self, Report};
+use crate::config::{self, Config, ConfigError, FlagValues};
+use crate::control;
+use crate::credentials::HostEnv;
+use crate::systemd::{Notifier, SdNotifier};
+
+/// sysexits.h EX_CONFIG: systemd's `RestartPreventExitStatus=78` keeps the
+/// unit from restarting into the same configuration error.
+pub const EXIT_CONFIG: u8 = 78;
+
+const ABOUT: &str = "Node agent for Kubernetes guest clusters on Harvester.";
+const LONG_ABOUT: &str = "\
+Node agent for Kubernetes guest clusters on Harvester.
+
+On every guest VM it verifies and loads the macvlan kernel module, holds
+DHCP-mode LoadBalancer IPs on macvlan interfaces, reports qemu-guest-agent
+health and relays Harvester topology labels to the guest Node.
+
+Configuration comes from /etc/harvester-node-agent/config.toml (optional),
+environment variables HNA_* and flags, in increasing precedence. Every key is
+listed under `run --help` and in the README.
+
+Typical use:
+  harvester-node-agent check                 # is this node ready?
+  systemctl status harvester-node-agent      # the daemon's one-line health
+  harvester-node-agent status                # the daemon's live state";
+
+#[derive(Debug, Parser)]
+#[command(name = "harvester-node-agent", version, about = ABOUT, long_about = LONG_ABOUT)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the node daemon (what harvester-node-agent.service starts).
+    ///
+    /// Validates the configuration before touching the host (an invalid
+    /// configuration exits 78), creates the state directory, listens on the
+    /// control socket, then tells systemd READY=1. Connecting to the guest
+    /// cluster is not needed for readiness: credentials are picked up when
+    /// they appear. Stops cleanly on SIGTERM or SIGINT.
+    Run(RunArgs),
+    /// Run the in-cluster controller (placement of LoadBalancer IPs).
+    Controller(RunArgs),
+    /// One-shot preflight of this node: configuration, credentials, API
+    /// server, state directory. Read-only. Exit code 0 when no check fails,
+    /// 1 otherwise.
+    Check(CheckArgs),
+    /// Ask the running daemon for its live state over its control socket.
+    /// Exit code 1 when no daemon answers.
+    Status(StatusArgs),
+}
+
+/// Flags for every configuration key; each also reads from its HNA_*
+/// environment variable, and both override the configuration file.
+#[derive(Debug, Args, Clone, Default)]
+pub struct ConfigArgs {
+    /// Configuration file [default: /etc/harvester-node-agent/config.toml, used only if it exists] [env: HNA_CONFIG]
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Log filter: error, warn, info, debug, trace, or tracing directives [default: info] [env: HNA_LOG_LEVEL]
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+    /// Where logs go: auto, journald or stderr [default: auto] [env: HNA_LOG_TARGET]
+    #[arg(long, value_name = "TARGET")]
+    pub log_target: Option<String>,
+    /// Persistent state directory [default: /var/lib/harvester-node-agent] [env: HNA_STATE_DIR]
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<String>,
+    /// Control socket that `status` talks to [default: /run/harvester-node-agent/agent.sock] [env: HNA_SOCKET]
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<String>,
+    /// This node's Node name [default: the hostname] [env: HNA_NODE_NAME]
+    #[arg(long, value_name = "NAME")]
+    pub node_name: Option<String>,
+    /// Guest-cluster kubeconfig; disables discovery [default: discovered] [env: HNA_KUBECONFIG]
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<String>,
+    /// Colon-separated kubeconfigs tried in order when --kubeconfig is unset [default: RKE2, K3s, kubeadm kubelet kubeconfigs] [env: HNA_KUBECONFIG_SEARCH]
+    #[arg(long, value_name = "PATHS")]
+    pub kubeconfig_search: Option<String>,
+    /// How often to look for credentials and re-check the API server [default: 10s] [env: HNA_CREDENTIALS_RETRY]
+    #[arg(long, value_name = "DURATION")]
+    pub credentials_retry: Option<String>,
+}
+
+impl ConfigArgs {
+    pub fn flag_values(&self) -> FlagValues {
+        let mut values = std::collections::BTreeMap::new();
+        let pairs: [(&'static str, &Option<String>); 8] = [
+            ("log_level", &self.log_level),
+            ("log_target", &self.log_target),
+            ("state_dir", &self.state_dir),
+            ("socket", &self.socket),
+            ("node_name", &self.node_name),
+            ("kubeconfig", &self.kubeconfig),
+            ("kubeconfig_search", &self.kubeconfig_search),
+            ("credentials_retry", &self.credentials_retry),
+        ];
+        for (key, value) in pairs {
+            if let Some(v) = value {
+                values.insert(key, v.clone());
+            }
+        }
+        FlagValues {
+            config: self.config.clone(),
+            values,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, Default, PartialEq, Eq)]
+pub enum Output {
+    /// Aligned text for people.
+    #[default]
+    Human,
+    /// One JSON object for scripts.
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Output::Human)]
+    pub output: Output,
+    /// How long to wait for the API server when credentials are found.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The daemon's control socket.
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "HNA_SOCKET",
+        default_value = "/run/harvester-node-agent/agent.sock"
+    )]
+    pub socket: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Output::Human)]
+    pub output: Output,
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Run(args) => daemon(args, |cfg, n| Box::pin(crate::agent::run(cfg, n))),
+        Command::Controller(args) => {
+            daemon(args, |cfg, n| Box::pin(crate::controller::run(cfg, n)))
+        }
+        Command::Check(args) => check(args),
+        Command::Status(args) => status(args),
+    }
+}
+
+type DaemonFuture = std::pin::Pin<Box<dyn std::future::Future<Output = anyhow::Result<()>>>>;
+
+fn daemon(args: RunArgs, body: impl FnOnce(Config, Arc<dyn Notifier>) -> DaemonFuture) -> ExitCode {
+    // Configuration first: nothing on the host changes before it is valid.
+    let cfg = match config::load(&args.config.flag_values()) {
+        Ok(cfg) => cfg,
+        Err(e) => return config_failure(&e),
+    };
+    crate::logging::init(&cfg.log_level, cfg.log_target);
+    let notifier: Arc<dyn Notifier> = Arc::new(SdNotifier);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("harvester-node-agent: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(body(cfg, notifier.clone())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            notifier.status(&format!("failed: {e:#}"));
+            eprintln!("harvester-node-agent: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn config_failure(e: &ConfigError) -> ExitCode {
+    eprintln!("harvester-node-agent: invalid configuration: {e}");
+    eprintln!(
+        "harvester-node-agent: nothing was changed on this host; fix the configuration and start again (see `harvester-node-agent run --help`)"
+    );
+    // Tell systemd why, so `systemctl status` shows it.
+    SdNotifier.status(&format!("invalid configuration: {e}"));
+    ExitCode::from(EXIT_CONFIG)
+}
+
+fn check(args: CheckArgs) -> ExitCode {
+    let flags = args.config.flag_values();
+    let loaded = config::load(&flags);
+    let mut checks = vec![check::config_check(&loaded)];
+    // With a broken file, still check what the flags and defaults describe.
+    let effective = loaded.or_else(|_| {
+        config::resolve(None, &|k| std::env::var(k).ok(), &flags, &|| {
+            nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_else(|| "localhost".into())
+        })
+    });
+    if let Ok(cfg) = &effective {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("single-thread runtime");
+        checks.extend(runtime.block_on(check::kubeconfig_checks(cfg, &HostEnv, args.timeout)));
+        checks.push(check::state_dir_check(cfg));
+    }
+    let report = Report { checks };
+    match args.output {
+        Output::Json => println!("{}", report.to_json()),
+        Output::Human => print!("{}", report.to_human()),
+    }
+    if report.failed() {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn status(args: StatusArgs) -> ExitCode {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("single-thread runtime");
+    match runtime.block_on(control::request_status(&args.socket)) {
+        Ok(st) => {
+            match args.output {
+                Output::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&st).expect("status serializes")
+                ),
+                Output::Human => print!("{}", human_status(&st)),
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("harvester-node-agent: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn human_status(st: &crate::agent::status::AgentStatus) -> String {
+    use crate::agent::status::ClusterState;
+    let cluster = match &st.cluster {
+        ClusterState::WaitingForCredentials { searched, .. } => format!(
+            "waiting for credentials (searched {})",
+            searched
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        ClusterState::Connected {
+            kubeconfig,
+            server,
+            server_version,
+        } => format!(
+            "connected to {server} ({server_version}){}",
+            kubeconfig
+                .as_ref()
+                .map(|p| format!(" using {}", p.display()))
+                .unwrap_or_default()
+        ),
+        ClusterState::Unreachable { kubeconfig, error } => format!(
+            "unreachable{}: {error}",
+            kubeconfig
+                .as_ref()
+                .map(|p| format!(" ({})", p.display()))
+                .unwrap_or_default()
+        ),
+    };
+    format!(
+        "harvester-node-agent {} on node {} (pid {}, up {})\n  summary:   {}\n  state dir: {} ({})\n  cluster:   {}\n",
+        st.version,
+        st.node_name,
+        st.pid,
+        humantime::format_duration(Duration::from_secs(st.uptime_seconds)),
+        st.summary,
+        st.state_dir.path.display(),
+        st.state_dir.message,
+        cluster
+    )
+}

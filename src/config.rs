@@ -1,0 +1,624 @@
+//! Configuration: one TOML file, every key overridable by environment variable
+//! and command-line flag (flag > environment > file > default).
+//!
+//! Resolution is a pure function over already-read inputs so that every error
+//! path is unit-testable and nothing on the host is touched before the whole
+//! configuration is known to be valid.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Where the agent looks for its configuration file when none is given.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/harvester-node-agent/config.toml";
+/// Environment variable naming the configuration file.
+pub const CONFIG_ENV: &str = "HNA_CONFIG";
+
+/// Kubeconfigs tried in order when `kubeconfig` is not set; the first that
+/// exists wins. The kubelet's own credentials come first because they carry the
+/// node identity (`system:node:<name>`) that may patch only this node.
+pub const DEFAULT_KUBECONFIG_SEARCH: &[&str] = &[
+    "/var/lib/rancher/rke2/agent/kubelet.kubeconfig",
+    "/var/lib/rancher/k3s/agent/kubelet.kubeconfig",
+    "/etc/kubernetes/kubelet.conf",
+];
+
+/// The shape a key's value must have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Text,
+    Path,
+    PathList,
+    Duration,
+}
+
+/// One configuration key: its name in the file, its environment variable,
+/// its flag, its default and what it means. The README's reference table is
+/// this list.
+#[derive(Debug, Clone, Copy)]
+pub struct KeySpec {
+    pub name: &'static str,
+    pub env: &'static str,
+    pub flag: &'static str,
+    pub default: &'static str,
+    pub doc: &'static str,
+    kind: Kind,
+}
+
+pub const KEYS: &[KeySpec] = &[
+    KeySpec {
+        name: "log_level",
+        env: "HNA_LOG_LEVEL",
+        flag: "--log-level",
+        default: "info",
+        doc: "Log filter: a level (error, warn, info, debug, trace) or tracing directives such as `info,kube=warn`. RUST_LOG, when set, wins over it.",
+        kind: Kind::Text,
+    },
+    KeySpec {
+        name: "log_target",
+        env: "HNA_LOG_TARGET",
+        flag: "--log-target",
+        default: "auto",
+        doc: "Where logs go: `journald` (structured fields), `stderr`, or `auto` (journald when /run/systemd/journal/socket exists, else stderr).",
+        kind: Kind::Text,
+    },
+    KeySpec {
+        name: "state_dir",
+        env: "HNA_STATE_DIR",
+        flag: "--state-dir",
+        default: "/var/lib/harvester-node-agent",
+        doc: "Directory for persistent state (DHCP leases). Created with mode 0700 if missing. Absolute path.",
+        kind: Kind::Path,
+    },
+    KeySpec {
+        name: "socket",
+        env: "HNA_SOCKET",
+        flag: "--socket",
+        default: "/run/harvester-node-agent/agent.sock",
+        doc: "Unix socket on which the daemon answers `status`. Absolute path, at most 107 bytes.",
+        kind: Kind::Path,
+    },
+    KeySpec {
+        name: "node_name",
+        env: "HNA_NODE_NAME",
+        flag: "--node-name",
+        default: "(hostname)",
+        doc: "Name of this node's Node object. Defaults to the hostname, as the Harvester node driver names VMs and kubelets.",
+        kind: Kind::Text,
+    },
+    KeySpec {
+        name: "kubeconfig",
+        env: "HNA_KUBECONFIG",
+        flag: "--kubeconfig",
+        default: "(discovered)",
+        doc: "Kubeconfig of the guest cluster. When set, only this file is used (the daemon waits for it to appear). When unset, see `kubeconfig_search`.",
+        kind: Kind::Path,
+    },
+    KeySpec {
+        name: "kubeconfig_search",
+        env: "HNA_KUBECONFIG_SEARCH",
+        flag: "--kubeconfig-search",
+        default: "RKE2, K3s, kubeadm kubelet kubeconfigs",
+        doc: "Kubeconfigs tried in order when `kubeconfig` is unset (environment and flag: colon-separated). Default: /var/lib/rancher/rke2/agent/kubelet.kubeconfig, /var/lib/rancher/k3s/agent/kubelet.kubeconfig, /etc/kubernetes/kubelet.conf.",
+        kind: Kind::PathList,
+    },
+    KeySpec {
+        name: "credentials_retry",
+        env: "HNA_CREDENTIALS_RETRY",
+        flag: "--credentials-retry",
+        default: "10s",
+        doc: "How often the daemon looks for credentials before the node has joined, and re-checks the API server after. Between 1s and 1h.",
+        kind: Kind::Duration,
+    },
+];
+
+pub fn key_spec(name: &str) -> Option<&'static KeySpec> {
+    KEYS.iter().find(|k| k.name == name)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogTarget {
+    Auto,
+    Journald,
+    Stderr,
+}
+
+/// The validated configuration every subcommand works from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The file that was read, if any.
+    pub file: Option<PathBuf>,
+    pub log_level: String,
+    pub log_target: LogTarget,
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+    pub node_name: String,
+    pub kubeconfig: Option<PathBuf>,
+    pub kubeconfig_search: Vec<PathBuf>,
+    pub credentials_retry: Duration,
+}
+
+/// Where a configuration value came from, for error messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    File(PathBuf),
+    Env(&'static str),
+    Flag(&'static str),
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Origin::File(p) => write!(f, "{}", p.display()),
+            Origin::Env(v) => write!(f, "environment variable {v}"),
+            Origin::Flag(v) => write!(f, "flag {v}"),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    #[error("{origin}: key `{key}`: {reason}")]
+    Key {
+        origin: Origin,
+        key: String,
+        reason: String,
+    },
+    #[error("{path}: {reason}", path = path.display())]
+    File { path: PathBuf, reason: String },
+}
+
+impl ConfigError {
+    /// The offending key, when the error is about one.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            ConfigError::Key { key, .. } => Some(key),
+            ConfigError::File { .. } => None,
+        }
+    }
+}
+
+/// Values given on the command line; `None` means "not given".
+#[derive(Debug, Clone, Default)]
+pub struct FlagValues {
+    pub config: Option<PathBuf>,
+    pub values: BTreeMap<&'static str, String>,
+}
+
+/// A raw value before validation, with where it came from.
+#[derive(Debug, Clone)]
+enum Raw {
+    Text(String),
+    List(Vec<String>),
+}
+
+/// Reads the configuration file chosen by flag, `HNA_CONFIG` or the default
+/// path, and resolves it with the environment and flags.
+///
+/// A missing file is fine only at the default path; a file named explicitly
+/// must exist.
+pub fn load(flags: &FlagValues) -> Result<Config, ConfigError> {
+    let env = |name: &str| std::env::var(name).ok();
+    let (path, explicit) = match (&flags.config, env(CONFIG_ENV)) {
+        (Some(p), _) => (p.clone(), true),
+        (None, Some(p)) if !p.is_empty() => (PathBuf::from(p), true),
+        _ => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
+    };
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => None,
+        Err(e) => {
+            return Err(ConfigError::File {
+                path,
+                reason: format!("cannot read the configuration file: {e}"),
+            });
+        }
+    };
+    let file = text.as_deref().map(|t| (path.as_path(), t));
+    resolve(file, &env, flags, &hostname_or_default)
+}
+
+fn hostname_or_default() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .map(|h| h.to_ascii_lowercase())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// Pure resolution: file text, an environment lookup and flags in; a valid
+/// configuration or the first error (with origin and key) out.
+pub fn resolve(
+    file: Option<(&Path, &str)>,
+    env: &dyn Fn(&str) -> Option<String>,
+    flags: &FlagValues,
+    hostname: &dyn Fn() -> String,
+) -> Result<Config, ConfigError> {
+    let mut layered: BTreeMap<&'static str, (Raw, Origin)> = BTreeMap::new();
+
+    if let Some((path, text)) = file {
+        let origin = Origin::File(path.to_path_buf());
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| ConfigError::File {
+                path: path.to_path_buf(),
+                reason: format!("not valid TOML: {}", e.message()),
+            })?;
+        for (key, value) in table {
+            let Some(spec) = key_spec(&key) else {
+                return Err(ConfigError::Key {
+                    origin,
+                    reason: unknown_key_reason(&key),
+                    key,
+                });
+            };
+            let raw = raw_from_toml(spec, value).map_err(|reason| ConfigError::Key {
+                origin: origin.clone(),
+                key: key.clone(),
+                reason,
+            })?;
+            layered.insert(spec.name, (raw, origin.clone()));
+        }
+    }
+    for spec in KEYS {
+        if let Some(v) = env(spec.env) {
+            layered.insert(spec.name, (raw_from_text(spec, v), Origin::Env(spec.env)));
+        }
+    }
+    for (name, v) in &flags.values {
+        let spec = key_spec(name).expect("flag values use names from KEYS");
+        layered.insert(
+            spec.name,
+            (raw_from_text(spec, v.clone()), Origin::Flag(spec.flag)),
+        );
+    }
+
+    let mut cfg = Config {
+        file: file.map(|(p, _)| p.to_path_buf()),
+        log_level: "info".into(),
+        log_target: LogTarget::Auto,
+        state_dir: PathBuf::from("/var/lib/harvester-node-agent"),
+        socket: PathBuf::from("/run/harvester-node-agent/agent.sock"),
+        node_name: String::new(),
+        kubeconfig: None,
+        kubeconfig_search: DEFAULT_KUBECONFIG_SEARCH
+            .iter()
+            .map(PathBuf::from)
+            .collect(),
+        credentials_retry: Duration::from_secs(10),
+    };
+    for (name, (raw, origin)) in layered {
+        let fail = |reason: String| ConfigError::Key {
+            origin: origin.clone(),
+            key: name.to_string(),
+            reason,
+        };
+        match name {
+            "log_level" => {
+                let v = text(raw);
+                validate_log_level(&v).map_err(fail)?;
+                cfg.log_level = v;
+            }
+            "log_target" => {
+                cfg.log_target = match text(raw).as_str() {
+                    "auto" => LogTarget::Auto,
+                    "journald" => LogTarget::Journald,
+                    "stderr" => LogTarget::Stderr,
+                    other => {
+                        return Err(fail(format!(
+                            "`{other}` is not a log target; use one of auto, journald, stderr"
+                        )));
+                    }
+                }
+            }
+            "state_dir" => cfg.state_dir = absolute_path(text(raw)).map_err(fail)?,
+            "socket" => {
+                let p = absolute_path(text(raw)).map_err(fail)?;
+                // sun_path holds 108 bytes including the terminating NUL.
+                if p.as_os_str().len() > 107 {
+                    return Err(fail(format!(
+                        "socket path is {} bytes long; Unix sockets allow at most 107",
+                        p.as_os_str().len()
+                    )));
+                }
+                cfg.socket = p;
+            }
+            "node_name" => {
+                let v = text(raw);
+                validate_node_name(&v).map_err(fail)?;
+                cfg.node_name = v;
+            }
+            "kubeconfig" => {
+                let v = text(raw);
+                cfg.kubeconfig = if v.is_empty() {
+                    None
+                } else {
+                    Some(absolute_path(v).map_err(fail)?)
+                };
+            }
+            "kubeconfig_search" => {
+                let items = match raw {
+                    Raw::List(items) => items,
+                    Raw::Text(t) => t
+                        .split(':')
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_string)
+                        .collect(),
+                };
+                cfg.kubeconfig_search = items
+                    .into_iter()
+                    .map(absolute_path)
+                    .collect::<Result<_, _>>()
+                    .map_err(fail)?;
+            }
+            "credentials_retry" => {
+                let d = parse_duration(&text(raw)).map_err(fail)?;
+                if d < Duration::from_secs(1) || d > Duration::from_secs(3600) {
+                    return Err(fail(format!(
+                        "{} is out of range; use a value between 1s and 1h",
+                        humantime::format_duration(d)
+                    )));
+                }
+                cfg.credentials_retry = d;
+            }
+            _ => unreachable!("every key in KEYS is handled"),
+        }
+    }
+    if cfg.node_name.is_empty() {
+        cfg.node_name = hostname();
+    }
+    Ok(cfg)
+}
+
+fn text(raw: Raw) -> String {
+    match raw {
+        Raw::Text(t) => t,
+        Raw::List(items) => items.join(":"),
+    }
+}
+
+fn raw_from_text(spec: &KeySpec, v: String) -> Raw {
+    match spec.kind {
+        Kind::PathList => Raw::List(
+            v.split(':')
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect(),
+        ),
+        _ => Raw::Text(v),
+    }
+}
+
+fn raw_from_toml(spec: &KeySpec, value: toml::Value) -> Result<Raw, String> {
+    let found = |v: &toml::Value| format!("found {} `{}`", v.type_str(), v);
+    match (spec.kind, value) {
+        (Kind::PathList, toml::Value::Array(items)) => items
+            .into_iter()
+            .map(|item| match item {
+                toml::Value::String(s) => Ok(s),
+                other => Err(format!(
+                    "expected a list of path strings, but an item is {}",
+                    found(&other)
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Raw::List),
+        (Kind::PathList, other) => Err(format!(
+            "expected a list of path strings such as [\"/etc/kubernetes/kubelet.conf\"], {}",
+            found(&other)
+        )),
+        (_, toml::Value::String(s)) => Ok(Raw::Text(s)),
+        (Kind::Duration, other) => Err(format!(
+            "expected a duration string such as \"10s\" or \"2m\", {}",
+            found(&other)
+        )),
+        (Kind::Path, other) => Err(format!("expected a path string, {}", found(&other))),
+        (Kind::Text, other) => Err(format!("expected a string, {}", found(&other))),
+    }
+}
+
+fn unknown_key_reason(key: &str) -> String {
+    let known: Vec<&str> = KEYS.iter().map(|k| k.name).collect();
+    let close = KEYS
+        .iter()
+        .map(|k| (edit_distance(key, k.name), k.name))
+        .filter(|(d, _)| *d <= 3)
+        .min();
+    match close {
+        Some((_, name)) => format!("unknown key; did you mean `{name}`?"),
+        None => format!("unknown key; valid keys are {}", known.join(", ")),
+    }
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let cost = usize::from(ca != *cb);
+            cur.push((prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+fn absolute_path(v: String) -> Result<PathBuf, String> {
+    let p = PathBuf::from(&v);
+    if v.is_empty() {
+        Err("must not be empty".into())
+    } else if !p.is_absolute() {
+        Err(format!("`{v}` is not an absolute path"))
+    } else {
+        Ok(p)
+    }
+}
+
+fn parse_duration(v: &str) -> Result<Duration, String> {
+    humantime::parse_duration(v).map_err(|e| {
+        format!("`{v}` is not a duration ({e}); write it like \"10s\", \"1m30s\" or \"500ms\"")
+    })
+}
+
+fn validate_log_level(v: &str) -> Result<(), String> {
+    tracing_subscriber::EnvFilter::builder()
+        .parse(v)
+        .map(|_| ())
+        .map_err(|e| {
+            format!("`{v}` is not a log filter ({e}); use error, warn, info, debug or trace")
+        })
+}
+
+/// Node names are DNS-1123 subdomains (what the API server accepts).
+fn validate_node_name(v: &str) -> Result<(), String> {
+    let ok_label = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if v.is_empty() {
+        // Empty means "use the hostname".
+        return Ok(());
+    }
+    if v.len() > 253 || !v.split('.').all(ok_label) {
+        return Err(format!(
+            "`{v}` is not a valid Node name (lowercase letters, digits, '-' and '.', at most 253 characters)"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resolve_file(text: &str) -> Result<Config, ConfigError> {
+        resolve(
+            Some((Path::new("/etc/hna.toml"), text)),
+            &|_| None,
+            &FlagValues::default(),
+            &|| "node-a".into(),
+        )
+    }
+
+    #[test]
+    fn defaults_apply_without_any_source() {
+        let cfg = resolve(None, &|_| None, &FlagValues::default(), &|| "host-1".into()).unwrap();
+        assert_eq!(cfg.node_name, "host-1");
+        assert_eq!(
+            cfg.state_dir,
+            PathBuf::from("/var/lib/harvester-node-agent")
+        );
+        assert_eq!(
+            cfg.socket,
+            PathBuf::from("/run/harvester-node-agent/agent.sock")
+        );
+        assert_eq!(cfg.credentials_retry, Duration::from_secs(10));
+        assert_eq!(cfg.kubeconfig_search.len(), DEFAULT_KUBECONFIG_SEARCH.len());
+        assert_eq!(cfg.log_target, LogTarget::Auto);
+    }
+
+    #[test]
+    fn unknown_key_is_named_with_a_suggestion() {
+        let err = resolve_file("stat_dir = \"/x\"\n").unwrap_err();
+        assert_eq!(err.key(), Some("stat_dir"));
+        let msg = err.to_string();
+        assert!(msg.contains("/etc/hna.toml"), "{msg}");
+        assert!(msg.contains("did you mean `state_dir`"), "{msg}");
+    }
+
+    #[test]
+    fn wrong_type_is_named() {
+        let err = resolve_file("state_dir = 5\n").unwrap_err();
+        assert_eq!(err.key(), Some("state_dir"));
+        assert!(
+            err.to_string()
+                .contains("expected a path string, found integer")
+        );
+        let err = resolve_file("kubeconfig_search = \"/a\"\n").unwrap_err();
+        assert_eq!(err.key(), Some("kubeconfig_search"));
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        for (text, key) in [
+            ("state_dir = \"relative/dir\"", "state_dir"),
+            ("credentials_retry = \"soon\"", "credentials_retry"),
+            ("credentials_retry = \"10ms\"", "credentials_retry"),
+            ("log_level = \"loud[\"", "log_level"),
+            ("log_target = \"syslog\"", "log_target"),
+            ("node_name = \"Bad_Name\"", "node_name"),
+        ] {
+            let err = resolve_file(text).unwrap_err();
+            assert_eq!(err.key(), Some(key), "{text}: {err}");
+        }
+        let long = format!("socket = \"/{}\"", "s".repeat(120));
+        assert_eq!(resolve_file(&long).unwrap_err().key(), Some("socket"));
+    }
+
+    #[test]
+    fn invalid_toml_names_the_file() {
+        let err = resolve_file("state_dir = \n").unwrap_err();
+        assert!(matches!(err, ConfigError::File { .. }));
+        assert!(err.to_string().starts_with("/etc/hna.toml: not valid TOML"));
+    }
+
+    #[test]
+    fn flags_beat_environment_beat_file() {
+        let env = |k: &str| match k {
+            "HNA_STATE_DIR" => Some("/from/env".to_string()),
+            "HNA_SOCKET" => Some("/env/agent.sock".to_string()),
+            "HNA_KUBECONFIG_SEARCH" => Some("/a/kc:/b/kc".to_string()),
+            _ => None,
+        };
+        let mut flags = FlagValues::default();
+        flags.values.insert("socket", "/flag/agent.sock".into());
+        let cfg = resolve(
+            Some((
+                Path::new("/c.toml"),
+                "state_dir = \"/from/file\"\nlog_level = \"debug\"\n",
+            )),
+            &env,
+            &flags,
+            &|| "n".into(),
+        )
+        .unwrap();
+        assert_eq!(cfg.state_dir, PathBuf::from("/from/env"));
+        assert_eq!(cfg.socket, PathBuf::from("/flag/agent.sock"));
+        assert_eq!(cfg.log_level, "debug");
+        assert_eq!(
+            cfg.kubeconfig_search,
+            vec![PathBuf::from("/a/kc"), PathBuf::from("/b/kc")]
+        );
+    }
+
+    #[test]
+    fn errors_from_environment_and_flags_say_so() {
+        let env = |k: &str| (k == "HNA_CREDENTIALS_RETRY").then(|| "never".to_string());
+        let err = resolve(None, &env, &FlagValues::default(), &|| "n".into()).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("environment variable HNA_CREDENTIALS_RETRY")
+        );
+        let mut flags = FlagValues::default();
+        flags.values.insert("state_dir", "rel".into());
+        let err = resolve(None, &|_| None, &flags, &|| "n".into()).unwrap_err();
+        assert!(err.to_string().starts_with("flag --state-dir"), "{err}");
+    }
+
+    #[test]
+    fn every_key_has_docs_and_a_distinct_env_and_flag() {
+        let mut envs: Vec<_> = KEYS.iter().map(|k| k.env).collect();
+        envs.sort();
+        envs.dedup();
+        assert_eq!(envs.len(), KEYS.len());
+        for k in KEYS {
+            assert!(k.env.starts_with("HNA_") && k.flag.starts_with("--") && !k.doc.is_empty());
+        }
+    }
+}

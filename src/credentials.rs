@@ -1,0 +1,284 @@
+//! Guest-cluster credentials: which kubeconfig this node uses, and a client
+//! built from it.
+//!
+//! Order (first match wins):
+//! 1. `kubeconfig` from configuration (flag, `HNA_KUBECONFIG`, file) — used
+//!    alone: if it is missing the daemon waits for it rather than guessing;
+//! 2. `$KUBECONFIG` (first existing entry of the colon-separated list);
+//! 3. `kubeconfig_search`, by default the kubelet kubeconfigs of RKE2, K3s and
+//!    kubeadm nodes, in that order;
+//! 4. the in-cluster service account, when running in a Pod.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use serde::Serialize;
+
+use crate::config::Config;
+
+/// How the credentials were found, for reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Source {
+    Configured,
+    KubeconfigEnv,
+    Search,
+    InCluster,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Discovery {
+    /// A kubeconfig file exists at `path`.
+    File { path: PathBuf, source: Source },
+    /// Running in a Pod with a service account.
+    InCluster,
+    /// Nothing found yet (normal before the node joins).
+    NotFound {
+        searched: Vec<PathBuf>,
+        configured: bool,
+    },
+}
+
+/// The filesystem and environment view discovery needs; a trait so the order
+/// is testable without touching real paths.
+pub trait DiscoveryEnv {
+    fn exists(&self, path: &Path) -> bool;
+    fn var(&self, name: &str) -> Option<String>;
+}
+
+pub struct HostEnv;
+
+impl DiscoveryEnv for HostEnv {
+    fn exists(&self, path: &Path) -> bool {
+        path.is_file()
+    }
+    fn var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+}
+
+pub fn discover(cfg: &Config, env: &dyn DiscoveryEnv) -> Discovery {
+    if let Some(path) = &cfg.kubeconfig {
+        return if env.exists(path) {
+            Discovery::File {
+                path: path.clone(),
+                source: Source::Configured,
+            }
+        } else {
+            Discovery::NotFound {
+                searched: vec![path.clone()],
+                configured: true,
+            }
+        };
+    }
+    let mut searched = Vec::new();
+    if let Some(list) = env.var("KUBECONFIG") {
+        for p in list.split(':').filter(|s| !s.is_empty()).map(PathBuf::from) {
+            if env.exists(&p) {
+                return Discovery::File {
+                    path: p,
+                    source: Source::KubeconfigEnv,
+                };
+            }
+            searched.push(p);
+        }
+    }
+    for p in &cfg.kubeconfig_search {
+        if env.exists(p) {
+            return Discovery::File {
+                path: p.clone(),
+                source: Source::Search,
+            };
+        }
+        searched.push(p.clone());
+    }
+    if env.var("KUBERNETES_SERVICE_HOST").is_some()
+        && env.exists(Path::new(
+            "/var/run/secrets/kubernetes.io/serviceaccount/token",
+        ))
+    {
+        return Discovery::InCluster;
+    }
+    Discovery::NotFound {
+        searched,
+        configured: false,
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    #[error("cannot read kubeconfig {path}: {source}", path = path.display())]
+    Read {
+        path: PathBuf,
+        source: kube::config::KubeconfigError,
+    },
+    #[error("kubeconfig {path} is not usable: {source}", path = path.display())]
+    Invalid {
+        path: PathBuf,
+        source: kube::config::KubeconfigError,
+    },
+    #[error("in-cluster credentials are not usable: {0}")]
+    InCluster(#[from] kube::config::InClusterError),
+    #[error("cannot build a Kubernetes client: {0}")]
+    Client(#[source] kube::Error),
+    #[error("no credentials found")]
+    NotFound,
+}
+
+/// Kubernetes client configuration from a discovery result.
+pub async fn client_config(found: &Discovery) -> Result<kube::Config, CredentialsError> {
+    match found {
+        Discovery::File { path, .. } => {
+            let kc = Kubeconfig::read_from(path).map_err(|source| CredentialsError::Read {
+                path: path.clone(),
+                source,
+            })?;
+            let mut cfg = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(|source| CredentialsError::Invalid {
+                    path: path.clone(),
+                    source,
+                })?;
+            // A node agent must notice a dead API server quickly; the
+            // defaults wait far longer than a health check should.
+            cfg.connect_timeout = Some(Duration::from_secs(5));
+            cfg.read_timeout = Some(Duration::from_secs(30));
+            Ok(cfg)
+        }
+        Discovery::InCluster => Ok(kube::Config::incluster()?),
+        Discovery::NotFound { .. } => Err(CredentialsError::NotFound),
+    }
+}
+
+/// A connected client and what the server said about itself.
+pub struct Connection {
+    pub client: kube::Client,
+    pub server: String,
+    pub server_version: String,
+}
+
+/// Builds a client and asks the server for its version, within `timeout`.
+pub async fn connect(found: &Discovery, timeout: Duration) -> anyhow::Result<Connection> {
+    let cfg = client_config(found).await?;
+    let server = cfg.cluster_url.to_string();
+    let client = kube::Client::try_from(cfg).map_err(CredentialsError::Client)?;
+    let info = tokio::time::timeout(timeout, client.apiserver_version())
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "API server {server} did not answer within {}",
+                humantime::format_duration(timeout)
+            )
+        })?
+        .map_err(|e| anyhow::anyhow!("API server {server} is not reachable: {e}"))?;
+    Ok(Connection {
+        client,
+        server,
+        server_version: info.git_version,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{FlagValues, resolve};
+    use std::collections::{HashMap, HashSet};
+
+    struct FakeEnv {
+        files: HashSet<PathBuf>,
+        vars: HashMap<String, String>,
+    }
+    impl DiscoveryEnv for FakeEnv {
+        fn exists(&self, path: &Path) -> bool {
+            self.files.contains(path)
+        }
+        fn var(&self, name: &str) -> Option<String> {
+            self.vars.get(name).cloned()
+        }
+    }
+
+    fn cfg(kubeconfig: Option<&str>) -> Config {
+        let mut flags = FlagValues::default();
+        if let Some(k) = kubeconfig {
+            flags.values.insert("kubeconfig", k.into());
+        }
+        resolve(None, &|_| None, &flags, &|| "n".into()).unwrap()
+    }
+
+    fn env(files: &[&str], vars: &[(&str, &str)]) -> FakeEnv {
+        FakeEnv {
+            files: files.iter().map(PathBuf::from).collect(),
+            vars: vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn configured_path_is_used_alone() {
+        let e = env(&["/etc/kubernetes/kubelet.conf"], &[]);
+        let d = discover(&cfg(Some("/opt/kc")), &e);
+        assert_eq!(
+            d,
+            Discovery::NotFound {
+                searched: vec!["/opt/kc".into()],
+                configured: true
+            }
+        );
+    }
+
+    #[test]
+    fn rke2_wins_over_kubeadm_and_env_wins_over_both() {
+        let e = env(
+            &[
+                "/etc/kubernetes/kubelet.conf",
+                "/var/lib/rancher/rke2/agent/kubelet.kubeconfig",
+            ],
+            &[],
+        );
+        assert_eq!(
+            discover(&cfg(None), &e),
+            Discovery::File {
+                path: "/var/lib/rancher/rke2/agent/kubelet.kubeconfig".into(),
+                source: Source::Search
+            }
+        );
+        let mut e = e;
+        e.files.insert("/home/k".into());
+        e.vars
+            .insert("KUBECONFIG".into(), "/missing:/home/k".into());
+        assert_eq!(
+            discover(&cfg(None), &e),
+            Discovery::File {
+                path: "/home/k".into(),
+                source: Source::KubeconfigEnv
+            }
+        );
+    }
+
+    #[test]
+    fn nothing_found_lists_what_was_searched() {
+        let d = discover(&cfg(None), &env(&[], &[]));
+        match d {
+            Discovery::NotFound {
+                searched,
+                configured,
+            } => {
+                assert!(!configured);
+                assert_eq!(searched.len(), 3);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn in_cluster_is_the_last_resort() {
+        let e = env(
+            &["/var/run/secrets/kubernetes.io/serviceaccount/token"],
+            &[("KUBERNETES_SERVICE_HOST", "10.0.0.1")],
+        );
+        assert_eq!(discover(&cfg(None), &e), Discovery::InCluster);
+    }
+}

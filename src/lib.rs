@@ -1,0 +1,26 @@
+//! harvester-node-agent: a node daemon and controller for Kubernetes guest
+//! clusters on Harvester.
+//!
+//! Module map (one concern each):
+//! - [`config`]: the TOML file, environment and flags, validated before
+//!   anything touches the host;
+//! - [`credentials`]: which guest-cluster kubeconfig this node uses;
+//! - [`state_dir`]: the persistent state directory;
+//! - [`systemd`]: `Type=notify` messages and the liveness-gated watchdog;
+//! - [`control`]: the local socket `status` talks to;
+//! - [`check`]: the one-shot preflight;
+//! - [`agent`]: orchestration of the node daemon (`run`);
+//! - [`controller`]: the in-cluster controller;
+//! - [`logging`]: journald or stderr;
+//! - [`cli`]: subcommands and exit codes.
+
+pub mod agent;
+pub mod check;
+pub mod cli;
+pub mod config;
+pub mod control;
+pub mod controller;
+pub mod credentials;
+pub mod logging;
+pub mod state_dir;
+pub mod systemd;

@@ -1,0 +1,3 @@
+fn main() -> std::process::ExitCode {
+    harvester_node_agent::cli::main()
+}

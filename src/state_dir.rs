@@ -1,0 +1,141 @@
+//! The persistent state directory (DHCP leases live here in later work).
+
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::unistd::{AccessFlags, access};
+use serde::Serialize;
+
+/// What a read-only look at the directory found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "PascalCase")]
+pub enum Inspection {
+    /// Exists and this process may write to it.
+    Writable,
+    /// Missing, but the nearest existing ancestor is writable, so `run` will
+    /// create it.
+    WillBeCreated { ancestor: PathBuf },
+    /// Exists (or must be created) but cannot be written.
+    NotWritable { path: PathBuf, reason: String },
+    /// Something that is not a directory is in the way.
+    NotADirectory { path: PathBuf },
+}
+
+/// Looks without changing anything (for `check`).
+pub fn inspect(dir: &Path) -> Inspection {
+    match std::fs::metadata(dir) {
+        Ok(md) if !md.is_dir() => Inspection::NotADirectory {
+            path: dir.to_path_buf(),
+        },
+        Ok(_) => match access(dir, AccessFlags::W_OK | AccessFlags::X_OK) {
+            Ok(()) => Inspection::Writable,
+            Err(e) => Inspection::NotWritable {
+                path: dir.to_path_buf(),
+                reason: e.desc().to_string(),
+            },
+        },
+        Err(_) => {
+            let mut ancestor = dir.parent();
+            while let Some(a) = ancestor {
+                match std::fs::metadata(a) {
+                    Ok(md) if md.is_dir() => {
+                        return match access(a, AccessFlags::W_OK | AccessFlags::X_OK) {
+                            Ok(()) => Inspection::WillBeCreated {
+                                ancestor: a.to_path_buf(),
+                            },
+                            Err(e) => Inspection::NotWritable {
+                                path: a.to_path_buf(),
+                                reason: e.desc().to_string(),
+                            },
+                        };
+                    }
+                    Ok(_) => {
+                        return Inspection::NotADirectory {
+                            path: a.to_path_buf(),
+                        };
+                    }
+                    Err(_) => ancestor = a.parent(),
+                }
+            }
+            Inspection::NotWritable {
+                path: dir.to_path_buf(),
+                reason: "no existing ancestor directory".into(),
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateDirError {
+    #[error("cannot create state directory {path}: {source}", path = path.display())]
+    Create {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("state directory {path} is not writable: {source}", path = path.display())]
+    NotWritable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Creates the directory (mode 0700, leases are private) and proves it is
+/// writable by writing and removing a probe file.
+pub fn prepare(dir: &Path) -> Result<(), StateDirError> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| StateDirError::Create {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    let probe = dir.join(".write-probe");
+    std::fs::write(&probe, b"")
+        .and_then(|_| std::fs::remove_file(&probe))
+        .map_err(|source| StateDirError::NotWritable {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    Ok(())
+}
+
+/// Permission bits of an existing directory, for reports.
+pub fn mode(dir: &Path) -> Option<u32> {
+    std::fs::metadata(dir)
+        .ok()
+        .map(|m| m.permissions().mode() & 0o7777)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_dir_under_writable_parent_will_be_created_and_then_is_writable() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("a/b");
+        assert_eq!(
+            inspect(&dir),
+            Inspection::WillBeCreated {
+                ancestor: tmp.path().to_path_buf()
+            }
+        );
+        prepare(&dir).unwrap();
+        assert_eq!(inspect(&dir), Inspection::Writable);
+        assert_eq!(mode(&dir), Some(0o700));
+    }
+
+    #[test]
+    fn a_file_in_the_way_is_reported() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("f");
+        std::fs::write(&file, "x").unwrap();
+        assert!(matches!(inspect(&file), Inspection::NotADirectory { .. }));
+        assert!(matches!(
+            inspect(&file.join("sub")),
+            Inspection::NotADirectory { .. }
+        ));
+        assert!(prepare(&file.join("sub")).is_err());
+    }
+}

@@ -1,0 +1,245 @@
+//! systemd service-manager integration: the `Type=notify` protocol
+//! (`READY=1`, `STATUS=`, `STOPPING=1`) and a watchdog that pings only while
+//! every registered main loop is alive.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+
+use sd_notify::NotifyState;
+use tokio::sync::watch;
+
+/// Messages the daemon sends to the service manager. A trait so that the
+/// orchestration logic can be tested without a `NOTIFY_SOCKET`.
+pub trait Notifier: Send + Sync + 'static {
+    fn ready(&self);
+    fn status(&self, line: &str);
+    fn watchdog(&self);
+    fn stopping(&self);
+}
+
+/// Sends to `$NOTIFY_SOCKET`; a no-op when the variable is unset (for example
+/// when the daemon runs in a terminal).
+#[derive(Debug, Default)]
+pub struct SdNotifier;
+
+impl SdNotifier {
+    fn send(&self, state: &[NotifyState]) {
+        if let Err(e) = sd_notify::notify(state) {
+            tracing::debug!(error = %e, "could not notify the service manager");
+        }
+    }
+}
+
+impl Notifier for SdNotifier {
+    fn ready(&self) {
+        self.send(&[NotifyState::Ready]);
+    }
+    fn status(&self, line: &str) {
+        self.send(&[NotifyState::Status(line)]);
+    }
+    fn watchdog(&self) {
+        self.send(&[NotifyState::Watchdog]);
+    }
+    fn stopping(&self) {
+        self.send(&[NotifyState::Stopping]);
+    }
+}
+
+/// The watchdog period systemd asked for (`WatchdogSec=` → `WATCHDOG_USEC`),
+/// if any and if it is meant for this process.
+pub fn watchdog_period() -> Option<Duration> {
+    sd_notify::watchdog_enabled().filter(|d| !d.is_zero())
+}
+
+/// Registry of the daemon's main loops. Each loop beats regularly; the
+/// watchdog pings systemd only while every loop has beaten recently, so a
+/// wedged loop gets the service restarted instead of hidden by a timer task.
+#[derive(Debug, Default, Clone)]
+pub struct Liveness {
+    inner: Arc<LivenessInner>,
+}
+
+#[derive(Debug)]
+struct LivenessInner {
+    epoch: Instant,
+    loops: Mutex<Vec<(String, Arc<AtomicU64>)>>,
+}
+
+impl Default for LivenessInner {
+    fn default() -> Self {
+        Self {
+            epoch: Instant::now(),
+            loops: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+/// A loop's handle to report that it is still turning.
+#[derive(Debug, Clone)]
+pub struct Heartbeat {
+    epoch: Instant,
+    last_ms: Arc<AtomicU64>,
+}
+
+impl Heartbeat {
+    pub fn beat(&self) {
+        self.beat_at(Instant::now());
+    }
+
+    fn beat_at(&self, now: Instant) {
+        let ms = now.saturating_duration_since(self.epoch).as_millis() as u64;
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+}
+
+impl Liveness {
+    /// Registers a loop; it counts as alive from now.
+    pub fn register(&self, name: &str) -> Heartbeat {
+        let hb = Heartbeat {
+            epoch: self.inner.epoch,
+            last_ms: Arc::new(AtomicU64::new(0)),
+        };
+        hb.beat();
+        self.inner
+            .loops
+            .lock()
+            .expect("liveness lock")
+            .push((name.to_string(), hb.last_ms.clone()));
+        hb
+    }
+
+    /// Loops that have not beaten within `max_age` of `now`.
+    pub fn stalled(&self, now: Instant, max_age: Duration) -> Vec<String> {
+        let now_ms = now.saturating_duration_since(self.inner.epoch).as_millis() as u64;
+        let max_ms = max_age.as_millis() as u64;
+        self.inner
+            .loops
+            .lock()
+            .expect("liveness lock")
+            .iter()
+            .filter(|(_, last)| now_ms.saturating_sub(last.load(Ordering::Relaxed)) > max_ms)
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+}
+
+/// How often loops should beat for a given watchdog period: often enough that
+/// two beats fit in the half period the watchdog checks against.
+pub fn heartbeat_interval(watchdog: Option<Duration>) -> Duration {
+    match watchdog {
+        Some(p) => (p / 4).clamp(Duration::from_millis(10), Duration::from_secs(1)),
+        None => Duration::from_secs(1),
+    }
+}
+
+/// Pings `WATCHDOG=1` every `period / 2` while all loops are alive, until
+/// `shutdown` turns true.
+pub async fn run_watchdog(
+    notifier: Arc<dyn Notifier>,
+    liveness: Liveness,
+    period: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let half = period / 2;
+    let mut tick = tokio::time::interval(half);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut withheld = false;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        let stalled = liveness.stalled(Instant::now(), half);
+        if stalled.is_empty() {
+            if withheld {
+                tracing::info!("all main loops alive again; resuming watchdog pings");
+                withheld = false;
+            }
+            notifier.watchdog();
+        } else if !withheld {
+            tracing::error!(loops = ?stalled, "main loops stalled; withholding watchdog pings so systemd restarts the daemon");
+            withheld = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<String>>);
+    impl Notifier for Recorder {
+        fn ready(&self) {
+            self.0.lock().unwrap().push("READY=1".into());
+        }
+        fn status(&self, line: &str) {
+            self.0.lock().unwrap().push(format!("STATUS={line}"));
+        }
+        fn watchdog(&self) {
+            self.0.lock().unwrap().push("WATCHDOG=1".into());
+        }
+        fn stopping(&self) {
+            self.0.lock().unwrap().push("STOPPING=1".into());
+        }
+    }
+
+    #[test]
+    fn a_loop_that_stops_beating_is_reported() {
+        let l = Liveness::default();
+        let a = l.register("a");
+        let _b = l.register("b");
+        let t0 = Instant::now();
+        a.beat_at(t0 + Duration::from_secs(5));
+        let stalled = l.stalled(t0 + Duration::from_secs(6), Duration::from_secs(2));
+        assert_eq!(stalled, vec!["b".to_string()]);
+        assert!(
+            l.stalled(t0 + Duration::from_millis(500), Duration::from_secs(2))
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn heartbeat_fits_twice_in_half_a_period() {
+        assert_eq!(
+            heartbeat_interval(Some(Duration::from_millis(400))),
+            Duration::from_millis(100)
+        );
+        assert_eq!(
+            heartbeat_interval(Some(Duration::from_secs(60))),
+            Duration::from_secs(1)
+        );
+        assert_eq!(heartbeat_interval(None), Duration::from_secs(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn watchdog_pings_only_while_loops_beat() {
+        let rec = Arc::new(Recorder::default());
+        let liveness = Liveness::default();
+        let hb = liveness.register("main");
+        let (tx, rx) = watch::channel(false);
+        let period = Duration::from_secs(2);
+        let task = tokio::spawn(run_watchdog(rec.clone(), liveness, period, rx));
+        // Beat for 5 s: pings at 0, 1, 2, 3, 4, 5 s.
+        for _ in 0..50 {
+            hb.beat();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let pings_while_alive = rec.0.lock().unwrap().len();
+        assert!(pings_while_alive >= 4, "{pings_while_alive}");
+        // Stop beating: at most one more ping, then none.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let after = rec.0.lock().unwrap().len();
+        assert!(
+            after <= pings_while_alive + 1,
+            "{after} vs {pings_while_alive}"
+        );
+        tx.send(true).unwrap();
+        task.await.unwrap();
+    }
+}

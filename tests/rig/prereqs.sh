@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Installs everything the test rig and the demo need, from Debian's packages,
+# and builds kube-apiserver from Debian's `kubernetes` source package.
+#
+# The kube-apiserver build is cached outside the checkout, keyed by the Debian
+# source version, so repeat runs take seconds:
+#   ${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}/kube-apiserver/<version>/kube-apiserver
+# Set KUBEBUILDER_ASSETS to a folder holding `kube-apiserver` and `etcd` to
+# skip the build and use those binaries instead.
+#
+# Prints the folder that holds kube-apiserver on its last line of stdout.
+set -euo pipefail
+
+CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
+PACKAGES=(dnsmasq-base etcd-server iproute2 busybox isc-dhcp-client
+          procps psmisc jq rsync curl ca-certificates openssl)
+BUILD_PACKAGES=(golang-go make dpkg-dev rsync jq)
+
+log() { echo "prereqs: $*" >&2; }
+
+if [[ $(id -u) -ne 0 ]]; then
+  log "must run as root (network namespaces, packages)"; exit 1
+fi
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+apt_updated=0
+apt_update() {
+  if [[ $apt_updated -eq 0 ]]; then
+    log "apt-get update"
+    apt-get update -qq >&2
+    apt_updated=1
+  fi
+}
+if ((${#missing[@]})); then
+  apt_update
+  log "installing ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" ]]; then
+  log "using kube-apiserver from KUBEBUILDER_ASSETS=${KUBEBUILDER_ASSETS}"
+  echo "${KUBEBUILDER_ASSETS}"
+  exit 0
+fi
+
+# Debian's source entries are the binary entries of this machine with
+# Types: deb-src, so no mirror is named here.
+SRC_LIST=/etc/apt/sources.list.d/hna-deb-src.sources
+if ! apt-cache showsrc kubernetes >/dev/null 2>&1 || ! apt-cache showsrc kubernetes 2>/dev/null | grep -q '^Version:'; then
+  if [[ -f /etc/apt/sources.list.d/debian.sources ]]; then
+    sed -e 's/^Types:.*/Types: deb-src/' /etc/apt/sources.list.d/debian.sources > "$SRC_LIST"
+  elif [[ -f /etc/apt/sources.list ]]; then
+    sed -n -e 's/^deb /deb-src /p' /etc/apt/sources.list > /etc/apt/sources.list.d/hna-deb-src.list
+  fi
+  apt_updated=0
+  apt_update
+fi
+VERSION=$(apt-cache showsrc kubernetes | sed -n 's/^Version: //p' | sort -V | tail -1)
+[[ -n "$VERSION" ]] || { log "no 'kubernetes' source package found in the apt sources"; exit 1; }
+OUT="$CACHE_DIR/kube-apiserver/$VERSION"
+if [[ -x "$OUT/kube-apiserver" ]]; then
+  log "kube-apiserver $VERSION cached at $OUT"
+  echo "$OUT"
+  exit 0
+fi
+
+missing=()
+for p in "${BUILD_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  apt_update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+WORK="$CACHE_DIR/build/$VERSION"
+rm -rf "$WORK"; mkdir -p "$WORK"
+log "fetching the kubernetes $VERSION source package (this is a one-time ~11 minute build)"
+( cd "$WORK" && apt-get source -qq --only-source "kubernetes=$VERSION" >&2 )
+TREE=$(find "$WORK" -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -1)
+[[ -d "$TREE" ]] || { log "source tree not found under $WORK"; exit 1; }
+export GOPATH="$WORK/gopath"
+mkdir -p "$GOPATH/src/k8s.io"
+ln -sfn "$TREE" "$GOPATH/src/k8s.io/kubernetes"
+export GO111MODULE=off GOFLAGS=-mod=vendor GOCACHE="$WORK/gocache"
+unset GOFLAGS
+log "building kube-apiserver"
+( cd "$GOPATH/src/k8s.io/kubernetes" && make WHAT=cmd/kube-apiserver >&2 )
+BIN=$(find "$TREE/_output" -type f -name kube-apiserver -perm -u+x | head -1)
+[[ -x "$BIN" ]] || { log "build finished but no kube-apiserver binary found"; exit 1; }
+mkdir -p "$OUT"
+cp "$BIN" "$OUT/kube-apiserver.tmp" && mv "$OUT/kube-apiserver.tmp" "$OUT/kube-apiserver"
+ln -sf /usr/bin/etcd "$OUT/etcd"
+rm -rf "$WORK"
+log "kube-apiserver $VERSION built and cached at $OUT"
+echo "$OUT"
