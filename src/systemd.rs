@@ -143,7 +143,7 @@ pub async fn run_watchdog(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let half = period / 2;
-    let mut tick = tokio::time::interval(half);
+    let mut tick = tokio::time::interval_at(Instant::now() + half, half);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut withheld = false;
     loop {

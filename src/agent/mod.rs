@@ -86,6 +86,10 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         beat_every,
         shutdown_rx.clone(),
     ));
+    // READY=1 first, then the first STATUS=, then watchdog pings: the order
+    // a service manager (and a reader of `systemctl status`) expects.
+    notifier.ready();
+    tracing::info!(summary = %snapshot().summary, "ready");
     tasks.spawn(publish_status(
         notifier.clone(),
         cluster_rx.clone(),
@@ -100,9 +104,6 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
             shutdown_rx.clone(),
         ));
     }
-
-    notifier.ready();
-    tracing::info!(summary = %snapshot().summary, "ready");
 
     let main_beat = liveness.register("main");
     let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
