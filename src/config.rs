@@ -621,4 +621,13 @@ mod tests {
             assert!(k.env.starts_with("HNA_") && k.flag.starts_with("--") && !k.doc.is_empty());
         }
     }
+
+    #[test]
+    fn readme_documents_every_key() {
+        let readme = include_str!("../README.md");
+        for k in KEYS {
+            let row = format!("| `{}` | `{}` | `{}` |", k.name, k.env, k.flag);
+            assert!(readme.contains(&row), "README lacks the row for {}", k.name);
+        }
+    }
 }
