@@ -295,6 +295,13 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
                 .map(|p| format!(" using {}", p.display()))
                 .unwrap_or_default()
         ),
+        ClusterState::Connecting { kubeconfig } => format!(
+            "connecting{}",
+            kubeconfig
+                .as_ref()
+                .map(|p| format!(" using {}", p.display()))
+                .unwrap_or_default()
+        ),
         ClusterState::Unreachable { kubeconfig, error } => format!(
             "unreachable{}: {error}",
             kubeconfig

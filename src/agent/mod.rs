@@ -142,14 +142,10 @@ fn initial_cluster_state(cfg: &Config) -> ClusterState {
             searched,
             configured,
         },
-        Discovery::File { path, .. } => ClusterState::Unreachable {
+        Discovery::File { path, .. } => ClusterState::Connecting {
             kubeconfig: Some(path),
-            error: "not connected yet".into(),
         },
-        Discovery::InCluster => ClusterState::Unreachable {
-            kubeconfig: None,
-            error: "not connected yet".into(),
-        },
+        Discovery::InCluster => ClusterState::Connecting { kubeconfig: None },
     }
 }
 

@@ -14,6 +14,8 @@ pub enum ClusterState {
         searched: Vec<PathBuf>,
         configured: bool,
     },
+    /// Credentials found; the first connection attempt is under way.
+    Connecting { kubeconfig: Option<PathBuf> },
     /// Credentials found, the API server answered.
     Connected {
         kubeconfig: Option<PathBuf>,
@@ -71,6 +73,13 @@ pub fn summary(node: &str, state_dir: &StateDirStatus, cluster: &ClusterState) -
             server_version,
             ..
         } => format!("cluster connected ({server_version} at {server})"),
+        ClusterState::Connecting { kubeconfig } => format!(
+            "connecting to the cluster{}",
+            kubeconfig
+                .as_ref()
+                .map(|p| format!(" with {}", p.display()))
+                .unwrap_or_default()
+        ),
         ClusterState::Unreachable { error, .. } => format!("cluster unreachable: {error}"),
     };
     let dir_part = if state_dir.ok {

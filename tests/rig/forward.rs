@@ -122,7 +122,7 @@ fn accept_loop(listener: TcpListener, port: u16, stop: &AtomicBool, conns: &Conn
         let (client, _) = match listener.accept() {
             Ok(c) => c,
             Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                std::thread::sleep(Duration::from_millis(5));
+                std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
             Err(e) => {

@@ -4,12 +4,13 @@
 use std::ffi::OsStr;
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use nix::sys::signal::{Signal, kill};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, pthread_sigmask};
 use nix::unistd::Pid;
 
 /// Runs `cmd` to completion and returns its stdout; a non-zero exit is an
@@ -32,7 +33,10 @@ pub fn run(cmd: &mut Command) -> Result<String> {
 }
 
 /// `run` for a program and a list of arguments.
-pub fn run_args<S: AsRef<OsStr>>(program: &str, args: impl IntoIterator<Item = S>) -> Result<String> {
+pub fn run_args<S: AsRef<OsStr>>(
+    program: &str,
+    args: impl IntoIterator<Item = S>,
+) -> Result<String> {
     run(Command::new(program).args(args))
 }
 
@@ -95,6 +99,16 @@ impl ChildProc {
             .with_context(|| format!("open {}", log.display()))?;
         let err = out.try_clone()?;
         let desc = describe(&cmd);
+        // std::process::Command does not reset the signal mask: a child of a
+        // thread that blocks SIGTERM (e.g. for sigwait) would ignore our
+        // SIGTERM. Start every child with an empty mask.
+        // SAFETY: pthread_sigmask is async-signal-safe; nothing allocates.
+        unsafe {
+            cmd.pre_exec(|| {
+                pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+                Ok(())
+            });
+        }
         let child = cmd
             .stdin(Stdio::null())
             .stdout(out)
@@ -120,7 +134,9 @@ impl ChildProc {
 
     /// `Some(status)` if the child has exited already.
     pub fn exited(&mut self) -> Option<ExitStatus> {
-        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// An error saying the child exited, with the tail of its log.
@@ -151,7 +167,10 @@ impl ChildProc {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        eprintln!("rig: {} did not stop after SIGTERM, sending SIGKILL", self.name);
+        eprintln!(
+            "rig: {} did not stop after SIGTERM, sending SIGKILL",
+            self.name
+        );
         let _ = child.kill();
         let _ = child.wait();
     }

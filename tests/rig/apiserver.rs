@@ -1,0 +1,638 @@
+//! A real etcd + kube-apiserver pair on the host's loopback, with a private
+//! CA, static bearer tokens and kubeconfig files for an admin, one user per
+//! node and the controller.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use super::process::{ChildProc, random_hex, run, tail};
+
+/// How long kube-apiserver may take to report `/readyz` ok.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Namespaces that exist once [`ApiServer::start`] returns.
+pub const SYSTEM_NAMESPACES: [&str; 4] =
+    ["default", "kube-system", "kube-public", "kube-node-lease"];
+
+/// The binaries the API server part of the rig runs.
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    /// `kube-apiserver`
+    pub kube_apiserver: PathBuf,
+    /// `etcd`
+    pub etcd: PathBuf,
+}
+
+impl Binaries {
+    /// Finds `kube-apiserver` in `$KUBEBUILDER_ASSETS` if that is set, else
+    /// in the newest `${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}/kube-apiserver/*/`
+    /// folder; `etcd` next to it, else `/usr/bin/etcd`. The error says what
+    /// is missing and where it was looked for.
+    pub fn find() -> std::result::Result<Binaries, String> {
+        let folder = if let Some(assets) = std::env::var_os("KUBEBUILDER_ASSETS") {
+            let p = PathBuf::from(assets);
+            if !is_executable(&p.join("kube-apiserver")) {
+                return Err(format!(
+                    "kube-apiserver (not found in KUBEBUILDER_ASSETS={})",
+                    p.display()
+                ));
+            }
+            p
+        } else {
+            let cache = std::env::var_os("HNA_CACHE_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("/var/cache/harvester-node-agent"));
+            let root = cache.join("kube-apiserver");
+            let newest = fs::read_dir(&root)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path().join("kube-apiserver"))
+                .filter(|p| is_executable(p))
+                .filter_map(|p| Some((fs::metadata(&p).ok()?.modified().ok()?, p)))
+                .max();
+            match newest {
+                Some((_, p)) => p.parent().expect("has parent").to_path_buf(),
+                None => {
+                    return Err(format!(
+                        "kube-apiserver (no {}/*/kube-apiserver; or set KUBEBUILDER_ASSETS)",
+                        root.display()
+                    ));
+                }
+            }
+        };
+        let etcd = [folder.join("etcd"), PathBuf::from("/usr/bin/etcd")]
+            .into_iter()
+            .find(|p| is_executable(p))
+            .ok_or_else(|| format!("etcd (not in {} nor /usr/bin/etcd)", folder.display()))?;
+        Ok(Binaries {
+            kube_apiserver: folder.join("kube-apiserver"),
+            etcd,
+        })
+    }
+}
+
+/// Whether `p` is an existing executable file (following symlinks).
+pub fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    fs::metadata(p)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+/// Credentials of one user of the rig's API server.
+struct Creds {
+    name: String,
+    token: String,
+    kubeconfig: PathBuf,
+}
+
+/// A running kube-apiserver (v1.20 from Debian's source unless
+/// `KUBEBUILDER_ASSETS` points elsewhere) backed by its own etcd, serving TLS
+/// on `https://127.0.0.1:<port>` with `Node,RBAC` authorization and the
+/// `NodeRestriction` admission plugin. Stopped by the owning [`super::Rig`].
+pub struct ApiServer {
+    url: String,
+    port: u16,
+    ca_pem: String,
+    ca_path: PathBuf,
+    admin: Creds,
+    controller: Creds,
+    nodes: Vec<Creds>,
+    version: String,
+    etcd_url: String,
+    log: PathBuf,
+    ready_after: Duration,
+    // Field order matters for drop: the API server stops before etcd.
+    apiserver: ChildProc,
+    etcd: ChildProc,
+}
+
+impl ApiServer {
+    /// `https://127.0.0.1:<port>`
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The secure port on 127.0.0.1 (host and every guest namespace).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// PEM of the CA that signed the serving certificate.
+    pub fn ca_pem(&self) -> &str {
+        &self.ca_pem
+    }
+
+    /// Path of the CA certificate file (PEM), e.g. for `curl --cacert`.
+    pub fn ca_path(&self) -> &Path {
+        &self.ca_path
+    }
+
+    /// Kubeconfig of user `hna-rig-admin`, group `system:masters`.
+    pub fn admin_kubeconfig(&self) -> &Path {
+        &self.admin.kubeconfig
+    }
+
+    /// Bearer token of the admin user.
+    pub fn admin_token(&self) -> &str {
+        &self.admin.token
+    }
+
+    /// Kubeconfig of user `system:node:<node>` in group `system:nodes`, so
+    /// the Node authorizer and NodeRestriction apply to it.
+    ///
+    /// Panics if `node` is not one of the rig's node names.
+    pub fn node_kubeconfig(&self, node: &str) -> &Path {
+        &self.node(node).kubeconfig
+    }
+
+    /// Bearer token of `system:node:<node>`. Panics for unknown nodes.
+    pub fn node_token(&self, node: &str) -> &str {
+        &self.node(node).token
+    }
+
+    /// Kubeconfig of user `harvester-node-agent-controller` (only the
+    /// implicit group `system:authenticated`; grant it RBAC in the test).
+    pub fn controller_kubeconfig(&self) -> &Path {
+        &self.controller.kubeconfig
+    }
+
+    /// Bearer token of `harvester-node-agent-controller`.
+    pub fn controller_token(&self) -> &str {
+        &self.controller.token
+    }
+
+    /// `gitVersion` reported by `/version`.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// `http://127.0.0.1:<port>` of the rig's etcd.
+    pub fn etcd_url(&self) -> &str {
+        &self.etcd_url
+    }
+
+    /// The kube-apiserver log file.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// How long it took from starting kube-apiserver until `/readyz` was ok.
+    pub fn ready_after(&self) -> Duration {
+        self.ready_after
+    }
+
+    /// Pids of kube-apiserver and etcd while they run.
+    pub fn pids(&self) -> Vec<u32> {
+        self.apiserver
+            .pid()
+            .into_iter()
+            .chain(self.etcd.pid())
+            .collect()
+    }
+
+    /// Stops kube-apiserver, then etcd. Idempotent.
+    pub fn stop(&mut self) {
+        self.apiserver.stop();
+        self.etcd.stop();
+    }
+
+    fn node(&self, node: &str) -> &Creds {
+        self.nodes
+            .iter()
+            .find(|c| c.name == node)
+            .unwrap_or_else(|| panic!("rig: no node named {node:?}"))
+    }
+
+    /// Generates certificates and tokens in `dir`, starts etcd and
+    /// kube-apiserver and waits until the API server is ready.
+    pub fn start(
+        dir: &Path,
+        id: &str,
+        bins: &Binaries,
+        node_names: &[String],
+    ) -> Result<ApiServer> {
+        let pki = dir.join("pki");
+        fs::create_dir_all(&pki)?;
+        make_pki(&pki, id)?;
+        let ca_path = pki.join("ca.crt");
+        let ca_pem = fs::read_to_string(&ca_path)?;
+
+        let creds = |name: &str| Creds {
+            name: name.to_string(),
+            token: random_hex(24),
+            kubeconfig: PathBuf::new(),
+        };
+        let mut admin = creds("hna-rig-admin");
+        let mut controller = creds("harvester-node-agent-controller");
+        let mut nodes: Vec<Creds> = node_names.iter().map(|n| creds(n)).collect();
+        let mut csv = format!(
+            "{},{},{},\"system:masters\"\n{},{},{}\n",
+            admin.token, admin.name, admin.name, controller.token, controller.name, controller.name
+        );
+        for n in &nodes {
+            let user = format!("system:node:{}", n.name);
+            csv.push_str(&format!("{},{user},{user},\"system:nodes\"\n", n.token));
+        }
+        let tokens = pki.join("tokens.csv");
+        fs::write(&tokens, csv)?;
+
+        let (etcd, etcd_port) = start_etcd(dir, &bins.etcd)?;
+        let etcd_url = format!("http://127.0.0.1:{etcd_port}");
+
+        let log = dir.join("kube-apiserver.log");
+        let mut last_err = None;
+        for _attempt in 0..3 {
+            let port = free_port()?;
+            let url = format!("https://127.0.0.1:{port}");
+            admin.kubeconfig = write_kubeconfig(dir, "admin", &url, &ca_pem, &admin)?;
+            controller.kubeconfig =
+                write_kubeconfig(dir, "controller", &url, &ca_pem, &controller)?;
+            for n in &mut nodes {
+                let file = format!("node-{}", n.name);
+                n.kubeconfig = write_kubeconfig(dir, &file, &url, &ca_pem, n)?;
+            }
+            let mut cmd = Command::new(&bins.kube_apiserver);
+            cmd.args([
+                format!("--etcd-servers={etcd_url}"),
+                "--bind-address=127.0.0.1".into(),
+                "--advertise-address=127.0.0.1".into(),
+                format!("--secure-port={port}"),
+                "--insecure-port=0".into(),
+                format!("--cert-dir={}", dir.join("apiserver-certs").display()),
+                format!("--tls-cert-file={}", pki.join("apiserver.crt").display()),
+                format!(
+                    "--tls-private-key-file={}",
+                    pki.join("apiserver.key").display()
+                ),
+                format!("--client-ca-file={}", ca_path.display()),
+                format!("--token-auth-file={}", tokens.display()),
+                "--authorization-mode=Node,RBAC".into(),
+                "--enable-admission-plugins=NodeRestriction".into(),
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+                format!(
+                    "--service-account-key-file={}",
+                    pki.join("sa.pub").display()
+                ),
+                format!(
+                    "--service-account-signing-key-file={}",
+                    pki.join("sa.key").display()
+                ),
+                "--service-cluster-ip-range=10.96.0.0/16".into(),
+                "--allow-privileged=true".into(),
+                // With --advertise-address=127.0.0.1 the default reconciler
+                // fails every few seconds ("may not be in the loopback
+                // range"); nothing in the rig needs the `kubernetes` Endpoints.
+                "--endpoint-reconciler-type=none".into(),
+                "--profiling=false".into(),
+                "--v=1".into(),
+            ]);
+            let started = Instant::now();
+            let mut proc = ChildProc::spawn("kube-apiserver", cmd, &log)?;
+            match wait_ready(&admin.kubeconfig, &mut proc) {
+                Ok(version) => {
+                    return Ok(ApiServer {
+                        url,
+                        port,
+                        ca_pem,
+                        ca_path,
+                        admin,
+                        controller,
+                        nodes,
+                        version,
+                        etcd_url,
+                        log,
+                        ready_after: started.elapsed(),
+                        apiserver: proc,
+                        etcd,
+                    });
+                }
+                Err(e) => {
+                    proc.stop();
+                    if !tail(&log, 20).contains("address already in use") {
+                        return Err(e);
+                    }
+                    last_err = Some(e); // lost a race for the port: retry
+                    let _ = fs::write(&log, "");
+                }
+            }
+        }
+        Err(last_err.expect("at least one attempt"))
+    }
+}
+
+/// Waits for `/readyz` and the [`SYSTEM_NAMESPACES`] with the admin
+/// kubeconfig and returns `gitVersion`.
+fn wait_ready(admin_kubeconfig: &Path, proc: &mut ChildProc) -> Result<String> {
+    on_runtime(|| async move {
+        let client = super::kube_client(admin_kubeconfig).await?;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut last: String;
+        loop {
+            if let Some(status) = proc.exited() {
+                return Err(proc.exit_error(status));
+            }
+            let req = kube::core::Request::new("/readyz")
+                .list(&Default::default())
+                .context("build /readyz request")?;
+            match tokio::time::timeout(Duration::from_secs(5), client.request_text(req)).await {
+                Ok(Ok(body)) if body.trim() == "ok" => break,
+                Ok(Ok(body)) => last = body,
+                Ok(Err(e)) => last = e.to_string(),
+                Err(_) => last = "timed out".into(),
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "kube-apiserver not ready after {READY_TIMEOUT:?} (last /readyz: {last}); last lines of {}:\n{}",
+                    proc.log().display(),
+                    tail(proc.log(), 40)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // /readyz turns ok before the bootstrap controller has created the
+        // system namespaces; tests (and node Leases) need them.
+        let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
+            kube::Api::all(client.clone());
+        for ns in SYSTEM_NAMESPACES {
+            loop {
+                match namespaces.get_opt(ns).await {
+                    Ok(Some(_)) => break,
+                    Ok(None) => last = "not found".into(),
+                    Err(e) => last = e.to_string(),
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "namespace {ns} not created within {READY_TIMEOUT:?} ({last}); last lines of {}:\n{}",
+                        proc.log().display(),
+                        tail(proc.log(), 40)
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let info = client.apiserver_version().await.context("GET /version")?;
+        Ok(info.git_version)
+    })
+}
+
+/// Runs an async closure to completion on a fresh current-thread Tokio
+/// runtime in a scoped helper thread, so it works whether or not the caller
+/// is itself inside a runtime (e.g. a `#[tokio::test]`).
+pub fn on_runtime<T, F, Fut>(f: F) -> T
+where
+    T: Send,
+    F: FnOnce() -> Fut + Send,
+    Fut: std::future::Future<Output = T>,
+{
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("build tokio runtime")
+                .block_on(f())
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
+/// A currently free TCP port on 127.0.0.1.
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn start_etcd(dir: &Path, etcd: &Path) -> Result<(ChildProc, u16)> {
+    let log = dir.join("etcd.log");
+    let data = dir.join("etcd-data");
+    let mut last_err = None;
+    for _attempt in 0..3 {
+        let _ = fs::remove_dir_all(&data);
+        let (client, peer) = (free_port()?, free_port()?);
+        let mut cmd = Command::new(etcd);
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("ETCD") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.args([
+            "--name=hna-rig".to_string(),
+            format!("--data-dir={}", data.display()),
+            format!("--listen-client-urls=http://127.0.0.1:{client}"),
+            format!("--advertise-client-urls=http://127.0.0.1:{client}"),
+            format!("--listen-peer-urls=http://127.0.0.1:{peer}"),
+            format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer}"),
+            format!("--initial-cluster=hna-rig=http://127.0.0.1:{peer}"),
+            "--initial-cluster-state=new".into(),
+        ]);
+        let mut proc = ChildProc::spawn("etcd", cmd, &log)?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = proc.exited() {
+                let err = proc.exit_error(status);
+                if tail(&log, 20).contains("address already in use") {
+                    last_err = Some(err);
+                    break; // lost a race for a port: retry
+                }
+                return Err(err);
+            }
+            if http_get(client, "/health").is_ok_and(|b| b.contains("\"health\":\"true\"")) {
+                return Ok((proc, client));
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "etcd not healthy after 20 s; last lines of {}:\n{}",
+                    log.display(),
+                    tail(&log, 40)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    Err(last_err.expect("at least one attempt"))
+}
+
+/// Plain HTTP/1.0 GET on 127.0.0.1:`port`; returns the whole response.
+fn http_get(port: u16, path: &str) -> std::io::Result<String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
+}
+
+const OPENSSL_CNF: &str = "\
+[req]
+distinguished_name = dn
+prompt = no
+[dn]
+CN = hna-rig
+[v3_ca]
+basicConstraints = critical,CA:TRUE
+keyUsage = critical,keyCertSign,cRLSign,digitalSignature
+subjectKeyIdentifier = hash
+[v3_srv]
+basicConstraints = critical,CA:FALSE
+keyUsage = critical,digitalSignature,keyEncipherment
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1,DNS:localhost
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+";
+
+/// CA (`ca.crt`/`ca.key`), serving certificate (`apiserver.crt`/`.key`,
+/// SANs IP:127.0.0.1 and DNS:localhost) and service-account key pair
+/// (`sa.key`/`sa.pub`), all made with the `openssl` tool.
+fn make_pki(pki: &Path, id: &str) -> Result<()> {
+    let cnf = pki.join("openssl.cnf");
+    fs::write(&cnf, OPENSSL_CNF)?;
+    let openssl =
+        |args: &[&str]| run(Command::new("openssl").current_dir(pki).args(args)).map(|_| ());
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let cn = format!("/CN=hna-rig-ca-{id}");
+    let cnf_s = cnf.to_str().context("non-UTF-8 path")?;
+    openssl(
+        &[
+            &["req", "-x509", "-new"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.crt",
+                "-days",
+                "30",
+                "-config",
+                cnf_s,
+                "-extensions",
+                "v3_ca",
+                "-subj",
+                &cn,
+            ],
+        ]
+        .concat(),
+    )?;
+    openssl(
+        &[
+            &["req", "-new"][..],
+            &ec,
+            &[
+                "-keyout",
+                "apiserver.key",
+                "-out",
+                "apiserver.csr",
+                "-config",
+                cnf_s,
+                "-subj",
+                "/CN=kube-apiserver",
+            ],
+        ]
+        .concat(),
+    )?;
+    let serial = format!("0x{}", random_hex(8));
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "apiserver.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-set_serial",
+        &serial,
+        "-days",
+        "30",
+        "-out",
+        "apiserver.crt",
+        "-extfile",
+        cnf_s,
+        "-extensions",
+        "v3_srv",
+    ])?;
+    openssl(&[
+        "genpkey",
+        "-algorithm",
+        "RSA",
+        "-pkeyopt",
+        "rsa_keygen_bits:2048",
+        "-out",
+        "sa.key",
+    ])?;
+    openssl(&["pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub"])?;
+    Ok(())
+}
+
+/// Writes `<dir>/<file>.kubeconfig` for `creds` (token user, CA embedded).
+fn write_kubeconfig(
+    dir: &Path,
+    file: &str,
+    url: &str,
+    ca_pem: &str,
+    creds: &Creds,
+) -> Result<PathBuf> {
+    let path = dir.join(format!("{file}.kubeconfig"));
+    let yaml = format!(
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: hna-rig
+  cluster:
+    server: {url}
+    certificate-authority-data: {ca}
+users:
+- name: {user:?}
+  user:
+    token: {token}
+contexts:
+- name: hna-rig
+  context:
+    cluster: hna-rig
+    user: {user:?}
+current-context: hna-rig
+",
+        ca = base64(ca_pem.as_bytes()),
+        user = creds.name,
+        token = creds.token,
+    );
+    fs::write(&path, yaml).with_context(|| format!("write {}", path.display()))?;
+    Ok(path)
+}
+
+/// Standard base64 with padding.
+pub fn base64(data: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+    for chunk in data.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(A[(n >> (18 - 6 * i)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}

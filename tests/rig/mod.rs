@@ -1,0 +1,566 @@
+//! The real test rig: network namespaces, a bridge, a real DHCP server and
+//! (optionally) a real kube-apiserver, all torn down when the [`Rig`] drops.
+//!
+//! Include it from an integration test with `#[allow(dead_code)] mod rig;`
+//! (or `#[allow(dead_code)] #[path = "rig/mod.rs"] mod rig;`) and from an
+//! example or bench with
+//! `#[allow(dead_code)] #[path = "../tests/rig/mod.rs"] mod rig;` (each
+//! includer uses only part of the API).
+//!
+//! Layout of a rig with id `<id>`:
+//!
+//! ```text
+//!  hna-<id>-lan                           hna-<id>-g1 (guest 1)
+//!  ┌──────────────────────────────┐       ┌─────────────────────┐
+//!  │ br0 10.77.0.1/24             │       │ lo up               │
+//!  │  ├─ vg1 ─────────── veth ────┼───────┼─ eth0 (up, no addr) │
+//!  │  └─ vg2 ─── …                │       │ 127.0.0.1:<port> ──►│ forwarded to the host's
+//!  │ dnsmasq (DHCP only)          │       └─────────────────────┘ kube-apiserver
+//!  └──────────────────────────────┘
+//! ```
+//!
+//! Prerequisites (`sudo tests/rig/prereqs.sh` installs them): root,
+//! iproute2, dnsmasq (`/usr/sbin/dnsmasq`), and for the API server `openssl`,
+//! `etcd` and `kube-apiserver`. When one is missing, [`Rig::start`] returns
+//! `Ok(None)` (skip) unless `CI=true`, where it is an error.
+//!
+//! Set `HNA_RIG_KEEP=1` to keep the rig directory (logs, certificates,
+//! leases) after the rig is dropped.
+
+pub mod apiserver;
+pub mod forward;
+pub mod process;
+
+use std::ffi::OsStr;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+pub use apiserver::{ApiServer, Binaries};
+use forward::Forwarder;
+use process::{ChildProc, pid_alive, run, run_args, tail};
+
+/// The DHCP server binary the rig runs.
+pub const DNSMASQ: &str = "/usr/sbin/dnsmasq";
+/// The LAN subnet.
+pub const SUBNET: &str = "10.77.0.0/24";
+/// Address of `br0` in the LAN namespace (the DHCP server).
+pub const LAN_ADDR: &str = "10.77.0.1";
+/// First address dnsmasq hands out.
+pub const DHCP_FIRST: &str = "10.77.0.100";
+/// Last address dnsmasq hands out.
+pub const DHCP_LAST: &str = "10.77.0.199";
+/// How to install the prerequisites.
+pub const INSTALL_HINT: &str = "install them with `sudo tests/rig/prereqs.sh`";
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct RigOptions {
+    /// Number of guest namespaces (each with an `eth0` on the LAN bridge).
+    pub guests: usize,
+    /// Run dnsmasq as DHCP server on the LAN.
+    pub dhcp: bool,
+    /// Run etcd + kube-apiserver (reachable from the host and every guest).
+    pub apiserver: bool,
+    /// Node name per guest; empty means `guest-1` … `guest-N`. When not
+    /// empty it must have exactly `guests` entries.
+    pub node_names: Vec<String>,
+    /// Extra dnsmasq arguments, appended after the rig's own.
+    pub dnsmasq_args: Vec<String>,
+}
+
+impl Default for RigOptions {
+    /// Two guests, DHCP on, no API server.
+    fn default() -> Self {
+        RigOptions {
+            guests: 2,
+            dhcp: true,
+            apiserver: false,
+            node_names: Vec::new(),
+            dnsmasq_args: Vec::new(),
+        }
+    }
+}
+
+/// A running rig. Dropping it tears everything down (also while unwinding
+/// from a panic): forwarders, kube-apiserver, etcd, dnsmasq, any process
+/// left in the rig's namespaces, the namespaces and the rig directory.
+pub struct Rig {
+    id: String,
+    lan_ns: String,
+    guests: Vec<String>,
+    node_names: Vec<String>,
+    /// Every namespace created so far, deleted on teardown.
+    namespaces: Vec<String>,
+    dir: PathBuf,
+    keep: bool,
+    dnsmasq: Option<ChildProc>,
+    apiserver: Option<ApiServer>,
+    forwarders: Vec<Forwarder>,
+    torn_down: bool,
+}
+
+/// Returns `Ok(None)` after printing why the test is skipped, or, when the
+/// environment variable `CI` is `true`, an error: on CI a missing
+/// prerequisite must fail the test instead of silently skipping it.
+pub fn skip_or_fail<T>(missing: &str) -> Result<Option<T>> {
+    if std::env::var("CI").as_deref() == Ok("true") {
+        bail!("test rig prerequisite missing: {missing}; {INSTALL_HINT}");
+    }
+    eprintln!("SKIPPED: test rig prerequisite missing: {missing}; {INSTALL_HINT}");
+    Ok(None)
+}
+
+/// Finds `name` in `$PATH`, `/usr/sbin` and `/sbin`.
+pub fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .map(|d| d.join(name))
+        .find(|p| apiserver::is_executable(p))
+}
+
+/// Builds a kube client from a kubeconfig file (e.g.
+/// [`ApiServer::admin_kubeconfig`]). Needs a Tokio runtime.
+pub async fn kube_client(kubeconfig: &Path) -> Result<kube::Client> {
+    use kube::config::{KubeConfigOptions, Kubeconfig};
+    let kc = Kubeconfig::read_from(kubeconfig)
+        .with_context(|| format!("read {}", kubeconfig.display()))?;
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+    config.connect_timeout = Some(Duration::from_secs(5));
+    config.read_timeout = Some(Duration::from_secs(30));
+    Ok(kube::Client::try_from(config)?)
+}
+
+fn missing_prerequisite(opts: &RigOptions) -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("root (network namespaces need it: run the tests with sudo)".into());
+    }
+    if find_program("ip").is_none() {
+        return Some("`ip` (iproute2)".into());
+    }
+    if opts.dhcp && !apiserver::is_executable(Path::new(DNSMASQ)) {
+        return Some(format!("{DNSMASQ} (dnsmasq-base)"));
+    }
+    if opts.apiserver {
+        if find_program("openssl").is_none() {
+            return Some("`openssl`".into());
+        }
+        if let Err(missing) = Binaries::find() {
+            return Some(missing);
+        }
+    }
+    None
+}
+
+/// A new id, unique across threads and processes: `<pid>-<counter>-<random>`.
+/// The pid comes first so [`cleanup_stale`] can tell whether the owner lives.
+fn new_id() -> String {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{}-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        process::random_hex(2)
+    )
+}
+
+/// The owner pid encoded in a namespace (`hna-<pid>-…`) or rig directory
+/// (`hna-rig-<pid>-…`) name.
+fn owner_pid(name: &str) -> Option<u32> {
+    let rest = name
+        .strip_prefix("hna-rig-")
+        .or_else(|| name.strip_prefix("hna-"))?;
+    rest.split('-').next()?.parse().ok()
+}
+
+/// Removes what rigs of dead processes left behind (e.g. after a test binary
+/// was SIGKILLed): `hna-<pid>-*` namespaces whose pid no longer exists (after
+/// killing the processes inside them), and `hna-rig-<pid>-*` directories in
+/// the temp dir (after killing dnsmasq/etcd/kube-apiserver processes that
+/// still use them; directories kept with `HNA_RIG_KEEP=1` stay). Called by
+/// [`Rig::start`]; errors are printed, not returned.
+pub fn cleanup_stale() {
+    for entry in fs::read_dir("/run/netns").into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("hna-") || name.starts_with("hna-rig-") {
+            continue;
+        }
+        match owner_pid(&name) {
+            Some(pid) if !pid_alive(pid) => {
+                eprintln!("rig: removing stale namespace {name}");
+                kill_netns_processes(&name);
+                if let Err(e) = run_args("ip", ["netns", "del", &name]) {
+                    eprintln!("rig: {e:#}");
+                }
+            }
+            _ => {}
+        }
+    }
+    for entry in fs::read_dir(std::env::temp_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("hna-rig-") {
+            continue;
+        }
+        match owner_pid(&name) {
+            Some(pid) if !pid_alive(pid) => {
+                let path = entry.path();
+                kill_processes_using(&path);
+                if !path.join(".keep").exists() {
+                    eprintln!("rig: removing stale directory {}", path.display());
+                    let _ = fs::remove_dir_all(&path);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// SIGKILLs dnsmasq, etcd and kube-apiserver processes whose command line
+/// mentions `dir`.
+fn kill_processes_using(dir: &Path) {
+    let needle = dir.to_string_lossy().into_owned();
+    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let comm = fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if !matches!(comm.trim(), "dnsmasq" | "etcd" | "kube-apiserver") {
+            continue;
+        }
+        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&needle) {
+            eprintln!("rig: killing stale {} (pid {pid})", comm.trim());
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+}
+
+/// SIGKILLs every process in namespace `ns` and waits (up to 3 s) until
+/// none is left.
+fn kill_netns_processes(ns: &str) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let pids: Vec<i32> = run_args("ip", ["netns", "pids", ns])
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .filter(|&p| p != std::process::id() as i32)
+            .collect();
+        if pids.is_empty() || Instant::now() > deadline {
+            if !pids.is_empty() {
+                eprintln!("rig: processes {pids:?} in {ns} survived SIGKILL");
+            }
+            return;
+        }
+        for pid in pids {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+impl Rig {
+    /// Starts the rig. Returns `Ok(None)` ("skip") when a prerequisite is
+    /// missing (after printing what and how to install it) unless `CI=true`,
+    /// where that is an error. Not being root counts as a missing
+    /// prerequisite. Any failure after that is an error, and whatever was
+    /// started so far is torn down.
+    pub fn start(opts: RigOptions) -> Result<Option<Rig>> {
+        if let Some(missing) = missing_prerequisite(&opts) {
+            return skip_or_fail(&missing);
+        }
+        let node_names = if opts.node_names.is_empty() {
+            (1..=opts.guests).map(|i| format!("guest-{i}")).collect()
+        } else if opts.node_names.len() == opts.guests {
+            opts.node_names.clone()
+        } else {
+            bail!(
+                "RigOptions: {} node names for {} guests",
+                opts.node_names.len(),
+                opts.guests
+            );
+        };
+        cleanup_stale();
+
+        let id = new_id();
+        let dir = std::env::temp_dir().join(format!("hna-rig-{id}"));
+        fs::create_dir(&dir).with_context(|| format!("create {}", dir.display()))?;
+        let keep = std::env::var("HNA_RIG_KEEP").as_deref() == Ok("1");
+        if keep {
+            let _ = fs::write(dir.join(".keep"), "");
+        }
+        // From here on an early return drops `rig`, which tears down.
+        let mut rig = Rig {
+            lan_ns: format!("hna-{id}-lan"),
+            guests: (1..=opts.guests)
+                .map(|i| format!("hna-{id}-g{i}"))
+                .collect(),
+            id,
+            node_names,
+            namespaces: Vec::new(),
+            dir,
+            keep,
+            dnsmasq: None,
+            apiserver: None,
+            forwarders: Vec::new(),
+            torn_down: false,
+        };
+        rig.setup_network().context("set up rig network")?;
+        if opts.dhcp {
+            rig.start_dnsmasq(&opts.dnsmasq_args)
+                .context("start dnsmasq")?;
+        }
+        if opts.apiserver {
+            let bins = Binaries::find().map_err(|m| anyhow::anyhow!("missing {m}"))?;
+            let api = ApiServer::start(&rig.dir, &rig.id, &bins, &rig.node_names)
+                .context("start kube-apiserver")?;
+            let port = api.port();
+            rig.apiserver = Some(api);
+            for ns in rig.guests.clone() {
+                let fwd = Forwarder::start(&ns, port)
+                    .with_context(|| format!("forward 127.0.0.1:{port} into {ns}"))?;
+                rig.forwarders.push(fwd);
+            }
+        }
+        Ok(Some(rig))
+    }
+
+    fn add_netns(&mut self, ns: &str) -> Result<()> {
+        run_args("ip", ["netns", "add", ns])?;
+        self.namespaces.push(ns.to_string());
+        run_args("ip", ["-n", ns, "link", "set", "lo", "up"])?;
+        Ok(())
+    }
+
+    fn setup_network(&mut self) -> Result<()> {
+        let lan = self.lan_ns.clone();
+        self.add_netns(&lan)?;
+        let ip = |args: &[&str]| run_args("ip", args).map(|_| ());
+        ip(&[
+            "-n",
+            &lan,
+            "link",
+            "add",
+            "br0",
+            "type",
+            "bridge",
+            "stp_state",
+            "0",
+            "forward_delay",
+            "0",
+        ])?;
+        ip(&[
+            "-n",
+            &lan,
+            "addr",
+            "add",
+            &format!("{LAN_ADDR}/24"),
+            "dev",
+            "br0",
+        ])?;
+        ip(&["-n", &lan, "link", "set", "br0", "up"])?;
+        for (i, g) in self.guests.clone().iter().enumerate() {
+            self.add_netns(g)?;
+            let peer = format!("vg{}", i + 1);
+            // Both ends are created directly in their namespaces: nothing
+            // ever appears in (or can clash with) the root namespace.
+            ip(&[
+                "link", "add", &peer, "netns", &lan, "type", "veth", "peer", "name", "eth0",
+                "netns", g,
+            ])?;
+            ip(&["-n", &lan, "link", "set", &peer, "master", "br0"])?;
+            ip(&["-n", &lan, "link", "set", &peer, "up"])?;
+            ip(&["-n", g, "link", "set", "eth0", "up"])?;
+        }
+        Ok(())
+    }
+
+    fn start_dnsmasq(&mut self, extra: &[String]) -> Result<()> {
+        let d = &self.dir;
+        let mut cmd = self.netns_cmd(&self.lan_ns, DNSMASQ);
+        cmd.args([
+            "--keep-in-foreground".to_string(),
+            "--conf-file=/dev/null".into(),
+            "--port=0".into(),
+            "--no-ping".into(),
+            "--no-resolv".into(),
+            "--no-hosts".into(),
+            "--user=root".into(),
+            "--group=root".into(),
+            "--interface=br0".into(),
+            "--bind-interfaces".into(),
+            format!("--dhcp-range={DHCP_FIRST},{DHCP_LAST},255.255.255.0,1h"),
+            "--dhcp-authoritative".into(),
+            format!("--dhcp-leasefile={}", self.leases_path().display()),
+            format!("--pid-file={}", d.join("dnsmasq.pid").display()),
+            "--log-dhcp".into(),
+            format!("--log-facility={}", d.join("dnsmasq.log").display()),
+        ]);
+        cmd.args(extra);
+        let mut proc = ChildProc::spawn("dnsmasq", cmd, &d.join("dnsmasq.out"))?;
+        let pid = proc.pid().expect("just spawned");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Ready once the process (after `ip netns exec` exec'd it) has its
+        // DHCP socket (UDP port 67 = 0x0043) bound.
+        loop {
+            if let Some(status) = proc.exited() {
+                let log = tail(&d.join("dnsmasq.log"), 20);
+                return Err(proc
+                    .exit_error(status)
+                    .context(format!("dnsmasq.log:\n{log}")));
+            }
+            let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            let udp = fs::read_to_string(format!("/proc/{pid}/net/udp")).unwrap_or_default();
+            if comm.trim() == "dnsmasq" && udp.lines().any(|l| l.contains(":0043 ")) {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("dnsmasq did not bind port 67 within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.dnsmasq = Some(proc);
+        Ok(())
+    }
+
+    /// Unique id of this rig (`<pid>-<counter>-<random>`).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Namespace holding bridge `br0` (10.77.0.1/24) and dnsmasq.
+    pub fn lan_ns(&self) -> &str {
+        &self.lan_ns
+    }
+
+    /// Number of guests.
+    pub fn guest_count(&self) -> usize {
+        self.guests.len()
+    }
+
+    /// Namespace of guest `i` (0-based): `lo` up and a veth `eth0` (up, no
+    /// address) whose peer `vg<i+1>` is a port of `br0`. If the rig has an
+    /// API server, `127.0.0.1:<port>` in here reaches it.
+    pub fn guest_ns(&self, i: usize) -> &str {
+        &self.guests[i]
+    }
+
+    /// All guest namespaces, in order.
+    pub fn guest_namespaces(&self) -> &[String] {
+        &self.guests
+    }
+
+    /// Node name of guest `i` (0-based).
+    pub fn node_name(&self, i: usize) -> &str {
+        &self.node_names[i]
+    }
+
+    /// All node names, in guest order.
+    pub fn node_names(&self) -> &[String] {
+        &self.node_names
+    }
+
+    /// `ip netns exec <ns> <program>`; add arguments with `.arg(..)`.
+    pub fn netns_cmd(&self, ns: &str, program: impl AsRef<OsStr>) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns]).arg(program);
+        cmd
+    }
+
+    /// `"10.77.0.0/24"`. DHCP hands out 10.77.0.100–10.77.0.199 with a 1 h
+    /// lease (dnsmasq `--port=0 --no-ping --dhcp-authoritative`, which sends
+    /// options 58/59).
+    pub fn subnet(&self) -> &str {
+        SUBNET
+    }
+
+    /// Path of dnsmasq's lease file.
+    pub fn leases_path(&self) -> PathBuf {
+        self.dir.join("dnsmasq.leases")
+    }
+
+    /// Contents of dnsmasq's lease file (empty before the first lease).
+    pub fn dnsmasq_leases(&self) -> Result<String> {
+        match fs::read_to_string(self.leases_path()) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+            r => Ok(r?),
+        }
+    }
+
+    /// dnsmasq's log (`--log-dhcp`).
+    pub fn dnsmasq_log(&self) -> PathBuf {
+        self.dir.join("dnsmasq.log")
+    }
+
+    /// The API server, if the rig was started with `apiserver: true`.
+    pub fn apiserver(&self) -> Option<&ApiServer> {
+        self.apiserver.as_ref()
+    }
+
+    /// Per-rig directory (logs, certificates, kubeconfigs, leases); removed
+    /// on drop unless `HNA_RIG_KEEP=1`.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Pids of the child processes the rig runs (dnsmasq, kube-apiserver,
+    /// etcd).
+    pub fn pids(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self.dnsmasq.iter().filter_map(|p| p.pid()).collect();
+        if let Some(api) = &self.apiserver {
+            pids.extend(api.pids());
+        }
+        pids
+    }
+
+    /// Tears everything down (what drop does). Idempotent; never panics.
+    pub fn teardown(&mut self) {
+        if self.torn_down {
+            return;
+        }
+        self.torn_down = true;
+        for f in &mut self.forwarders {
+            f.stop();
+        }
+        self.forwarders.clear();
+        if let Some(mut api) = self.apiserver.take() {
+            api.stop();
+        }
+        if let Some(mut d) = self.dnsmasq.take() {
+            d.stop();
+        }
+        for ns in self.namespaces.drain(..).rev() {
+            kill_netns_processes(&ns);
+            if let Err(e) = run(Command::new("ip").args(["netns", "del", &ns])) {
+                eprintln!("rig: {e:#}");
+            }
+        }
+        if self.keep {
+            eprintln!("rig: kept {} (HNA_RIG_KEEP=1)", self.dir.display());
+        } else if let Err(e) = fs::remove_dir_all(&self.dir) {
+            eprintln!("rig: cannot remove {}: {e}", self.dir.display());
+        }
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.teardown();
+    }
+}

@@ -1,0 +1,308 @@
+//! Self-tests of the test rig (tests/rig): real namespaces, real dnsmasq,
+//! real kube-apiserver. Run as root; without the prerequisites the tests skip
+//! (print why and pass) unless `CI=true`, where they fail.
+
+#[allow(dead_code)]
+mod rig;
+
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, PostParams};
+use rig::process::{pid_alive, run};
+use rig::{Rig, RigOptions, find_program, skip_or_fail};
+
+/// `Some(path)` of a tool the test needs, or `None` after `skip_or_fail`.
+fn tool(name: &str) -> Result<Option<std::path::PathBuf>> {
+    match find_program(name) {
+        Some(p) => Ok(Some(p)),
+        None => skip_or_fail(&format!("`{name}`")),
+    }
+}
+
+#[test]
+fn dhcp_lease_through_macvlan() -> Result<()> {
+    let Some(busybox) = tool("busybox")? else {
+        return Ok(());
+    };
+    let Some(rig) = Rig::start(RigOptions {
+        guests: 1,
+        ..Default::default()
+    })?
+    else {
+        return Ok(());
+    };
+    let g = rig.guest_ns(0);
+    run(Command::new("ip").args([
+        "-n", g, "link", "add", "mv0", "link", "eth0", "type", "macvlan", "mode", "bridge",
+    ]))?;
+    run(Command::new("ip").args(["-n", g, "link", "set", "mv0", "up"]))?;
+    let link: serde_json::Value = serde_json::from_str(&run(
+        Command::new("ip").args(["-j", "-n", g, "link", "show", "mv0"])
+    )?)?;
+    let mac = link[0]["address"]
+        .as_str()
+        .context("mv0 has no MAC")?
+        .to_lowercase();
+
+    let env_file = rig.dir().join("udhcpc.env");
+    let script = rig.dir().join("udhcpc.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n[ \"$1\" = bound ] && env > {}\nexit 0\n",
+            env_file.display()
+        ),
+    )?;
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+
+    let started = Instant::now();
+    let out = rig
+        .netns_cmd(g, &busybox)
+        .args([
+            "udhcpc", "-i", "mv0", "-f", "-q", "-n", "-t", "5", "-T", "1", "-s",
+        ])
+        .arg(&script)
+        .output()?;
+    let took = started.elapsed();
+    ensure!(
+        out.status.success(),
+        "udhcpc failed ({}): {}\ndnsmasq log:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        rig::process::tail(&rig.dnsmasq_log(), 30)
+    );
+    let env = std::fs::read_to_string(&env_file).context("udhcpc script did not run")?;
+    let ip: Ipv4Addr = env
+        .lines()
+        .find_map(|l| l.strip_prefix("ip="))
+        .context("no ip= in udhcpc env")?
+        .parse()?;
+    eprintln!("udhcpc got {ip} for {mac} in {took:?}");
+    ensure!(
+        (Ipv4Addr::new(10, 77, 0, 100)..=Ipv4Addr::new(10, 77, 0, 199)).contains(&ip),
+        "{ip} outside the DHCP range"
+    );
+    ensure!(
+        env.contains("lease=3600"),
+        "expected a 1h lease, env:\n{env}"
+    );
+    // dnsmasq sends renewal (T1, 58) and rebinding (T2, 59) times.
+    ensure!(
+        env.contains("opt58=") && env.contains("opt59="),
+        "no options 58/59, env:\n{env}"
+    );
+
+    // dnsmasq writes the lease file right after the ACK; allow a moment.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let leases = rig.dnsmasq_leases()?;
+        if leases
+            .lines()
+            .any(|l| l.contains(&mac) && l.contains(&ip.to_string()))
+        {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "lease for {mac}/{ip} not in lease file:\n{leases}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn apiserver_service_roundtrip() -> Result<()> {
+    let Some(rig) = Rig::start(RigOptions {
+        guests: 1,
+        dhcp: false,
+        apiserver: true,
+        ..Default::default()
+    })?
+    else {
+        return Ok(());
+    };
+    let api = rig.apiserver().expect("started with apiserver");
+    eprintln!(
+        "kube-apiserver {} ready after {:?}",
+        api.version(),
+        api.ready_after()
+    );
+
+    let admin = rig::kube_client(api.admin_kubeconfig()).await?;
+    let services: Api<Service> = Api::namespaced(admin, "default");
+    let svc: Service = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": { "name": "rig-selftest" },
+        "spec": { "type": "LoadBalancer", "ports": [{ "port": 80, "protocol": "TCP" }] }
+    }))?;
+    services.create(&PostParams::default(), &svc).await?;
+    let back = services.get("rig-selftest").await?;
+    let spec = back.spec.context("service without spec")?;
+    ensure!(spec.type_.as_deref() == Some("LoadBalancer"));
+    ensure!(
+        spec.cluster_ip.is_some_and(|ip| ip.starts_with("10.96.")),
+        "clusterIP not from 10.96.0.0/16"
+    );
+
+    // Authorization is on: a node may not create Services.
+    let node = rig::kube_client(api.node_kubeconfig(rig.node_name(0))).await?;
+    let as_node: Api<Service> = Api::namespaced(node, "default");
+    let mut svc2 = svc.clone();
+    svc2.metadata.name = Some("rig-selftest-node".into());
+    match as_node.create(&PostParams::default(), &svc2).await {
+        Err(kube::Error::Api(s)) if s.code == 403 => {}
+        other => anyhow::bail!("node user creating a Service: expected 403, got {other:?}"),
+    }
+    // ... and neither may the controller before RBAC grants it anything.
+    let ctrl = rig::kube_client(api.controller_kubeconfig()).await?;
+    match Api::<Service>::namespaced(ctrl, "default")
+        .get("rig-selftest")
+        .await
+    {
+        Err(kube::Error::Api(s)) if s.code == 403 => {}
+        other => anyhow::bail!("controller reading a Service: expected 403, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[test]
+fn guest_namespace_reaches_apiserver() -> Result<()> {
+    let Some(curl) = tool("curl")? else {
+        return Ok(());
+    };
+    let Some(rig) = Rig::start(RigOptions {
+        guests: 2,
+        dhcp: false,
+        apiserver: true,
+        ..Default::default()
+    })?
+    else {
+        return Ok(());
+    };
+    let api = rig.apiserver().expect("started with apiserver");
+    for g in rig.guest_namespaces() {
+        // No -k: the CA and the 127.0.0.1 SAN must verify from in there too.
+        let body = run(rig
+            .netns_cmd(g, &curl)
+            .args(["-sS", "--fail", "--max-time", "10", "--cacert"])
+            .arg(api.ca_path())
+            .arg("-H")
+            .arg(format!("Authorization: Bearer {}", api.admin_token()))
+            .arg(format!("{}/version", api.url())))?;
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        ensure!(
+            v["gitVersion"] == api.version(),
+            "{g}: unexpected /version {body}"
+        );
+    }
+    // The guest's own loopback is really separate: nothing on another port.
+    let other = rig::apiserver::free_port()?;
+    let out = rig
+        .netns_cmd(rig.guest_ns(0), &curl)
+        .args([
+            "-sS",
+            "--max-time",
+            "3",
+            &format!("http://127.0.0.1:{other}/"),
+        ])
+        .output()?;
+    ensure!(
+        !out.status.success(),
+        "unexpected listener on {other} in the guest"
+    );
+    Ok(())
+}
+
+#[test]
+fn teardown_leaves_nothing() -> Result<()> {
+    let apiserver = rig::Binaries::find().is_ok();
+    let Some(rig) = Rig::start(RigOptions {
+        guests: 2,
+        dhcp: true,
+        apiserver,
+        ..Default::default()
+    })?
+    else {
+        return Ok(());
+    };
+    let mut namespaces = vec![rig.lan_ns().to_string()];
+    namespaces.extend(rig.guest_namespaces().iter().cloned());
+    let pids = rig.pids();
+    ensure!(pids.len() == if apiserver { 3 } else { 1 }, "pids {pids:?}");
+    let dir = rig.dir().to_path_buf();
+    // A process a test forgot in a guest namespace must not survive either.
+    let mut straggler = rig
+        .netns_cmd(rig.guest_ns(1), "sleep")
+        .arg("1000")
+        .spawn()?;
+    std::thread::sleep(Duration::from_millis(200));
+
+    drop(rig);
+
+    let listed = run(Command::new("ip").args(["netns", "list"]))?;
+    for ns in &namespaces {
+        ensure!(
+            !listed
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some(ns)),
+            "{ns} still listed"
+        );
+        ensure!(
+            !std::path::Path::new("/run/netns").join(ns).exists(),
+            "{ns} still in /run/netns"
+        );
+    }
+    for pid in pids {
+        ensure!(!pid_alive(pid), "rig process {pid} still alive");
+    }
+    let status = straggler.try_wait()?.context("straggler still running")?;
+    ensure!(!status.success(), "straggler exited normally?");
+    ensure!(
+        !dir.exists() || std::env::var("HNA_RIG_KEEP").as_deref() == Ok("1"),
+        "{} not removed",
+        dir.display()
+    );
+    Ok(())
+}
+
+#[test]
+fn teardown_after_panic() -> Result<()> {
+    let names = std::sync::Mutex::new(None);
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
+        let Some(rig) = Rig::start(RigOptions::default())? else {
+            return Ok(()); // skipped
+        };
+        let mut ns = vec![rig.lan_ns().to_string()];
+        ns.extend(rig.guest_namespaces().iter().cloned());
+        *names.lock().unwrap() = Some((ns, rig.pids(), rig.dir().to_path_buf()));
+        panic!("deliberate panic while holding the rig (expected by this test)");
+    }));
+    if let Ok(started) = outcome {
+        return started; // skipped, or failed to start
+    }
+    let (namespaces, pids, dir) = names
+        .into_inner()
+        .unwrap()
+        .context("panicked before the rig ran")?;
+    for ns in &namespaces {
+        ensure!(
+            !std::path::Path::new("/run/netns").join(ns).exists(),
+            "{ns} survived the panic"
+        );
+    }
+    for pid in pids {
+        ensure!(!pid_alive(pid), "rig process {pid} survived the panic");
+    }
+    ensure!(
+        !dir.exists() || std::env::var("HNA_RIG_KEEP").as_deref() == Ok("1"),
+        "{} not removed",
+        dir.display()
+    );
+    Ok(())
+}
