@@ -513,6 +513,11 @@ impl Rig {
         self.apiserver.as_ref()
     }
 
+    /// The API server, mutable (e.g. to stop it in a failure test).
+    pub fn apiserver_mut(&mut self) -> Option<&mut ApiServer> {
+        self.apiserver.as_mut()
+    }
+
     /// Per-rig directory (logs, certificates, kubeconfigs, leases); removed
     /// on drop unless `HNA_RIG_KEEP=1`.
     pub fn dir(&self) -> &Path {
