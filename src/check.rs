@@ -251,6 +251,17 @@ pub async fn kubeconfig_checks(
     checks
 }
 
+/// The `macvlan` check, from a preflight result.
+pub fn macvlan_check(state: &crate::kmod::MacvlanState) -> Check {
+    Check::new(
+        "macvlan",
+        state.status,
+        state.reason.as_str(),
+        state.message.clone(),
+        &state.remediation,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

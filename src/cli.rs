@@ -55,8 +55,8 @@ pub enum Command {
     /// Run the in-cluster controller (placement of LoadBalancer IPs).
     Controller(RunArgs),
     /// One-shot preflight of this node: configuration, credentials, API
-    /// server, state directory. Read-only. Exit code 0 when no check fails,
-    /// 1 otherwise.
+    /// server, state directory, macvlan. Read-only unless --fix. Exit code 0
+    /// when no check fails, 1 otherwise.
     Check(CheckArgs),
     /// Ask the running daemon for its live state over its control socket.
     /// Exit code 1 when no daemon answers.
@@ -94,12 +94,15 @@ pub struct ConfigArgs {
     /// How often to look for credentials and re-check the API server [default: 10s] [env: HNA_CREDENTIALS_RETRY]
     #[arg(long, value_name = "DURATION")]
     pub credentials_retry: Option<String>,
+    /// How often the daemon re-runs the macvlan preflight; SIGHUP re-runs it at once [default: 5m] [env: HNA_MACVLAN_RECHECK]
+    #[arg(long, value_name = "DURATION")]
+    pub macvlan_recheck: Option<String>,
 }
 
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 8] = [
+        let pairs: [(&'static str, &Option<String>); 9] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -108,6 +111,7 @@ impl ConfigArgs {
             ("kubeconfig", &self.kubeconfig),
             ("kubeconfig_search", &self.kubeconfig_search),
             ("credentials_retry", &self.credentials_retry),
+            ("macvlan_recheck", &self.macvlan_recheck),
         ];
         for (key, value) in pairs {
             if let Some(v) = value {
@@ -146,6 +150,11 @@ pub struct CheckArgs {
     /// How long to wait for the API server when credentials are found.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
+    /// Do what the daemon does: load macvlan when it is on disk but not
+    /// loaded (with the system's modprobe), then prove it with a throwaway
+    /// macvlan in a private network namespace.
+    #[arg(long)]
+    pub fix: bool,
 }
 
 #[derive(Debug, Args)]
@@ -238,6 +247,8 @@ fn check(args: CheckArgs) -> ExitCode {
         checks.extend(runtime.block_on(check::kubeconfig_checks(cfg, &HostEnv, args.timeout)));
         checks.push(check::state_dir_check(cfg));
     }
+    let macvlan = crate::kmod::preflight(&crate::kmod::host::Host::default(), args.fix);
+    checks.push(check::macvlan_check(&macvlan));
     let report = Report { checks };
     match args.output {
         Output::Json => println!("{}", report.to_json()),
@@ -311,7 +322,7 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
         ),
     };
     format!(
-        "harvester-node-agent {} on node {} (pid {}, up {})\n  summary:   {}\n  state dir: {} ({})\n  cluster:   {}\n",
+        "harvester-node-agent {} on node {} (pid {}, up {})\n  summary:   {}\n  state dir: {} ({})\n  cluster:   {}\n  macvlan:   {}: {}{}\n  node conditions: {}\n",
         st.version,
         st.node_name,
         st.pid,
@@ -319,6 +330,22 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
         st.summary,
         st.state_dir.path.display(),
         st.state_dir.message,
-        cluster
+        cluster,
+        st.macvlan.reason.as_str(),
+        st.macvlan.message,
+        if st.macvlan.remediation.is_empty() {
+            String::new()
+        } else {
+            format!("\n             fix: {}", st.macvlan.remediation)
+        },
+        match &st.node_conditions {
+            crate::node_status::Reported::NotConnected =>
+                "not connected to the cluster".to_string(),
+            crate::node_status::Reported::NodeNotRegistered =>
+                format!("Node {} is not registered yet", st.node_name),
+            crate::node_status::Reported::Reported { at } =>
+                format!("MacvlanReady reported at {at}"),
+            crate::node_status::Reported::Failed { error } => format!("failed: {error}"),
+        }
     )
 }

@@ -111,6 +111,14 @@ pub const KEYS: &[KeySpec] = &[
         doc: "How often the daemon looks for credentials before the node has joined, and re-checks the API server after. Between 1s and 1h.",
         kind: Kind::Duration,
     },
+    KeySpec {
+        name: "macvlan_recheck",
+        env: "HNA_MACVLAN_RECHECK",
+        flag: "--macvlan-recheck",
+        default: "5m",
+        doc: "How often the daemon re-runs the macvlan preflight (detect, load if on disk, probe). `systemctl reload` (SIGHUP) re-runs it at once. Between 10s and 24h.",
+        kind: Kind::Duration,
+    },
 ];
 
 pub fn key_spec(name: &str) -> Option<&'static KeySpec> {
@@ -137,6 +145,7 @@ pub struct Config {
     pub kubeconfig: Option<PathBuf>,
     pub kubeconfig_search: Vec<PathBuf>,
     pub credentials_retry: Duration,
+    pub macvlan_recheck: Duration,
 }
 
 /// Where a configuration value came from, for error messages.
@@ -287,6 +296,7 @@ pub fn resolve(
             .map(PathBuf::from)
             .collect(),
         credentials_retry: Duration::from_secs(10),
+        macvlan_recheck: Duration::from_secs(300),
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -353,14 +363,10 @@ pub fn resolve(
                     .map_err(fail)?;
             }
             "credentials_retry" => {
-                let d = parse_duration(&text(raw)).map_err(fail)?;
-                if d < Duration::from_secs(1) || d > Duration::from_secs(3600) {
-                    return Err(fail(format!(
-                        "{} is out of range; use a value between 1s and 1h",
-                        humantime::format_duration(d)
-                    )));
-                }
-                cfg.credentials_retry = d;
+                cfg.credentials_retry = duration_between(&text(raw), 1, 3600).map_err(fail)?;
+            }
+            "macvlan_recheck" => {
+                cfg.macvlan_recheck = duration_between(&text(raw), 10, 86400).map_err(fail)?;
             }
             _ => unreachable!("every key in KEYS is handled"),
         }
@@ -460,6 +466,20 @@ fn parse_duration(v: &str) -> Result<Duration, String> {
     humantime::parse_duration(v).map_err(|e| {
         format!("`{v}` is not a duration ({e}); write it like \"10s\", \"1m30s\" or \"500ms\"")
     })
+}
+
+fn duration_between(v: &str, min_secs: u64, max_secs: u64) -> Result<Duration, String> {
+    let d = parse_duration(v)?;
+    let (min, max) = (Duration::from_secs(min_secs), Duration::from_secs(max_secs));
+    if d < min || d > max {
+        return Err(format!(
+            "{} is out of range; use a value between {} and {}",
+            humantime::format_duration(d),
+            humantime::format_duration(min),
+            humantime::format_duration(max)
+        ));
+    }
+    Ok(d)
 }
 
 fn validate_log_level(v: &str) -> Result<(), String> {

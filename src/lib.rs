@@ -8,6 +8,7 @@
 //! - [`state_dir`]: the persistent state directory;
 //! - [`systemd`]: `Type=notify` messages and the liveness-gated watchdog;
 //! - [`control`]: the local socket `status` talks to;
+//! - [`kmod`]: the macvlan preflight (detect, load, probe);
 //! - [`check`]: the one-shot preflight;
 //! - [`agent`]: orchestration of the node daemon (`run`);
 //! - [`controller`]: the in-cluster controller;
@@ -21,6 +22,8 @@ pub mod config;
 pub mod control;
 pub mod controller;
 pub mod credentials;
+pub mod kmod;
 pub mod logging;
+pub mod node_status;
 pub mod state_dir;
 pub mod systemd;

@@ -18,8 +18,13 @@ use tokio::sync::watch;
 use crate::config::Config;
 use crate::control;
 use crate::credentials::{self, Discovery, HostEnv};
+use crate::kmod::{self, MacvlanState};
+use crate::node_status::{self, Condition, Reported};
 use crate::systemd::{self, Heartbeat, Liveness, Notifier};
 use status::{AgentStatus, ClusterState, StateDirStatus};
+
+/// The longest a macvlan preflight (modprobe + probe) may take.
+const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long one API health request may take before the cluster counts as
 /// unreachable.
@@ -48,25 +53,39 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     };
     let listener = control::bind(&cfg.socket).await?;
 
+    // macvlan is local initialisation: its state is known at READY=1. A
+    // node without it keeps running (health reporting still matters).
+    let macvlan_initial = run_preflight().await;
+    log_macvlan(&macvlan_initial);
+    let (macvlan_tx, macvlan_rx) = watch::channel(macvlan_initial);
+    let (client_tx, client_rx) = watch::channel::<Option<kube::Client>>(None);
+    let (conditions_tx, conditions_rx) = watch::channel(Reported::NotConnected);
+    let (recheck_tx, recheck_rx) = tokio::sync::mpsc::channel::<()>(1);
+
     let (cluster_tx, cluster_rx) = watch::channel(initial_cluster_state(&cfg));
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let liveness = Liveness::default();
 
     let snapshot = {
         let cluster_rx = cluster_rx.clone();
+        let macvlan_rx = macvlan_rx.clone();
+        let conditions_rx = conditions_rx.clone();
         let node = cfg.node_name.clone();
         let state_dir = state_dir.clone();
         move || {
             let cluster = cluster_rx.borrow().clone();
+            let macvlan = macvlan_rx.borrow().clone();
             AgentStatus {
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 pid: std::process::id(),
                 node_name: node.clone(),
                 started_at: humantime::format_rfc3339_seconds(started).to_string(),
                 uptime_seconds: started.elapsed().map(|d| d.as_secs()).unwrap_or(0),
-                summary: status::summary(&node, &state_dir, &cluster),
+                summary: status::summary(&node, &state_dir, &cluster, &macvlan),
                 state_dir: state_dir.clone(),
                 cluster,
+                macvlan,
+                node_conditions: conditions_rx.borrow().clone(),
             }
         }
     };
@@ -82,8 +101,25 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     tasks.spawn(watch_credentials(
         cfg.clone(),
         cluster_tx,
+        client_tx,
         liveness.register("credentials"),
         beat_every,
+        shutdown_rx.clone(),
+    ));
+    tasks.spawn(recheck_macvlan(
+        cfg.macvlan_recheck,
+        macvlan_tx,
+        recheck_rx,
+        liveness.register("macvlan"),
+        beat_every,
+        shutdown_rx.clone(),
+    ));
+    tasks.spawn(report_conditions(
+        cfg.node_name.clone(),
+        cfg.credentials_retry,
+        client_rx,
+        macvlan_rx.clone(),
+        conditions_tx,
         shutdown_rx.clone(),
     ));
     // READY=1 first, then the first STATUS=, then watchdog pings: the order
@@ -93,6 +129,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     tasks.spawn(publish_status(
         notifier.clone(),
         cluster_rx.clone(),
+        macvlan_rx.clone(),
         snapshot.clone(),
         shutdown_rx.clone(),
     ));
@@ -108,11 +145,17 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     let main_beat = liveness.register("main");
     let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    let mut sighup = signal(SignalKind::hangup()).context("installing SIGHUP handler")?;
     let mut tick = tokio::time::interval(beat_every);
     let signal_name = loop {
         tokio::select! {
             _ = sigterm.recv() => break "SIGTERM",
             _ = sigint.recv() => break "SIGINT",
+            _ = sighup.recv() => {
+                tracing::info!("SIGHUP: re-running the macvlan preflight");
+                // A full queue means a re-check is already pending.
+                let _ = recheck_tx.try_send(());
+            }
             _ = tick.tick() => main_beat.beat(),
         }
     };
@@ -193,6 +236,7 @@ async fn serve_control(
 async fn watch_credentials(
     cfg: Config,
     cluster: watch::Sender<ClusterState>,
+    client_out: watch::Sender<Option<kube::Client>>,
     hb: Heartbeat,
     beat_every: Duration,
     mut shutdown: watch::Receiver<bool>,
@@ -274,6 +318,15 @@ async fn watch_credentials(
                 }
             },
         };
+        let usable = match &next {
+            ClusterState::Connected { .. } => connected.as_ref().map(|c| c.2.clone()),
+            _ => None,
+        };
+        client_out.send_if_modified(|current| {
+            let changed = current.is_some() != usable.is_some();
+            *current = usable;
+            changed
+        });
         cluster.send_if_modified(|current| {
             if *current != next {
                 *current = next;
@@ -293,6 +346,7 @@ fn modified(path: &std::path::Path) -> Option<SystemTime> {
 async fn publish_status(
     notifier: Arc<dyn Notifier>,
     mut cluster: watch::Receiver<ClusterState>,
+    mut macvlan: watch::Receiver<MacvlanState>,
     snapshot: impl Fn() -> AgentStatus,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -311,6 +365,157 @@ async fn publish_status(
         }
         tokio::select! {
             changed = cluster.changed() => if changed.is_err() { return },
+            changed = macvlan.changed() => if changed.is_err() { return },
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+async fn run_preflight() -> MacvlanState {
+    let work = tokio::task::spawn_blocking(|| kmod::preflight(&kmod::host::Host::default(), true));
+    match tokio::time::timeout(PREFLIGHT_TIMEOUT, work).await {
+        Ok(Ok(state)) => state,
+        Ok(Err(e)) => failed_preflight(format!("the preflight task failed: {e}")),
+        Err(_) => failed_preflight(format!(
+            "the preflight did not finish within {}s",
+            PREFLIGHT_TIMEOUT.as_secs()
+        )),
+    }
+}
+
+fn failed_preflight(message: String) -> MacvlanState {
+    MacvlanState {
+        status: crate::check::Status::Fail,
+        reason: kmod::Reason::ProbeFailed,
+        message,
+        remediation: "see the daemon's log; `harvester-node-agent check --fix` runs the same steps"
+            .into(),
+        ready: false,
+        kernel: String::new(),
+        loaded_at_boot: None,
+    }
+}
+
+fn log_macvlan(state: &MacvlanState) {
+    if state.ready {
+        tracing::info!(reason = state.reason.as_str(), "{}", state.message);
+    } else {
+        tracing::error!(
+            reason = state.reason.as_str(),
+            remediation = %state.remediation,
+            "macvlan is not usable, DHCP LoadBalancer addresses cannot be held on this node: {}",
+            state.message
+        );
+    }
+}
+
+/// Re-runs the preflight on a slow timer and when asked (SIGHUP), so
+/// installing the module and reloading fixes a node without a restart.
+async fn recheck_macvlan(
+    every: Duration,
+    state: watch::Sender<MacvlanState>,
+    mut requests: tokio::sync::mpsc::Receiver<()>,
+    hb: Heartbeat,
+    beat_every: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut timer = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let mut beat = tokio::time::interval(beat_every);
+    loop {
+        tokio::select! {
+            _ = timer.tick() => {}
+            Some(()) = requests.recv() => {}
+            _ = beat.tick() => { hb.beat(); continue; }
+            _ = shutdown.changed() => return,
+        }
+        let next = beating(&hb, beat_every, run_preflight()).await;
+        let was = state.borrow().clone();
+        if was.reason != next.reason || was.ready != next.ready {
+            log_macvlan(&next);
+        }
+        // LoadedByAgent stays the reason while the module stays loaded: who
+        // loaded it does not change on a later check.
+        let next =
+            if was.reason == kmod::Reason::LoadedByAgent && next.reason == kmod::Reason::Loaded {
+                MacvlanState {
+                    reason: kmod::Reason::LoadedByAgent,
+                    ..next
+                }
+            } else {
+                next
+            };
+        state.send_if_modified(|cur| {
+            let changed = *cur != next;
+            *cur = next;
+            changed
+        });
+    }
+}
+
+fn conditions_from(macvlan: &MacvlanState) -> Vec<Condition> {
+    vec![Condition {
+        type_: "MacvlanReady".into(),
+        ready: macvlan.ready,
+        reason: macvlan.reason.as_str().into(),
+        message: if macvlan.remediation.is_empty() {
+            macvlan.message.clone()
+        } else {
+            format!("{} Fix: {}", macvlan.message, macvlan.remediation)
+        },
+    }]
+}
+
+/// Keeps the agent's own conditions on its Node: on every change, and every
+/// [`node_status::HEARTBEAT`]; retries after `retry` when the Node is not
+/// there yet or the write failed.
+async fn report_conditions(
+    node: String,
+    retry: Duration,
+    mut client: watch::Receiver<Option<kube::Client>>,
+    mut macvlan: watch::Receiver<MacvlanState>,
+    out: watch::Sender<Reported>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut last_sent: Option<(Vec<Condition>, tokio::time::Instant)> = None;
+    loop {
+        let current_client = client.borrow().clone();
+        let wanted = conditions_from(&macvlan.borrow());
+        let mut wait = node_status::HEARTBEAT;
+        let result = match current_client {
+            None => {
+                last_sent = None;
+                Reported::NotConnected
+            }
+            Some(c) => {
+                let heartbeat_due = match &last_sent {
+                    Some((sent, at)) => *sent != wanted || at.elapsed() >= node_status::HEARTBEAT,
+                    None => true,
+                };
+                let r = node_status::reconcile(&c, &node, &wanted, heartbeat_due).await;
+                match &r {
+                    Reported::Reported { .. } => {
+                        if heartbeat_due {
+                            last_sent = Some((wanted.clone(), tokio::time::Instant::now()));
+                        }
+                    }
+                    Reported::Failed { error } => {
+                        tracing::warn!(%error, "could not report Node conditions");
+                        wait = retry;
+                    }
+                    _ => wait = retry,
+                }
+                r
+            }
+        };
+        out.send_if_modified(|cur| {
+            let changed = std::mem::discriminant(cur) != std::mem::discriminant(&result);
+            *cur = result;
+            changed
+        });
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            r = client.changed() => if r.is_err() { return },
+            r = macvlan.changed() => if r.is_err() { return },
             _ = shutdown.changed() => return,
         }
     }

@@ -5,6 +5,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::kmod::MacvlanState;
+use crate::node_status::Reported;
+
 /// Connection to the guest cluster.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "state")]
@@ -46,13 +49,21 @@ pub struct AgentStatus {
     pub uptime_seconds: u64,
     pub state_dir: StateDirStatus,
     pub cluster: ClusterState,
+    pub macvlan: MacvlanState,
+    /// Whether this node's own conditions (`MacvlanReady`) are on its Node.
+    pub node_conditions: Reported,
     /// The line systemd shows as `Status:`.
     pub summary: String,
 }
 
 /// One line for `systemctl status`: the node, then what needs attention
 /// first.
-pub fn summary(node: &str, state_dir: &StateDirStatus, cluster: &ClusterState) -> String {
+pub fn summary(
+    node: &str,
+    state_dir: &StateDirStatus,
+    cluster: &ClusterState,
+    macvlan: &MacvlanState,
+) -> String {
     let cluster_part = match cluster {
         ClusterState::WaitingForCredentials {
             configured: true,
@@ -87,12 +98,37 @@ pub fn summary(node: &str, state_dir: &StateDirStatus, cluster: &ClusterState) -
     } else {
         format!("; state dir: {}", state_dir.message)
     };
-    format!("node {node}: {cluster_part}{dir_part}")
+    let macvlan_part = if macvlan.ready {
+        macvlan.short()
+    } else {
+        format!("{} (DHCP LoadBalancers disabled)", macvlan.short())
+    };
+    format!("node {node}: {macvlan_part}; {cluster_part}{dir_part}")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn macvlan(ready: bool) -> MacvlanState {
+        MacvlanState {
+            status: if ready {
+                crate::check::Status::Ok
+            } else {
+                crate::check::Status::Fail
+            },
+            reason: if ready {
+                crate::kmod::Reason::BuiltIn
+            } else {
+                crate::kmod::Reason::ModuleNotFound
+            },
+            message: String::new(),
+            remediation: String::new(),
+            ready,
+            kernel: "6.1".into(),
+            loaded_at_boot: None,
+        }
+    }
 
     #[test]
     fn summary_names_node_and_cluster_state() {
@@ -109,10 +145,11 @@ mod tests {
                 server: "https://127.0.0.1:6443/".into(),
                 server_version: "v1.20.2".into(),
             },
+            &macvlan(true),
         );
         assert_eq!(
             s,
-            "node guest-1: cluster connected (v1.20.2 at https://127.0.0.1:6443/)"
+            "node guest-1: macvlan BuiltIn; cluster connected (v1.20.2 at https://127.0.0.1:6443/)"
         );
         let s = summary(
             "g",
@@ -121,7 +158,12 @@ mod tests {
                 searched: vec!["/a".into(), "/b".into()],
                 configured: false,
             },
+            &macvlan(false),
         );
         assert!(s.contains("searched 2 paths"), "{s}");
+        assert!(
+            s.contains("macvlan ModuleNotFound (DHCP LoadBalancers disabled)"),
+            "{s}"
+        );
     }
 }

@@ -1,0 +1,361 @@
+//! macvlan preflight: is the module there, load it when it is on disk, and
+//! prove it works by creating a throwaway macvlan in a private namespace.
+//!
+//! The flow ([`preflight`]) is a plain function over a [`KernelHost`], so the
+//! decisions are unit-tested with a fake host; [`host::Host`] is the real one.
+//! Loading uses the system's `modprobe`: SUSE's 5.14 kernels ship
+//! zstd-compressed modules that only userspace can decompress, and modprobe
+//! also applies the distribution's options, softdeps and install rules.
+
+pub mod detect;
+pub mod host;
+pub mod modprobe_d;
+pub mod remedy;
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::check::Status;
+use detect::{Detection, Facts};
+use remedy::OsRelease;
+
+/// The module this preflight is about.
+pub const MACVLAN: &str = "macvlan";
+
+/// The shipped modules-load.d entry that loads macvlan at boot.
+pub const MODULES_LOAD_CONF: &str = "/usr/lib/modules-load.d/harvester-node-agent.conf";
+
+/// What the preflight needs from the machine.
+pub trait KernelHost {
+    fn facts(&self, module: &str) -> Facts;
+    /// The modules-load.d (or /etc/modules) file that loads `module` at boot.
+    fn boot_persistence(&self, module: &str) -> Option<PathBuf>;
+    fn os_release(&self) -> OsRelease;
+    /// Loads the module with its dependencies.
+    fn load(&self, module: &str) -> Result<(), String>;
+    /// Creates and deletes a macvlan without touching real interfaces.
+    fn probe(&self) -> Result<(), String>;
+}
+
+/// Stable reasons, as in `check`, `status` and the `MacvlanReady` condition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reason {
+    BuiltIn,
+    Loaded,
+    NotLoaded,
+    LoadedByAgent,
+    ModuleNotFound,
+    Blacklisted,
+    LoadFailed,
+    ProbeFailed,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::BuiltIn => "BuiltIn",
+            Reason::Loaded => "Loaded",
+            Reason::NotLoaded => "NotLoaded",
+            Reason::LoadedByAgent => "LoadedByAgent",
+            Reason::ModuleNotFound => "ModuleNotFound",
+            Reason::Blacklisted => "Blacklisted",
+            Reason::LoadFailed => "LoadFailed",
+            Reason::ProbeFailed => "ProbeFailed",
+        }
+    }
+}
+
+/// The outcome of one preflight.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MacvlanState {
+    pub status: Status,
+    pub reason: Reason,
+    pub message: String,
+    pub remediation: String,
+    /// True when a macvlan link was created successfully just now.
+    pub ready: bool,
+    /// Kernel release the result is about.
+    pub kernel: String,
+    /// modules-load.d file that loads macvlan at boot, if any.
+    pub loaded_at_boot: Option<PathBuf>,
+}
+
+impl MacvlanState {
+    /// The short form for `STATUS=`: `macvlan LoadedByAgent`.
+    pub fn short(&self) -> String {
+        format!("macvlan {}", self.reason.as_str())
+    }
+}
+
+/// Runs the preflight. With `fix`, a module that is on disk but not loaded
+/// is loaded (what the daemon does); without, nothing on the host changes.
+/// A probe runs only when the module is (or was just) in the kernel: probing
+/// an unloaded module would make the kernel auto-load it, which `check`
+/// must not do.
+pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
+    let facts = host.facts(MACVLAN);
+    let kernel = facts.release.clone();
+    let boot = host.boot_persistence(MACVLAN);
+    let boot_note = match &boot {
+        Some(f) => format!("; loaded at boot by {}", f.display()),
+        None => format!(
+            "; not set to load at boot (no modules-load.d entry; the package installs {MODULES_LOAD_CONF})"
+        ),
+    };
+    let state = |status, reason, message: String, remediation: &str| MacvlanState {
+        status,
+        reason,
+        ready: status == Status::Ok,
+        message,
+        remediation: remediation.to_string(),
+        kernel: kernel.clone(),
+        loaded_at_boot: boot.clone(),
+    };
+    let probed = |reason: Reason, what: &str| match host.probe() {
+        Ok(()) => state(
+            Status::Ok,
+            reason,
+            format!(
+                "{what} in kernel {kernel}; a test macvlan link was created and removed{boot_note}"
+            ),
+            "",
+        ),
+        Err(e) => state(
+            Status::Fail,
+            Reason::ProbeFailed,
+            format!("{what} in kernel {kernel}, but creating a macvlan link failed: {e}"),
+            "check `dmesg` for macvlan errors and that the agent runs with CAP_NET_ADMIN and CAP_SYS_ADMIN (the shipped unit grants both)",
+        ),
+    };
+
+    match detect::detect(&facts, MACVLAN) {
+        Detection::Loaded => probed(Reason::Loaded, "macvlan is loaded"),
+        Detection::BuiltIn => probed(Reason::BuiltIn, "macvlan is built into the kernel"),
+        Detection::NoModuleSupport => match host.probe() {
+            Ok(()) => state(
+                Status::Ok,
+                Reason::BuiltIn,
+                format!(
+                    "kernel {kernel} has no loadable-module support and macvlan is built in; a test macvlan link was created and removed"
+                ),
+                "",
+            ),
+            Err(e) => state(
+                Status::Fail,
+                Reason::ModuleNotFound,
+                format!(
+                    "kernel {kernel} has no loadable-module support and no built-in macvlan ({e})"
+                ),
+                "boot a kernel built with CONFIG_MACVLAN=y or =m",
+            ),
+        },
+        Detection::Blacklisted { path, by } => state(
+            Status::Fail,
+            Reason::Blacklisted,
+            format!(
+                "{} is on disk but disabled by {}; the agent does not load a blacklisted module",
+                path.display(),
+                by.join(" and ")
+            ),
+            "remove that line if DHCP-mode LoadBalancers are wanted on this node, then `systemctl reload harvester-node-agent`",
+        ),
+        Detection::ModuleNotFound { detail } => {
+            let os = host.os_release();
+            let r = remedy::module_not_found(&os, &kernel);
+            state(
+                Status::Fail,
+                Reason::ModuleNotFound,
+                format!(
+                    "{detail}; the package that should carry it is {} ({}). DHCP-mode LoadBalancer Services would stay <pending> with \"operation not supported\"",
+                    r.package,
+                    if os.pretty_name.is_empty() {
+                        "unknown distribution"
+                    } else {
+                        &os.pretty_name
+                    }
+                ),
+                &r.remediation,
+            )
+        }
+        Detection::NotLoaded { path, deps } if !fix => {
+            let with = if deps.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " with {}",
+                    deps.iter()
+                        .map(|d| detect::module_name_of(&d.to_string_lossy()))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            };
+            state(
+                Status::Warn,
+                Reason::NotLoaded,
+                format!(
+                    "{} is on disk but not loaded; the daemon loads it{with} at start{boot_note}",
+                    path.display()
+                ),
+                "start the daemon, or run `harvester-node-agent check --fix` to load it now",
+            )
+        }
+        Detection::NotLoaded { path, .. } => {
+            if let Err(e) = host.load(MACVLAN) {
+                return state(
+                    Status::Fail,
+                    Reason::LoadFailed,
+                    format!("loading {} failed: {e}", path.display()),
+                    "see `dmesg` for why the kernel refused it (signature, version magic, missing symbols)",
+                );
+            }
+            match detect::detect(&host.facts(MACVLAN), MACVLAN) {
+                Detection::Loaded => probed(Reason::LoadedByAgent, "the agent loaded macvlan"),
+                other => state(
+                    Status::Fail,
+                    Reason::LoadFailed,
+                    format!(
+                        "modprobe reported success but macvlan is not in /proc/modules ({other:?})"
+                    ),
+                    "check the modprobe.d `install` rules for macvlan",
+                ),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    struct Fake {
+        facts: RefCell<Facts>,
+        load_result: Result<(), String>,
+        probe_result: Result<(), String>,
+        loads: RefCell<u32>,
+        probes: RefCell<u32>,
+        os: &'static str,
+    }
+
+    impl Fake {
+        fn new(proc_modules: Option<&str>, dep: &str) -> Self {
+            let dir = "/lib/modules/6.1.0-56-amd64";
+            Fake {
+                facts: RefCell::new(Facts {
+                    release: "6.1.0-56-amd64".into(),
+                    proc_modules: proc_modules.map(str::to_string),
+                    modules_dir: Some(dir.into()),
+                    modules_builtin: Some(String::new()),
+                    modules_dep: Some(dep.into()),
+                    existing_files: vec![format!("{dir}/kernel/drivers/net/macvlan.ko").into()],
+                    blacklisted_by: vec![],
+                }),
+                load_result: Ok(()),
+                probe_result: Ok(()),
+                loads: RefCell::new(0),
+                probes: RefCell::new(0),
+                os: "ID=debian\nPRETTY_NAME=\"Debian GNU/Linux 12 (bookworm)\"\n",
+            }
+        }
+    }
+
+    impl KernelHost for Fake {
+        fn facts(&self, _: &str) -> Facts {
+            self.facts.borrow().clone()
+        }
+        fn boot_persistence(&self, _: &str) -> Option<PathBuf> {
+            None
+        }
+        fn os_release(&self) -> OsRelease {
+            OsRelease::parse(self.os)
+        }
+        fn load(&self, _: &str) -> Result<(), String> {
+            *self.loads.borrow_mut() += 1;
+            if self.load_result.is_ok() {
+                self.facts.borrow_mut().proc_modules = Some("macvlan 1 0 - Live 0x0\n".into());
+            }
+            self.load_result.clone()
+        }
+        fn probe(&self) -> Result<(), String> {
+            *self.probes.borrow_mut() += 1;
+            self.probe_result.clone()
+        }
+    }
+
+    const DEP: &str = "kernel/drivers/net/macvlan.ko:\n";
+
+    #[test]
+    fn check_without_fix_changes_nothing_and_does_not_probe() {
+        let host = Fake::new(Some(""), DEP);
+        let s = preflight(&host, false);
+        assert_eq!((s.status, s.reason), (Status::Warn, Reason::NotLoaded));
+        assert_eq!((*host.loads.borrow(), *host.probes.borrow()), (0, 0));
+        assert!(s.message.contains("not set to load at boot"));
+    }
+
+    #[test]
+    fn fix_loads_then_probes() {
+        let host = Fake::new(Some(""), DEP);
+        let s = preflight(&host, true);
+        assert_eq!(
+            (s.status, s.reason, s.ready),
+            (Status::Ok, Reason::LoadedByAgent, true)
+        );
+        assert_eq!((*host.loads.borrow(), *host.probes.borrow()), (1, 1));
+    }
+
+    #[test]
+    fn load_and_probe_failures_are_reported() {
+        let mut host = Fake::new(Some(""), DEP);
+        host.load_result =
+            Err("modprobe: ERROR: could not insert 'macvlan': Exec format error".into());
+        let s = preflight(&host, true);
+        assert_eq!((s.status, s.reason), (Status::Fail, Reason::LoadFailed));
+        assert!(s.message.contains("Exec format error"));
+
+        let mut host = Fake::new(Some("macvlan 1 0 - Live 0x0\n"), DEP);
+        host.probe_result = Err("Operation not supported (os error 95)".into());
+        let s = preflight(&host, false);
+        assert_eq!((s.reason, s.ready), (Reason::ProbeFailed, false));
+    }
+
+    #[test]
+    fn missing_module_names_kernel_package_and_remedy() {
+        let mut host = Fake::new(Some(""), "kernel/drivers/net/veth.ko:\n");
+        host.os =
+            "ID=\"sles\"\nID_LIKE=\"suse\"\nPRETTY_NAME=\"SUSE Linux Enterprise Server 15 SP5\"\n";
+        let s = preflight(&host, true);
+        assert_eq!((s.status, s.reason), (Status::Fail, Reason::ModuleNotFound));
+        assert!(
+            s.message.contains("6.1.0-56-amd64") && s.message.contains("kernel-default-base"),
+            "{}",
+            s.message
+        );
+        assert!(
+            s.remediation
+                .contains("zypper --non-interactive in kernel-default")
+        );
+        assert_eq!(*host.loads.borrow(), 0);
+    }
+
+    #[test]
+    fn blacklisted_is_not_loaded_even_with_fix() {
+        let host = Fake::new(Some(""), DEP);
+        host.facts.borrow_mut().blacklisted_by =
+            vec!["/etc/modprobe.d/b.conf: blacklist macvlan".into()];
+        let s = preflight(&host, true);
+        assert_eq!((s.status, s.reason), (Status::Fail, Reason::Blacklisted));
+        assert!(s.message.contains("/etc/modprobe.d/b.conf"));
+        assert_eq!(*host.loads.borrow(), 0);
+    }
+
+    #[test]
+    fn kernel_without_modules_is_builtin_when_the_probe_works() {
+        let host = Fake::new(None, DEP);
+        assert_eq!(preflight(&host, false).reason, Reason::BuiltIn);
+        let mut host = Fake::new(None, DEP);
+        host.probe_result = Err("Operation not supported".into());
+        assert_eq!(preflight(&host, false).reason, Reason::ModuleNotFound);
+    }
+}
