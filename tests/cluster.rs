@@ -198,3 +198,143 @@ fn rejected_credentials_are_reported_and_a_fixed_file_is_picked_up() {
     std::fs::rename(&tmp, &kubeconfig).unwrap();
     wait_cluster_state(&socket, "Connected", Duration::from_secs(10));
 }
+
+/// Creates the Node object the way a kubelet registers itself.
+fn register_node(api: &rig::ApiServer, name: &str) {
+    let kubeconfig = api.admin_kubeconfig().to_path_buf();
+    let name = name.to_string();
+    rig::apiserver::on_runtime(|| async move {
+        use k8s_openapi::api::core::v1::Node;
+        let client = rig::kube_client(&kubeconfig).await.unwrap();
+        let nodes: kube::Api<Node> = kube::Api::all(client);
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": name}
+        }))
+        .unwrap();
+        nodes
+            .create(&kube::api::PostParams::default(), &node)
+            .await
+            .unwrap();
+    });
+}
+
+fn node_condition(api: &rig::ApiServer, node: &str, type_: &str) -> Option<serde_json::Value> {
+    let kubeconfig = api.admin_kubeconfig().to_path_buf();
+    let (node, type_) = (node.to_string(), type_.to_string());
+    rig::apiserver::on_runtime(|| async move {
+        use k8s_openapi::api::core::v1::Node;
+        let client = rig::kube_client(&kubeconfig).await.unwrap();
+        let n = kube::Api::<Node>::all(client).get(&node).await.unwrap();
+        let v = serde_json::to_value(n).unwrap();
+        v["status"]["conditions"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["type"] == type_.as_str()).cloned())
+    })
+}
+
+#[test]
+fn macvlan_condition_lands_on_the_agents_own_node_only() {
+    let Some(rig) = Rig::start(RigOptions {
+        guests: 2,
+        dhcp: false,
+        apiserver: true,
+        ..Default::default()
+    })
+    .unwrap() else {
+        return;
+    };
+    let api = rig.apiserver().unwrap();
+    let (me, other) = (rig.node_name(0).to_string(), rig.node_name(1).to_string());
+    register_node(api, &other);
+    let dir = rig.dir().join("agent");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.toml"), "").unwrap();
+    let socket = dir.join("agent.sock");
+    let _daemon = Daemon(
+        rig.netns_cmd(rig.guest_ns(0), BIN)
+            .arg("run")
+            .arg("--config")
+            .arg(dir.join("config.toml"))
+            .args([
+                "--node-name",
+                &me,
+                "--credentials-retry",
+                "1s",
+                "--state-dir",
+            ])
+            .arg(dir.join("state"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--kubeconfig")
+            .arg(api.node_kubeconfig(&me))
+            .env("HNA_LOG_TARGET", "stderr")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // Before the kubelet registers the Node, the agent waits and says so.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let st = status(&socket);
+        if st
+            .as_ref()
+            .is_some_and(|s| s["node_conditions"]["state"] == "NodeNotRegistered")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never reported NodeNotRegistered: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    register_node(api, &me);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let cond = loop {
+        if let Some(c) = node_condition(api, &me, "MacvlanReady") {
+            break c;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "MacvlanReady never appeared on Node {me}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let st = status(&socket).unwrap();
+    let reason = st["macvlan"]["reason"].as_str().unwrap().to_string();
+    assert_eq!(cond["reason"], reason.as_str());
+    assert_eq!(
+        cond["status"],
+        if st["macvlan"]["ready"] == true {
+            "True"
+        } else {
+            "False"
+        }
+    );
+    if !Path::new("/proc/modules").exists() {
+        // This machine's kernel has macvlan built in and no module support.
+        assert_eq!(reason, "BuiltIn");
+    }
+    assert!(cond["lastHeartbeatTime"].is_string() && cond["lastTransitionTime"].is_string());
+    // Only the agent's own Node was written.
+    assert!(node_condition(api, &other, "MacvlanReady").is_none());
+
+    // The credentials it uses cannot write another node's status.
+    let kubeconfig = api.node_kubeconfig(&me).to_path_buf();
+    let denied = rig::apiserver::on_runtime(|| async move {
+        use k8s_openapi::api::core::v1::Node;
+        let client = rig::kube_client(&kubeconfig).await.unwrap();
+        let patch = serde_json::json!({"status": {"conditions": [{"type": "MacvlanReady", "status": "True"}]}});
+        kube::Api::<Node>::all(client)
+            .patch_status(
+                &other,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Strategic(patch),
+            )
+            .await
+    });
+    match denied {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
+        other => panic!("node credentials patched another Node: {other:?}"),
+    }
+}

@@ -291,6 +291,8 @@ fn status_answers_from_a_running_daemon_and_fails_clearly_without_one() {
     assert_eq!(v["pid"], child.0.id());
     assert_eq!(v["cluster"]["state"], "WaitingForCredentials");
     assert_eq!(v["state_dir"]["ok"], true);
+    assert!(v["macvlan"]["reason"].is_string(), "{v}");
+    assert_eq!(v["node_conditions"]["state"], "NotConnected");
 
     let human = agent(tmp.path())
         .args(["status", "--socket"])

@@ -45,6 +45,12 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         "starting harvester-node-agent"
     );
 
+    // Handlers first: a SIGTERM that arrives during start-up must still
+    // mean a clean stop, not the default disposition.
+    let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    let mut sighup = signal(SignalKind::hangup()).context("installing SIGHUP handler")?;
+
     crate::state_dir::prepare(&cfg.state_dir)?;
     let state_dir = StateDirStatus {
         path: cfg.state_dir.clone(),
@@ -143,9 +149,6 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     }
 
     let main_beat = liveness.register("main");
-    let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
-    let mut sighup = signal(SignalKind::hangup()).context("installing SIGHUP handler")?;
     let mut tick = tokio::time::interval(beat_every);
     let signal_name = loop {
         tokio::select! {
