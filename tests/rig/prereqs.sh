@@ -40,6 +40,75 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
+# --- VM tests (tests/vm) ---------------------------------------------------
+# qemu, kmod and cpio, and Debian's stock kernel (where macvlan is a loadable
+# module), unpacked, not installed, and cached by package version:
+#   $CACHE_DIR/kernel/<version>/boot/vmlinuz-<release>
+#   $CACHE_DIR/kernel/<version>/lib/modules/<release>/   (with modules.dep)
+#   $CACHE_DIR/kernel/<version>/VERSION                  (<release>, uname -r)
+# tests/vm uses the newest such folder, or HNA_VM_KERNEL_DIR.
+# This section sits before the kube-apiserver part because that part exits
+# early once its build is cached.
+VM_PACKAGES=(qemu-system-x86 kmod cpio)
+missing=()
+for p in "${VM_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  apt_update
+  log "installing ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+if [[ -n "${HNA_VM_KERNEL_DIR:-}" ]]; then
+  log "using the VM kernel from HNA_VM_KERNEL_DIR=${HNA_VM_KERNEL_DIR}"
+else
+  kernel_pkg() {
+    apt-cache depends linux-image-amd64 2>/dev/null \
+      | sed -n 's/^ *Depends: \(linux-image-[0-9][^ ]*-amd64\)$/\1/p' | head -1
+  }
+  KPKG=$(kernel_pkg)
+  if [[ -z "$KPKG" ]]; then apt_update; KPKG=$(kernel_pkg); fi
+  [[ -n "$KPKG" ]] || { log "cannot resolve the kernel package of linux-image-amd64"; exit 1; }
+  KVER=$(apt-cache show --no-all-versions "$KPKG" | sed -n 's/^Version: //p' | head -1)
+  [[ -n "$KVER" ]] || { log "no version found for $KPKG"; exit 1; }
+  KDIR="$CACHE_DIR/kernel/$KVER"
+  if [[ -f "$KDIR/VERSION" ]]; then
+    log "VM kernel $KPKG $KVER ($(cat "$KDIR/VERSION")) cached at $KDIR"
+  else
+    log "fetching $KPKG $KVER for the VM tests (one-time, ~70 MB)"
+    mkdir -p "$CACHE_DIR/kernel"
+    KTMP=$(mktemp -d "$CACHE_DIR/kernel/.tmp-XXXXXX")
+    trap 'rm -rf "$KTMP"' EXIT
+    # apt-get download runs as the _apt user when that user can write here.
+    chmod 755 "$KTMP"; mkdir "$KTMP/dl"
+    chown _apt "$KTMP/dl" 2>/dev/null || true
+    ( cd "$KTMP/dl" && apt-get download -qq "$KPKG=$KVER" >&2 )
+    DEB=$(find "$KTMP/dl" -maxdepth 1 -name '*.deb' | head -1)
+    [[ -f "$DEB" ]] || { log "apt-get download $KPKG=$KVER produced no .deb"; exit 1; }
+    dpkg-deb -x "$DEB" "$KTMP/root"
+    rm -rf "$KTMP/dl"
+    VMLINUZ=$(find "$KTMP/root/boot" -maxdepth 1 -name 'vmlinuz-*' | head -1)
+    [[ -f "$VMLINUZ" ]] || { log "$KPKG has no boot/vmlinuz-*"; exit 1; }
+    KREL=${VMLINUZ##*/vmlinuz-}
+    MODS="$KTMP/root/lib/modules/$KREL"
+    [[ -d "$MODS" ]] || MODS="$KTMP/root/usr/lib/modules/$KREL"
+    [[ -d "$MODS" ]] || { log "$KPKG has no lib/modules/$KREL"; exit 1; }
+    mkdir -p "$KTMP/out/boot" "$KTMP/out/lib/modules"
+    mv "$VMLINUZ" "$KTMP/out/boot/"
+    mv "$MODS" "$KTMP/out/lib/modules/"
+    rm -rf "$KTMP/root"
+    depmod -b "$KTMP/out" "$KREL"
+    echo "$KREL" > "$KTMP/out/VERSION"
+    rm -rf "$KDIR"
+    mv "$KTMP/out" "$KDIR"
+    rm -rf "$KTMP"
+    trap - EXIT
+    log "VM kernel $KREL ($KPKG $KVER) cached at $KDIR"
+  fi
+fi
+# --- end of VM tests section -----------------------------------------------
+
 if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" ]]; then
   log "using kube-apiserver from KUBEBUILDER_ASSETS=${KUBEBUILDER_ASSETS}"
   echo "${KUBEBUILDER_ASSETS}"
