@@ -1,0 +1,472 @@
+//! The macvlan preflight on a real kernel: Debian's `linux-image-*-amd64`
+//! (macvlan is a loadable module there) booted under qemu, with the agent
+//! binary, busybox, kmod and socat in the initramfs.
+//!
+//! One boot walks the states a node can be in — on disk and not loaded,
+//! blacklisted, removed (the `kernel-default-base` case) — through `check`,
+//! `check --fix` and the daemon (with a real `NOTIFY_SOCKET` receiver). A
+//! second boot gives the VM a user-mode NIC whose only destination is the
+//! rig's API server on host loopback, and shows `MacvlanReady` change on the
+//! Node as the module state changes.
+
+#[allow(dead_code)]
+mod rig;
+#[allow(dead_code)]
+mod vm;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rig::{Rig, RigOptions};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+
+/// The agent binary without debug info (the debug build is ~170 MB, which
+/// would make the initramfs slow to unpack under emulation).
+fn stripped_agent(dir: &Path) -> PathBuf {
+    let out = dir.join("harvester-node-agent");
+    let st = std::process::Command::new("strip")
+        .arg("-o")
+        .arg(&out)
+        .arg(BIN)
+        .status()
+        .expect("strip (binutils) runs");
+    assert!(st.success(), "strip failed");
+    out
+}
+
+fn image(kernel: &vm::Kernel, dir: &Path, extra_modules: &[&str]) -> vm::Initramfs {
+    let mut img = vm::Initramfs::new(kernel).unwrap();
+    img.add_binary(&stripped_agent(dir), "/usr/bin/harvester-node-agent")
+        .unwrap();
+    img.add_binary(Path::new("/usr/bin/socat"), "/usr/bin/socat")
+        .unwrap();
+    let mut modules = vec!["macvlan", "veth"];
+    modules.extend_from_slice(extra_modules);
+    img.add_modules(&modules).unwrap();
+    img.add_file("/etc/harvester-node-agent/config.toml", b"", 0o644)
+        .unwrap();
+    img
+}
+
+/// The JSON a command printed, reassembled from its `KEY.out` markers.
+fn json(run: &vm::VmRun, key: &str) -> Value {
+    let text = run.markers(&format!("{key}.out")).join("\n");
+    serde_json::from_str(&text).unwrap_or_else(|e| {
+        panic!(
+            "{key}: not JSON ({e}): {text:?}\nconsole tail:\n{}",
+            run.tail(60)
+        )
+    })
+}
+
+fn macvlan_check(run: &vm::VmRun, key: &str) -> Value {
+    json(run, key)["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "macvlan")
+        .cloned()
+        .unwrap_or_else(|| panic!("{key}: no macvlan check"))
+}
+
+fn rc(run: &vm::VmRun, key: &str) -> String {
+    run.marker(&format!("{key}.rc"))
+        .unwrap_or_else(|| panic!("no {key}.rc; console tail:\n{}", run.tail(60)))
+}
+
+/// Shell helpers shared by both boots.
+const PRELUDE: &str = r#"
+A=/usr/bin/harvester-node-agent
+export HNA_LOG_TARGET=stderr HNA_KUBECONFIG_SEARCH=
+ARGS="--state-dir /var/lib/hna --socket /run/hna/agent.sock"
+REL=$(uname -r)
+MOD=/lib/modules/$REL/kernel/drivers/net/macvlan.ko
+loaded() { grep -c '^macvlan ' /proc/modules; }
+# Waits until `status --output json` contains $1 (up to 60 s).
+wait_status() {
+  i=0
+  while [ $i -lt 600 ]; do
+    if $A status --output json --socket /run/hna/agent.sock 2>/dev/null | grep -q "$1"; then return 0; fi
+    sleep 0.1; i=$((i+1))
+  done
+  return 1
+}
+"#;
+
+#[test]
+fn preflight_states_on_a_real_kernel() {
+    let Some(kernel) = vm::kernel().unwrap() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut img = image(&kernel, dir.path(), &[]);
+    let sles = "NAME=\"SLES\"\nVERSION=\"15-SP5\"\nID=\"sles\"\nID_LIKE=\"suse\"\nPRETTY_NAME=\"SUSE Linux Enterprise Server 15 SP5\"\n";
+    img.add_file("/etc/os-release.sles", sles.as_bytes(), 0o644)
+        .unwrap();
+    img.set_init(&format!(
+        "{PRELUDE}{}",
+        r#"
+hna release "$REL"
+hna loaded.start "$(loaded)"
+
+# 1. On disk, not loaded: check reports and changes nothing.
+hna_run notloaded $A check --output json $ARGS
+hna loaded.after_check "$(loaded)"
+
+# 2. check --fix loads it (system modprobe) and proves it.
+hna_run fix $A check --fix --output json $ARGS
+hna loaded.after_fix "$(loaded)"
+rmmod macvlan; hna loaded.after_rmmod "$(loaded)"
+
+# 3. Blacklisted: neither check nor --fix loads it.
+echo "blacklist macvlan" > /etc/modprobe.d/no-macvlan.conf
+hna_run black $A check --output json $ARGS
+hna_run blackfix $A check --fix --output json $ARGS
+hna loaded.blacklisted "$(loaded)"
+rm /etc/modprobe.d/no-macvlan.conf
+
+# 4. The kernel-default-base case: the module is not in the image.
+mv $MOD /tmp/macvlan.ko && depmod
+hna_run missing $A check --output json $ARGS
+cp /etc/os-release /tmp/os-release.debian && cp /etc/os-release.sles /etc/os-release
+hna_run missing_suse $A check --output json $ARGS
+cp /tmp/os-release.debian /etc/os-release
+
+# 5. The daemon without the module: stays up, says so in STATUS= and
+#    status; installing the module and reloading fixes it, no restart.
+socat -u UNIX-RECV:/run/notify.sock,unlink-early OPEN:/tmp/notify.log,creat,append &
+SOCAT=$!
+sleep 0.3
+NOTIFY_SOCKET=/run/notify.sock $A run $ARGS --node-name vm-1 --macvlan-recheck 1h 2>/tmp/daemon.log &
+PID=$!
+wait_status '"reason": "ModuleNotFound"'; hna d.missing.waited $?
+hna_run d_missing $A status --output json --socket /run/hna/agent.sock
+hna d.alive "$(kill -0 $PID 2>/dev/null && echo yes || echo no)"
+mv /tmp/macvlan.ko $MOD && depmod
+kill -HUP $PID
+wait_status '"reason": "LoadedByAgent"'; hna d.fixed.waited $?
+hna_run d_fixed $A status --output json --socket /run/hna/agent.sock
+hna loaded.after_reload "$(loaded)"
+kill -TERM $PID; wait $PID; hna d.exit $?
+
+# 6. The daemon loads it at start.
+rmmod macvlan
+NOTIFY_SOCKET=/run/notify.sock $A run $ARGS --node-name vm-1 2>>/tmp/daemon.log &
+PID=$!
+wait_status '"reason": "LoadedByAgent"'; hna d2.waited $?
+hna loaded.after_start "$(loaded)"
+ip link add v0 type veth peer name v1 && ip link add link v0 name mv0 type macvlan mode bridge
+hna iplink.macvlan $?
+kill -TERM $PID; wait $PID; hna d2.exit $?
+sleep 0.3; kill $SOCAT
+while read -r line; do hna notify "$line"; done < /tmp/notify.log
+while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
+"#
+    ));
+    let started = Instant::now();
+    let run = vm::boot(&kernel, &img.build().unwrap(), &vm::VmOptions::default()).unwrap();
+    eprintln!("VM run took {:.1}s", started.elapsed().as_secs_f64());
+    let release = run.marker("release").unwrap();
+    assert_eq!(release, kernel.release);
+    assert_eq!(run.marker("loaded.start").as_deref(), Some("0"));
+
+    // 1. NotLoaded, read-only.
+    let c = macvlan_check(&run, "notloaded");
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("warn"), Some("NotLoaded")),
+        "{c}"
+    );
+    assert!(c["message"].as_str().unwrap().contains("macvlan.ko"));
+    assert_eq!(rc(&run, "notloaded"), "0");
+    assert_eq!(
+        run.marker("loaded.after_check").as_deref(),
+        Some("0"),
+        "plain check loaded the module"
+    );
+
+    // 2. --fix.
+    let c = macvlan_check(&run, "fix");
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("ok"), Some("LoadedByAgent")),
+        "{c}"
+    );
+    assert!(
+        c["message"]
+            .as_str()
+            .unwrap()
+            .contains("test macvlan link was created")
+    );
+    assert_eq!(rc(&run, "fix"), "0");
+    assert_eq!(run.marker("loaded.after_fix").as_deref(), Some("1"));
+    assert_eq!(run.marker("loaded.after_rmmod").as_deref(), Some("0"));
+
+    // 3. Blacklisted.
+    for key in ["black", "blackfix"] {
+        let c = macvlan_check(&run, key);
+        assert_eq!(
+            (c["status"].as_str(), c["reason"].as_str()),
+            (Some("fail"), Some("Blacklisted")),
+            "{c}"
+        );
+        assert!(
+            c["message"]
+                .as_str()
+                .unwrap()
+                .contains("/etc/modprobe.d/no-macvlan.conf")
+        );
+        assert_eq!(rc(&run, key), "1");
+    }
+    assert_eq!(run.marker("loaded.blacklisted").as_deref(), Some("0"));
+
+    // 4. ModuleNotFound with the kernel, the package and the remedy.
+    let c = macvlan_check(&run, "missing");
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("fail"), Some("ModuleNotFound")),
+        "{c}"
+    );
+    let msg = c["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&release) && msg.contains(&format!("linux-image-{release}")),
+        "{msg}"
+    );
+    assert_eq!(rc(&run, "missing"), "1");
+    let c = macvlan_check(&run, "missing_suse");
+    assert!(
+        c["message"]
+            .as_str()
+            .unwrap()
+            .contains("kernel-default-base"),
+        "{c}"
+    );
+    let fix = c["remediation"].as_str().unwrap();
+    assert!(
+        fix.contains("zypper --non-interactive in kernel-default") && fix.contains("kiwi"),
+        "{fix}"
+    );
+
+    // 5. Daemon: up without the module, fixed by reload.
+    assert_eq!(
+        run.marker("d.missing.waited").as_deref(),
+        Some("0"),
+        "{}",
+        run.tail(80)
+    );
+    let st = json(&run, "d_missing");
+    assert_eq!(st["macvlan"]["reason"], "ModuleNotFound");
+    assert!(
+        st["summary"]
+            .as_str()
+            .unwrap()
+            .contains("macvlan ModuleNotFound")
+    );
+    assert_eq!(run.marker("d.alive").as_deref(), Some("yes"));
+    assert_eq!(
+        run.marker("d.fixed.waited").as_deref(),
+        Some("0"),
+        "{}",
+        run.tail(80)
+    );
+    let st = json(&run, "d_fixed");
+    assert_eq!(
+        (
+            st["macvlan"]["reason"].as_str(),
+            st["macvlan"]["ready"].as_bool()
+        ),
+        (Some("LoadedByAgent"), Some(true))
+    );
+    assert_eq!(run.marker("loaded.after_reload").as_deref(), Some("1"));
+    assert_eq!(run.marker("d.exit").as_deref(), Some("0"));
+    let notify = run.markers("notify");
+    assert!(
+        notify
+            .iter()
+            .any(|l| l.starts_with("STATUS=") && l.contains("macvlan ModuleNotFound")),
+        "STATUS= never showed ModuleNotFound: {notify:?}"
+    );
+    assert!(
+        notify
+            .iter()
+            .any(|l| l.starts_with("STATUS=") && l.contains("macvlan LoadedByAgent")),
+        "STATUS= never showed LoadedByAgent: {notify:?}"
+    );
+
+    // 6. Daemon loads at start; macvlan links work afterwards.
+    assert_eq!(
+        run.marker("d2.waited").as_deref(),
+        Some("0"),
+        "{}",
+        run.tail(80)
+    );
+    assert_eq!(run.marker("loaded.after_start").as_deref(), Some("1"));
+    assert_eq!(run.marker("iplink.macvlan").as_deref(), Some("0"));
+    assert_eq!(run.marker("d2.exit").as_deref(), Some("0"));
+}
+
+fn admin_client_call<T: Send>(
+    api: &rig::ApiServer,
+    f: impl FnOnce(kube::Client) -> std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>
+    + Send,
+) -> T {
+    let kubeconfig = api.admin_kubeconfig().to_path_buf();
+    rig::apiserver::on_runtime(|| async move {
+        let client = rig::kube_client(&kubeconfig).await.unwrap();
+        f(client).await
+    })
+}
+
+fn macvlan_condition(api: &rig::ApiServer, node: &str) -> Option<(String, String)> {
+    let node = node.to_string();
+    admin_client_call(api, move |client| {
+        Box::pin(async move {
+            use k8s_openapi::api::core::v1::Node;
+            let n = kube::Api::<Node>::all(client).get(&node).await.ok()?;
+            let c = n
+                .status?
+                .conditions?
+                .into_iter()
+                .find(|c| c.type_ == "MacvlanReady")?;
+            Some((c.status, c.reason.unwrap_or_default()))
+        })
+    })
+}
+
+#[test]
+fn macvlan_ready_condition_follows_the_module_on_a_real_kernel() {
+    let Some(kernel) = vm::kernel().unwrap() else {
+        return;
+    };
+    let node = "hna-vm";
+    let Some(rig) = Rig::start(RigOptions {
+        guests: 1,
+        dhcp: false,
+        apiserver: true,
+        node_names: vec![node.into()],
+        ..Default::default()
+    })
+    .unwrap() else {
+        return;
+    };
+    let api = rig.apiserver().unwrap();
+    admin_client_call(api, move |client| {
+        Box::pin(async move {
+            use k8s_openapi::api::core::v1::Node;
+            let n: Node = serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "Node", "metadata": {"name": node}
+            }))
+            .unwrap();
+            kube::Api::<Node>::all(client)
+                .create(&Default::default(), &n)
+                .await
+                .unwrap();
+        })
+    });
+
+    // The VM reaches the API server as https://localhost:<port>: its
+    // /etc/hosts points localhost at the user-mode network's forward, which
+    // qemu connects to host loopback (the serving certificate names
+    // localhost). restrict=on: nothing else leaves the VM.
+    let port = api.port();
+    let kubeconfig = std::fs::read_to_string(api.node_kubeconfig(node))
+        .unwrap()
+        .replace(
+            &format!("https://127.0.0.1:{port}"),
+            &format!("https://localhost:{port}"),
+        );
+    assert!(kubeconfig.contains("https://localhost:"));
+    let dir = tempfile::tempdir().unwrap();
+    let mut img = image(&kernel, dir.path(), &["virtio_pci", "virtio_net"]);
+    img.add_file("/etc/kubernetes/kubelet.conf", kubeconfig.as_bytes(), 0o600)
+        .unwrap();
+    img.add_file(
+        "/etc/hosts",
+        b"10.0.2.100 localhost\n127.0.0.1 hna-vm\n",
+        0o644,
+    )
+    .unwrap();
+    img.set_init(&format!(
+        "{PRELUDE}{}",
+        r#"
+modprobe virtio_pci; modprobe virtio_net
+ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0
+hna net $?
+echo "blacklist macvlan" > /etc/modprobe.d/no-macvlan.conf
+$A run $ARGS --node-name hna-vm --kubeconfig /etc/kubernetes/kubelet.conf --credentials-retry 1s 2>/tmp/daemon.log &
+PID=$!
+wait_status '"reason": "Blacklisted"' && wait_status '"state": "Reported"'
+hna phase.blacklisted $?
+# Let the test observe the False condition before it changes.
+sleep 5
+rm /etc/modprobe.d/no-macvlan.conf
+kill -HUP $PID
+wait_status '"reason": "LoadedByAgent"'
+hna phase.loaded $?
+sleep 5
+hna_run final $A status --output json --socket /run/hna/agent.sock
+kill -TERM $PID; wait $PID; hna d.exit $?
+while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
+"#
+    ));
+    let initramfs = img.build().unwrap();
+    let opts = vm::VmOptions {
+        extra_args: vec![
+            "-netdev".into(),
+            format!(
+                "user,id=n0,restrict=on,guestfwd=tcp:10.0.2.100:{port}-cmd:socat - TCP:127.0.0.1:{port}"
+            ),
+            "-device".into(),
+            "virtio-net-pci,netdev=n0".into(),
+        ],
+        ..vm::VmOptions::default()
+    };
+
+    let seen = std::sync::Mutex::new(Vec::<(String, String)>::new());
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let run = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Some(c) = macvlan_condition(api, node) {
+                    let mut seen = seen.lock().unwrap();
+                    if seen.last() != Some(&c) {
+                        seen.push(c);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        let run = vm::boot(&kernel, &initramfs, &opts);
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        run
+    })
+    .unwrap();
+    eprintln!("VM run took {:.1}s", run.duration.as_secs_f64());
+    assert_eq!(run.marker("net").as_deref(), Some("0"), "{}", run.tail(60));
+    assert_eq!(
+        run.marker("phase.blacklisted").as_deref(),
+        Some("0"),
+        "{}",
+        run.tail(80)
+    );
+    assert_eq!(
+        run.marker("phase.loaded").as_deref(),
+        Some("0"),
+        "{}",
+        run.tail(80)
+    );
+    assert_eq!(json(&run, "final")["node_conditions"]["state"], "Reported");
+    assert_eq!(run.marker("d.exit").as_deref(), Some("0"));
+    let seen = seen.into_inner().unwrap();
+    let want = [
+        ("False".to_string(), "Blacklisted".to_string()),
+        ("True".to_string(), "LoadedByAgent".to_string()),
+    ];
+    assert_eq!(
+        seen, want,
+        "MacvlanReady on Node {node} went through {seen:?}"
+    );
+}
