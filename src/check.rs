@@ -262,6 +262,17 @@ pub fn macvlan_check(state: &crate::kmod::MacvlanState) -> Check {
     )
 }
 
+/// The `qemu-guest-agent` check.
+pub fn guest_agent_check(state: &crate::guest::GuestAgentState) -> Check {
+    Check::new(
+        "qemu-guest-agent",
+        state.status,
+        state.reason.as_str(),
+        state.message.clone(),
+        &state.remediation,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -249,6 +249,12 @@ fn check(args: CheckArgs) -> ExitCode {
     }
     let macvlan = crate::kmod::preflight(&crate::kmod::host::Host::default(), args.fix);
     checks.push(check::macvlan_check(&macvlan));
+    let guest = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("single-thread runtime")
+        .block_on(crate::guest::watch::assess_now(std::path::Path::new("/")));
+    checks.push(check::guest_agent_check(&guest));
     let report = Report { checks };
     match args.output {
         Output::Json => println!("{}", report.to_json()),
@@ -322,7 +328,7 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
         ),
     };
     format!(
-        "harvester-node-agent {} on node {} (pid {}, up {})\n  summary:   {}\n  state dir: {} ({})\n  cluster:   {}\n  macvlan:   {}: {}{}\n  node conditions: {}\n",
+        "harvester-node-agent {} on node {} (pid {}, up {})\n  summary:   {}\n  state dir: {} ({})\n  cluster:   {}\n  macvlan:   {}: {}{}\n  qemu-ga:   {}: {}\n  node conditions: {}\n",
         st.version,
         st.node_name,
         st.pid,
@@ -338,13 +344,15 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
         } else {
             format!("\n             fix: {}", st.macvlan.remediation)
         },
+        st.guest_agent.reason.as_str(),
+        st.guest_agent.message,
         match &st.node_conditions {
             crate::node_status::Reported::NotConnected =>
                 "not connected to the cluster".to_string(),
             crate::node_status::Reported::NodeNotRegistered =>
                 format!("Node {} is not registered yet", st.node_name),
             crate::node_status::Reported::Reported { at } =>
-                format!("MacvlanReady reported at {at}"),
+                format!("MacvlanReady, GuestAgentReady reported at {at}"),
             crate::node_status::Reported::Failed { error } => format!("failed: {error}"),
         }
     )

@@ -9,6 +9,8 @@
 //! - [`systemd`]: `Type=notify` messages and the liveness-gated watchdog;
 //! - [`control`]: the local socket `status` talks to;
 //! - [`kmod`]: the macvlan preflight (detect, load, probe);
+//! - [`guest`]: qemu-guest-agent health;
+//! - [`node_status`]: the conditions the agent owns on its Node;
 //! - [`check`]: the one-shot preflight;
 //! - [`agent`]: orchestration of the node daemon (`run`);
 //! - [`controller`]: the in-cluster controller;
@@ -22,6 +24,7 @@ pub mod config;
 pub mod control;
 pub mod controller;
 pub mod credentials;
+pub mod guest;
 pub mod kmod;
 pub mod logging;
 pub mod node_status;

@@ -62,14 +62,18 @@ fn json(run: &vm::VmRun, key: &str) -> Value {
     })
 }
 
-fn macvlan_check(run: &vm::VmRun, key: &str) -> Value {
+fn named_check(run: &vm::VmRun, key: &str, name: &str) -> Value {
     json(run, key)["checks"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|c| c["name"] == "macvlan")
+        .find(|c| c["name"] == name)
         .cloned()
-        .unwrap_or_else(|| panic!("{key}: no macvlan check"))
+        .unwrap_or_else(|| panic!("{key}: no {name} check"))
+}
+
+fn macvlan_check(run: &vm::VmRun, key: &str) -> Value {
+    named_check(run, key, "macvlan")
 }
 
 fn rc(run: &vm::VmRun, key: &str) -> String {
@@ -106,11 +110,20 @@ fn preflight_states_on_a_real_kernel() {
     let sles = "NAME=\"SLES\"\nVERSION=\"15-SP5\"\nID=\"sles\"\nID_LIKE=\"suse\"\nPRETTY_NAME=\"SUSE Linux Enterprise Server 15 SP5\"\n";
     img.add_file("/etc/os-release.sles", sles.as_bytes(), 0o644)
         .unwrap();
+    // qemu-ga kept aside: first "not installed", then installed in a VM
+    // that has no guest-agent channel.
+    img.add_binary(Path::new("/usr/sbin/qemu-ga"), "/opt/qemu-ga")
+        .unwrap();
     img.set_init(&format!(
         "{PRELUDE}{}",
         r#"
 hna release "$REL"
 hna loaded.start "$(loaded)"
+
+# qemu-guest-agent: not installed, then installed without a channel.
+hna_run ga_missing $A check --output json $ARGS
+cp /opt/qemu-ga /usr/sbin/qemu-ga
+hna_run ga_noport $A check --output json $ARGS
 
 # 1. On disk, not loaded: check reports and changes nothing.
 hna_run notloaded $A check --output json $ARGS
@@ -172,6 +185,16 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
     let release = run.marker("release").unwrap();
     assert_eq!(release, kernel.release);
     assert_eq!(run.marker("loaded.start").as_deref(), Some("0"));
+
+    let c = named_check(&run, "ga_missing", "qemu-guest-agent");
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("fail"), Some("NotInstalled")),
+        "{c}"
+    );
+    assert!(c["remediation"].as_str().unwrap().contains("#cloud-config"));
+    let c = named_check(&run, "ga_noport", "qemu-guest-agent");
+    assert_eq!(c["reason"], "NoVirtioPort", "{c}");
 
     // 1. NotLoaded, read-only.
     let c = macvlan_check(&run, "notloaded");

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use crate::config::Config;
 use crate::control;
 use crate::credentials::{self, Discovery, HostEnv};
+use crate::guest::{self, GuestAgentState};
 use crate::kmod::{self, MacvlanState};
 use crate::node_status::{self, Condition, Reported};
 use crate::systemd::{self, Heartbeat, Liveness, Notifier};
@@ -64,6 +65,8 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     let macvlan_initial = run_preflight().await;
     log_macvlan(&macvlan_initial);
     let (macvlan_tx, macvlan_rx) = watch::channel(macvlan_initial);
+    let (guest_tx, guest_rx) =
+        watch::channel(guest::watch::assess_now(std::path::Path::new("/")).await);
     let (client_tx, client_rx) = watch::channel::<Option<kube::Client>>(None);
     let (conditions_tx, conditions_rx) = watch::channel(Reported::NotConnected);
     let (recheck_tx, recheck_rx) = tokio::sync::mpsc::channel::<()>(1);
@@ -75,22 +78,25 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     let snapshot = {
         let cluster_rx = cluster_rx.clone();
         let macvlan_rx = macvlan_rx.clone();
+        let guest_rx = guest_rx.clone();
         let conditions_rx = conditions_rx.clone();
         let node = cfg.node_name.clone();
         let state_dir = state_dir.clone();
         move || {
             let cluster = cluster_rx.borrow().clone();
             let macvlan = macvlan_rx.borrow().clone();
+            let guest_agent = guest_rx.borrow().clone();
             AgentStatus {
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 pid: std::process::id(),
                 node_name: node.clone(),
                 started_at: humantime::format_rfc3339_seconds(started).to_string(),
                 uptime_seconds: started.elapsed().map(|d| d.as_secs()).unwrap_or(0),
-                summary: status::summary(&node, &state_dir, &cluster, &macvlan),
+                summary: status::summary(&node, &state_dir, &cluster, &macvlan, &guest_agent),
                 state_dir: state_dir.clone(),
                 cluster,
                 macvlan,
+                guest_agent,
                 node_conditions: conditions_rx.borrow().clone(),
             }
         }
@@ -120,11 +126,19 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         beat_every,
         shutdown_rx.clone(),
     ));
+    tasks.spawn(guest::watch::run(
+        std::path::PathBuf::from("/"),
+        guest_tx,
+        liveness.register("guest-agent"),
+        beat_every,
+        shutdown_rx.clone(),
+    ));
     tasks.spawn(report_conditions(
         cfg.node_name.clone(),
         cfg.credentials_retry,
         client_rx,
         macvlan_rx.clone(),
+        guest_rx.clone(),
         conditions_tx,
         shutdown_rx.clone(),
     ));
@@ -136,6 +150,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         notifier.clone(),
         cluster_rx.clone(),
         macvlan_rx.clone(),
+        guest_rx.clone(),
         snapshot.clone(),
         shutdown_rx.clone(),
     ));
@@ -350,6 +365,7 @@ async fn publish_status(
     notifier: Arc<dyn Notifier>,
     mut cluster: watch::Receiver<ClusterState>,
     mut macvlan: watch::Receiver<MacvlanState>,
+    mut guest: watch::Receiver<GuestAgentState>,
     snapshot: impl Fn() -> AgentStatus,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -369,6 +385,7 @@ async fn publish_status(
         tokio::select! {
             changed = cluster.changed() => if changed.is_err() { return },
             changed = macvlan.changed() => if changed.is_err() { return },
+            changed = guest.changed() => if changed.is_err() { return },
             _ = shutdown.changed() => return,
         }
     }
@@ -455,17 +472,42 @@ async fn recheck_macvlan(
     }
 }
 
-fn conditions_from(macvlan: &MacvlanState) -> Vec<Condition> {
-    vec![Condition {
-        type_: "MacvlanReady".into(),
-        ready: macvlan.ready,
-        reason: macvlan.reason.as_str().into(),
-        message: if macvlan.remediation.is_empty() {
-            macvlan.message.clone()
+fn condition(
+    type_: &str,
+    ready: bool,
+    reason: &str,
+    message: &str,
+    remediation: &str,
+) -> Condition {
+    Condition {
+        type_: type_.into(),
+        ready,
+        reason: reason.into(),
+        message: if remediation.is_empty() {
+            message.to_string()
         } else {
-            format!("{} Fix: {}", macvlan.message, macvlan.remediation)
+            format!("{message} Fix: {remediation}")
         },
-    }]
+    }
+}
+
+fn conditions_from(macvlan: &MacvlanState, guest: &GuestAgentState) -> Vec<Condition> {
+    vec![
+        condition(
+            "MacvlanReady",
+            macvlan.ready,
+            macvlan.reason.as_str(),
+            &macvlan.message,
+            &macvlan.remediation,
+        ),
+        condition(
+            "GuestAgentReady",
+            guest.ready,
+            guest.reason.as_str(),
+            &guest.message,
+            &guest.remediation,
+        ),
+    ]
 }
 
 /// Keeps the agent's own conditions on its Node: on every change, and every
@@ -476,13 +518,14 @@ async fn report_conditions(
     retry: Duration,
     mut client: watch::Receiver<Option<kube::Client>>,
     mut macvlan: watch::Receiver<MacvlanState>,
+    mut guest: watch::Receiver<GuestAgentState>,
     out: watch::Sender<Reported>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut last_sent: Option<(Vec<Condition>, tokio::time::Instant)> = None;
     loop {
         let current_client = client.borrow().clone();
-        let wanted = conditions_from(&macvlan.borrow());
+        let wanted = conditions_from(&macvlan.borrow(), &guest.borrow());
         let mut wait = node_status::HEARTBEAT;
         let result = match current_client {
             None => {
@@ -519,6 +562,7 @@ async fn report_conditions(
             _ = tokio::time::sleep(wait) => {}
             r = client.changed() => if r.is_err() { return },
             r = macvlan.changed() => if r.is_err() { return },
+            r = guest.changed() => if r.is_err() { return },
             _ = shutdown.changed() => return,
         }
     }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::guest::GuestAgentState;
 use crate::kmod::MacvlanState;
 use crate::node_status::Reported;
 
@@ -50,6 +51,7 @@ pub struct AgentStatus {
     pub state_dir: StateDirStatus,
     pub cluster: ClusterState,
     pub macvlan: MacvlanState,
+    pub guest_agent: GuestAgentState,
     /// Whether this node's own conditions (`MacvlanReady`) are on its Node.
     pub node_conditions: Reported,
     /// The line systemd shows as `Status:`.
@@ -63,6 +65,7 @@ pub fn summary(
     state_dir: &StateDirStatus,
     cluster: &ClusterState,
     macvlan: &MacvlanState,
+    guest: &GuestAgentState,
 ) -> String {
     let cluster_part = match cluster {
         ClusterState::WaitingForCredentials {
@@ -103,7 +106,10 @@ pub fn summary(
     } else {
         format!("{} (DHCP LoadBalancers disabled)", macvlan.short())
     };
-    format!("node {node}: {macvlan_part}; {cluster_part}{dir_part}")
+    format!(
+        "node {node}: {macvlan_part}; {}; {cluster_part}{dir_part}",
+        guest.short()
+    )
 }
 
 #[cfg(test)]
@@ -130,6 +136,16 @@ mod tests {
         }
     }
 
+    fn guest() -> GuestAgentState {
+        GuestAgentState {
+            status: crate::check::Status::Ok,
+            reason: crate::guest::Reason::Ready,
+            message: String::new(),
+            remediation: String::new(),
+            ready: true,
+        }
+    }
+
     #[test]
     fn summary_names_node_and_cluster_state() {
         let dir = StateDirStatus {
@@ -146,10 +162,11 @@ mod tests {
                 server_version: "v1.20.2".into(),
             },
             &macvlan(true),
+            &guest(),
         );
         assert_eq!(
             s,
-            "node guest-1: macvlan BuiltIn; cluster connected (v1.20.2 at https://127.0.0.1:6443/)"
+            "node guest-1: macvlan BuiltIn; qemu-ga Ready; cluster connected (v1.20.2 at https://127.0.0.1:6443/)"
         );
         let s = summary(
             "g",
@@ -159,6 +176,7 @@ mod tests {
                 configured: false,
             },
             &macvlan(false),
+            &guest(),
         );
         assert!(s.contains("searched 2 paths"), "{s}");
         assert!(

@@ -49,7 +49,7 @@ fi
 # tests/vm uses the newest such folder, or HNA_VM_KERNEL_DIR.
 # This section sits before the kube-apiserver part because that part exits
 # early once its build is cached.
-VM_PACKAGES=(qemu-system-x86 kmod cpio socat)
+VM_PACKAGES=(qemu-system-x86 kmod cpio socat qemu-guest-agent)
 missing=()
 for p in "${VM_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
