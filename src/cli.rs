@@ -142,6 +142,10 @@ pub enum Output {
 
 #[derive(Debug, Args)]
 pub struct CheckArgs {
+    /// Run only these checks: config, kubeconfig (with api-server),
+    /// state-dir, macvlan, qemu-guest-agent [default: all]
+    #[arg(value_name = "CHECK")]
+    pub names: Vec<String>,
     #[command(flatten)]
     pub config: ConfigArgs,
     /// Output format.
@@ -226,10 +230,39 @@ fn config_failure(e: &ConfigError) -> ExitCode {
     ExitCode::from(EXIT_CONFIG)
 }
 
+/// Check groups `check` can be limited to (`kubeconfig` includes
+/// `api-server`).
+pub const CHECK_NAMES: &[&str] = &[
+    "config",
+    "kubeconfig",
+    "state-dir",
+    "macvlan",
+    "qemu-guest-agent",
+];
+
 fn check(args: CheckArgs) -> ExitCode {
+    if let Some(bad) = args
+        .names
+        .iter()
+        .find(|n| !CHECK_NAMES.contains(&n.as_str()))
+    {
+        eprintln!(
+            "harvester-node-agent: no check named `{bad}`; choose from {}",
+            CHECK_NAMES.join(", ")
+        );
+        return ExitCode::from(2);
+    }
+    let wanted = |name: &str| args.names.is_empty() || args.names.iter().any(|n| n == name);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("single-thread runtime");
     let flags = args.config.flag_values();
     let loaded = config::load(&flags);
-    let mut checks = vec![check::config_check(&loaded)];
+    let mut checks = Vec::new();
+    if wanted("config") {
+        checks.push(check::config_check(&loaded));
+    }
     // With a broken file, still check what the flags and defaults describe.
     let effective = loaded.or_else(|_| {
         config::resolve(None, &|k| std::env::var(k).ok(), &flags, &|| {
@@ -240,21 +273,21 @@ fn check(args: CheckArgs) -> ExitCode {
         })
     });
     if let Ok(cfg) = &effective {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("single-thread runtime");
-        checks.extend(runtime.block_on(check::kubeconfig_checks(cfg, &HostEnv, args.timeout)));
-        checks.push(check::state_dir_check(cfg));
+        if wanted("kubeconfig") {
+            checks.extend(runtime.block_on(check::kubeconfig_checks(cfg, &HostEnv, args.timeout)));
+        }
+        if wanted("state-dir") {
+            checks.push(check::state_dir_check(cfg));
+        }
     }
-    let macvlan = crate::kmod::preflight(&crate::kmod::host::Host::default(), args.fix);
-    checks.push(check::macvlan_check(&macvlan));
-    let guest = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("single-thread runtime")
-        .block_on(crate::guest::watch::assess_now(std::path::Path::new("/")));
-    checks.push(check::guest_agent_check(&guest));
+    if wanted("macvlan") {
+        let macvlan = crate::kmod::preflight(&crate::kmod::host::Host::default(), args.fix);
+        checks.push(check::macvlan_check(&macvlan));
+    }
+    if wanted("qemu-guest-agent") {
+        let guest = runtime.block_on(crate::guest::watch::assess_now(std::path::Path::new("/")));
+        checks.push(check::guest_agent_check(&guest));
+    }
     let report = Report { checks };
     match args.output {
         Output::Json => println!("{}", report.to_json()),

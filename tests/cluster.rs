@@ -7,7 +7,7 @@ mod rig;
 
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rig::{Rig, RigOptions};
@@ -63,6 +63,24 @@ fn notify_messages(sock: &UnixDatagram) -> Vec<String> {
     out
 }
 
+/// The daemon as the unit would run it, inside guest namespace 0 of `rig`,
+/// with its files under `dir` (`dir/config.toml` must exist) and `args`
+/// added to `run`.
+fn start_agent(rig: &Rig, dir: &Path, node: &str, args: &[&std::ffi::OsStr]) -> Command {
+    let mut cmd = rig.netns_cmd(rig.guest_ns(0), BIN);
+    cmd.arg("run")
+        .arg("--config")
+        .arg(dir.join("config.toml"))
+        .args(["--node-name", node, "--state-dir"])
+        .arg(dir.join("state"))
+        .arg("--socket")
+        .arg(dir.join("agent.sock"))
+        .args(args)
+        .env("HNA_LOG_TARGET", "stderr")
+        .stderr(Stdio::null());
+    cmd
+}
+
 #[test]
 fn ready_before_join_then_picks_up_credentials_when_they_appear() {
     let Some(mut rig) = Rig::start(RigOptions {
@@ -85,18 +103,9 @@ fn ready_before_join_then_picks_up_credentials_when_they_appear() {
     let kubeconfig = dir.join("kubelet.kubeconfig");
 
     let _daemon = Daemon(
-        rig.netns_cmd(rig.guest_ns(0), BIN)
-            .arg("run")
-            .arg("--config")
-            .arg(dir.join("config.toml"))
-            .args(["--node-name", &node, "--state-dir"])
-            .arg(dir.join("state"))
-            .arg("--socket")
-            .arg(&socket)
+        start_agent(&rig, &dir, &node, &[])
             .env("HNA_KUBECONFIG_SEARCH", &kubeconfig)
-            .env("HNA_LOG_TARGET", "stderr")
             .env("NOTIFY_SOCKET", &notify_path)
-            .stderr(Stdio::null())
             .spawn()
             .unwrap(),
     );
@@ -161,26 +170,19 @@ fn rejected_credentials_are_reported_and_a_fixed_file_is_picked_up() {
     .unwrap();
     let socket = dir.join("agent.sock");
     let _daemon = Daemon(
-        rig.netns_cmd(rig.guest_ns(0), BIN)
-            .arg("run")
-            .arg("--config")
-            .arg(dir.join("config.toml"))
-            .args([
-                "--node-name",
-                &node,
-                "--credentials-retry",
-                "1s",
-                "--state-dir",
-            ])
-            .arg(dir.join("state"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .env("HNA_LOG_TARGET", "stderr")
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+        start_agent(
+            &rig,
+            &dir,
+            &node,
+            &[
+                "--credentials-retry".as_ref(),
+                "1s".as_ref(),
+                "--kubeconfig".as_ref(),
+                kubeconfig.as_os_str(),
+            ],
+        )
+        .spawn()
+        .unwrap(),
     );
     let st = wait_cluster_state(&socket, "Unreachable", Duration::from_secs(10));
     assert!(
@@ -251,26 +253,19 @@ fn macvlan_condition_lands_on_the_agents_own_node_only() {
     std::fs::write(dir.join("config.toml"), "").unwrap();
     let socket = dir.join("agent.sock");
     let _daemon = Daemon(
-        rig.netns_cmd(rig.guest_ns(0), BIN)
-            .arg("run")
-            .arg("--config")
-            .arg(dir.join("config.toml"))
-            .args([
-                "--node-name",
-                &me,
-                "--credentials-retry",
-                "1s",
-                "--state-dir",
-            ])
-            .arg(dir.join("state"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--kubeconfig")
-            .arg(api.node_kubeconfig(&me))
-            .env("HNA_LOG_TARGET", "stderr")
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+        start_agent(
+            &rig,
+            &dir,
+            &me,
+            &[
+                "--credentials-retry".as_ref(),
+                "1s".as_ref(),
+                "--kubeconfig".as_ref(),
+                api.node_kubeconfig(&me).as_os_str(),
+            ],
+        )
+        .spawn()
+        .unwrap(),
     );
     // Before the kubelet registers the Node, the agent waits and says so.
     let deadline = Instant::now() + Duration::from_secs(15);

@@ -165,6 +165,35 @@ fn check_json_has_every_field_and_exit_code_follows_failures() {
         "{reasons:?}"
     );
 
+    // A subset runs only the named checks; an unknown name is a usage error.
+    let out = agent(tmp.path())
+        .args([
+            "check",
+            "config",
+            "state-dir",
+            "--output",
+            "json",
+            "--state-dir",
+        ])
+        .arg(tmp.path().join("state"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, vec!["config", "state-dir"]);
+    let out = agent(tmp.path())
+        .args(["check", "macvlna"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no check named `macvlna`"));
+
     // A broken config file is reported as a failed check, not a crash.
     let bad = tmp.path().join("bad.toml");
     std::fs::write(&bad, "nope = 1\n").unwrap();

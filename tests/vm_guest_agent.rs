@@ -4,43 +4,15 @@
 //! The VM has no systemd, so the agent is judged by its process; the
 //! unit-state mapping is unit-tested with a D-Bus double (src/guest).
 
-#[allow(dead_code)]
+#[allow(dead_code, unused_imports)]
 mod vm;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
-
-fn stripped_agent(dir: &Path) -> PathBuf {
-    let out = dir.join("harvester-node-agent");
-    let st = std::process::Command::new("strip")
-        .arg("-o")
-        .arg(&out)
-        .arg(BIN)
-        .status()
-        .expect("strip runs");
-    assert!(st.success());
-    out
-}
-
-fn json(run: &vm::VmRun, key: &str) -> serde_json::Value {
-    let text = run.markers(&format!("{key}.out")).join("\n");
-    serde_json::from_str(&text)
-        .unwrap_or_else(|e| panic!("{key}: not JSON ({e}): {text:?}\n{}", run.tail(80)))
-}
-
-fn guest_check(run: &vm::VmRun, key: &str) -> serde_json::Value {
-    json(run, key)["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "qemu-guest-agent")
-        .cloned()
-        .unwrap()
-}
 
 /// The hypervisor's end of the channel: connects, proves the guest agent
 /// answers `guest-ping`, holds the connection for `hold`, then hangs up.
@@ -85,8 +57,11 @@ fn guest_agent_states_with_a_real_qemu_ga() {
     };
     let dir = tempfile::tempdir().unwrap();
     let mut img = vm::Initramfs::new(&kernel).unwrap();
-    img.add_binary(&stripped_agent(dir.path()), "/usr/bin/harvester-node-agent")
-        .unwrap();
+    img.add_binary(
+        &vm::stripped_binary(Path::new(BIN), dir.path()).unwrap(),
+        "/usr/bin/harvester-node-agent",
+    )
+    .unwrap();
     img.add_binary(Path::new("/usr/sbin/qemu-ga"), "/usr/sbin/qemu-ga")
         .unwrap();
     img.add_modules(&["virtio_pci", "virtio_console"]).unwrap();
@@ -116,20 +91,20 @@ for p in /sys/class/virtio-ports/*; do
 done
 wait_status '"reason": "NotRunning"'; hna d.hotplug $?
 hna d.hotplug.cs $(( $(ms) - T0 ))
-hna_run notrunning $A check --output json $ARGS
+hna_run notrunning $A check qemu-guest-agent --output json $ARGS
 
 # The agent starts; the host end connects.
 qemu-ga -m virtio-serial -p /dev/virtio-ports/org.qemu.guest_agent.0 -t /run 2>/tmp/qga.log &
 QGA=$!
 wait_flag guest_connected 1; hna guest_connected $?
 wait_flag host_connected 1; hna host_connected $?
-hna_run ready $A check --output json $ARGS
+hna_run ready $A check qemu-guest-agent --output json $ARGS
 wait_status '"reason": "Ready"'; hna d.ready $?
 
 # The host end hangs up.
 wait_flag host_connected 0; hna host_disconnected $?
 T0=$(ms)
-hna_run hostgone $A check --output json $ARGS
+hna_run hostgone $A check qemu-guest-agent --output json $ARGS
 wait_status '"reason": "HostDisconnected"'; hna d.hostgone $?
 hna d.hostgone.cs $(( $(ms) - T0 ))
 
@@ -183,7 +158,7 @@ while read -r l; do hna qga.log "$l"; done < /tmp/qga.log
         "daemon noticed the hot-plugged port after {} ms",
         hotplug_cs * 10
     );
-    let c = guest_check(&run, "notrunning");
+    let c = run.check("notrunning", "qemu-guest-agent");
     assert_eq!(
         (c["status"].as_str(), c["reason"].as_str()),
         (Some("fail"), Some("NotRunning")),
@@ -192,7 +167,7 @@ while read -r l; do hna qga.log "$l"; done < /tmp/qga.log
 
     assert_eq!(run.marker("guest_connected").as_deref(), Some("0"));
     assert_eq!(run.marker("host_connected").as_deref(), Some("0"));
-    let c = guest_check(&run, "ready");
+    let c = run.check("ready", "qemu-guest-agent");
     assert_eq!(
         (c["status"].as_str(), c["reason"].as_str()),
         (Some("ok"), Some("Ready")),
@@ -213,7 +188,7 @@ while read -r l; do hna qga.log "$l"; done < /tmp/qga.log
     );
 
     assert_eq!(run.marker("host_disconnected").as_deref(), Some("0"));
-    let c = guest_check(&run, "hostgone");
+    let c = run.check("hostgone", "qemu-guest-agent");
     assert_eq!(
         (c["status"].as_str(), c["reason"].as_str()),
         (Some("warn"), Some("HostDisconnected")),
@@ -238,7 +213,7 @@ while read -r l; do hna qga.log "$l"; done < /tmp/qga.log
         "{}",
         run.tail(80)
     );
-    let st = json(&run, "final");
+    let st = run.json("final");
     assert_eq!(st["guest_agent"]["reason"], "NotRunning");
     assert!(
         st["summary"]

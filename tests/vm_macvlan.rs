@@ -14,33 +14,20 @@ mod rig;
 #[allow(dead_code)]
 mod vm;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rig::{Rig, RigOptions};
 
-use serde_json::Value;
-
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
-
-/// The agent binary without debug info (the debug build is ~170 MB, which
-/// would make the initramfs slow to unpack under emulation).
-fn stripped_agent(dir: &Path) -> PathBuf {
-    let out = dir.join("harvester-node-agent");
-    let st = std::process::Command::new("strip")
-        .arg("-o")
-        .arg(&out)
-        .arg(BIN)
-        .status()
-        .expect("strip (binutils) runs");
-    assert!(st.success(), "strip failed");
-    out
-}
 
 fn image(kernel: &vm::Kernel, dir: &Path, extra_modules: &[&str]) -> vm::Initramfs {
     let mut img = vm::Initramfs::new(kernel).unwrap();
-    img.add_binary(&stripped_agent(dir), "/usr/bin/harvester-node-agent")
-        .unwrap();
+    img.add_binary(
+        &vm::stripped_binary(Path::new(BIN), dir).unwrap(),
+        "/usr/bin/harvester-node-agent",
+    )
+    .unwrap();
     img.add_binary(Path::new("/usr/bin/socat"), "/usr/bin/socat")
         .unwrap();
     let mut modules = vec!["macvlan", "veth"];
@@ -49,31 +36,6 @@ fn image(kernel: &vm::Kernel, dir: &Path, extra_modules: &[&str]) -> vm::Initram
     img.add_file("/etc/harvester-node-agent/config.toml", b"", 0o644)
         .unwrap();
     img
-}
-
-/// The JSON a command printed, reassembled from its `KEY.out` markers.
-fn json(run: &vm::VmRun, key: &str) -> Value {
-    let text = run.markers(&format!("{key}.out")).join("\n");
-    serde_json::from_str(&text).unwrap_or_else(|e| {
-        panic!(
-            "{key}: not JSON ({e}): {text:?}\nconsole tail:\n{}",
-            run.tail(60)
-        )
-    })
-}
-
-fn named_check(run: &vm::VmRun, key: &str, name: &str) -> Value {
-    json(run, key)["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == name)
-        .cloned()
-        .unwrap_or_else(|| panic!("{key}: no {name} check"))
-}
-
-fn macvlan_check(run: &vm::VmRun, key: &str) -> Value {
-    named_check(run, key, "macvlan")
 }
 
 fn rc(run: &vm::VmRun, key: &str) -> String {
@@ -121,31 +83,31 @@ hna release "$REL"
 hna loaded.start "$(loaded)"
 
 # qemu-guest-agent: not installed, then installed without a channel.
-hna_run ga_missing $A check --output json $ARGS
+hna_run ga_missing $A check qemu-guest-agent --output json $ARGS
 cp /opt/qemu-ga /usr/sbin/qemu-ga
-hna_run ga_noport $A check --output json $ARGS
+hna_run ga_noport $A check qemu-guest-agent --output json $ARGS
 
 # 1. On disk, not loaded: check reports and changes nothing.
-hna_run notloaded $A check --output json $ARGS
+hna_run notloaded $A check macvlan --output json $ARGS
 hna loaded.after_check "$(loaded)"
 
 # 2. check --fix loads it (system modprobe) and proves it.
-hna_run fix $A check --fix --output json $ARGS
+hna_run fix $A check macvlan --fix --output json $ARGS
 hna loaded.after_fix "$(loaded)"
 rmmod macvlan; hna loaded.after_rmmod "$(loaded)"
 
 # 3. Blacklisted: neither check nor --fix loads it.
 echo "blacklist macvlan" > /etc/modprobe.d/no-macvlan.conf
-hna_run black $A check --output json $ARGS
-hna_run blackfix $A check --fix --output json $ARGS
+hna_run black $A check macvlan --output json $ARGS
+hna_run blackfix $A check macvlan --fix --output json $ARGS
 hna loaded.blacklisted "$(loaded)"
 rm /etc/modprobe.d/no-macvlan.conf
 
 # 4. The kernel-default-base case: the module is not in the image.
 mv $MOD /tmp/macvlan.ko && depmod
-hna_run missing $A check --output json $ARGS
+hna_run missing $A check macvlan --output json $ARGS
 cp /etc/os-release /tmp/os-release.debian && cp /etc/os-release.sles /etc/os-release
-hna_run missing_suse $A check --output json $ARGS
+hna_run missing_suse $A check macvlan --output json $ARGS
 cp /tmp/os-release.debian /etc/os-release
 
 # 5. The daemon without the module: stays up, says so in STATUS= and
@@ -186,18 +148,18 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
     assert_eq!(release, kernel.release);
     assert_eq!(run.marker("loaded.start").as_deref(), Some("0"));
 
-    let c = named_check(&run, "ga_missing", "qemu-guest-agent");
+    let c = run.check("ga_missing", "qemu-guest-agent");
     assert_eq!(
         (c["status"].as_str(), c["reason"].as_str()),
         (Some("fail"), Some("NotInstalled")),
         "{c}"
     );
     assert!(c["remediation"].as_str().unwrap().contains("#cloud-config"));
-    let c = named_check(&run, "ga_noport", "qemu-guest-agent");
+    let c = run.check("ga_noport", "qemu-guest-agent");
     assert_eq!(c["reason"], "NoVirtioPort", "{c}");
 
     // 1. NotLoaded, read-only.
-    let c = macvlan_check(&run, "notloaded");
+    let c = run.check("notloaded", "macvlan");
     assert_eq!(
         (c["status"].as_str(), c["reason"].as_str()),
         (Some("warn"), Some("NotLoaded")),
@@ -212,7 +174,7 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
     );
 
     // 2. --fix.
-    let c = macvlan_check(&run, "fix");
+    let c = run.check("fix", "macvlan");
     assert_eq!(
         (c["status"].as_str(), c["reason"].as_str()),
         (Some("ok"), Some("LoadedByAgent")),
@@ -230,7 +192,7 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
 
     // 3. Blacklisted.
     for key in ["black", "blackfix"] {
-        let c = macvlan_check(&run, key);
+        let c = run.check(key, "macvlan");
         assert_eq!(
             (c["status"].as_str(), c["reason"].as_str()),
             (Some("fail"), Some("Blacklisted")),
@@ -247,7 +209,7 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
     assert_eq!(run.marker("loaded.blacklisted").as_deref(), Some("0"));
 
     // 4. ModuleNotFound with the kernel, the package and the remedy.
-    let c = macvlan_check(&run, "missing");
+    let c = run.check("missing", "macvlan");
     assert_eq!(
         (c["status"].as_str(), c["reason"].as_str()),
         (Some("fail"), Some("ModuleNotFound")),
@@ -259,7 +221,7 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
         "{msg}"
     );
     assert_eq!(rc(&run, "missing"), "1");
-    let c = macvlan_check(&run, "missing_suse");
+    let c = run.check("missing_suse", "macvlan");
     assert!(
         c["message"]
             .as_str()
@@ -280,7 +242,7 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
         "{}",
         run.tail(80)
     );
-    let st = json(&run, "d_missing");
+    let st = run.json("d_missing");
     assert_eq!(st["macvlan"]["reason"], "ModuleNotFound");
     assert!(
         st["summary"]
@@ -295,7 +257,7 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
         "{}",
         run.tail(80)
     );
-    let st = json(&run, "d_fixed");
+    let st = run.json("d_fixed");
     assert_eq!(
         (
             st["macvlan"]["reason"].as_str(),
@@ -481,7 +443,7 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
         "{}",
         run.tail(80)
     );
-    assert_eq!(json(&run, "final")["node_conditions"]["state"], "Reported");
+    assert_eq!(run.json("final")["node_conditions"]["state"], "Reported");
     assert_eq!(run.marker("d.exit").as_deref(), Some("0"));
     let seen = seen.into_inner().unwrap();
     let want = [

@@ -224,3 +224,20 @@ pub fn find_program(name: &str) -> Option<PathBuf> {
 fn require_program(name: &str) -> Result<PathBuf> {
     find_program(name).with_context(|| format!("`{name}` not found; {INSTALL_HINT}"))
 }
+
+/// The agent binary under test without debug info (the debug build is
+/// ~170 MB, which would make the initramfs slow to unpack under
+/// emulation), written into `dir`.
+pub fn stripped_binary(binary: &Path, dir: &Path) -> Result<PathBuf> {
+    let out = dir.join(binary.file_name().context("binary has a file name")?);
+    let st = std::process::Command::new("strip")
+        .arg("-o")
+        .arg(&out)
+        .arg(binary)
+        .status()
+        .context("running strip (binutils)")?;
+    if !st.success() {
+        bail!("strip {} failed: {st}", binary.display());
+    }
+    Ok(out)
+}

@@ -54,6 +54,26 @@ pub struct VmRun {
 }
 
 impl VmRun {
+    /// The JSON a command printed under `hna_run KEY`, reassembled from its
+    /// `KEY.out` markers; panics with the console tail when it is not JSON.
+    pub fn json(&self, key: &str) -> serde_json::Value {
+        let text = self.markers(&format!("{key}.out")).join("\n");
+        serde_json::from_str(&text).unwrap_or_else(|e| {
+            panic!(
+                "{key}: not JSON ({e}): {text:?}\nconsole tail:\n{}",
+                self.tail(80)
+            )
+        })
+    }
+
+    /// The check named `name` in `check --output json` printed under `KEY`.
+    pub fn check(&self, key: &str, name: &str) -> serde_json::Value {
+        self.json(key)["checks"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["name"] == name).cloned())
+            .unwrap_or_else(|| panic!("{key}: no {name} check"))
+    }
+
     /// The value of every marker line `@@HNA <key> <value>` with this key,
     /// in order (`""` for a marker without value). A marker is found
     /// anywhere in a line, so kernel messages that land in front of it on
