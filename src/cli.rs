@@ -61,6 +61,17 @@ pub enum Command {
     /// Ask the running daemon for its live state over its control socket.
     /// Exit code 1 when no daemon answers.
     Status(StatusArgs),
+    /// Preflight a VM network for DHCP-mode LoadBalancers: create a
+    /// temporary macvlan, get a lease with the agent's DHCP engine, print
+    /// server, address, lease time, T1/T2, router and step timings, release
+    /// it and remove the macvlan (also on Ctrl-C). Exit code 0 on a lease,
+    /// 1 with the reason otherwise.
+    DhcpProbe(crate::dhcp::hold::ProbeArgs),
+    /// Hold N DHCP leases on macvlans until SIGTERM/SIGINT (for tests,
+    /// benchmarks and watching the engine; the daemon does this for
+    /// Services).
+    #[command(hide = true)]
+    DhcpHold(crate::dhcp::hold::HoldArgs),
 }
 
 /// Flags for every configuration key; each also reads from its HNA_*
@@ -97,12 +108,21 @@ pub struct ConfigArgs {
     /// How often the daemon re-runs the macvlan preflight; SIGHUP re-runs it at once [default: 5m] [env: HNA_MACVLAN_RECHECK]
     #[arg(long, value_name = "DURATION")]
     pub macvlan_recheck: Option<String>,
+    /// Harvester cloud-provider kubeconfig for the topology relay [default: /etc/kubernetes/cloud-config, then RKE2's cloud-provider-config] [env: HNA_CLOUD_CONFIG]
+    #[arg(long, value_name = "PATH")]
+    pub cloud_config: Option<String>,
+    /// This VM's VirtualMachineInstance name in Harvester [default: the hostname] [env: HNA_VM_NAME]
+    #[arg(long, value_name = "NAME")]
+    pub vm_name: Option<String>,
+    /// Comma-separated label keys relayed from Harvester; empty turns the relay off [default: topology.kubernetes.io/region,topology.kubernetes.io/zone] [env: HNA_TOPOLOGY_LABELS]
+    #[arg(long, value_name = "KEYS")]
+    pub topology_labels: Option<String>,
 }
 
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 9] = [
+        let pairs: [(&'static str, &Option<String>); 12] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -112,6 +132,9 @@ impl ConfigArgs {
             ("kubeconfig_search", &self.kubeconfig_search),
             ("credentials_retry", &self.credentials_retry),
             ("macvlan_recheck", &self.macvlan_recheck),
+            ("cloud_config", &self.cloud_config),
+            ("vm_name", &self.vm_name),
+            ("topology_labels", &self.topology_labels),
         ];
         for (key, value) in pairs {
             if let Some(v) = value {
@@ -143,7 +166,7 @@ pub enum Output {
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     /// Run only these checks: config, kubeconfig (with api-server),
-    /// state-dir, macvlan, qemu-guest-agent [default: all]
+    /// state-dir, macvlan, qemu-guest-agent, topology [default: all]
     #[arg(value_name = "CHECK")]
     pub names: Vec<String>,
     #[command(flatten)]
@@ -185,6 +208,8 @@ pub fn main() -> ExitCode {
         }
         Command::Check(args) => check(args),
         Command::Status(args) => status(args),
+        Command::DhcpProbe(args) => crate::dhcp::hold::probe_main(args),
+        Command::DhcpHold(args) => crate::dhcp::hold::hold_main(args),
     }
 }
 
@@ -238,6 +263,7 @@ pub const CHECK_NAMES: &[&str] = &[
     "state-dir",
     "macvlan",
     "qemu-guest-agent",
+    "topology",
 ];
 
 fn check(args: CheckArgs) -> ExitCode {
@@ -278,6 +304,21 @@ fn check(args: CheckArgs) -> ExitCode {
         }
         if wanted("state-dir") {
             checks.push(check::state_dir_check(cfg));
+        }
+        if wanted("topology") {
+            let found = crate::credentials::discover(cfg, &HostEnv);
+            let guest = runtime
+                .block_on(crate::credentials::connect(&found, args.timeout))
+                .ok()
+                .map(|c| c.client);
+            let tcfg = crate::topology::TopologyConfig::from_config(cfg);
+            let state = runtime.block_on(crate::topology::probe(
+                &tcfg,
+                guest,
+                &cfg.node_name,
+                args.timeout,
+            ));
+            checks.push(state.check());
         }
     }
     if wanted("macvlan") {
@@ -361,7 +402,7 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
         ),
     };
     format!(
-        "harvester-node-agent {} on node {} (pid {}, up {})\n  summary:   {}\n  state dir: {} ({})\n  cluster:   {}\n  macvlan:   {}: {}{}\n  qemu-ga:   {}: {}\n  node conditions: {}\n",
+        "harvester-node-agent {} on node {} (pid {}, up {})\n  summary:   {}\n  state dir: {} ({})\n  cluster:   {}\n  macvlan:   {}: {}{}\n  qemu-ga:   {}: {}\n  topology:  {}\n  node conditions: {}\n",
         st.version,
         st.node_name,
         st.pid,
@@ -379,6 +420,7 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
         },
         st.guest_agent.reason.as_str(),
         st.guest_agent.message,
+        st.topology.short(),
         match &st.node_conditions {
             crate::node_status::Reported::NotConnected =>
                 "not connected to the cluster".to_string(),

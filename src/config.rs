@@ -30,6 +30,8 @@ enum Kind {
     Text,
     Path,
     PathList,
+    /// A list of strings (TOML array; comma-separated in environment and flag).
+    TextList,
     Duration,
 }
 
@@ -119,6 +121,30 @@ pub const KEYS: &[KeySpec] = &[
         doc: "How often the daemon re-runs the macvlan preflight (detect, load if on disk, probe). `systemctl reload` (SIGHUP) re-runs it at once. Between 10s and 24h.",
         kind: Kind::Duration,
     },
+    KeySpec {
+        name: "cloud_config",
+        env: "HNA_CLOUD_CONFIG",
+        flag: "--cloud-config",
+        default: "(searched)",
+        doc: "Harvester cloud-provider kubeconfig (as generate_addon.sh makes it; the VMs' namespace comes from its context), used to read this VM's VirtualMachineInstance for the topology relay. When set, only this file is used. Default: /etc/kubernetes/cloud-config, then /var/lib/rancher/rke2/etc/config-files/cloud-provider-config. Looked at again every `credentials_retry` until it appears or changes.",
+        kind: Kind::Path,
+    },
+    KeySpec {
+        name: "vm_name",
+        env: "HNA_VM_NAME",
+        flag: "--vm-name",
+        default: "(hostname)",
+        doc: "Name of this VM's VirtualMachineInstance in Harvester. Defaults to the hostname, as the Harvester node driver names VMs.",
+        kind: Kind::Text,
+    },
+    KeySpec {
+        name: "topology_labels",
+        env: "HNA_TOPOLOGY_LABELS",
+        flag: "--topology-labels",
+        default: "region and zone",
+        doc: "Label keys relayed from Harvester to this node's Node (environment and flag: comma-separated). Default: topology.kubernetes.io/region, topology.kubernetes.io/zone. Empty turns the relay off.",
+        kind: Kind::TextList,
+    },
 ];
 
 pub fn key_spec(name: &str) -> Option<&'static KeySpec> {
@@ -146,6 +172,12 @@ pub struct Config {
     pub kubeconfig_search: Vec<PathBuf>,
     pub credentials_retry: Duration,
     pub macvlan_recheck: Duration,
+    /// Harvester cloud-provider kubeconfig; `None` searches the defaults.
+    pub cloud_config: Option<PathBuf>,
+    /// This VM's VirtualMachineInstance name.
+    pub vm_name: String,
+    /// Label keys the topology relay manages.
+    pub topology_labels: Vec<String>,
 }
 
 /// Where a configuration value came from, for error messages.
@@ -297,6 +329,12 @@ pub fn resolve(
             .collect(),
         credentials_retry: Duration::from_secs(10),
         macvlan_recheck: Duration::from_secs(300),
+        cloud_config: None,
+        vm_name: String::new(),
+        topology_labels: crate::topology::DEFAULT_KEYS
+            .iter()
+            .map(|k| k.to_string())
+            .collect(),
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -368,11 +406,37 @@ pub fn resolve(
             "macvlan_recheck" => {
                 cfg.macvlan_recheck = duration_between(&text(raw), 10, 86400).map_err(fail)?;
             }
+            "cloud_config" => {
+                let v = text(raw);
+                cfg.cloud_config = if v.is_empty() {
+                    None
+                } else {
+                    Some(absolute_path(v).map_err(fail)?)
+                };
+            }
+            "vm_name" => {
+                let v = text(raw);
+                validate_node_name(&v).map_err(|e| fail(e.replace("Node name", "VM name")))?;
+                cfg.vm_name = v;
+            }
+            "topology_labels" => {
+                let items = match raw {
+                    Raw::List(items) => items,
+                    Raw::Text(t) => split_list(&t),
+                };
+                for k in &items {
+                    crate::topology::plan::validate_label_key(k).map_err(fail)?;
+                }
+                cfg.topology_labels = items;
+            }
             _ => unreachable!("every key in KEYS is handled"),
         }
     }
     if cfg.node_name.is_empty() {
         cfg.node_name = hostname();
+    }
+    if cfg.vm_name.is_empty() {
+        cfg.vm_name = hostname();
     }
     Ok(cfg)
 }
@@ -392,8 +456,18 @@ fn raw_from_text(spec: &KeySpec, v: String) -> Raw {
                 .map(str::to_string)
                 .collect(),
         ),
+        Kind::TextList => Raw::List(split_list(&v)),
         _ => Raw::Text(v),
     }
+}
+
+/// Comma-separated items, trimmed, empty ones dropped.
+fn split_list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 fn raw_from_toml(spec: &KeySpec, value: toml::Value) -> Result<Raw, String> {
@@ -412,6 +486,21 @@ fn raw_from_toml(spec: &KeySpec, value: toml::Value) -> Result<Raw, String> {
             .map(Raw::List),
         (Kind::PathList, other) => Err(format!(
             "expected a list of path strings such as [\"/etc/kubernetes/kubelet.conf\"], {}",
+            found(&other)
+        )),
+        (Kind::TextList, toml::Value::Array(items)) => items
+            .into_iter()
+            .map(|item| match item {
+                toml::Value::String(s) => Ok(s),
+                other => Err(format!(
+                    "expected a list of strings, but an item is {}",
+                    found(&other)
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Raw::List),
+        (Kind::TextList, other) => Err(format!(
+            "expected a list of strings such as [\"topology.kubernetes.io/zone\"], {}",
             found(&other)
         )),
         (_, toml::Value::String(s)) => Ok(Raw::Text(s)),
@@ -639,6 +728,41 @@ mod tests {
         assert_eq!(envs.len(), KEYS.len());
         for k in KEYS {
             assert!(k.env.starts_with("HNA_") && k.flag.starts_with("--") && !k.doc.is_empty());
+        }
+    }
+
+    #[test]
+    fn topology_keys_have_defaults_and_are_validated() {
+        let cfg = resolve(None, &|_| None, &FlagValues::default(), &|| "vm-1".into()).unwrap();
+        assert_eq!(cfg.vm_name, "vm-1");
+        assert_eq!(cfg.cloud_config, None);
+        assert_eq!(cfg.topology_labels.len(), 2);
+        let cfg = resolve_file(
+            "cloud_config = \"/etc/cc\"\nvm_name = \"vm-2\"\ntopology_labels = [\"example.com/rack\"]\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.cloud_config, Some(PathBuf::from("/etc/cc")));
+        assert_eq!(cfg.vm_name, "vm-2");
+        assert_eq!(cfg.topology_labels, vec!["example.com/rack".to_string()]);
+        assert!(
+            resolve_file("topology_labels = []")
+                .unwrap()
+                .topology_labels
+                .is_empty()
+        );
+        let env = |k: &str| (k == "HNA_TOPOLOGY_LABELS").then(|| "a/b, c".to_string());
+        let cfg = resolve(None, &env, &FlagValues::default(), &|| "n".into()).unwrap();
+        assert_eq!(
+            cfg.topology_labels,
+            vec!["a/b".to_string(), "c".to_string()]
+        );
+        for (text, key) in [
+            ("topology_labels = [\"Bad Key\"]", "topology_labels"),
+            ("topology_labels = \"x\"", "topology_labels"),
+            ("vm_name = \"Bad_Name\"", "vm_name"),
+            ("cloud_config = \"rel\"", "cloud_config"),
+        ] {
+            assert_eq!(resolve_file(text).unwrap_err().key(), Some(key), "{text}");
         }
     }
 

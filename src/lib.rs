@@ -10,8 +10,11 @@
 //! - [`control`]: the local socket `status` talks to;
 //! - [`kmod`]: the macvlan preflight (detect, load, probe);
 //! - [`guest`]: qemu-guest-agent health;
+//! - [`topology`]: Harvester topology labels relayed to this node's Node;
 //! - [`node_status`]: the conditions the agent owns on its Node;
 //! - [`check`]: the one-shot preflight;
+//! - [`dhcp`]: the DHCP client engine for LoadBalancer addresses (pure
+//!   state machine, packet sockets, lease files, `dhcp-probe`);
 //! - [`agent`]: orchestration of the node daemon (`run`);
 //! - [`controller`]: the in-cluster controller;
 //! - [`logging`]: journald or stderr;
@@ -24,9 +27,11 @@ pub mod config;
 pub mod control;
 pub mod controller;
 pub mod credentials;
+pub mod dhcp;
 pub mod guest;
 pub mod kmod;
 pub mod logging;
 pub mod node_status;
 pub mod state_dir;
 pub mod systemd;
+pub mod topology;

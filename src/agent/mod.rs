@@ -69,6 +69,8 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         watch::channel(guest::watch::assess_now(std::path::Path::new("/")).await);
     let (client_tx, client_rx) = watch::channel::<Option<kube::Client>>(None);
     let (conditions_tx, conditions_rx) = watch::channel(Reported::NotConnected);
+    let topology_cfg = crate::topology::TopologyConfig::from_config(&cfg);
+    let (topology_tx, topology_rx) = watch::channel(topology_cfg.initial_state());
     let (recheck_tx, recheck_rx) = tokio::sync::mpsc::channel::<()>(1);
 
     let (cluster_tx, cluster_rx) = watch::channel(initial_cluster_state(&cfg));
@@ -79,6 +81,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         let cluster_rx = cluster_rx.clone();
         let macvlan_rx = macvlan_rx.clone();
         let guest_rx = guest_rx.clone();
+        let topology_rx = topology_rx.clone();
         let conditions_rx = conditions_rx.clone();
         let node = cfg.node_name.clone();
         let state_dir = state_dir.clone();
@@ -92,11 +95,16 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
                 node_name: node.clone(),
                 started_at: humantime::format_rfc3339_seconds(started).to_string(),
                 uptime_seconds: started.elapsed().map(|d| d.as_secs()).unwrap_or(0),
-                summary: status::summary(&node, &state_dir, &cluster, &macvlan, &guest_agent),
+                summary: format!(
+                    "{}; topology {}",
+                    status::summary(&node, &state_dir, &cluster, &macvlan, &guest_agent),
+                    topology_rx.borrow().short()
+                ),
                 state_dir: state_dir.clone(),
                 cluster,
                 macvlan,
                 guest_agent,
+                topology: topology_rx.borrow().clone(),
                 node_conditions: conditions_rx.borrow().clone(),
             }
         }
@@ -133,6 +141,13 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         beat_every,
         shutdown_rx.clone(),
     ));
+    tasks.spawn(crate::topology::run(
+        topology_cfg,
+        client_rx.clone(),
+        cfg.node_name.clone(),
+        topology_tx,
+        shutdown_rx.clone(),
+    ));
     tasks.spawn(report_conditions(
         cfg.node_name.clone(),
         cfg.credentials_retry,
@@ -151,6 +166,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         cluster_rx.clone(),
         macvlan_rx.clone(),
         guest_rx.clone(),
+        topology_rx.clone(),
         snapshot.clone(),
         shutdown_rx.clone(),
     ));
@@ -366,6 +382,7 @@ async fn publish_status(
     mut cluster: watch::Receiver<ClusterState>,
     mut macvlan: watch::Receiver<MacvlanState>,
     mut guest: watch::Receiver<GuestAgentState>,
+    mut topology: watch::Receiver<crate::topology::TopologyState>,
     snapshot: impl Fn() -> AgentStatus,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -386,6 +403,7 @@ async fn publish_status(
             changed = cluster.changed() => if changed.is_err() { return },
             changed = macvlan.changed() => if changed.is_err() { return },
             changed = guest.changed() => if changed.is_err() { return },
+            changed = topology.changed() => if changed.is_err() { return },
             _ = shutdown.changed() => return,
         }
     }

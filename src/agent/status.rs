@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::guest::GuestAgentState;
 use crate::kmod::MacvlanState;
 use crate::node_status::Reported;
+use crate::topology::TopologyState;
 
 /// Connection to the guest cluster.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +53,8 @@ pub struct AgentStatus {
     pub cluster: ClusterState,
     pub macvlan: MacvlanState,
     pub guest_agent: GuestAgentState,
+    /// Harvester topology labels relayed to this Node.
+    pub topology: TopologyState,
     /// Whether this node's own conditions (`MacvlanReady`) are on its Node.
     pub node_conditions: Reported,
     /// The line systemd shows as `Status:`.

@@ -73,6 +73,9 @@ pub struct RigOptions {
     pub node_names: Vec<String>,
     /// Extra dnsmasq arguments, appended after the rig's own.
     pub dnsmasq_args: Vec<String>,
+    /// Lease time of the rig's DHCP range in dnsmasq syntax (dnsmasq's
+    /// minimum is `2m`); `None` means `1h`.
+    pub lease_time: Option<String>,
 }
 
 impl Default for RigOptions {
@@ -84,6 +87,7 @@ impl Default for RigOptions {
             apiserver: false,
             node_names: Vec::new(),
             dnsmasq_args: Vec::new(),
+            lease_time: None,
         }
     }
 }
@@ -101,6 +105,8 @@ pub struct Rig {
     dir: PathBuf,
     keep: bool,
     dnsmasq: Option<ChildProc>,
+    /// Lease time of the DHCP range (`RigOptions::lease_time`).
+    lease_time: String,
     apiserver: Option<ApiServer>,
     forwarders: Vec<Forwarder>,
     torn_down: bool,
@@ -317,6 +323,7 @@ impl Rig {
             dir,
             keep,
             dnsmasq: None,
+            lease_time: opts.lease_time.clone().unwrap_or_else(|| "1h".into()),
             apiserver: None,
             forwarders: Vec::new(),
             torn_down: false,
@@ -405,7 +412,10 @@ impl Rig {
             "--group=root".into(),
             "--interface=br0".into(),
             "--bind-interfaces".into(),
-            format!("--dhcp-range={DHCP_FIRST},{DHCP_LAST},255.255.255.0,1h"),
+            format!(
+                "--dhcp-range={DHCP_FIRST},{DHCP_LAST},255.255.255.0,{}",
+                self.lease_time
+            ),
             "--dhcp-authoritative".into(),
             format!("--dhcp-leasefile={}", self.leases_path().display()),
             format!("--pid-file={}", d.join("dnsmasq.pid").display()),
@@ -437,6 +447,20 @@ impl Rig {
         }
         self.dnsmasq = Some(proc);
         Ok(())
+    }
+
+    /// Stops dnsmasq (a DHCP server outage); its lease file stays.
+    pub fn stop_dhcp(&mut self) {
+        if let Some(mut d) = self.dnsmasq.take() {
+            d.stop();
+        }
+    }
+
+    /// Starts dnsmasq again (after [`Rig::stop_dhcp`]) with the same lease
+    /// file and these extra arguments.
+    pub fn start_dhcp(&mut self, extra: &[String]) -> Result<()> {
+        self.stop_dhcp();
+        self.start_dnsmasq(extra)
     }
 
     /// Unique id of this rig (`<pid>-<counter>-<random>`).

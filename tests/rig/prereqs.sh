@@ -14,7 +14,7 @@ set -euo pipefail
 CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
 PACKAGES=(dnsmasq-base etcd-server iproute2 busybox isc-dhcp-client
           procps psmisc jq rsync curl ca-certificates openssl)
-BUILD_PACKAGES=(golang-go make dpkg-dev rsync jq)
+BUILD_PACKAGES=(golang-go make dpkg-dev rsync jq golang-github-modern-go-reflect2-dev)
 
 log() { echo "prereqs: $*" >&2; }
 
@@ -129,7 +129,9 @@ if ! apt-cache showsrc kubernetes >/dev/null 2>&1 || ! apt-cache showsrc kuberne
 fi
 VERSION=$(apt-cache showsrc kubernetes | sed -n 's/^Version: //p' | sort -V | tail -1)
 [[ -n "$VERSION" ]] || { log "no 'kubernetes' source package found in the apt sources"; exit 1; }
-OUT="$CACHE_DIR/kube-apiserver/$VERSION"
+# "+reflect2": built with the reflect2 fix below; older cached builds crash
+# on custom-resource writes and are not reused.
+OUT="$CACHE_DIR/kube-apiserver/$VERSION+reflect2"
 if [[ -x "$OUT/kube-apiserver" ]]; then
   log "kube-apiserver $VERSION cached at $OUT"
   echo "$OUT"
@@ -151,6 +153,14 @@ log "fetching the kubernetes $VERSION source package (this is a one-time ~11 min
 ( cd "$WORK" && apt-get source -qq --only-source "kubernetes=$VERSION" >&2 )
 TREE=$(find "$WORK" -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -1)
 [[ -d "$TREE" ]] || { log "source tree not found under $WORK"; exit 1; }
+# The tree vendors github.com/modern-go/reflect2 v1.0.1, whose map iteration
+# breaks with Go >= 1.18 (bookworm has 1.19): kube-apiserver then dies with
+# "fatal error: fault" in UnsafeMapType.UnsafeIterate on every write of a
+# custom resource. v1.0.2 (same API) fixes it; Debian ships it.
+R2="$TREE/vendor/github.com/modern-go/reflect2"
+rm -rf "$R2" && mkdir -p "$R2"
+cp -r /usr/share/gocode/src/github.com/modern-go/reflect2/. "$R2/"
+rm -f "$R2"/*_test.go
 export GOPATH="$WORK/gopath"
 mkdir -p "$GOPATH/src/k8s.io"
 ln -sfn "$TREE" "$GOPATH/src/k8s.io/kubernetes"

@@ -1,0 +1,580 @@
+//! Runs one [`Machine`] against a [`Transport`], an [`AddressConfig`] and
+//! an optional [`Store`]: the only place where its actions meet the world.
+//! Generic over the edges so the whole loop is tested with in-memory fakes
+//! and paused time.
+
+use std::collections::VecDeque;
+use std::net::Ipv4Addr;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+
+use super::io::{RecvError, Transport};
+use super::link::{AddressConfig, format_mac};
+use super::machine::{Action, Counters, Event, Lease, Machine, State, StopMode};
+use super::store::{LeaseRecord, Store};
+
+/// A state change and when it happened, relative to the lease's start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Transition {
+    pub state: State,
+    pub at_ms: f64,
+}
+
+/// What `status`, `/metrics` and `dhcp-probe` show for one lease.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaseStatus {
+    pub name: String,
+    pub mac: String,
+    pub state: State,
+    pub address: Option<Ipv4Addr>,
+    pub server: Option<Ipv4Addr>,
+    pub routers: Vec<Ipv4Addr>,
+    pub lease_secs: Option<f64>,
+    pub t1_secs: Option<f64>,
+    pub t2_secs: Option<f64>,
+    /// Wall-clock times (Unix milliseconds) of T1, T2 and expiry.
+    pub t1_at_unix_ms: Option<u64>,
+    pub t2_at_unix_ms: Option<u64>,
+    pub expires_at_unix_ms: Option<u64>,
+    pub counters: Counters,
+    pub last_drop: Option<String>,
+    /// The last failure of the edge (send, address, lease file).
+    pub last_error: Option<String>,
+    /// The first 32 state changes.
+    pub transitions: Vec<Transition>,
+}
+
+impl LeaseStatus {
+    pub fn new(name: &str, mac: [u8; 6]) -> Self {
+        LeaseStatus {
+            name: name.to_string(),
+            mac: format_mac(&mac),
+            state: State::Init,
+            address: None,
+            server: None,
+            routers: Vec::new(),
+            lease_secs: None,
+            t1_secs: None,
+            t2_secs: None,
+            t1_at_unix_ms: None,
+            t2_at_unix_ms: None,
+            expires_at_unix_ms: None,
+            counters: Counters::default(),
+            last_drop: None,
+            last_error: None,
+            transitions: Vec::new(),
+        }
+    }
+}
+
+/// Requests to a running lease.
+#[derive(Debug)]
+pub enum Command {
+    /// Stop; the sender is told when the address is gone (and, for
+    /// `Release`, the DHCPRELEASE is sent).
+    Stop(StopMode, oneshot::Sender<()>),
+    /// Gratuitous ARP now (takeover).
+    Announce,
+}
+
+fn to_unix_ms(at: Instant) -> u64 {
+    let now = Instant::now();
+    let wall = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let ms = if at >= now {
+        wall + (at - now)
+    } else {
+        wall.saturating_sub(now - at)
+    };
+    ms.as_millis() as u64
+}
+
+pub struct Driver<T: Transport, A: AddressConfig> {
+    name: String,
+    machine: Machine,
+    transport: T,
+    addrs: A,
+    store: Option<Store>,
+    status: watch::Sender<LeaseStatus>,
+    started: Instant,
+    deadline: Option<Instant>,
+    last_error: Option<String>,
+    transitions: Vec<Transition>,
+}
+
+impl<T: Transport, A: AddressConfig> Driver<T, A> {
+    pub fn new(
+        name: &str,
+        machine: Machine,
+        transport: T,
+        addrs: A,
+        store: Option<Store>,
+    ) -> (Self, watch::Receiver<LeaseStatus>) {
+        let (tx, rx) = watch::channel(LeaseStatus::new(name, machine.identity().mac));
+        (
+            Driver {
+                name: name.to_string(),
+                machine,
+                transport,
+                addrs,
+                store,
+                status: tx,
+                started: Instant::now(),
+                deadline: None,
+                last_error: None,
+                transitions: Vec::new(),
+            },
+            rx,
+        )
+    }
+
+    /// Runs until stopped. A dropped command channel counts as a handover
+    /// stop: without an explicit "no longer wanted", nothing is released.
+    pub async fn run(mut self, stored: Option<Lease>, mut cmds: mpsc::Receiver<Command>) {
+        self.started = Instant::now();
+        self.step(Event::Start { stored }).await;
+        loop {
+            let deadline = self.deadline;
+            tokio::select! {
+                r = self.transport.recv() => match r {
+                    Ok(inb) => {
+                        self.step(Event::Received { payload: &inb.payload, src_mac: inb.src_mac }).await;
+                    }
+                    Err(RecvError::Frame(e)) => {
+                        self.machine.count_malformed_frame(format!("malformed frame: {e}"));
+                        self.publish();
+                    }
+                    Err(RecvError::Io(e)) => {
+                        self.error(format!("receive: {e}"));
+                        // Do not spin on a persistent socket error.
+                        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    }
+                },
+                _ = sleep_until_opt(deadline) => {
+                    self.deadline = None;
+                    self.step(Event::Timer).await;
+                }
+                c = cmds.recv() => match c {
+                    Some(Command::Announce) => self.step(Event::Announce).await,
+                    Some(Command::Stop(mode, done)) => {
+                        self.step(Event::Stop(mode)).await;
+                        let _ = done.send(());
+                        return;
+                    }
+                    None => {
+                        self.step(Event::Stop(StopMode::Handover)).await;
+                        return;
+                    }
+                },
+            }
+        }
+    }
+
+    fn error(&mut self, e: String) {
+        tracing::warn!(lease = %self.name, "{e}");
+        self.last_error = Some(e);
+        self.publish();
+    }
+
+    async fn step(&mut self, event: Event<'_>) {
+        let actions = self.machine.handle(Instant::now(), event);
+        self.note_transitions(&actions);
+        let mut queue: VecDeque<Action> = actions.into();
+        while let Some(a) = queue.pop_front() {
+            match a {
+                Action::Send {
+                    kind,
+                    payload,
+                    src,
+                    dst,
+                } => {
+                    tracing::debug!(lease = %self.name, ?kind, ?dst, "send");
+                    if let Err(e) = self.transport.send(&payload, src, dst).await {
+                        self.error(format!("send {kind:?}: {e}"));
+                    }
+                }
+                Action::SetTimer(at) => self.deadline = Some(at),
+                Action::ConfigureAddress { address, .. } => {
+                    if let Err(e) = self.addrs.add(address).await {
+                        self.error(e.to_string());
+                    }
+                }
+                Action::RemoveAddress(address) => {
+                    if let Err(e) = self.addrs.remove(address).await {
+                        self.error(e.to_string());
+                    }
+                }
+                Action::ArpProbe(address) => {
+                    let conflict = match self.transport.arp_probe(address).await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            // Cannot probe: proceed as RFC 2131 clients
+                            // without RFC 5227 do, but say so.
+                            self.error(format!("ARP probe of {address}: {e}"));
+                            false
+                        }
+                    };
+                    if conflict {
+                        tracing::warn!(lease = %self.name, %address, "address in use by another host: declining");
+                    }
+                    let more = self
+                        .machine
+                        .handle(Instant::now(), Event::ProbeResult { address, conflict });
+                    self.note_transitions(&more);
+                    queue.extend(more);
+                }
+                Action::ArpAnnounce(address) => {
+                    if let Err(e) = self.transport.arp_announce(address).await {
+                        self.error(format!("ARP announce of {address}: {e}"));
+                    }
+                }
+                Action::Persist(lease) => {
+                    if let Some(store) = &self.store {
+                        let rec =
+                            LeaseRecord::from_lease(&self.name, self.machine.identity(), &lease);
+                        if let Err(e) = store.save(&rec) {
+                            self.error(e.to_string());
+                        }
+                    }
+                }
+                Action::Forget => {
+                    if let Some(store) = &self.store
+                        && let Err(e) = store.remove(&self.name)
+                    {
+                        self.error(e.to_string());
+                    }
+                }
+                // Recorded by `note_transitions` before the step's work.
+                Action::StateChanged { .. } => {}
+            }
+        }
+        self.publish();
+    }
+
+    /// Logs and records state changes when the machine decides them, not
+    /// after the step's I/O (an ARP probe takes a while), so step timings
+    /// are right.
+    fn note_transitions(&mut self, actions: &[Action]) {
+        for a in actions {
+            if let Action::StateChanged { from, to } = a {
+                tracing::info!(
+                    lease = %self.name,
+                    from = from.as_str(),
+                    to = to.as_str(),
+                    address = ?self.machine.lease().map(|l| l.address),
+                    "DHCP state"
+                );
+                if self.transitions.len() < 32 {
+                    self.transitions.push(Transition {
+                        state: *to,
+                        at_ms: (Instant::now() - self.started).as_secs_f64() * 1000.0,
+                    });
+                }
+            }
+        }
+    }
+
+    fn publish(&self) {
+        let m = &self.machine;
+        let l = m.lease();
+        let st = LeaseStatus {
+            name: self.name.clone(),
+            mac: format_mac(&m.identity().mac),
+            state: m.state(),
+            address: l.map(|l| l.address),
+            server: l.map(|l| l.server_id),
+            routers: l.map(|l| l.routers.clone()).unwrap_or_default(),
+            lease_secs: l.map(|l| l.lease_time.as_secs_f64()),
+            t1_secs: l.map(|l| l.t1.as_secs_f64()),
+            t2_secs: l.map(|l| l.t2.as_secs_f64()),
+            t1_at_unix_ms: l.map(|l| to_unix_ms(l.t1_at())),
+            t2_at_unix_ms: l.map(|l| to_unix_ms(l.t2_at())),
+            expires_at_unix_ms: l.map(|l| to_unix_ms(l.expires_at())),
+            counters: m.counters(),
+            last_drop: m.last_drop().map(str::to_string),
+            last_error: self.last_error.clone(),
+            transitions: self.transitions.clone(),
+        };
+        self.status.send_replace(st);
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use dhcproto::v4::{DhcpOption, Message, MessageType};
+    use dhcproto::{Decodable, Decoder};
+
+    use super::*;
+    use crate::dhcp::io::Inbound;
+    use crate::dhcp::link::LinkError;
+    use crate::dhcp::machine::{Destination, Timing};
+    use crate::dhcp::packet::{Identity, build_reply};
+
+    const MAC: [u8; 6] = [0, 0, 0x6c, 9, 9, 9];
+    const SRV: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
+    const SRV_MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
+
+    /// An in-memory DHCP server: answers DISCOVER/REQUEST for `addr`
+    /// unless `down`; NAKs renewals when `nak_renew`.
+    #[derive(Default)]
+    struct World {
+        addr: Option<Ipv4Addr>,
+        down: bool,
+        nak_renew: bool,
+        sent: Vec<(MessageType, Ipv4Addr, Destination)>,
+        inbox: VecDeque<Inbound>,
+        configured: Vec<Ipv4Addr>,
+    }
+
+    #[derive(Clone, Default)]
+    struct Fake(Arc<Mutex<World>>, Arc<tokio::sync::Notify>);
+
+    impl Transport for Fake {
+        async fn send(&self, payload: &[u8], src: Ipv4Addr, dst: Destination) -> io::Result<()> {
+            let m = Message::decode(&mut Decoder::new(payload)).unwrap();
+            let ty = m.opts().msg_type().unwrap();
+            let mut w = self.0.lock().unwrap();
+            w.sent.push((ty, src, dst));
+            let addr = w.addr.unwrap();
+            if w.down {
+                return Ok(());
+            }
+            let opts = [
+                DhcpOption::ServerIdentifier(SRV),
+                DhcpOption::AddressLeaseTime(120),
+                DhcpOption::Renewal(20),
+                DhcpOption::Rebinding(35),
+            ];
+            let reply = match ty {
+                MessageType::Discover => {
+                    Some(build_reply(MessageType::Offer, m.xid(), MAC, addr, &opts))
+                }
+                MessageType::Request if w.nak_renew && !m.ciaddr().is_unspecified() => Some(
+                    build_reply(MessageType::Nak, m.xid(), MAC, Ipv4Addr::UNSPECIFIED, &[]),
+                ),
+                MessageType::Request => {
+                    Some(build_reply(MessageType::Ack, m.xid(), MAC, addr, &opts))
+                }
+                _ => None,
+            };
+            if let Some(payload) = reply {
+                w.inbox.push_back(Inbound {
+                    payload,
+                    src_mac: SRV_MAC,
+                });
+                self.1.notify_one();
+            }
+            Ok(())
+        }
+
+        async fn recv(&self) -> Result<Inbound, RecvError> {
+            loop {
+                let notified = self.1.notified();
+                if let Some(i) = self.0.lock().unwrap().inbox.pop_front() {
+                    return Ok(i);
+                }
+                notified.await;
+            }
+        }
+
+        async fn arp_probe(&self, _addr: Ipv4Addr) -> io::Result<bool> {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok(false)
+        }
+
+        async fn arp_announce(&self, _addr: Ipv4Addr) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl AddressConfig for Fake {
+        async fn add(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
+            self.0.lock().unwrap().configured.push(addr);
+            Ok(())
+        }
+        async fn remove(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
+            self.0.lock().unwrap().configured.retain(|a| *a != addr);
+            Ok(())
+        }
+    }
+
+    fn start(
+        fake: &Fake,
+        store: Option<Store>,
+        stored: Option<Lease>,
+    ) -> (
+        watch::Receiver<LeaseStatus>,
+        mpsc::Sender<Command>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let timing = Timing {
+            renew_floor: Duration::from_secs(1),
+            ..Timing::default()
+        };
+        let m = Machine::new(Identity::new(MAC), timing, 1);
+        let (d, rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), store);
+        let (tx, crx) = mpsc::channel(4);
+        let h = tokio::spawn(d.run(stored, crx));
+        (rx, tx, h)
+    }
+
+    /// Waits (at most 10 virtual minutes, so a wrong expectation fails
+    /// instead of spinning the paused clock) for a status matching `f`.
+    async fn until(
+        rx: &mut watch::Receiver<LeaseStatus>,
+        f: impl FnMut(&LeaseStatus) -> bool,
+    ) -> LeaseStatus {
+        tokio::time::timeout(Duration::from_secs(600), rx.wait_for(f))
+            .await
+            .expect("status not reached within 10 minutes")
+            .unwrap()
+            .clone()
+    }
+
+    async fn wait_for(rx: &mut watch::Receiver<LeaseStatus>, state: State) -> LeaseStatus {
+        until(rx, |s| s.state == state).await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn acquires_renews_and_persists() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let fake = Fake::default();
+        fake.0.lock().unwrap().addr = Some(Ipv4Addr::new(10, 77, 0, 150));
+        let (mut rx, tx, h) = start(&fake, Some(store.clone()), None);
+        let st = wait_for(&mut rx, State::Bound).await;
+        assert_eq!(st.address, Some(Ipv4Addr::new(10, 77, 0, 150)));
+        assert_eq!(st.server, Some(SRV));
+        assert_eq!(st.t1_secs, Some(20.0));
+        let states: Vec<_> = st.transitions.iter().map(|t| t.state).collect();
+        assert_eq!(
+            states,
+            vec![
+                State::Selecting,
+                State::Requesting,
+                State::Checking,
+                State::Bound
+            ]
+        );
+        assert_eq!(
+            fake.0.lock().unwrap().configured,
+            vec![Ipv4Addr::new(10, 77, 0, 150)]
+        );
+        assert!(store.load("vip-test").unwrap().is_some());
+
+        // T1: unicast renewal to the server's MAC, from the lease address.
+        // RENEWING lasts no time against this server: look at the history.
+        let t0 = Instant::now();
+        until(&mut rx, |s| {
+            s.state == State::Bound && s.transitions.iter().any(|t| t.state == State::Renewing)
+        })
+        .await;
+        let waited = Instant::now() - t0;
+        assert!(waited >= Duration::from_millis(19_000), "{waited:?}");
+        let sent = fake.0.lock().unwrap().sent.clone();
+        assert_eq!(
+            sent.last().unwrap(),
+            &(
+                MessageType::Request,
+                Ipv4Addr::new(10, 77, 0, 150),
+                Destination::Unicast {
+                    ip: SRV,
+                    mac: SRV_MAC
+                }
+            )
+        );
+
+        let (done_tx, done_rx) = oneshot::channel();
+        tx.send(Command::Stop(StopMode::Release, done_tx))
+            .await
+            .unwrap();
+        done_rx.await.unwrap();
+        h.await.unwrap();
+        assert!(fake.0.lock().unwrap().configured.is_empty());
+        assert_eq!(
+            fake.0.lock().unwrap().sent.last().unwrap().0,
+            MessageType::Release
+        );
+        assert!(store.load("vip-test").unwrap().is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn server_down_rebinds_then_keeps_the_address_when_back() {
+        let fake = Fake::default();
+        fake.0.lock().unwrap().addr = Some(Ipv4Addr::new(10, 77, 0, 151));
+        let (mut rx, tx, h) = start(&fake, None, None);
+        wait_for(&mut rx, State::Bound).await;
+        fake.0.lock().unwrap().down = true;
+        wait_for(&mut rx, State::Rebinding).await;
+        fake.0.lock().unwrap().down = false;
+        let st = wait_for(&mut rx, State::Bound).await;
+        assert_eq!(st.address, Some(Ipv4Addr::new(10, 77, 0, 151)));
+        // The rebinding ACK came from a broadcast REQUEST.
+        let sent = fake.0.lock().unwrap().sent.clone();
+        assert_eq!(sent.last().unwrap().2, Destination::Broadcast);
+        drop(tx);
+        h.await.unwrap();
+        // A dropped handle is a handover: address removed, no RELEASE.
+        assert!(fake.0.lock().unwrap().configured.is_empty());
+        assert_ne!(
+            fake.0.lock().unwrap().sent.last().unwrap().0,
+            MessageType::Release
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn server_gone_past_expiry_removes_the_address() {
+        let fake = Fake::default();
+        fake.0.lock().unwrap().addr = Some(Ipv4Addr::new(10, 77, 0, 152));
+        let (mut rx, _tx, _h) = start(&fake, None, None);
+        let bound = wait_for(&mut rx, State::Bound).await;
+        fake.0.lock().unwrap().down = true;
+        let t0 = Instant::now();
+        wait_for(&mut rx, State::Selecting).await;
+        let waited = Instant::now() - t0;
+        assert!(
+            waited >= Duration::from_secs(119) && waited <= Duration::from_secs(121),
+            "{waited:?} {bound:?}"
+        );
+        assert!(fake.0.lock().unwrap().configured.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nak_on_renew_reacquires() {
+        let fake = Fake::default();
+        fake.0.lock().unwrap().addr = Some(Ipv4Addr::new(10, 77, 0, 153));
+        let (mut rx, _tx, _h) = start(&fake, None, None);
+        wait_for(&mut rx, State::Bound).await;
+        {
+            let mut w = fake.0.lock().unwrap();
+            w.nak_renew = true;
+            w.addr = Some(Ipv4Addr::new(10, 77, 0, 160));
+        }
+        until(&mut rx, |s| s.counters.naks == 1).await;
+        fake.0.lock().unwrap().nak_renew = false;
+        let st = until(&mut rx, |s| {
+            s.state == State::Bound && s.address == Some(Ipv4Addr::new(10, 77, 0, 160))
+        })
+        .await;
+        assert_eq!(st.counters.naks, 1);
+        assert_eq!(
+            fake.0.lock().unwrap().configured,
+            vec![Ipv4Addr::new(10, 77, 0, 160)]
+        );
+    }
+}

@@ -1,0 +1,251 @@
+//! `dhcp-probe` and `dhcp-hold` command lines.
+//!
+//! `dhcp-hold` holds N leases in one process until SIGTERM/SIGINT (then
+//! hands them over, or releases them with `--release-on-exit`) or SIGKILL
+//! (then leaves macvlans and lease files behind, exactly like a crashed
+//! daemon). It exists for the integration tests and benchmarks ("kill -9
+//! and restart keeps the address", "200 leases in one process") and for
+//! operators who want to watch the engine against their network.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+
+use super::driver::LeaseStatus;
+use super::engine::{Engine, LeaseConfig};
+use super::io::ProbeConfig;
+use super::link::{default_route_interface, parse_mac};
+use super::machine::{StopMode, Timing};
+use super::packet::Identity;
+use super::probe::{self, ProbeOptions};
+use super::store::Store;
+use crate::cli::Output;
+
+fn parse_mac_arg(s: &str) -> Result<[u8; 6], String> {
+    parse_mac(s).ok_or_else(|| format!("`{s}` is not a MAC address like 00:00:6c:12:34:56"))
+}
+
+/// `01:02:0a` (hex bytes) or plain text.
+fn parse_client_id(s: &str) -> Result<Vec<u8>, String> {
+    let hex: Option<Vec<u8>> = s
+        .split(':')
+        .map(|p| {
+            (p.len() == 2)
+                .then(|| u8::from_str_radix(p, 16).ok())
+                .flatten()
+        })
+        .collect();
+    match hex {
+        Some(bytes) if s.contains(':') => Ok(bytes),
+        _ if s.is_empty() => Err("client id must not be empty".into()),
+        _ => Ok(s.as_bytes().to_vec()),
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ProbeArgs {
+    /// Uplink to put the temporary macvlan on [default: the interface of the default route]
+    #[arg(long, value_name = "IFACE")]
+    pub parent: Option<String>,
+    /// MAC of the temporary macvlan [default: random 00:00:6c:xx:xx:xx]
+    #[arg(long, value_name = "MAC", value_parser = parse_mac_arg)]
+    pub mac: Option<[u8; 6]>,
+    /// Client identifier (option 61): hex bytes `01:00:00:6c:..` or text [default: 01 + MAC]
+    #[arg(long, value_name = "ID", value_parser = parse_client_id)]
+    pub client_id: Option<Vec<u8>>,
+    /// Hostname to send (option 12)
+    #[arg(long)]
+    pub hostname: Option<String>,
+    /// Release the lease at the end (`--release=false` keeps it on the server)
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub release: bool,
+    /// How long to wait for a lease
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+    /// Skip the ARP probe (RFC 5227) of the offered address
+    #[arg(long)]
+    pub no_arp_probe: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Output::Human)]
+    pub output: Output,
+}
+
+pub fn probe_main(args: ProbeArgs) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("harvester-node-agent: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let report = rt.block_on(probe::run(ProbeOptions {
+        parent: args.parent,
+        mac: args.mac,
+        client_id: args.client_id,
+        hostname: args.hostname,
+        release: args.release,
+        timeout: args.timeout,
+        arp_probe: !args.no_arp_probe,
+    }));
+    match args.output {
+        Output::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("report serializes")
+        ),
+        Output::Human => print!("{}", report.to_human()),
+    }
+    if report.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct HoldArgs {
+    /// Uplink for the macvlans [default: the interface of the default route]
+    #[arg(long, value_name = "IFACE")]
+    pub parent: Option<String>,
+    /// Number of leases
+    #[arg(long, default_value_t = 1)]
+    pub count: u32,
+    /// Distinguishes sets of leases: lease i is `vip-<set><i as 6 hex>` with
+    /// MAC 00:00:6c:<set>:<i>
+    #[arg(long, default_value_t = 1)]
+    pub set: u8,
+    /// State directory (lease files go to <DIR>/leases)
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: PathBuf,
+    /// Smallest retransmission interval while renewing/rebinding (RFC: 60s)
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub renew_floor: Duration,
+    /// Skip the ARP probe (RFC 5227) of offered addresses
+    #[arg(long)]
+    pub no_arp_probe: bool,
+    /// Write the lease table (JSON) here, atomically, every 100 ms
+    #[arg(long, value_name = "PATH")]
+    pub status_file: Option<PathBuf>,
+    /// On SIGTERM/SIGINT send DHCPRELEASE (default: hand over, keeping the
+    /// leases on the server and the lease files on disk)
+    #[arg(long)]
+    pub release_on_exit: bool,
+    /// Serve /metrics and /healthz here
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+fn write_status(path: &PathBuf, leases: &[LeaseStatus]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec(leases).expect("status serializes"))?;
+    drop(f);
+    std::fs::rename(&tmp, path)
+}
+
+pub fn hold_main(args: HoldArgs) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("harvester-node-agent: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(hold(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("harvester-node-agent: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn hold(args: HoldArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let parent = match args.parent.clone() {
+        Some(p) => p,
+        None => std::fs::read_to_string("/proc/net/route")
+            .ok()
+            .and_then(|t| default_route_interface(&t))
+            .context("no default route to find the uplink; name it with --parent")?,
+    };
+    let store = Store::open(&args.state_dir)?;
+    let engine = Arc::new(Engine::new(Some(store))?);
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    for i in 0..args.count {
+        let mac = [0, 0, 0x6c, args.set, (i >> 8) as u8, i as u8];
+        let cfg = LeaseConfig {
+            interface: format!("vip-{:02x}{:06x}", args.set, i),
+            parent: parent.clone(),
+            identity: Identity::new(mac),
+            timing: Timing {
+                renew_floor: args.renew_floor,
+                arp_probe: !args.no_arp_probe,
+                ..Timing::default()
+            },
+            probe: ProbeConfig::default(),
+        };
+        engine.start(cfg).await?;
+    }
+    eprintln!("dhcp-hold: {} leases started on {parent}", args.count);
+    if let Some(addr) = args.metrics_listen {
+        let l = super::http::bind(addr)
+            .await
+            .with_context(|| format!("listen on {addr}"))?;
+        let e = engine.clone();
+        tokio::spawn(super::http::serve(l, Arc::new(move || e.snapshot())));
+    }
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                if let Some(p) = &args.status_file {
+                    write_status(p, &engine.snapshot())
+                        .with_context(|| format!("write {}", p.display()))?;
+                }
+            }
+            _ = tokio::signal::ctrl_c() => break,
+            _ = sigterm.recv() => break,
+        }
+    }
+    let mode = if args.release_on_exit {
+        StopMode::Release
+    } else {
+        StopMode::Handover
+    };
+    let errors = engine.stop_all(mode).await;
+    if let Some(p) = &args.status_file {
+        let _ = write_status(p, &engine.snapshot());
+    }
+    if let Some(e) = errors.into_iter().next() {
+        return Err(e.into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_id_hex_or_text() {
+        assert_eq!(
+            parse_client_id("01:00:00:6c:aa:bb").unwrap(),
+            vec![1, 0, 0, 0x6c, 0xaa, 0xbb]
+        );
+        assert_eq!(parse_client_id("lb-web").unwrap(), b"lb-web".to_vec());
+        assert!(parse_client_id("").is_err());
+        assert!(parse_mac_arg("00:00:6c:01:02").is_err());
+    }
+}

@@ -1,0 +1,118 @@
+//! The optional `/metrics` (Prometheus text) and `/healthz` endpoint. Off
+//! by default; when on, loopback-only unless an address is configured.
+//! Two read-only GET routes do not justify an HTTP framework: this answers
+//! one request per connection with `Connection: close`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::driver::LeaseStatus;
+use super::engine::render_metrics;
+
+/// Where the lease table comes from.
+pub type Snapshot = Arc<dyn Fn() -> Vec<LeaseStatus> + Send + Sync>;
+
+/// Binds `addr`; serve with [`serve`].
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+/// Serves until the task is dropped.
+pub async fn serve(listener: TcpListener, snapshot: Snapshot) {
+    loop {
+        let Ok((conn, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let snapshot = snapshot.clone();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(5), answer(conn, snapshot)).await;
+        });
+    }
+}
+
+async fn answer(mut conn: TcpStream, snapshot: Snapshot) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 4096];
+    let mut n = 0;
+    // Read the request head (the body, if any, is ignored).
+    while n < buf.len() {
+        let r = conn.read(&mut buf[n..]).await?;
+        if r == 0 {
+            break;
+        }
+        n += r;
+        if buf[..n].windows(4).any(|w| w == b"\r\n\r\n")
+            || buf[..n].windows(2).any(|w| w == b"\n\n")
+        {
+            break;
+        }
+    }
+    let head = String::from_utf8_lossy(&buf[..n]);
+    let mut words = head.split_whitespace();
+    let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    let (code, ctype, body) = match (method, path.split('?').next().unwrap_or("")) {
+        ("GET", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            render_metrics(&snapshot()),
+        ),
+        ("GET", "/healthz") => ("200 OK", "text/plain; charset=utf-8", "ok\n".to_string()),
+        ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain",
+            "only GET\n".to_string(),
+        ),
+    };
+    let resp = format!(
+        "HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(resp.as_bytes()).await?;
+    conn.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn get(addr: SocketAddr, req: &str) -> String {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        c.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn metrics_healthz_and_errors() {
+        let l = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let snap: Snapshot = Arc::new(|| {
+            vec![LeaseStatus::new(
+                "vip-0000abcd",
+                [0, 0, 0x6c, 0, 0xab, 0xcd],
+            )]
+        });
+        let task = tokio::spawn(serve(l, snap));
+        let r = get(addr, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
+        assert!(
+            r.starts_with("HTTP/1.1 200 OK\r\n") && r.ends_with("\r\n\r\nok\n"),
+            "{r}"
+        );
+        let r = get(addr, "GET /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(
+            r.contains("hna_dhcp_lease_bound{lease=\"vip-0000abcd\""),
+            "{r}"
+        );
+        let r = get(addr, "GET /nope HTTP/1.1\r\n\r\n").await;
+        assert!(r.starts_with("HTTP/1.1 404"), "{r}");
+        let r = get(addr, "POST /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(r.starts_with("HTTP/1.1 405"), "{r}");
+        task.abort();
+    }
+}

@@ -1,0 +1,398 @@
+//! The packet edge: [`Transport`] (what the driver needs) and [`AfPacket`],
+//! its implementation over Linux packet sockets on the lease's macvlan.
+//!
+//! Why packet sockets for everything, including unicast renew and release:
+//! binding UDP port 68 collides with the node's own DHCP client (wicked,
+//! dhclient, dhcpcd, systemd-networkd), which is what broke renewals for
+//! kube-vip. A `SOCK_DGRAM` packet socket bound to one interface with a
+//! classic BPF filter (UDP, not a fragment, destination port 68) sees only
+//! DHCP traffic of that interface and takes no port from anyone.
+
+use std::future::Future;
+use std::io;
+use std::mem::{size_of, zeroed};
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
+use tokio::time::Instant;
+
+use super::frame::{self, FrameError};
+use super::machine::Destination;
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_ARP: u16 = 0x0806;
+const BROADCAST_MAC: [u8; 6] = [0xff; 6];
+
+/// A DHCP payload received on the interface, with the source MAC of its
+/// frame (the server or the relay toward it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inbound {
+    pub payload: Vec<u8>,
+    pub src_mac: [u8; 6],
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecvError {
+    /// A frame that is not a well-formed DHCP datagram to us: count it.
+    #[error("malformed frame: {0}")]
+    Frame(#[from] FrameError),
+    #[error("receive failed: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// RFC 5227 probe timing. RFC 5227's own numbers (3 probes 1–2 s apart,
+/// then 2 s) are meant for hosts joining a link; a LoadBalancer address
+/// that the DHCP server just handed out only needs to catch a host that
+/// squats on it, so the defaults are shorter. Tunable per lease.
+#[derive(Debug, Clone, Copy)]
+pub struct ProbeConfig {
+    pub probes: u32,
+    pub interval: Duration,
+    /// Listening time after the last probe.
+    pub wait: Duration,
+    /// Second gratuitous ARP this long after the first (RFC 5227
+    /// ANNOUNCE_NUM 2).
+    pub announce_interval: Duration,
+}
+
+impl Default for ProbeConfig {
+    fn default() -> Self {
+        ProbeConfig {
+            probes: 2,
+            interval: Duration::from_millis(100),
+            wait: Duration::from_millis(200),
+            announce_interval: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What the driver needs from the network. Implemented by [`AfPacket`]
+/// and by in-memory fakes in tests.
+pub trait Transport: Send + Sync + 'static {
+    /// Sends a DHCP payload from UDP port 68 to port 67.
+    fn send(
+        &self,
+        payload: &[u8],
+        src: Ipv4Addr,
+        dst: Destination,
+    ) -> impl Future<Output = io::Result<()>> + Send;
+    /// The next DHCP datagram for us. Must be cancel-safe: the driver
+    /// selects on it.
+    fn recv(&self) -> impl Future<Output = Result<Inbound, RecvError>> + Send;
+    /// RFC 5227 probe; `true` when another host uses `addr`.
+    fn arp_probe(&self, addr: Ipv4Addr) -> impl Future<Output = io::Result<bool>> + Send;
+    /// Gratuitous ARP (announcement) for `addr`.
+    fn arp_announce(&self, addr: Ipv4Addr) -> impl Future<Output = io::Result<()>> + Send;
+}
+
+/// Packet sockets on one interface.
+pub struct AfPacket {
+    ifindex: u32,
+    mac: [u8; 6],
+    probe: ProbeConfig,
+    ip: AsyncFd<OwnedFd>,
+}
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn ll_addr(ifindex: u32, protocol: u16, mac: [u8; 6]) -> libc::sockaddr_ll {
+    // SAFETY: sockaddr_ll is plain old data; all-zero is a valid value.
+    let mut sa: libc::sockaddr_ll = unsafe { zeroed() };
+    sa.sll_family = libc::AF_PACKET as u16;
+    sa.sll_protocol = protocol.to_be();
+    sa.sll_ifindex = ifindex as i32;
+    sa.sll_halen = 6;
+    sa.sll_addr[..6].copy_from_slice(&mac);
+    sa
+}
+
+/// A non-blocking `SOCK_DGRAM` packet socket bound to `ifindex` for
+/// `protocol`, with `filter` attached before the bind so nothing
+/// unfiltered is ever queued.
+fn packet_socket(
+    ifindex: u32,
+    protocol: u16,
+    filter: Option<&[libc::sock_filter]>,
+) -> io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: plain syscalls on a descriptor this function owns; every
+    // pointer passed points to a live, correctly sized local.
+    unsafe {
+        let fd = cvt(libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        ))?;
+        let fd = OwnedFd::from_raw_fd(fd);
+        if let Some(f) = filter {
+            let prog = libc::sock_fprog {
+                len: f.len() as u16,
+                filter: f.as_ptr() as *mut libc::sock_filter,
+            };
+            cvt(libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_ATTACH_FILTER,
+                &prog as *const _ as *const libc::c_void,
+                size_of::<libc::sock_fprog>() as u32,
+            ))?;
+        }
+        let one: libc::c_int = 1;
+        cvt(libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_AUXDATA,
+            &one as *const _ as *const libc::c_void,
+            size_of::<libc::c_int>() as u32,
+        ))?;
+        let sa = ll_addr(ifindex, protocol, [0; 6]);
+        cvt(libc::bind(
+            fd.as_raw_fd(),
+            &sa as *const _ as *const libc::sockaddr,
+            size_of::<libc::sockaddr_ll>() as u32,
+        ))?;
+        // SAFETY (register): the OwnedFd stays open and unchanged for as
+        // long as the AsyncFd owns it.
+        AsyncFd::register(fd).map_err(|e| e.into_parts().1)
+    }
+}
+
+/// Classic BPF: IPv4 UDP, not a fragment, destination port 68. Offsets are
+/// from the IP header (SOCK_DGRAM).
+fn dhcp_filter() -> [libc::sock_filter; 9] {
+    let s = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter {
+        code: code as u16,
+        jt,
+        jf,
+        k,
+    };
+    use libc::{
+        BPF_ABS, BPF_B, BPF_H, BPF_IND, BPF_JEQ, BPF_JMP, BPF_JSET, BPF_K, BPF_LD, BPF_LDX,
+        BPF_MSH, BPF_RET,
+    };
+    [
+        s(BPF_LD | BPF_B | BPF_ABS, 0, 0, 9),        // protocol
+        s(BPF_JMP | BPF_JEQ | BPF_K, 0, 6, 17),      // UDP?
+        s(BPF_LD | BPF_H | BPF_ABS, 0, 0, 6),        // flags/fragment
+        s(BPF_JMP | BPF_JSET | BPF_K, 4, 0, 0x1fff), // fragment offset
+        s(BPF_LDX | BPF_B | BPF_MSH, 0, 0, 0),       // X = IHL*4
+        s(BPF_LD | BPF_H | BPF_IND, 0, 0, 2),        // UDP dst port
+        s(BPF_JMP | BPF_JEQ | BPF_K, 0, 1, 68),
+        s(BPF_RET | BPF_K, 0, 0, 0xffff),
+        s(BPF_RET | BPF_K, 0, 0, 0),
+    ]
+}
+
+/// One received datagram: length, sender link address, packet type, and
+/// whether the checksum may be verified.
+struct Datagram {
+    len: usize,
+    src_mac: [u8; 6],
+    pkttype: u8,
+    csum_ready: bool,
+}
+
+fn recv_datagram(fd: &OwnedFd, buf: &mut [u8]) -> io::Result<Datagram> {
+    // SAFETY: recvmsg into live buffers whose sizes are passed along; the
+    // control messages are read only within msg_controllen.
+    unsafe {
+        let mut sa: libc::sockaddr_ll = zeroed();
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+            iov_len: buf.len(),
+        };
+        let mut cbuf = [0u64; 16];
+        let mut msg: libc::msghdr = zeroed();
+        msg.msg_name = &mut sa as *mut _ as *mut libc::c_void;
+        msg.msg_namelen = size_of::<libc::sockaddr_ll>() as u32;
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = size_of::<[u64; 16]>();
+        let n = libc::recvmsg(fd.as_raw_fd(), &mut msg, libc::MSG_TRUNC);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut csum_ready = true;
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_PACKET && (*c).cmsg_type == libc::PACKET_AUXDATA {
+                let aux =
+                    std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::tpacket_auxdata);
+                if aux.tp_status & libc::TP_STATUS_CSUMNOTREADY != 0 {
+                    csum_ready = false;
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+        let mut src_mac = [0u8; 6];
+        src_mac.copy_from_slice(&sa.sll_addr[..6]);
+        Ok(Datagram {
+            len: n as usize,
+            src_mac,
+            pkttype: sa.sll_pkttype,
+            csum_ready,
+        })
+    }
+}
+
+fn send_to(fd: &OwnedFd, ifindex: u32, protocol: u16, mac: [u8; 6], data: &[u8]) -> io::Result<()> {
+    let sa = ll_addr(ifindex, protocol, mac);
+    // SAFETY: sendto from a live buffer with its length and a valid
+    // sockaddr_ll.
+    let n = unsafe {
+        libc::sendto(
+            fd.as_raw_fd(),
+            data.as_ptr() as *const libc::c_void,
+            data.len(),
+            0,
+            &sa as *const _ as *const libc::sockaddr,
+            size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n as usize != data.len() {
+        return Err(io::Error::other(format!(
+            "short send: {n} of {} bytes",
+            data.len()
+        )));
+    }
+    Ok(())
+}
+
+async fn send_async(
+    fd: &AsyncFd<OwnedFd>,
+    ifindex: u32,
+    protocol: u16,
+    mac: [u8; 6],
+    data: &[u8],
+) -> io::Result<()> {
+    loop {
+        let mut guard = fd.writable().await?;
+        match guard.try_io(|inner| send_to(inner.get_ref(), ifindex, protocol, mac, data)) {
+            Ok(r) => return r,
+            Err(_would_block) => continue,
+        }
+    }
+}
+
+impl AfPacket {
+    /// Opens the DHCP socket on `ifindex` (the lease's macvlan, whose MAC
+    /// is `mac`). Needs CAP_NET_RAW.
+    pub fn open(ifindex: u32, mac: [u8; 6], probe: ProbeConfig) -> io::Result<AfPacket> {
+        let ip = packet_socket(ifindex, ETH_P_IP, Some(&dhcp_filter()))?;
+        Ok(AfPacket {
+            ifindex,
+            mac,
+            probe,
+            ip,
+        })
+    }
+
+    fn arp_socket(&self) -> io::Result<AsyncFd<OwnedFd>> {
+        packet_socket(self.ifindex, ETH_P_ARP, None)
+    }
+}
+
+impl Transport for AfPacket {
+    async fn send(&self, payload: &[u8], src: Ipv4Addr, dst: Destination) -> io::Result<()> {
+        let (ip, mac) = match dst {
+            Destination::Broadcast => (Ipv4Addr::BROADCAST, BROADCAST_MAC),
+            Destination::Unicast { ip, mac } => (ip, mac),
+        };
+        let pkt = frame::build_udp(src, ip, payload);
+        send_async(&self.ip, self.ifindex, ETH_P_IP, mac, &pkt).await
+    }
+
+    async fn recv(&self) -> Result<Inbound, RecvError> {
+        let mut buf = vec![0u8; 9216];
+        loop {
+            let mut guard = self.ip.readable().await?;
+            let d = match guard.try_io(|inner| recv_datagram(inner.get_ref(), &mut buf)) {
+                Ok(r) => r?,
+                Err(_would_block) => continue,
+            };
+            if d.pkttype == libc::PACKET_OUTGOING {
+                continue; // our own transmission, looped back to packet sockets
+            }
+            if d.len > buf.len() {
+                return Err(FrameError::Truncated(d.len).into());
+            }
+            match frame::parse_udp(&buf[..d.len], d.csum_ready) {
+                Ok(payload) => {
+                    return Ok(Inbound {
+                        payload: payload.to_vec(),
+                        src_mac: d.src_mac,
+                    });
+                }
+                Err(FrameError::NotDhcp) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    async fn arp_probe(&self, addr: Ipv4Addr) -> io::Result<bool> {
+        let sock = self.arp_socket()?;
+        let probe = frame::build_arp(self.mac, Ipv4Addr::UNSPECIFIED, addr);
+        let mut buf = [0u8; 128];
+        let mut next_probe = Instant::now();
+        let mut sent = 0;
+        let mut end = Instant::now() + self.probe.wait;
+        loop {
+            if sent < self.probe.probes && Instant::now() >= next_probe {
+                send_async(&sock, self.ifindex, ETH_P_ARP, BROADCAST_MAC, &probe).await?;
+                sent += 1;
+                next_probe += self.probe.interval;
+                end = if sent == self.probe.probes {
+                    Instant::now() + self.probe.wait
+                } else {
+                    next_probe
+                };
+            }
+            if sent >= self.probe.probes && Instant::now() >= end {
+                return Ok(false);
+            }
+            let wake = if sent < self.probe.probes {
+                next_probe
+            } else {
+                end
+            };
+            tokio::select! {
+                _ = tokio::time::sleep_until(wake) => {}
+                r = sock.readable() => {
+                    let mut guard = r?;
+                    if let Ok(r) = guard.try_io(|inner| recv_datagram(inner.get_ref(), &mut buf)) {
+                        let d = r?;
+                        if d.pkttype != libc::PACKET_OUTGOING
+                            && let Some(arp) = frame::parse_arp(&buf[..d.len.min(buf.len())])
+                            && frame::arp_conflicts(&arp, addr, self.mac)
+                        {
+                            return Ok(true);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn arp_announce(&self, addr: Ipv4Addr) -> io::Result<()> {
+        let sock = self.arp_socket()?;
+        let ann = frame::build_arp(self.mac, addr, addr);
+        send_async(&sock, self.ifindex, ETH_P_ARP, BROADCAST_MAC, &ann).await?;
+        let (ifindex, interval) = (self.ifindex, self.probe.announce_interval);
+        tokio::spawn(async move {
+            tokio::time::sleep(interval).await;
+            let _ = send_async(&sock, ifindex, ETH_P_ARP, BROADCAST_MAC, &ann).await;
+        });
+        Ok(())
+    }
+}

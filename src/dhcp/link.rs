@@ -1,0 +1,359 @@
+//! Data-plane edge: the lease's macvlan and its address, over rtnetlink,
+//! behind [`AddressConfig`] so the driver can be tested without root.
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr};
+
+use futures::TryStreamExt;
+use rtnetlink::packet_route::address::AddressAttribute;
+use rtnetlink::packet_route::link::{LinkAttribute, MacVlanMode};
+use rtnetlink::{Handle, LinkMacVlan, LinkUnspec};
+
+/// Prefix length the LB address is configured with. A /32 adds no subnet
+/// route through the `vip-*` interface, so node traffic to the subnet keeps
+/// using the node's own uplink, and CNIs that pick "the interface with a
+/// route to X" (Calico's VTEP, harvester #10784) are not misled.
+pub const VIP_PREFIX_LEN: u8 = 32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("netlink socket: {0}")]
+    Connect(std::io::Error),
+    #[error("interface {0} not found")]
+    NotFound(String),
+    #[error("{what} {name}: {reason}")]
+    Netlink {
+        what: &'static str,
+        name: String,
+        reason: String,
+    },
+}
+
+/// Turns a netlink error into the errno text (`Operation not supported`
+/// is what a missing macvlan module looks like).
+fn reason(e: &rtnetlink::Error) -> String {
+    match e {
+        rtnetlink::Error::NetlinkError(m) if m.raw_code() != 0 => {
+            std::io::Error::from_raw_os_error(-m.raw_code()).to_string()
+        }
+        other => other.to_string(),
+    }
+}
+
+fn errno(e: &rtnetlink::Error) -> i32 {
+    match e {
+        rtnetlink::Error::NetlinkError(m) => -m.raw_code(),
+        _ => 0,
+    }
+}
+
+/// What the driver does to the interface.
+pub trait AddressConfig: Send + Sync + 'static {
+    fn add(&self, addr: Ipv4Addr) -> impl Future<Output = Result<(), LinkError>> + Send;
+    fn remove(&self, addr: Ipv4Addr) -> impl Future<Output = Result<(), LinkError>> + Send;
+}
+
+/// An rtnetlink connection (its task runs on the current runtime).
+#[derive(Clone)]
+pub struct Netlink {
+    handle: Handle,
+}
+
+/// A link as seen over netlink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    pub index: u32,
+    pub mac: Option<[u8; 6]>,
+}
+
+impl Netlink {
+    pub fn connect() -> Result<Netlink, LinkError> {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(LinkError::Connect)?;
+        tokio::spawn(conn);
+        Ok(Netlink { handle })
+    }
+
+    pub async fn link(&self, name: &str) -> Result<Option<LinkInfo>, LinkError> {
+        let mut s = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_string())
+            .execute();
+        match s.try_next().await {
+            Ok(Some(msg)) => Ok(Some(LinkInfo {
+                index: msg.header.index,
+                mac: msg.attributes.iter().find_map(|a| match a {
+                    LinkAttribute::Address(m) if m.len() == 6 => m.as_slice().try_into().ok(),
+                    _ => None,
+                }),
+            })),
+            Ok(None) => Ok(None),
+            Err(e) if errno(&e) == libc::ENODEV => Ok(None),
+            Err(e) => Err(LinkError::Netlink {
+                what: "look up",
+                name: name.into(),
+                reason: reason(&e),
+            }),
+        }
+    }
+
+    /// Creates macvlan `name` (bridge mode) on `parent` with `mac` and sets
+    /// it up. An existing link of that name with the same MAC is reused
+    /// (a restarted agent keeps serving the address while it re-acquires);
+    /// one with another MAC is replaced.
+    pub async fn ensure_macvlan(
+        &self,
+        name: &str,
+        parent: &str,
+        mac: [u8; 6],
+    ) -> Result<u32, LinkError> {
+        let parent_info = self
+            .link(parent)
+            .await?
+            .ok_or_else(|| LinkError::NotFound(parent.into()))?;
+        if let Some(existing) = self.link(name).await? {
+            if existing.mac == Some(mac) {
+                self.set_up(name, existing.index).await?;
+                return Ok(existing.index);
+            }
+            self.delete(name).await?;
+        }
+        self.handle
+            .link()
+            .add(
+                LinkMacVlan::new(name, parent_info.index, MacVlanMode::Bridge)
+                    .address(mac.to_vec())
+                    .up()
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(|e| LinkError::Netlink {
+                what: "create macvlan",
+                name: name.into(),
+                reason: reason(&e),
+            })?;
+        let info = self
+            .link(name)
+            .await?
+            .ok_or_else(|| LinkError::NotFound(name.into()))?;
+        Ok(info.index)
+    }
+
+    async fn set_up(&self, name: &str, index: u32) -> Result<(), LinkError> {
+        self.handle
+            .link()
+            .set(LinkUnspec::new_with_index(index).up().build())
+            .execute()
+            .await
+            .map_err(|e| LinkError::Netlink {
+                what: "set up",
+                name: name.into(),
+                reason: reason(&e),
+            })
+    }
+
+    /// Deletes link `name`; a missing link is not an error.
+    pub async fn delete(&self, name: &str) -> Result<(), LinkError> {
+        let Some(info) = self.link(name).await? else {
+            return Ok(());
+        };
+        match self.handle.link().del(info.index).execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if errno(&e) == libc::ENODEV => Ok(()),
+            Err(e) => Err(LinkError::Netlink {
+                what: "delete",
+                name: name.into(),
+                reason: reason(&e),
+            }),
+        }
+    }
+
+    /// The addresses configured on interface `index`.
+    pub async fn addresses(&self, index: u32) -> Result<Vec<Ipv4Addr>, LinkError> {
+        let msgs: Vec<_> = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|e| LinkError::Netlink {
+                what: "list addresses of",
+                name: format!("ifindex {index}"),
+                reason: reason(&e),
+            })?;
+        Ok(msgs
+            .iter()
+            .flat_map(|m| m.attributes.iter())
+            .filter_map(|a| match a {
+                AddressAttribute::Address(IpAddr::V4(v4)) => Some(*v4),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Binds this connection to one interface for [`AddressConfig`].
+    pub fn on(&self, name: &str, index: u32) -> IfAddrs {
+        IfAddrs {
+            nl: self.clone(),
+            name: name.to_string(),
+            index,
+        }
+    }
+}
+
+/// [`AddressConfig`] for one interface.
+#[derive(Clone)]
+pub struct IfAddrs {
+    nl: Netlink,
+    name: String,
+    index: u32,
+}
+
+impl AddressConfig for IfAddrs {
+    async fn add(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
+        match self
+            .nl
+            .handle
+            .address()
+            .add(self.index, IpAddr::V4(addr), VIP_PREFIX_LEN)
+            .execute()
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) if errno(&e) == libc::EEXIST => Ok(()),
+            Err(e) => Err(LinkError::Netlink {
+                what: "add address to",
+                name: self.name.clone(),
+                reason: format!("{addr}: {}", reason(&e)),
+            }),
+        }
+    }
+
+    async fn remove(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
+        let msgs: Vec<_> = self
+            .nl
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(self.index)
+            .set_address_filter(IpAddr::V4(addr))
+            .execute()
+            .try_collect()
+            .await
+            .unwrap_or_default();
+        for m in msgs {
+            match self.nl.handle.address().del(m).execute().await {
+                Ok(()) => {}
+                Err(e) if matches!(errno(&e), libc::EADDRNOTAVAIL | libc::ENODEV) => {}
+                Err(e) => {
+                    return Err(LinkError::Netlink {
+                        what: "remove address from",
+                        name: self.name.clone(),
+                        reason: format!("{addr}: {}", reason(&e)),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The interface of the IPv4 default route, from `/proc/net/route` text
+/// (the lowest metric wins).
+pub fn default_route_interface(proc_net_route: &str) -> Option<String> {
+    proc_net_route
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // Iface Destination Gateway Flags RefCnt Use Metric Mask ...
+            if f.len() >= 8 && f[1] == "00000000" && f[7] == "00000000" {
+                let flags = u32::from_str_radix(f[3], 16).ok()?;
+                let metric: u32 = f[6].parse().ok()?;
+                // RTF_UP
+                (flags & 1 == 1).then(|| (metric, f[0].to_string()))
+            } else {
+                None
+            }
+        })
+        .min()
+        .map(|(_, iface)| iface)
+}
+
+/// `vip-<first 8 hex digits of key>`: the kube-vip naming the field knows
+/// (key is the Service UID). Non-hex characters are skipped.
+pub fn vip_name(key: &str) -> String {
+    let hex: String = key
+        .chars()
+        .filter(|c| c.is_ascii_hexdigit())
+        .take(8)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    format!("vip-{hex}")
+}
+
+/// A random `00:00:6C:xx:xx:xx` MAC (the prefix the field uses for LB
+/// macvlans; universally administered, so DHCP servers that refuse
+/// locally administered MACs still answer).
+pub fn random_vip_mac() -> [u8; 6] {
+    [
+        0x00,
+        0x00,
+        0x6c,
+        fastrand::u8(..),
+        fastrand::u8(..),
+        fastrand::u8(..),
+    ]
+}
+
+pub fn format_mac(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let parts: Vec<u8> = s
+        .split([':', '-'])
+        .map(|p| {
+            if p.len() == 2 {
+                u8::from_str_radix(p, 16).ok()
+            } else {
+                None
+            }
+        })
+        .collect::<Option<_>>()?;
+    parts.try_into().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_route_picks_lowest_metric_up_route() {
+        let t = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+eth1\t00000000\t0100A8C0\t0003\t0\t0\t200\t00000000\t0\t0\t0\n\
+eth0\t00000000\t01004D0A\t0003\t0\t0\t100\t00000000\t0\t0\t0\n\
+eth0\t00004D0A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n";
+        assert_eq!(default_route_interface(t).as_deref(), Some("eth0"));
+        assert_eq!(default_route_interface("Iface\n"), None);
+    }
+
+    #[test]
+    fn names_and_macs() {
+        assert_eq!(vip_name("0a1b2c3d-4e5f-6789"), "vip-0a1b2c3d");
+        assert_eq!(vip_name("AB-cd-ef-01-23"), "vip-abcdef01");
+        let m = random_vip_mac();
+        assert_eq!(&m[..3], &[0, 0, 0x6c]);
+        assert_eq!(parse_mac(&format_mac(&m)), Some(m));
+        assert_eq!(parse_mac("00:00:6C:01:02:03"), Some([0, 0, 0x6c, 1, 2, 3]));
+        assert_eq!(parse_mac("00:00:6C:01:02"), None);
+        assert_eq!(parse_mac("00:00:6C:01:02:0g"), None);
+    }
+}

@@ -1,0 +1,175 @@
+//! Watches one named object: a list filtered by `metadata.name` (which
+//! yields the object, or its absence, and a resourceVersion), then a watch
+//! from there. Every change is sent as an [`Update`]; the watch is resumed
+//! from the last resourceVersion when the server or the connection ends it,
+//! and the object is listed again after `410 Gone`. Errors are sent too and
+//! retried with a capped backoff. There is no periodic re-read.
+
+use std::fmt::Debug;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use kube::api::{ListParams, WatchEvent, WatchParams};
+use kube::{Api, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
+
+/// What went wrong while reading, classified for reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// 401 or 403: the credentials may not do this.
+    Forbidden,
+    /// Any other error: connection, TLS, timeout, server errors.
+    Unreachable,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn from_kube(e: &kube::Error) -> Self {
+        let kind = match e {
+            kube::Error::Api(s) if s.code == 401 || s.code == 403 => FailureKind::Forbidden,
+            _ => FailureKind::Unreachable,
+        };
+        Failure {
+            kind,
+            message: e.to_string(),
+        }
+    }
+}
+
+/// One observation of the watched object.
+#[derive(Debug, Clone)]
+pub enum Update<K> {
+    Present(K),
+    Absent,
+    Failed(Failure),
+}
+
+const BACKOFF_MIN: Duration = Duration::from_millis(500);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// Runs until `tx` is closed; every update goes through `wrap` (to tag it
+/// for a shared channel). `timeout_secs` bounds each watch request on the
+/// server side; keep it below the client's read timeout, if any.
+pub async fn watch_one<K, E>(
+    api: Api<K>,
+    name: String,
+    timeout_secs: u32,
+    tx: mpsc::Sender<E>,
+    wrap: impl Fn(Update<K>) -> E,
+) where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    let selector = format!("metadata.name={name}");
+    let mut backoff = Backoff(BACKOFF_MIN);
+    'relist: loop {
+        let list = match api.list(&ListParams::default().fields(&selector)).await {
+            Ok(list) => list,
+            Err(e) => {
+                if !report(&tx, &wrap, &name, &e).await {
+                    return;
+                }
+                backoff.wait().await;
+                continue 'relist;
+            }
+        };
+        let mut rv = list.metadata.resource_version.clone().unwrap_or_default();
+        let first = match list.items.into_iter().next() {
+            Some(obj) => Update::Present(obj),
+            None => Update::Absent,
+        };
+        if tx.send(wrap(first)).await.is_err() {
+            return;
+        }
+        loop {
+            let wp = WatchParams::default()
+                .fields(&selector)
+                .timeout(timeout_secs);
+            let stream = match api.watch(&wp, &rv).await {
+                Ok(s) => s,
+                Err(e) => {
+                    if !report(&tx, &wrap, &name, &e).await {
+                        return;
+                    }
+                    backoff.wait().await;
+                    continue 'relist;
+                }
+            };
+            let started = Instant::now();
+            let mut stream = std::pin::pin!(stream);
+            while let Some(event) = stream.next().await {
+                let update = match event {
+                    Ok(WatchEvent::Added(obj)) | Ok(WatchEvent::Modified(obj)) => {
+                        rv = obj.resource_version().unwrap_or(rv);
+                        Update::Present(obj)
+                    }
+                    Ok(WatchEvent::Deleted(obj)) => {
+                        rv = obj.resource_version().unwrap_or(rv);
+                        Update::Absent
+                    }
+                    Ok(WatchEvent::Bookmark(b)) => {
+                        rv = b.metadata.resource_version;
+                        continue;
+                    }
+                    Ok(WatchEvent::Error(s)) if s.code == 410 => {
+                        // Our resourceVersion is too old: list afresh.
+                        tracing::debug!(object = %name, "watch expired (410); listing again");
+                        continue 'relist;
+                    }
+                    Ok(WatchEvent::Error(s)) => {
+                        let e = kube::Error::Api(s);
+                        if !report(&tx, &wrap, &name, &e).await {
+                            return;
+                        }
+                        backoff.wait().await;
+                        continue 'relist;
+                    }
+                    Err(e) => {
+                        // The stream broke (idle read timeout, connection
+                        // reset): resume from the last resourceVersion.
+                        tracing::debug!(object = %name, error = %e, "watch stream ended");
+                        break;
+                    }
+                };
+                if tx.send(wrap(update)).await.is_err() {
+                    return;
+                }
+            }
+            if started.elapsed() < Duration::from_secs(1) {
+                // A watch that ends at once: do not spin.
+                backoff.wait().await;
+            } else {
+                backoff.reset();
+            }
+        }
+    }
+}
+
+struct Backoff(Duration);
+
+impl Backoff {
+    async fn wait(&mut self) {
+        tokio::time::sleep(self.0).await;
+        self.0 = (self.0 * 2).min(BACKOFF_MAX);
+    }
+    fn reset(&mut self) {
+        self.0 = BACKOFF_MIN;
+    }
+}
+
+/// Sends the failure; `false` when nobody listens any more.
+async fn report<K, E>(
+    tx: &mpsc::Sender<E>,
+    wrap: &impl Fn(Update<K>) -> E,
+    name: &str,
+    e: &kube::Error,
+) -> bool {
+    let failure = Failure::from_kube(e);
+    tracing::debug!(object = %name, error = %failure.message, "watch failed; retrying");
+    tx.send(wrap(Update::Failed(failure))).await.is_ok()
+}
