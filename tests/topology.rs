@@ -891,3 +891,128 @@ fn problems_are_reported_and_the_relay_keeps_running() {
         r.stop().await;
     });
 }
+
+/// The daemon itself (`harvester-node-agent run`), not the task: labels
+/// relayed, a migration followed, and the relay visible in `status`,
+/// `STATUS=`'s summary and `check topology`.
+#[test]
+fn the_daemon_relays_and_reports_topology() {
+    let Some(c) = start(&["guest-1"]) else {
+        return;
+    };
+    let dir = c.rig.dir().join("daemon");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.toml"), "credentials_retry = \"1s\"\n").unwrap();
+    let cloud_config = dir.join("cloud-config");
+    let node_kubeconfig = c.rig.apiserver().unwrap().node_kubeconfig("guest-1");
+    let bin = env!("CARGO_BIN_EXE_harvester-node-agent");
+    let common = |cmd: &mut std::process::Command| {
+        cmd.arg("--config")
+            .arg(dir.join("config.toml"))
+            .args([
+                "--node-name",
+                "guest-1",
+                "--vm-name",
+                "vm-1",
+                "--kubeconfig",
+            ])
+            .arg(node_kubeconfig)
+            .arg("--cloud-config")
+            .arg(&cloud_config)
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .env("HNA_LOG_TARGET", "stderr");
+    };
+    let socket = dir.join("agent.sock");
+    let status = || -> Option<Value> {
+        let out = std::process::Command::new(bin)
+            .args(["status", "--output", "json", "--socket"])
+            .arg(&socket)
+            .output()
+            .ok()?;
+        serde_json::from_slice(&out.stdout).ok()
+    };
+    runtime().block_on(async {
+        let hv = rig::kube_client(c.harvester.admin_kubeconfig())
+            .await
+            .unwrap();
+        let guest_admin = rig::kube_client(c.rig.apiserver().unwrap().admin_kubeconfig())
+            .await
+            .unwrap();
+        setup_harvester(&hv, &c.harvester).await.unwrap();
+        service_account(&hv, &c.harvester, "cp-nodes", true, true, &cloud_config)
+            .await
+            .unwrap();
+        create_vmi(&hv, "vm-1", "hv-1", "us-east-1", "us-east-1a")
+            .await
+            .unwrap();
+        register_guest_node(&c.rig, "guest-1").await.unwrap();
+
+        let mut cmd = std::process::Command::new(bin);
+        cmd.arg("run").arg("--socket").arg(&socket);
+        common(&mut cmd);
+        let mut daemon = cmd.stderr(std::process::Stdio::null()).spawn().unwrap();
+
+        wait_topology(
+            &guest_admin,
+            "guest-1",
+            (Some("us-east-1"), Some("us-east-1a")),
+            Duration::from_secs(20),
+        )
+        .await;
+        patch_vmi(
+            &hv,
+            "vm-1",
+            json!({
+                "metadata": {"annotations": {REGION: "us-west-2", ZONE: "us-west-2a"}},
+                "status": {"nodeName": "hv-3", "migrationState": {"completed": true}},
+            }),
+        )
+        .await
+        .unwrap();
+        let t = wait_topology(
+            &guest_admin,
+            "guest-1",
+            (Some("us-west-2"), Some("us-west-2a")),
+            Duration::from_secs(2),
+        )
+        .await;
+        eprintln!("the daemon followed the migration in {t:?}");
+
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let st = loop {
+            let st = status();
+            if st.as_ref().is_some_and(|s| {
+                s["topology"]["reason"] == "Relayed"
+                    && s["summary"]
+                        .as_str()
+                        .unwrap_or("")
+                        .contains("topology us-west-2/us-west-2a")
+            }) {
+                break st.unwrap();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "status never showed the relay: {st:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(st["node_name"], "guest-1");
+
+        let mut cmd = std::process::Command::new(bin);
+        cmd.args(["check", "topology", "--output", "json"]);
+        common(&mut cmd);
+        let out = cmd.output().unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["checks"][0]["name"], "topology", "{v}");
+        assert_eq!(v["checks"][0]["reason"], "Relayed", "{v}");
+        assert_eq!(out.status.code(), Some(0));
+
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(daemon.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        assert!(daemon.wait().unwrap().success());
+    });
+}
