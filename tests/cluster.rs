@@ -313,6 +313,17 @@ fn macvlan_condition_lands_on_the_agents_own_node_only() {
     assert!(cond["lastHeartbeatTime"].is_string() && cond["lastTransitionTime"].is_string());
     // Only the agent's own Node was written.
     assert!(node_condition(api, &other, "MacvlanReady").is_none());
+    // The guest-agent condition travels in the same patch.
+    let ga = node_condition(api, &me, "GuestAgentReady").expect("GuestAgentReady on the Node");
+    assert_eq!(ga["reason"], st["guest_agent"]["reason"]);
+    assert_eq!(
+        ga["status"],
+        if st["guest_agent"]["ready"] == true {
+            "True"
+        } else {
+            "False"
+        }
+    );
 
     // The credentials it uses cannot write another node's status.
     let kubeconfig = api.node_kubeconfig(&me).to_path_buf();
