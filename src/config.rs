@@ -580,9 +580,10 @@ fn validate_log_level(v: &str) -> Result<(), String> {
         })
 }
 
-/// Node names are DNS-1123 subdomains (what the API server accepts).
-fn validate_node_name(v: &str) -> Result<(), String> {
-    let ok_label = |l: &str| {
+/// A DNS-1123 subdomain: what the API server accepts for Node names and
+/// label-key prefixes.
+pub fn is_dns_subdomain(v: &str) -> bool {
+    let label_ok = |l: &str| {
         !l.is_empty()
             && l.len() <= 63
             && l.bytes()
@@ -590,11 +591,16 @@ fn validate_node_name(v: &str) -> Result<(), String> {
             && !l.starts_with('-')
             && !l.ends_with('-')
     };
+    !v.is_empty() && v.len() <= 253 && v.split('.').all(label_ok)
+}
+
+/// Node names are DNS-1123 subdomains.
+fn validate_node_name(v: &str) -> Result<(), String> {
     if v.is_empty() {
         // Empty means "use the hostname".
         return Ok(());
     }
-    if v.len() > 253 || !v.split('.').all(ok_label) {
+    if !is_dns_subdomain(v) {
         return Err(format!(
             "`{v}` is not a valid Node name (lowercase letters, digits, '-' and '.', at most 253 characters)"
         ));

@@ -65,8 +65,11 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     let macvlan_initial = run_preflight().await;
     log_macvlan(&macvlan_initial);
     let (macvlan_tx, macvlan_rx) = watch::channel(macvlan_initial);
-    let (guest_tx, guest_rx) =
-        watch::channel(guest::watch::assess_now(std::path::Path::new("/")).await);
+    // One system-bus connection serves the first assessment and the watch.
+    let systemd = guest::watch::connect_systemd().await;
+    let (guest_tx, guest_rx) = watch::channel(
+        guest::watch::assess_with(std::path::Path::new("/"), systemd.as_ref()).await,
+    );
     let (client_tx, client_rx) = watch::channel::<Option<kube::Client>>(None);
     let (conditions_tx, conditions_rx) = watch::channel(Reported::NotConnected);
     let topology_cfg = crate::topology::TopologyConfig::from_config(&cfg);
@@ -136,6 +139,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     ));
     tasks.spawn(guest::watch::run(
         std::path::PathBuf::from("/"),
+        systemd,
         guest_tx,
         liveness.register("guest-agent"),
         beat_every,

@@ -521,23 +521,15 @@ impl Machine {
         self.deadline = None;
         match self.state {
             State::Init => self.discover(now, 0, out),
-            State::Selecting => {
+            State::Selecting | State::Requesting => {
                 let capped = self.at_cap(self.attempt);
                 self.attempt = self.attempt.saturating_add(1);
                 if capped {
                     // Past the cap: a fresh exchange, still at the cap.
                     let attempt = self.attempt;
                     self.discover(now, attempt, out);
-                } else {
+                } else if self.state == State::Selecting {
                     self.send_discover(now, out);
-                }
-            }
-            State::Requesting => {
-                let capped = self.at_cap(self.attempt);
-                self.attempt = self.attempt.saturating_add(1);
-                if capped {
-                    let attempt = self.attempt;
-                    self.discover(now, attempt, out);
                 } else {
                     self.send_selecting_request(now, out);
                 }

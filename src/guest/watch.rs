@@ -18,10 +18,25 @@ use crate::systemd::Heartbeat;
 /// Debugfs flags and processes cannot signal changes; look this often.
 pub const POLL: Duration = Duration::from_secs(5);
 
-/// One assessment of the node (used by `check` and at daemon start).
+/// One assessment of the node, connecting to systemd first (for `check`).
 pub async fn assess_now(root: &Path) -> GuestAgentState {
-    let systemd = Systemd::connect().await.ok();
-    assess(&facts::gather(root, systemd.as_ref()).await)
+    assess_with(root, connect_systemd().await.as_ref()).await
+}
+
+/// One assessment with an existing systemd connection (or none).
+pub async fn assess_with(root: &Path, systemd: Option<&Systemd>) -> GuestAgentState {
+    assess(&facts::gather(root, systemd).await)
+}
+
+/// The system bus connection, or `None` (logged) when there is no systemd.
+pub async fn connect_systemd() -> Option<Systemd> {
+    match Systemd::connect().await {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::info!(error = %e, "no systemd on D-Bus; judging qemu-ga by its process");
+            None
+        }
+    }
 }
 
 struct RawInotify(Inotify);
@@ -44,16 +59,12 @@ fn watch_dirs(inotify: &Inotify, root: &Path) {
 
 pub async fn run(
     root: PathBuf,
+    systemd: Option<Systemd>,
     out: watch::Sender<GuestAgentState>,
     hb: Heartbeat,
     beat_every: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let systemd = Systemd::connect().await;
-    if let Err(e) = &systemd {
-        tracing::info!(error = %e, "no systemd on D-Bus; judging qemu-ga by its process");
-    }
-    let systemd = systemd.ok();
     let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
         .ok()
         // SAFETY: the descriptor belongs to the Inotify moved into the

@@ -162,20 +162,10 @@ pub fn validate_label_key(key: &str) -> Result<(), String> {
             "the name part may hold letters, digits, '-', '_' and '.', and must begin and end with a letter or digit",
         );
     }
-    if let Some(p) = prefix {
-        let label_ok = |l: &str| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        };
-        if p.is_empty() || p.len() > 253 || !p.split('.').all(label_ok) {
-            return bad(
-                "the prefix must be a DNS subdomain (lowercase letters, digits, '-' and '.')",
-            );
-        }
+    if let Some(p) = prefix
+        && !crate::config::is_dns_subdomain(p)
+    {
+        return bad("the prefix must be a DNS subdomain (lowercase letters, digits, '-' and '.')");
     }
     Ok(())
 }
