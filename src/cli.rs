@@ -117,12 +117,15 @@ pub struct ConfigArgs {
     /// Comma-separated label keys relayed from Harvester; empty turns the relay off [default: topology.kubernetes.io/region,topology.kubernetes.io/zone] [env: HNA_TOPOLOGY_LABELS]
     #[arg(long, value_name = "KEYS")]
     pub topology_labels: Option<String>,
+    /// Serve Prometheus /metrics and /healthz on ADDR:PORT, e.g. 127.0.0.1:9477 [default: off] [env: HNA_METRICS_LISTEN]
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_listen: Option<String>,
 }
 
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 12] = [
+        let pairs: [(&'static str, &Option<String>); 13] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -135,6 +138,7 @@ impl ConfigArgs {
             ("cloud_config", &self.cloud_config),
             ("vm_name", &self.vm_name),
             ("topology_labels", &self.topology_labels),
+            ("metrics_listen", &self.metrics_listen),
         ];
         for (key, value) in pairs {
             if let Some(v) = value {
@@ -430,5 +434,62 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
                 format!("MacvlanReady, GuestAgentReady reported at {at}"),
             crate::node_status::Reported::Failed { error } => format!("failed: {error}"),
         }
-    )
+    ) + &human_dhcp(&st.dhcp)
+}
+
+/// The lease table: one line per lease, then the endpoint.
+fn human_dhcp(d: &crate::agent::status::DhcpStatus) -> String {
+    use std::fmt::Write;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|t| t.as_millis() as u64)
+        .unwrap_or(0);
+    let until = |at: Option<u64>| match at {
+        Some(ms) if ms > now_ms => {
+            humantime::format_duration(Duration::from_secs((ms - now_ms) / 1000)).to_string()
+        }
+        Some(_) => "now".to_string(),
+        None => "-".to_string(),
+    };
+    let mut out = format!("  dhcp:      {} lease(s)", d.leases.len());
+    if let Some(url) = &d.metrics_url {
+        let _ = write!(out, ", metrics at {url}");
+    }
+    out.push('\n');
+    if !d.removed_at_start.is_empty() {
+        let _ = writeln!(
+            out,
+            "             removed at start (left by an earlier run): {}",
+            d.removed_at_start.join(", ")
+        );
+    }
+    for p in &d.sweep_problems {
+        let _ = writeln!(out, "             could not check: {p}");
+    }
+    for l in &d.leases {
+        let _ = writeln!(
+            out,
+            "    {} {} {:<10} {:<15} server {:<15} renew in {}, expires in {}; sent {} received {} dropped {} NAKs {}{}",
+            l.name,
+            l.mac,
+            l.state.as_str(),
+            l.address
+                .map(|a| a.to_string())
+                .unwrap_or_else(|| "-".into()),
+            l.server
+                .map(|a| a.to_string())
+                .unwrap_or_else(|| "-".into()),
+            until(l.t1_at_unix_ms),
+            until(l.expires_at_unix_ms),
+            l.counters.sent,
+            l.counters.received,
+            l.counters.dropped,
+            l.counters.naks,
+            l.last_error
+                .as_ref()
+                .map(|e| format!("; last error: {e}"))
+                .unwrap_or_default()
+        );
+    }
+    out
 }

@@ -145,6 +145,14 @@ pub const KEYS: &[KeySpec] = &[
         doc: "Label keys relayed from Harvester to this node's Node (environment and flag: comma-separated). Default: topology.kubernetes.io/region, topology.kubernetes.io/zone. Empty turns the relay off.",
         kind: Kind::TextList,
     },
+    KeySpec {
+        name: "metrics_listen",
+        env: "HNA_METRICS_LISTEN",
+        flag: "--metrics-listen",
+        default: "(off)",
+        doc: "Address and port of the HTTP endpoint serving Prometheus `/metrics` (DHCP leases, macvlan, qemu-guest-agent, cluster) and `/healthz`, such as `127.0.0.1:9477`. Off when unset or empty. A non-loopback address exposes it to the network: restrict it with a firewall.",
+        kind: Kind::Text,
+    },
 ];
 
 pub fn key_spec(name: &str) -> Option<&'static KeySpec> {
@@ -178,6 +186,8 @@ pub struct Config {
     pub vm_name: String,
     /// Label keys the topology relay manages.
     pub topology_labels: Vec<String>,
+    /// Where `/metrics` and `/healthz` are served; `None` is off.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// Where a configuration value came from, for error messages.
@@ -335,6 +345,7 @@ pub fn resolve(
             .iter()
             .map(|k| k.to_string())
             .collect(),
+        metrics_listen: None,
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -429,6 +440,7 @@ pub fn resolve(
                 }
                 cfg.topology_labels = items;
             }
+            "metrics_listen" => cfg.metrics_listen = listen_address(&text(raw)).map_err(fail)?,
             _ => unreachable!("every key in KEYS is handled"),
         }
     }
@@ -538,6 +550,25 @@ fn edit_distance(a: &str, b: &str) -> usize {
         prev = cur;
     }
     prev[b.len()]
+}
+
+/// `ADDR:PORT` (`[v6]:PORT` for IPv6); empty or `off` means off.
+fn listen_address(v: &str) -> Result<Option<std::net::SocketAddr>, String> {
+    let v = v.trim();
+    if v.is_empty() || v == "off" {
+        return Ok(None);
+    }
+    let addr: std::net::SocketAddr = v.parse().map_err(|_| {
+        format!(
+            "`{v}` is not an address and port such as \"127.0.0.1:9477\" or \"[::1]:9477\" (leave it empty to turn the endpoint off)"
+        )
+    })?;
+    if addr.port() == 0 {
+        return Err(format!(
+            "`{v}` has port 0; name a fixed port so Prometheus can find it"
+        ));
+    }
+    Ok(Some(addr))
 }
 
 fn absolute_path(v: String) -> Result<PathBuf, String> {
@@ -735,6 +766,35 @@ mod tests {
         for k in KEYS {
             assert!(k.env.starts_with("HNA_") && k.flag.starts_with("--") && !k.doc.is_empty());
         }
+    }
+
+    #[test]
+    fn metrics_listen_is_off_by_default_and_validated() {
+        let cfg = resolve(None, &|_| None, &FlagValues::default(), &|| "n".into()).unwrap();
+        assert_eq!(cfg.metrics_listen, None);
+        assert_eq!(
+            resolve_file("metrics_listen = \"127.0.0.1:9477\"")
+                .unwrap()
+                .metrics_listen,
+            Some("127.0.0.1:9477".parse().unwrap())
+        );
+        assert_eq!(
+            resolve_file("metrics_listen = \"[::1]:9477\"")
+                .unwrap()
+                .metrics_listen,
+            Some("[::1]:9477".parse().unwrap())
+        );
+        assert_eq!(
+            resolve_file("metrics_listen = \"\"")
+                .unwrap()
+                .metrics_listen,
+            None
+        );
+        for bad in ["localhost:9477", "127.0.0.1", "127.0.0.1:0", "9477"] {
+            let err = resolve_file(&format!("metrics_listen = \"{bad}\"")).unwrap_err();
+            assert_eq!(err.key(), Some("metrics_listen"), "{bad}: {err}");
+        }
+        assert!(resolve_file("metrics_listen = 9477").is_err());
     }
 
     #[test]

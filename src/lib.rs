@@ -15,6 +15,7 @@
 //! - [`check`]: the one-shot preflight;
 //! - [`dhcp`]: the DHCP client engine for LoadBalancer addresses (pure
 //!   state machine, packet sockets, lease files, `dhcp-probe`);
+//! - [`metrics`]: the optional `/metrics` and `/healthz` endpoint;
 //! - [`agent`]: orchestration of the node daemon (`run`);
 //! - [`controller`]: the in-cluster controller;
 //! - [`logging`]: journald or stderr;
@@ -31,6 +32,7 @@ pub mod dhcp;
 pub mod guest;
 pub mod kmod;
 pub mod logging;
+pub mod metrics;
 pub mod node_status;
 pub mod state_dir;
 pub mod systemd;

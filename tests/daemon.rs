@@ -328,13 +328,21 @@ fn status_answers_from_a_running_daemon_and_fails_clearly_without_one() {
     assert_eq!(v["state_dir"]["ok"], true);
     assert!(v["macvlan"]["reason"].is_string(), "{v}");
     assert_eq!(v["node_conditions"]["state"], "NotConnected");
+    assert_eq!(v["dhcp"]["leases"], serde_json::json!([]), "{v}");
+    assert_eq!(
+        v["dhcp"]["metrics_url"],
+        serde_json::Value::Null,
+        "off by default"
+    );
 
     let human = agent(tmp.path())
         .args(["status", "--socket"])
         .arg(&sock)
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&human.stdout).contains("on node guest-7"));
+    let human = String::from_utf8_lossy(&human.stdout);
+    assert!(human.contains("on node guest-7"), "{human}");
+    assert!(human.contains("dhcp:      0 lease(s)"), "{human}");
 
     // A second daemon on the same socket refuses to steal it.
     let second = agent(tmp.path())
@@ -384,4 +392,108 @@ fn restart_after_a_crash_reuses_the_stale_socket() {
     wait_sock();
     sigterm(&second.0);
     assert!(wait_exit(&mut second.0, Duration::from_secs(10)).success());
+}
+
+/// One HTTP/1.1 GET; the whole response.
+fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    c.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn free_port() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+#[test]
+fn metrics_endpoint_serves_health_and_gauges_and_refuses_bad_addresses() {
+    let tmp = tempfile::tempdir().unwrap();
+    empty_config(tmp.path());
+    let sock = tmp.path().join("agent.sock");
+    let addr = free_port();
+    let mut child = Daemon(
+        agent(tmp.path())
+            .args(["run", "--node-name", "guest-9", "--state-dir"])
+            .arg(tmp.path().join("state"))
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--metrics-listen")
+            .arg(addr.to_string())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "metrics endpoint never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let health = http_get(addr, "/healthz");
+    assert!(
+        health.starts_with("HTTP/1.1 200 OK") && health.ends_with("\r\n\r\nok\n"),
+        "{health}"
+    );
+    let metrics = http_get(addr, "/metrics");
+    assert!(metrics.starts_with("HTTP/1.1 200 OK"), "{metrics}");
+    for line in [
+        "hna_build_info{version=\"",
+        "node=\"guest-9\"} 1\n",
+        "# TYPE hna_macvlan_ready gauge\nhna_macvlan_ready{reason=\"",
+        "hna_guest_agent_ready{reason=\"",
+        "hna_cluster_connected 0\n",
+        "hna_dhcp_leases 0\n",
+        "# TYPE hna_dhcp_packets_sent_total counter\n",
+    ] {
+        assert!(metrics.contains(line), "{line} missing in\n{metrics}");
+    }
+    let out = agent(tmp.path())
+        .args(["status", "--output", "json", "--socket"])
+        .arg(&sock)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["dhcp"]["metrics_url"], format!("http://{addr}/metrics"));
+
+    // The port is taken now: a second daemon stops before touching its
+    // state directory, naming the key.
+    let state2 = tmp.path().join("state2");
+    let out = agent(tmp.path())
+        .args(["run", "--state-dir"])
+        .arg(&state2)
+        .arg("--socket")
+        .arg(tmp.path().join("agent2.sock"))
+        .arg("--metrics-listen")
+        .arg(addr.to_string())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("metrics_listen {addr}")),
+        "{stderr}"
+    );
+    assert!(!state2.exists());
+
+    // An address that is not one is a configuration error (exit 78).
+    let out = agent(tmp.path())
+        .args(["run", "--state-dir"])
+        .arg(&state2)
+        .env("HNA_METRICS_LISTEN", "localhost:9477")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(78));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("HNA_METRICS_LISTEN") && stderr.contains("`metrics_listen`"),
+        "{stderr}"
+    );
+
+    sigterm(&child.0);
+    assert!(wait_exit(&mut child.0, Duration::from_secs(10)).success());
 }

@@ -11,9 +11,7 @@
 #[allow(dead_code)]
 mod rig;
 
-use std::fs::File;
 use std::net::Ipv4Addr;
-use std::os::fd::AsFd;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -23,7 +21,7 @@ use harvester_node_agent::dhcp::engine::{Engine, LeaseConfig};
 use harvester_node_agent::dhcp::io::ProbeConfig;
 use harvester_node_agent::dhcp::{Identity, State, StopMode, Timing};
 use rig::process::run;
-use rig::{Rig, RigOptions, find_program, skip_or_fail};
+use rig::{Rig, RigOptions, find_program, in_netns, skip_or_fail};
 use tokio::sync::watch;
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
@@ -48,25 +46,6 @@ fn dnsmasq_args(t1: u32, t2: u32) -> Vec<String> {
         format!("--dhcp-option=option:T1,{t1}"),
         format!("--dhcp-option=option:T2,{t2}"),
     ]
-}
-
-/// Runs `f` on a new thread that has entered network namespace `ns`, with
-/// its own single-threaded runtime (setns changes only that thread).
-fn in_netns<R: Send>(ns: &str, f: impl AsyncFnOnce() -> R + Send) -> Result<R> {
-    let path = format!("/run/netns/{ns}");
-    std::thread::scope(|s| {
-        s.spawn(|| -> Result<R> {
-            let f_ns = File::open(&path).with_context(|| format!("open {path}"))?;
-            nix::sched::setns(f_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                .context("setns")?;
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            Ok(rt.block_on(f()))
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("netns thread panicked"))?
-    })
 }
 
 fn timing() -> Timing {
@@ -474,7 +453,7 @@ fn coexists_with_dhclient_on_eth0() -> Result<()> {
         .arg(d.join("dhclient.pid"))
         .arg("eth0")
         .stdout(std::process::Stdio::null())
-        .stderr(File::create(d.join("dhclient.log")).map(std::process::Stdio::from)?)
+        .stderr(std::fs::File::create(d.join("dhclient.log")).map(std::process::Stdio::from)?)
         .spawn()?;
     let result = in_netns(&g, async || -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(10);

@@ -52,6 +52,17 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
     let mut sighup = signal(SignalKind::hangup()).context("installing SIGHUP handler")?;
 
+    // Binding changes nothing on the host, so a taken port stops start-up
+    // before the state directory or any link is touched.
+    let metrics_listener = match cfg.metrics_listen {
+        Some(addr) => Some(crate::metrics::bind(addr).await.with_context(|| {
+            format!(
+                "metrics_listen {addr}: cannot listen there; choose a free port or leave metrics_listen unset"
+            )
+        })?),
+        None => None,
+    };
+
     crate::state_dir::prepare(&cfg.state_dir)?;
     let state_dir = StateDirStatus {
         path: cfg.state_dir.clone(),
@@ -59,6 +70,30 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         message: "writable".into(),
     };
     let listener = control::bind(&cfg.socket).await?;
+
+    // The DHCP engine that will hold this node's LoadBalancer addresses.
+    // Macvlans a crashed run left behind go first: the controller may have
+    // moved their addresses to another node meanwhile.
+    let store = crate::dhcp::store::Store::open(&cfg.state_dir)
+        .context("opening the DHCP lease directory")?;
+    let engine = Arc::new(
+        crate::dhcp::engine::Engine::new(Some(store))
+            .context("connecting to rtnetlink for the DHCP engine")?,
+    );
+    let (removed_at_start, sweep_problems) = engine.remove_leftovers().await;
+    if !removed_at_start.is_empty() {
+        tracing::warn!(
+            links = ?removed_at_start,
+            "removed macvlans an earlier run left behind (not released; lease files kept)"
+        );
+    }
+    for problem in &sweep_problems {
+        tracing::warn!(%problem, "could not check a stored DHCP lease for a left-behind macvlan");
+    }
+    let metrics_url = metrics_listener
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .map(|a| format!("http://{a}/metrics"));
 
     // macvlan is local initialisation: its state is known at READY=1. A
     // node without it keeps running (health reporting still matters).
@@ -88,6 +123,8 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         let conditions_rx = conditions_rx.clone();
         let node = cfg.node_name.clone();
         let state_dir = state_dir.clone();
+        let engine = engine.clone();
+        let (removed_at_start, sweep_problems) = (removed_at_start.clone(), sweep_problems.clone());
         move || {
             let cluster = cluster_rx.borrow().clone();
             let macvlan = macvlan_rx.borrow().clone();
@@ -109,11 +146,37 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
                 guest_agent,
                 topology: topology_rx.borrow().clone(),
                 node_conditions: conditions_rx.borrow().clone(),
+                dhcp: status::DhcpStatus {
+                    metrics_url: metrics_url.clone(),
+                    removed_at_start: removed_at_start.clone(),
+                    sweep_problems: sweep_problems.clone(),
+                    leases: engine.snapshot(),
+                },
             }
         }
     };
 
     let mut tasks = tokio::task::JoinSet::new();
+    if let Some(l) = metrics_listener {
+        let (metrics_snapshot, liveness, every) = (snapshot.clone(), liveness.clone(), beat_every);
+        let mut shutdown = shutdown_rx.clone();
+        let pages = crate::metrics::Pages {
+            metrics: Arc::new(move || status::metrics(&metrics_snapshot())),
+            // The watchdog's rule: every main loop beat within a few periods.
+            health: Arc::new(move || {
+                match liveness.stalled(tokio::time::Instant::now(), every * 5) {
+                    stalled if stalled.is_empty() => Ok(()),
+                    stalled => Err(format!("main loops stalled: {}", stalled.join(", "))),
+                }
+            }),
+        };
+        tasks.spawn(async move {
+            tokio::select! {
+                _ = crate::metrics::serve(l, pages) => {}
+                _ = shutdown.changed() => {}
+            }
+        });
+    }
     tasks.spawn(serve_control(
         listener,
         snapshot.clone(),
@@ -202,6 +265,11 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     notifier.stopping();
     notifier.status(&format!("stopping ({signal_name})"));
     let _ = shutdown_tx.send(true);
+    // Stopping the daemon is a handover, never a release: after a restart
+    // or on another node the same address must stay the holder's.
+    for e in engine.stop_all(crate::dhcp::StopMode::Handover).await {
+        tracing::warn!(error = %e, "could not stop a DHCP lease cleanly");
+    }
     let drain = async { while tasks.join_next().await.is_some() {} };
     if tokio::time::timeout(Duration::from_secs(10), drain)
         .await

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::dhcp::driver::LeaseStatus;
 use crate::guest::GuestAgentState;
 use crate::kmod::MacvlanState;
 use crate::node_status::Reported;
@@ -41,7 +42,21 @@ pub struct StateDirStatus {
     pub message: String,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// The DHCP engine's part of the daemon.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct DhcpStatus {
+    /// `http://ADDR:PORT/metrics` when `metrics_listen` is set.
+    pub metrics_url: Option<String>,
+    /// Macvlans an earlier run left behind (crash), removed at start-up
+    /// without releasing; their lease files are kept for INIT-REBOOT.
+    pub removed_at_start: Vec<String>,
+    /// Lease files or links that could not be looked at during that sweep.
+    pub sweep_problems: Vec<String>,
+    /// Every lease the engine holds, by name.
+    pub leases: Vec<LeaseStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AgentStatus {
     pub version: String,
     pub pid: u32,
@@ -57,6 +72,8 @@ pub struct AgentStatus {
     pub topology: TopologyState,
     /// Whether this node's own conditions (`MacvlanReady`) are on its Node.
     pub node_conditions: Reported,
+    /// DHCP leases of LoadBalancer addresses on this node.
+    pub dhcp: DhcpStatus,
     /// The line systemd shows as `Status:`.
     pub summary: String,
 }
@@ -113,6 +130,60 @@ pub fn summary(
         "node {node}: {macvlan_part}; {}; {cluster_part}{dir_part}",
         guest.short()
     )
+}
+
+/// The daemon's Prometheus exposition: its own health as gauges, then the
+/// DHCP lease families.
+pub fn metrics(st: &AgentStatus) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, labels: String, value: f64| {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{labels} {value}"
+        );
+    };
+    gauge(
+        "hna_build_info",
+        "The agent's version, always 1.",
+        format!("{{version=\"{}\",node=\"{}\"}}", st.version, st.node_name),
+        1.0,
+    );
+    gauge(
+        "hna_uptime_seconds",
+        "Seconds since the daemon started.",
+        String::new(),
+        st.uptime_seconds as f64,
+    );
+    gauge(
+        "hna_macvlan_ready",
+        "1 when macvlan interfaces can be created (the MacvlanReady condition).",
+        format!("{{reason=\"{}\"}}", st.macvlan.reason.as_str()),
+        f64::from(u8::from(st.macvlan.ready)),
+    );
+    gauge(
+        "hna_guest_agent_ready",
+        "1 when qemu-guest-agent is running with its port open (the GuestAgentReady condition).",
+        format!("{{reason=\"{}\"}}", st.guest_agent.reason.as_str()),
+        f64::from(u8::from(st.guest_agent.ready)),
+    );
+    gauge(
+        "hna_cluster_connected",
+        "1 while the guest cluster's API server answers.",
+        String::new(),
+        f64::from(u8::from(matches!(
+            st.cluster,
+            ClusterState::Connected { .. }
+        ))),
+    );
+    gauge(
+        "hna_dhcp_leases",
+        "Leases the DHCP engine holds or is acquiring.",
+        String::new(),
+        st.dhcp.leases.len() as f64,
+    );
+    out.push_str(&crate::dhcp::engine::render_metrics(&st.dhcp.leases));
+    out
 }
 
 #[cfg(test)]

@@ -200,11 +200,17 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
     }
     eprintln!("dhcp-hold: {} leases started on {parent}", args.count);
     if let Some(addr) = args.metrics_listen {
-        let l = super::http::bind(addr)
+        let l = crate::metrics::bind(addr)
             .await
             .with_context(|| format!("listen on {addr}"))?;
         let e = engine.clone();
-        tokio::spawn(super::http::serve(l, Arc::new(move || e.snapshot())));
+        tokio::spawn(crate::metrics::serve(
+            l,
+            crate::metrics::Pages {
+                metrics: Arc::new(move || super::engine::render_metrics(&e.snapshot())),
+                health: Arc::new(|| Ok(())),
+            },
+        ));
     }
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {

@@ -15,7 +15,6 @@
 //! - [`engine`]: many leases in one process, their status and metrics;
 //! - [`probe`]: `dhcp-probe`, the operator's preflight;
 //! - [`hold`]: the `dhcp-probe` and `dhcp-hold` command lines;
-//! - [`http`]: the optional `/metrics` and `/healthz` endpoint;
 //! - [`fuzzing`]: the receive path as one function of untrusted bytes
 //!   (cargo-fuzz target in `fuzz/`, bounded harness in the unit tests).
 
@@ -24,7 +23,6 @@ pub mod engine;
 pub mod frame;
 pub mod fuzzing;
 pub mod hold;
-pub mod http;
 pub mod io;
 pub mod link;
 pub mod machine;

@@ -59,6 +59,26 @@ pub const DHCP_LAST: &str = "10.77.0.199";
 /// How to install the prerequisites.
 pub const INSTALL_HINT: &str = "install them with `sudo tests/rig/prereqs.sh`";
 
+/// Runs `f` on a new thread that has entered network namespace `ns`, with
+/// its own single-threaded runtime (setns changes only that thread).
+pub fn in_netns<R: Send>(ns: &str, f: impl AsyncFnOnce() -> R + Send) -> Result<R> {
+    use std::os::fd::AsFd;
+    let path = format!("/run/netns/{ns}");
+    std::thread::scope(|s| {
+        s.spawn(|| -> Result<R> {
+            let f_ns = fs::File::open(&path).with_context(|| format!("open {path}"))?;
+            nix::sched::setns(f_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                .context("setns")?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            Ok(rt.block_on(f()))
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("netns thread panicked"))?
+    })
+}
+
 /// What to start.
 #[derive(Debug, Clone)]
 pub struct RigOptions {

@@ -1,5 +1,5 @@
-//! The optional `/metrics` (Prometheus text) and `/healthz` endpoint. Off
-//! by default; when on, loopback-only unless an address is configured.
+//! The optional `/metrics` (Prometheus text) and `/healthz` endpoint of the
+//! daemon (`metrics_listen`, off by default) and of `dhcp-hold`.
 //! Two read-only GET routes do not justify an HTTP framework: this answers
 //! one request per connection with `Connection: close`.
 
@@ -10,11 +10,14 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::driver::LeaseStatus;
-use super::engine::render_metrics;
-
-/// Where the lease table comes from.
-pub type Snapshot = Arc<dyn Fn() -> Vec<LeaseStatus> + Send + Sync>;
+/// What the endpoint serves, computed per request.
+#[derive(Clone)]
+pub struct Pages {
+    /// The Prometheus text exposition.
+    pub metrics: Arc<dyn Fn() -> String + Send + Sync>,
+    /// `Ok` for `200 ok`, `Err(why)` for `503`.
+    pub health: Arc<dyn Fn() -> Result<(), String> + Send + Sync>,
+}
 
 /// Binds `addr`; serve with [`serve`].
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
@@ -22,20 +25,20 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 }
 
 /// Serves until the task is dropped.
-pub async fn serve(listener: TcpListener, snapshot: Snapshot) {
+pub async fn serve(listener: TcpListener, pages: Pages) {
     loop {
         let Ok((conn, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let snapshot = snapshot.clone();
+        let pages = pages.clone();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), answer(conn, snapshot)).await;
+            let _ = tokio::time::timeout(Duration::from_secs(5), answer(conn, pages)).await;
         });
     }
 }
 
-async fn answer(mut conn: TcpStream, snapshot: Snapshot) -> std::io::Result<()> {
+async fn answer(mut conn: TcpStream, pages: Pages) -> std::io::Result<()> {
     let mut buf = vec![0u8; 4096];
     let mut n = 0;
     // Read the request head (the body, if any, is ignored).
@@ -58,9 +61,16 @@ async fn answer(mut conn: TcpStream, snapshot: Snapshot) -> std::io::Result<()> 
         ("GET", "/metrics") => (
             "200 OK",
             "text/plain; version=0.0.4; charset=utf-8",
-            render_metrics(&snapshot()),
+            (pages.metrics)(),
         ),
-        ("GET", "/healthz") => ("200 OK", "text/plain; charset=utf-8", "ok\n".to_string()),
+        ("GET", "/healthz") => match (pages.health)() {
+            Ok(()) => ("200 OK", "text/plain; charset=utf-8", "ok\n".to_string()),
+            Err(why) => (
+                "503 Service Unavailable",
+                "text/plain; charset=utf-8",
+                format!("unhealthy: {why}\n"),
+            ),
+        },
         ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
         _ => (
             "405 Method Not Allowed",
@@ -92,21 +102,30 @@ mod tests {
     async fn metrics_healthz_and_errors() {
         let l = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = l.local_addr().unwrap();
-        let snap: Snapshot = Arc::new(|| {
-            vec![LeaseStatus::new(
-                "vip-0000abcd",
-                [0, 0, 0x6c, 0, 0xab, 0xcd],
-            )]
-        });
-        let task = tokio::spawn(serve(l, snap));
+        let healthy = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let h = healthy.clone();
+        let pages = Pages {
+            metrics: Arc::new(|| "hna_up 1\n".to_string()),
+            health: Arc::new(move || {
+                if h.load(std::sync::atomic::Ordering::Relaxed) {
+                    Ok(())
+                } else {
+                    Err("loop x stalled".into())
+                }
+            }),
+        };
+        let task = tokio::spawn(serve(l, pages));
         let r = get(addr, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
         assert!(
             r.starts_with("HTTP/1.1 200 OK\r\n") && r.ends_with("\r\n\r\nok\n"),
             "{r}"
         );
         let r = get(addr, "GET /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(r.ends_with("\r\n\r\nhna_up 1\n"), "{r}");
+        healthy.store(false, std::sync::atomic::Ordering::Relaxed);
+        let r = get(addr, "GET /healthz HTTP/1.1\r\n\r\n").await;
         assert!(
-            r.contains("hna_dhcp_lease_bound{lease=\"vip-0000abcd\""),
+            r.starts_with("HTTP/1.1 503") && r.ends_with("unhealthy: loop x stalled\n"),
             "{r}"
         );
         let r = get(addr, "GET /nope HTTP/1.1\r\n\r\n").await;
