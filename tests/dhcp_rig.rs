@@ -559,3 +559,107 @@ fn two_hundred_leases_bound_and_renewing() -> Result<()> {
     })??;
     Ok(())
 }
+
+#[test]
+fn daemon_removes_macvlans_a_crash_left_behind_and_only_those() -> Result<()> {
+    let Some(rig) = short_rig(60, 100, &[])? else {
+        return Ok(());
+    };
+    let g = rig.guest_ns(0).to_string();
+    let dir = tempfile::tempdir()?;
+    let mut child = hold(&rig, &g, dir.path(), 2, &[])?;
+    let st = wait_status(dir.path(), Duration::from_secs(5), "BOUND", |s| {
+        s.len() == 2 && s.iter().all(|l| l.state == State::Bound)
+    })?;
+    child.kill()?; // SIGKILL: both macvlans and lease files stay
+    child.wait()?;
+    let addrs: Vec<_> = st.iter().map(|l| l.address.unwrap()).collect();
+    // Not the agent's: a `vip-` link without a lease file (kube-vip names
+    // its macvlans the same way), and a lease name whose link now carries
+    // another MAC.
+    let ip = |args: &[&str]| run(Command::new("ip").args(["-n", &g]).args(args));
+    ip(&[
+        "link",
+        "add",
+        "vip-0badc0de",
+        "link",
+        "eth0",
+        "type",
+        "macvlan",
+        "mode",
+        "bridge",
+    ])?;
+    ip(&["link", "del", "vip-01000001"])?;
+    ip(&[
+        "link",
+        "add",
+        "vip-01000001",
+        "link",
+        "eth0",
+        "address",
+        "02:00:00:00:00:01",
+        "type",
+        "macvlan",
+        "mode",
+        "bridge",
+    ])?;
+
+    let sock = dir.path().join("agent.sock");
+    let config = dir.path().join("empty.toml");
+    std::fs::write(&config, "")?;
+    let mut daemon = rig
+        .netns_cmd(&g, BIN)
+        .args(["run", "--kubeconfig-search", "", "--config"])
+        .arg(&config)
+        .arg("--state-dir")
+        .arg(dir.path())
+        .arg("--socket")
+        .arg(&sock)
+        .env("HNA_LOG_TARGET", "stderr")
+        .spawn()?;
+    let result = (|| -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let v: serde_json::Value = loop {
+            let out = Command::new(BIN)
+                .args(["status", "--output", "json", "--socket"])
+                .arg(&sock)
+                .output()?;
+            if out.status.success() {
+                break serde_json::from_slice(&out.stdout)?;
+            }
+            ensure!(Instant::now() < deadline, "daemon never answered status");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        ensure!(
+            v["dhcp"]["removed_at_start"] == serde_json::json!(["vip-01000000"]),
+            "{v}"
+        );
+        ensure!(
+            addr_on(&g, "vip-01000000").is_err(),
+            "left-behind macvlan still there"
+        );
+        ensure!(
+            addr_on(&g, "vip-0badc0de").is_ok(),
+            "a foreign vip- link was removed"
+        );
+        ensure!(
+            addr_on(&g, "vip-01000001").is_ok(),
+            "a link with another MAC was removed"
+        );
+        // Removing is not releasing: the server keeps both leases and the
+        // lease files stay for INIT-REBOOT.
+        let leases = rig.dnsmasq_leases()?;
+        for a in &addrs {
+            ensure!(leases.contains(&a.to_string()), "{a} released:\n{leases}");
+        }
+        ensure!(dir.path().join("leases/vip-01000000.json").exists());
+        ensure!(dir.path().join("leases/vip-01000001.json").exists());
+        Ok(())
+    })();
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = daemon.wait();
+    result
+}
