@@ -9,9 +9,11 @@
 //! batch (default 100), `--skip-memory`.
 //!
 //! What is timed:
-//! - engine: from `Engine::start` (which also creates the macvlan and opens
-//!   its packet socket) until the lease is BOUND (address on the macvlan,
-//!   lease file written), in-process, as the daemon runs it;
+//! - engine ("agent"): from `Engine::start` until the lease is BOUND
+//!   (address on the macvlan, lease file written), in-process, as the
+//!   daemon runs it; once with `start` creating the macvlan (what the
+//!   daemon does), once on a macvlan made beforehand like the peers' (the
+//!   engine reuses a link with its name and MAC);
 //! - peers: from spawning the client on an existing macvlan until it exits
 //!   having bound (one-shot modes: `dhclient -1`, which exits once bound and
 //!   daemonised, `udhcpc -q`, `dhcpcd -1`); process start-up is counted;
@@ -60,7 +62,11 @@ const WIDE_RANGES: &[&str] = &[
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 enum Client {
+    /// The engine creating its macvlan (what the daemon does).
     Engine,
+    /// The engine on a macvlan that already exists (it reuses a link of
+    /// its name and MAC), timed like the peers.
+    EngineOnLink,
     Dhclient,
     Udhcpc,
     Dhcpcd,
@@ -69,7 +75,8 @@ enum Client {
 impl Client {
     fn label(self, arp: bool) -> String {
         let base = match self {
-            Client::Engine => "harvester-node-agent",
+            Client::Engine => "agent, makes macvlan",
+            Client::EngineOnLink => "agent, macvlan exists",
             Client::Dhclient => "dhclient",
             Client::Udhcpc => "udhcpc",
             Client::Dhcpcd => "dhcpcd",
@@ -199,7 +206,9 @@ impl Bench {
                     .arg(iface);
                 c
             }
-            Client::Engine => unreachable!("the engine runs in-process"),
+            Client::Engine | Client::EngineOnLink => {
+                unreachable!("the engine runs in-process")
+            }
         };
         let fd = self.ns_fd.as_raw_fd();
         // SAFETY: setns is async-signal-safe; the fd stays open in the
@@ -268,8 +277,17 @@ impl Bench {
 
     /// `n` engine leases at once in one process; the time until the last
     /// is BOUND.
-    fn engine_at_once(&mut self, arp: bool, n: usize) -> Result<Duration> {
-        let ids: Vec<_> = (0..n).map(|_| self.identity()).collect();
+    fn engine_at_once(&mut self, arp: bool, n: usize, link_exists: bool) -> Result<Duration> {
+        let ids: Vec<_> = (0..n)
+            .map(|_| {
+                let (name, mac) = self.identity();
+                // The daemon's naming: `vip-<8 hex>`.
+                (format!("vip-be{}", &name[2..]), mac)
+            })
+            .collect();
+        if link_exists {
+            self.add_macvlans(&ids)?;
+        }
         let store = self.dir.path().join("engine-state");
         let ns = self.ns.clone();
         in_netns(&ns, async || -> Result<Duration> {
@@ -278,8 +296,7 @@ impl Bench {
             let t0 = Instant::now();
             let starts = ids.iter().map(|(name, mac)| {
                 engine.start(LeaseConfig {
-                    // The daemon's naming: `vip-<8 hex>`.
-                    interface: format!("vip-be{}", &name[2..]),
+                    interface: name.clone(),
                     parent: "eth0".into(),
                     identity: Identity::new(*mac),
                     timing: Timing {
@@ -310,7 +327,8 @@ impl Bench {
 
     fn at_once(&mut self, client: Client, arp: bool, n: usize) -> Result<Duration> {
         match client {
-            Client::Engine => self.engine_at_once(arp, n),
+            Client::Engine => self.engine_at_once(arp, n, false),
+            Client::EngineOnLink => self.engine_at_once(arp, n, true),
             _ => self.peers_at_once(client, arp, n),
         }
     }
@@ -564,10 +582,12 @@ fn main() -> Result<()> {
 
     let variants = [
         (Client::Engine, false),
+        (Client::EngineOnLink, false),
         (Client::Dhclient, false),
         (Client::Udhcpc, false),
         (Client::Dhcpcd, false),
         (Client::Engine, true),
+        (Client::EngineOnLink, true),
         (Client::Udhcpc, true),
         (Client::Dhcpcd, true),
     ];

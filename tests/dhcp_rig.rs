@@ -663,3 +663,63 @@ fn daemon_removes_macvlans_a_crash_left_behind_and_only_those() -> Result<()> {
     let _ = daemon.wait();
     result
 }
+
+#[test]
+fn address_in_use_is_declined_and_another_one_bound() -> Result<()> {
+    // dnsmasq offers 10.77.0.150 to this MAC, and the second guest already
+    // uses that address on its eth0: the ARP probe must see the kernel's
+    // reply, DECLINE, and the client must end up on a free address.
+    let Some(rig) = Rig::start(RigOptions {
+        guests: 2,
+        dnsmasq_args: vec!["--dhcp-host=00:00:6c:d0:0e:01,10.77.0.150".into()],
+        ..Default::default()
+    })?
+    else {
+        return Ok(());
+    };
+    let squatter = rig.guest_ns(1).to_string();
+    run(Command::new("ip").args([
+        "-n",
+        &squatter,
+        "addr",
+        "add",
+        "10.77.0.150/24",
+        "dev",
+        "eth0",
+    ]))?;
+    let g = rig.guest_ns(0).to_string();
+    in_netns(&g, async || -> Result<()> {
+        let engine = Engine::new(None)?;
+        let mut cfg = lease(0);
+        cfg.interface = "vip-d0000e01".into();
+        cfg.identity = Identity::new([0, 0, 0x6c, 0xd0, 0x0e, 0x01]);
+        cfg.timing.decline_wait = Duration::from_secs(1);
+        let mut rx = engine.start(cfg).await?;
+        let st = until(&mut rx, Duration::from_secs(5), "DECLINE", |s| {
+            s.counters.declines >= 1
+        })
+        .await?;
+        ensure!(
+            !addr_on(&g, "vip-d0000e01")?.contains("10.77.0.150"),
+            "the conflicting address was configured: {st:?}"
+        );
+        let st = until(&mut rx, Duration::from_secs(10), "BOUND elsewhere", |s| {
+            s.state == State::Bound
+        })
+        .await?;
+        let addr = st.address.context("no address")?;
+        ensure!(
+            addr != Ipv4Addr::new(10, 77, 0, 150),
+            "bound the address in use: {st:?}"
+        );
+        ensure!(in_range(addr), "{addr}");
+        let log = std::fs::read_to_string(rig.dnsmasq_log())?;
+        ensure!(
+            log.contains("DHCPDECLINE(br0) 10.77.0.150 00:00:6c:d0:0e:01"),
+            "dnsmasq saw no DECLINE:\n{log}"
+        );
+        engine.stop("vip-d0000e01", StopMode::Release).await?;
+        Ok(())
+    })??;
+    Ok(())
+}

@@ -10,3 +10,6 @@ cd "$(dirname "$0")/.."
 KUBEBUILDER_ASSETS="$(bash tests/rig/prereqs.sh | tail -n1)"
 export KUBEBUILDER_ASSETS
 cargo test --locked "$@"
+# The fuzz target of the DHCP receive path, for a bounded time (60 s by
+# default, HNA_FUZZ_SECONDS to change); a crash fails the run.
+bash tests/fuzz.sh

@@ -157,7 +157,9 @@ impl Engine {
             })
     }
 
-    /// Stops every lease.
+    /// Stops every lease, all at once: a daemon stopping (or handing over)
+    /// a hundred addresses should not take a hundred link deletions in a
+    /// row.
     pub async fn stop_all(&self, mode: StopMode) -> Vec<EngineError> {
         let names: Vec<String> = self
             .leases
@@ -166,13 +168,11 @@ impl Engine {
             .keys()
             .cloned()
             .collect();
-        let mut errors = Vec::new();
-        for n in names {
-            if let Err(e) = self.stop(&n, mode).await {
-                errors.push(e);
-            }
-        }
-        errors
+        futures::future::join_all(names.iter().map(|n| self.stop(n, mode)))
+            .await
+            .into_iter()
+            .filter_map(Result::err)
+            .collect()
     }
 
     /// Gratuitous ARP for a lease now (takeover).

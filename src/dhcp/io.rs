@@ -92,7 +92,36 @@ pub struct AfPacket {
     ifindex: u32,
     mac: [u8; 6],
     probe: ProbeConfig,
-    ip: AsyncFd<OwnedFd>,
+    ip: PacketFd,
+}
+
+/// An AF_PACKET socket registered with the runtime. Closing one makes the
+/// kernel wait for an RCU grace period (`packet_release` calls
+/// `synchronize_net`): milliseconds during which a runtime thread would
+/// stall every other lease, which turned a hundred ARP probes ending
+/// together into a second of queueing. The close happens on the blocking
+/// pool instead.
+struct PacketFd(Option<AsyncFd<OwnedFd>>);
+
+impl std::ops::Deref for PacketFd {
+    type Target = AsyncFd<OwnedFd>;
+    fn deref(&self) -> &AsyncFd<OwnedFd> {
+        self.0.as_ref().expect("open until dropped")
+    }
+}
+
+impl Drop for PacketFd {
+    fn drop(&mut self) {
+        if let Some(fd) = self.0.take() {
+            let fd = fd.into_inner();
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn_blocking(move || drop(fd));
+                }
+                Err(_) => drop(fd),
+            }
+        }
+    }
 }
 
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
@@ -121,7 +150,7 @@ fn packet_socket(
     ifindex: u32,
     protocol: u16,
     filter: Option<&[libc::sock_filter]>,
-) -> io::Result<AsyncFd<OwnedFd>> {
+) -> io::Result<PacketFd> {
     // SAFETY: plain syscalls on a descriptor this function owns; every
     // pointer passed points to a live, correctly sized local.
     unsafe {
@@ -160,7 +189,9 @@ fn packet_socket(
         ))?;
         // SAFETY (register): the OwnedFd stays open and unchanged for as
         // long as the AsyncFd owns it.
-        AsyncFd::register(fd).map_err(|e| e.into_parts().1)
+        AsyncFd::register(fd)
+            .map(|fd| PacketFd(Some(fd)))
+            .map_err(|e| e.into_parts().1)
     }
 }
 
@@ -185,6 +216,28 @@ fn dhcp_filter() -> [libc::sock_filter; 9] {
         s(BPF_LDX | BPF_B | BPF_MSH, 0, 0, 0),       // X = IHL*4
         s(BPF_LD | BPF_H | BPF_IND, 0, 0, 2),        // UDP dst port
         s(BPF_JMP | BPF_JEQ | BPF_K, 0, 1, 68),
+        s(BPF_RET | BPF_K, 0, 0, 0xffff),
+        s(BPF_RET | BPF_K, 0, 0, 0),
+    ]
+}
+
+/// Classic BPF for ARP (SOCK_DGRAM: offsets from the ARP header): accept
+/// when the sender (offset 14) or target (offset 24) protocol address is
+/// `addr`, the only frames [`frame::arp_conflicts`] can act on.
+fn arp_filter(addr: Ipv4Addr) -> [libc::sock_filter; 6] {
+    let s = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter {
+        code: code as u16,
+        jt,
+        jf,
+        k,
+    };
+    use libc::{BPF_ABS, BPF_JEQ, BPF_JMP, BPF_K, BPF_LD, BPF_RET, BPF_W};
+    let a = u32::from(addr);
+    [
+        s(BPF_LD | BPF_W | BPF_ABS, 0, 0, 14), // sender protocol address
+        s(BPF_JMP | BPF_JEQ | BPF_K, 2, 0, a), // ours? accept
+        s(BPF_LD | BPF_W | BPF_ABS, 0, 0, 24), // target protocol address
+        s(BPF_JMP | BPF_JEQ | BPF_K, 0, 1, a),
         s(BPF_RET | BPF_K, 0, 0, 0xffff),
         s(BPF_RET | BPF_K, 0, 0, 0),
     ]
@@ -298,8 +351,16 @@ impl AfPacket {
         })
     }
 
-    fn arp_socket(&self) -> io::Result<AsyncFd<OwnedFd>> {
-        packet_socket(self.ifindex, ETH_P_ARP, None)
+    /// An ARP socket that sees only frames naming `addr` as sender or
+    /// target: with a hundred siblings probing on one parent, an
+    /// unfiltered socket per lease would wake for every sibling's ARP.
+    fn arp_socket(&self, addr: Ipv4Addr) -> io::Result<PacketFd> {
+        packet_socket(self.ifindex, ETH_P_ARP, Some(&arp_filter(addr)))
+    }
+
+    /// A socket for sending ARP that receives nothing (protocol 0).
+    fn arp_sender(&self) -> io::Result<PacketFd> {
+        packet_socket(self.ifindex, 0, None)
     }
 }
 
@@ -341,7 +402,7 @@ impl Transport for AfPacket {
     }
 
     async fn arp_probe(&self, addr: Ipv4Addr) -> io::Result<bool> {
-        let sock = self.arp_socket()?;
+        let sock = self.arp_socket(addr)?;
         let probe = frame::build_arp(self.mac, Ipv4Addr::UNSPECIFIED, addr);
         let mut buf = [0u8; 128];
         let mut next_probe = Instant::now();
@@ -385,7 +446,7 @@ impl Transport for AfPacket {
     }
 
     async fn arp_announce(&self, addr: Ipv4Addr) -> io::Result<()> {
-        let sock = self.arp_socket()?;
+        let sock = self.arp_sender()?;
         let ann = frame::build_arp(self.mac, addr, addr);
         send_async(&sock, self.ifindex, ETH_P_ARP, BROADCAST_MAC, &ann).await?;
         let (ifindex, interval) = (self.ifindex, self.probe.announce_interval);

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
 use dhcproto::v4::{
-    DhcpOption, DhcpOptions, Flags, HType, Message, MessageType, Opcode, OptionCode,
+    DhcpOption, DhcpOptions, Flags, HType, Message, MessageType, Opcode, OptionCode, UnknownOption,
 };
 use dhcproto::{Decodable, Decoder, Encodable, Encoder};
 
@@ -121,6 +121,10 @@ fn walk_area<'a>(
 }
 
 /// Expected option lengths for the options the client acts on.
+/// Options decoded into dhcproto's types: exactly those [`check_len`]
+/// validates.
+const DECODED_OPTIONS: [u8; 10] = [1, 3, 6, 50, 51, 52, 53, 54, 58, 59];
+
 fn check_len(code: u8, len: usize) -> Result<(), ParseError> {
     let (ok, expected) = match code {
         1 | 50 | 54 => (len == 4, "4"),
@@ -197,15 +201,23 @@ pub fn parse_reply(buf: &[u8]) -> Result<Reply, ParseError> {
             // carry them, so they are not represented.
             continue;
         }
-        let mut tlv = Vec::with_capacity(data.len() + 2);
-        tlv.push(*code);
-        tlv.push(data.len() as u8);
-        tlv.extend_from_slice(data);
-        let opt =
+        // Only the options this client reads, length-checked above, go
+        // through dhcproto's typed decoders: some of the others assert on
+        // their length (81, 94, 152-155) or subtract from it (151), which
+        // a hostile server could turn into a panic or a dropped reply
+        // (found by the fuzz target). The rest are kept as raw bytes.
+        let opt = if DECODED_OPTIONS.contains(code) {
+            let mut tlv = Vec::with_capacity(data.len() + 2);
+            tlv.push(*code);
+            tlv.push(data.len() as u8);
+            tlv.extend_from_slice(data);
             DhcpOption::decode(&mut Decoder::new(&tlv)).map_err(|e| ParseError::OptionDecode {
                 code: *code,
                 reason: e.to_string(),
-            })?;
+            })?
+        } else {
+            DhcpOption::Unknown(UnknownOption::new((*code).into(), data.clone()))
+        };
         options.insert(opt);
     }
 
@@ -512,6 +524,27 @@ mod tests {
         ));
         let m = with_options(&[53, 1, 5, 52, 1, 9, 255]);
         assert_eq!(parse_reply(&m), Err(ParseError::BadOverload(9)));
+    }
+
+    #[test]
+    fn odd_lengths_of_options_the_client_never_reads_are_kept_raw() {
+        // Found by the fuzz target: dhcproto's typed decoders assert on the
+        // length of these (debug builds panic) or subtract from it. None of
+        // them may cost a reply, let alone panic.
+        for code in [80u8, 81, 94, 151, 152, 153, 154, 155] {
+            for len in [0u8, 1, 2, 5] {
+                let mut opts = vec![53, 1, 5, 54, 4, 10, 77, 0, 1, code, len];
+                opts.extend(std::iter::repeat_n(7, len as usize));
+                opts.push(255);
+                let r = parse_reply(&with_options(&opts))
+                    .unwrap_or_else(|e| panic!("option {code} length {len}: {e}"));
+                assert_eq!(r.server_id, Some(SRV));
+                assert!(
+                    r.options.get(OptionCode::from(code)).is_some(),
+                    "option {code} not kept"
+                );
+            }
+        }
     }
 
     #[test]

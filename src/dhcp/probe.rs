@@ -155,6 +155,11 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
         }
     };
     report.parent = parent.clone();
+    // Handlers before the macvlan exists: a Ctrl-C from here on is noticed
+    // and cleaned up after, never the default "die with the link left".
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut sigint = signal(SignalKind::interrupt()).ok();
+    let mut sigterm = signal(SignalKind::terminate()).ok();
     let engine = match Engine::new(None) {
         Ok(e) => e,
         Err(e) => {
@@ -192,23 +197,21 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
         }
     };
 
-    let mut sigterm =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    let term = async {
-        match sigterm.as_mut() {
+    async fn received(s: &mut Option<tokio::signal::unix::Signal>) {
+        match s.as_mut() {
             Some(s) => {
                 s.recv().await;
             }
             None => std::future::pending().await,
         }
-    };
+    }
     let outcome = tokio::select! {
         r = tokio::time::timeout(opts.timeout, status.wait_for(|s| s.state == State::Bound)) => match r {
             Ok(Ok(_)) => Ok(()),
             _ => Err(None),
         },
-        _ = tokio::signal::ctrl_c() => Err(Some("interrupted (SIGINT)")),
-        _ = term => Err(Some("interrupted (SIGTERM)")),
+        _ = received(&mut sigint) => Err(Some("interrupted (SIGINT)")),
+        _ = received(&mut sigterm) => Err(Some("interrupted (SIGTERM)")),
     };
     let st = status.borrow().clone();
     report.counters = st.counters;
