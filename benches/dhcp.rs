@@ -210,17 +210,7 @@ impl Bench {
                 unreachable!("the engine runs in-process")
             }
         };
-        let fd = self.ns_fd.as_raw_fd();
-        // SAFETY: setns is async-signal-safe; the fd stays open in the
-        // parent for the child's whole start-up.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        enter_netns(&mut cmd, &self.ns_fd);
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
@@ -331,6 +321,22 @@ impl Bench {
             Client::EngineOnLink => self.engine_at_once(arp, n, true),
             _ => self.peers_at_once(client, arp, n),
         }
+    }
+}
+
+/// Makes the child enter the guest namespace itself (no `ip netns exec`
+/// in the measured time).
+fn enter_netns(cmd: &mut Command, ns: &OwnedFd) {
+    let fd = ns.as_raw_fd();
+    // SAFETY: setns is async-signal-safe; the fd stays open in the parent
+    // for the child's whole start-up.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
     }
 }
 
@@ -449,7 +455,6 @@ fn engine_memory(b: &mut Bench, count: u32, set: u8) -> Result<(u64, u64)> {
     let d = b.dir.path().join(format!("hold-{set}"));
     std::fs::create_dir_all(&d)?;
     let status = d.join("status.json");
-    let fd = b.ns_fd.as_raw_fd();
     let mut cmd = Command::new(BIN);
     cmd.args(["dhcp-hold", "--parent", "eth0", "--no-arp-probe", "--count"])
         .arg(count.to_string())
@@ -461,15 +466,7 @@ fn engine_memory(b: &mut Bench, count: u32, set: u8) -> Result<(u64, u64)> {
         .arg(&status)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    // SAFETY: as in `peer_cmd`.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    enter_netns(&mut cmd, &b.ns_fd);
     let mut hold = Killed(vec![cmd.spawn()?]);
     wait_until(Duration::from_secs(60), "dhcp-hold leases BOUND", || {
         let leases: Vec<LeaseStatus> = std::fs::read(&status)

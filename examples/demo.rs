@@ -263,6 +263,24 @@ fn main() -> Result<()> {
         api.url()
     );
 
+    println!(
+        "\n`harvester-node-agent dhcp-probe` in {}: the VM network's DHCP checked before any Service exists",
+        rig.node_name(0)
+    );
+    let out = rig
+        .netns_cmd(rig.guest_ns(0), &agent)
+        .args(["dhcp-probe", "--parent", "eth0"])
+        .output()?;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        println!("  {line}");
+    }
+    if !out.status.success() {
+        bail!(
+            "dhcp-probe failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     if hold {
         println!(
             "\nholding; rig dir {} ; Ctrl-C to stop",
