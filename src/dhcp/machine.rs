@@ -755,15 +755,22 @@ impl Machine {
         // The server refused this address: do not ask for it again.
         self.hint = None;
         self.offer = None;
-        // RFC 2131: restart at once. Repeated NAKs back off (1 s, 2 s, …)
-        // so a confused server cannot drive a tight loop.
+        // RFC 2131: restart at once. Repeated NAKs back off (up to 1 s,
+        // 2 s, … 64 s) so a confused server cannot drive a tight loop. The
+        // wait is random in its upper half: when many leases start together
+        // (a failover) a server that offers one free address to several of
+        // them NAKs all but one, and losers retrying in lockstep would meet
+        // again every round (seen with dnsmasq: a hundred leases, some NAKed
+        // seven times over a minute).
         let n = self.consecutive_naks;
         self.consecutive_naks = n.saturating_add(1);
         if n == 0 {
             self.discover(now, 0, out);
         } else {
             self.state = State::Init;
-            let wait = Duration::from_secs(1u64 << (n - 1).min(6)).min(self.timing.backoff_max);
+            let cap = Duration::from_secs(1u64 << (n - 1).min(6)).min(self.timing.backoff_max);
+            let half = cap.as_millis() as u64 / 2;
+            let wait = Duration::from_millis(half + self.rng.u64(0..=half));
             self.set_timer(now + wait, out);
         }
     }

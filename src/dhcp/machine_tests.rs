@@ -388,10 +388,53 @@ async fn nak_while_renewing_removes_the_address_and_rediscovers() {
     let a = feed(&mut m, &nak);
     no_send(&a);
     assert_eq!(m.state(), State::Init);
-    assert_eq!(timer(&a), Instant::now() + Duration::from_secs(1));
-    advance(Duration::from_secs(1)).await;
+    let wait = timer(&a) - Instant::now();
+    assert!(
+        (Duration::from_millis(500)..=Duration::from_secs(1)).contains(&wait),
+        "{wait:?}"
+    );
+    advance(wait).await;
     let a = fire(&mut m);
     assert_eq!(sent(&a).0.opts().msg_type(), Some(MessageType::Discover));
+}
+
+/// Leases NAKed together (a server offered one address to all of them)
+/// must not retry together: their waits spread over the upper half of the
+/// backoff, and the backoff still grows while NAKs keep coming.
+#[tokio::test(start_paused = true)]
+async fn repeated_naks_back_off_with_spread_waits() {
+    let mut first_waits = Vec::new();
+    for seed in 0..20u64 {
+        let mut m = Machine::new(Identity::new(MAC), no_probe(), seed);
+        let mut waits = Vec::new();
+        m.handle(Instant::now(), Event::Start { stored: None });
+        for _ in 0..4 {
+            let offer = reply(&m, MessageType::Offer, &lease_opts(120, None, None));
+            feed(&mut m, &offer);
+            let nak = reply(&m, MessageType::Nak, &[DhcpOption::ServerIdentifier(SRV)]);
+            let a = feed(&mut m, &nak);
+            if m.state() == State::Init {
+                let wait = timer(&a) - Instant::now();
+                waits.push(wait);
+                advance(wait).await;
+                fire(&mut m);
+            }
+        }
+        // NAK 1 restarts at once; NAKs 2, 3, 4 wait within (0.5, 1], (1, 2],
+        // (2, 4] seconds.
+        assert_eq!(waits.len(), 3, "seed {seed}: {waits:?}");
+        for (w, cap) in waits.iter().zip([1000u64, 2000, 4000]) {
+            let ms = w.as_millis() as u64;
+            assert!(ms >= cap / 2 && ms <= cap, "seed {seed}: {waits:?}");
+        }
+        first_waits.push(waits[0]);
+    }
+    first_waits.sort();
+    first_waits.dedup();
+    assert!(
+        first_waits.len() >= 15,
+        "waits do not spread: {first_waits:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
