@@ -56,6 +56,10 @@ impl State {
     }
 }
 
+/// The longest a lease waits to rediscover after a first DHCPNAK. Random,
+/// so leases NAKed together do not rediscover in the same instant.
+pub const NAK_RESTART_SPREAD: Duration = Duration::from_millis(200);
+
 /// Timing knobs. Defaults are RFC 2131's; tests and short-lease setups
 /// lower `renew_floor`.
 #[derive(Debug, Clone)]
@@ -755,24 +759,25 @@ impl Machine {
         // The server refused this address: do not ask for it again.
         self.hint = None;
         self.offer = None;
-        // RFC 2131: restart at once. Repeated NAKs back off (up to 1 s,
-        // 2 s, … 64 s) so a confused server cannot drive a tight loop. The
-        // wait is random in its upper half: when many leases start together
-        // (a failover) a server that offers one free address to several of
-        // them NAKs all but one, and losers retrying in lockstep would meet
-        // again every round (seen with dnsmasq: a hundred leases, some NAKed
-        // seven times over a minute).
+        // RFC 2131: restart. When many leases start together (a failover)
+        // a server that offers one free address to several of them NAKs all
+        // but one, and losers that rediscover in the same instant meet again
+        // every round (seen with dnsmasq: a hundred leases, some NAKed seven
+        // times over a minute). So the restart waits a random moment, up to
+        // NAK_RESTART_SPREAD after the first NAK; repeated NAKs back off
+        // (up to 1 s, 2 s, … 64 s, random in the upper half) so a confused
+        // server cannot drive a tight loop either.
         let n = self.consecutive_naks;
         self.consecutive_naks = n.saturating_add(1);
-        if n == 0 {
-            self.discover(now, 0, out);
+        let wait_ms = if n == 0 {
+            self.rng.u64(0..=NAK_RESTART_SPREAD.as_millis() as u64)
         } else {
-            self.state = State::Init;
             let cap = Duration::from_secs(1u64 << (n - 1).min(6)).min(self.timing.backoff_max);
             let half = cap.as_millis() as u64 / 2;
-            let wait = Duration::from_millis(half + self.rng.u64(0..=half));
-            self.set_timer(now + wait, out);
-        }
+            half + self.rng.u64(0..=half)
+        };
+        self.state = State::Init;
+        self.set_timer(now + Duration::from_millis(wait_ms), out);
     }
 
     fn probe_result(
