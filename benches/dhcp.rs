@@ -628,7 +628,8 @@ fn main() -> Result<()> {
         "\nDHCP start to BOUND against dnsmasq on the rig (harvester-node-agent {}, release build)",
         env!("CARGO_PKG_VERSION")
     );
-    for arp in [false, true].into_iter().filter(|_| !rows.is_empty()) {
+    let arps: &[bool] = if rows.is_empty() { &[] } else { &[false, true] };
+    for &arp in arps {
         println!(
             "\n{}:",
             if arp {
