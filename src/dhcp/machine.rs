@@ -764,17 +764,19 @@ impl Machine {
         // but one, and losers that rediscover in the same instant meet again
         // every round (seen with dnsmasq: a hundred leases, some NAKed seven
         // times over a minute). So the restart waits a random moment, up to
-        // NAK_RESTART_SPREAD after the first NAK; repeated NAKs back off
-        // (up to 1 s, 2 s, … 64 s, random in the upper half) so a confused
-        // server cannot drive a tight loop either.
+        // NAK_RESTART_SPREAD after the first NAK; repeated NAKs double that
+        // (random in the upper half: 0.2–0.4 s, 0.4–0.8 s, … up to
+        // `backoff_max`) so a confused server cannot drive a tight loop.
         let n = self.consecutive_naks;
         self.consecutive_naks = n.saturating_add(1);
+        let cap = NAK_RESTART_SPREAD
+            .saturating_mul(1 << n.min(16))
+            .min(self.timing.backoff_max)
+            .as_millis() as u64;
         let wait_ms = if n == 0 {
-            self.rng.u64(0..=NAK_RESTART_SPREAD.as_millis() as u64)
+            self.rng.u64(0..=cap)
         } else {
-            let cap = Duration::from_secs(1u64 << (n - 1).min(6)).min(self.timing.backoff_max);
-            let half = cap.as_millis() as u64 / 2;
-            half + self.rng.u64(0..=half)
+            cap / 2 + self.rng.u64(0..=cap / 2)
         };
         self.state = State::Init;
         self.set_timer(now + Duration::from_millis(wait_ms), out);
