@@ -493,3 +493,50 @@ fn human_dhcp(d: &crate::agent::status::DhcpStatus) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::status::DhcpStatus;
+    use crate::dhcp::State;
+    use crate::dhcp::driver::LeaseStatus;
+
+    #[test]
+    fn lease_table_has_a_line_per_lease_and_the_sweep() {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let mut bound = LeaseStatus::new("vip-0000abcd", [0, 0, 0x6c, 0, 0xab, 0xcd]);
+        bound.state = State::Bound;
+        bound.address = Some("10.77.0.150".parse().unwrap());
+        bound.server = Some("10.77.0.1".parse().unwrap());
+        bound.t1_at_unix_ms = Some(now_ms + 90_500);
+        bound.expires_at_unix_ms = Some(now_ms + 3_600_500);
+        bound.counters.sent = 2;
+        bound.counters.received = 2;
+        let mut waiting = LeaseStatus::new("vip-0000abce", [0, 0, 0x6c, 0, 0xab, 0xce]);
+        waiting.last_error = Some("send: network is down".into());
+        let text = human_dhcp(&DhcpStatus {
+            metrics_url: Some("http://127.0.0.1:9477/metrics".into()),
+            removed_at_start: vec!["vip-0000dead".into()],
+            sweep_problems: vec![],
+            leases: vec![bound, waiting],
+        });
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0],
+            "  dhcp:      2 lease(s), metrics at http://127.0.0.1:9477/metrics"
+        );
+        assert!(lines[1].ends_with("earlier run): vip-0000dead"), "{text}");
+        assert!(
+            lines[2].starts_with("    vip-0000abcd 00:00:6c:00:ab:cd BOUND      10.77.0.150     server 10.77.0.1       renew in 1m 30s, expires in 1h; sent 2 received 2"),
+            "{text}"
+        );
+        assert!(
+            lines[3].contains("INIT") && lines[3].ends_with("; last error: send: network is down"),
+            "{text}"
+        );
+        assert_eq!(lines.len(), 4, "{text}");
+    }
+}
