@@ -38,6 +38,8 @@
 #[path = "../tests/rig/mod.rs"]
 mod rig;
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -47,6 +49,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use common::{Killed, kib_field, ms, percentile};
 use harvester_node_agent::dhcp::driver::LeaseStatus;
 use harvester_node_agent::dhcp::engine::{Engine, LeaseConfig};
 use harvester_node_agent::dhcp::io::ProbeConfig;
@@ -351,20 +354,6 @@ fn fmt_mac(mac: &[u8; 6]) -> String {
         .join(":")
 }
 
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-fn median(v: &mut [Duration]) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn p90(v: &mut [Duration]) -> Duration {
-    v.sort();
-    v[((v.len() - 1) as f64 * 0.9).round() as usize]
-}
-
 /// Every process in the tree under `root` (by parent pid).
 fn process_tree(roots: &[u32]) -> Vec<u32> {
     let mut parent_of = Vec::new();
@@ -403,13 +392,7 @@ fn process_tree(roots: &[u32]) -> Vec<u32> {
 
 /// (VmRSS, Pss) in KiB summed over `pids`.
 fn memory_kib(pids: &[u32]) -> (u64, u64) {
-    let field = |text: &str, key: &str| -> u64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
+    let field = |text: &str, key: &str| kib_field(text, key).unwrap_or(0);
     let mut rss = 0;
     let mut pss = 0;
     for pid in pids {
@@ -421,16 +404,6 @@ fn memory_kib(pids: &[u32]) -> (u64, u64) {
         }
     }
     (rss, pss)
-}
-
-struct Killed(Vec<Child>);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 fn dnsmasq_lease_count(rig: &Rig, mac_prefix: &str) -> usize {
@@ -471,7 +444,7 @@ fn engine_memory(b: &mut Bench, count: u32, set: u8) -> Result<(u64, u64)> {
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     enter_netns(&mut cmd, &b.ns_fd);
-    let mut hold = Killed(vec![cmd.spawn()?]);
+    let mut hold = Killed(cmd.spawn()?);
     wait_until(Duration::from_secs(60), "dhcp-hold leases BOUND", || {
         let leases: Vec<LeaseStatus> = std::fs::read(&status)
             .ok()
@@ -481,15 +454,14 @@ fn engine_memory(b: &mut Bench, count: u32, set: u8) -> Result<(u64, u64)> {
     })?;
     // Let allocator and tasks settle.
     std::thread::sleep(Duration::from_secs(2));
-    let pid = hold.0[0].id();
+    let pid = hold.0.id();
     let mem = memory_kib(&process_tree(&[pid]));
     // SIGTERM: hand over (macvlans deleted, nothing released).
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
         nix::sys::signal::Signal::SIGTERM,
     )?;
-    hold.0[0].wait()?;
-    hold.0.clear();
+    hold.0.wait()?;
     Ok(mem)
 }
 
@@ -500,18 +472,16 @@ fn peer_memory(b: &mut Bench, client: Client, n: usize) -> Result<(u64, u64, usi
     b.fresh_server()?;
     let links: Vec<_> = (0..n).map(|_| b.identity()).collect();
     b.add_macvlans(&links)?;
-    let mut procs = Killed(Vec::new());
+    let mut procs: Vec<Killed> = Vec::new();
     if client == Client::Dhcpcd {
         let mut cmd = b.peer_cmd(client, false, &links[0].0, false);
         for (name, _) in &links[1..] {
             cmd.arg(name);
         }
-        procs.0.push(cmd.spawn()?);
+        procs.push(Killed(cmd.spawn()?));
     } else {
         for (name, _) in &links {
-            procs
-                .0
-                .push(b.peer_cmd(client, false, name, false).spawn()?);
+            procs.push(Killed(b.peer_cmd(client, false, name, false).spawn()?));
         }
     }
     let rig = &b.rig;
@@ -520,7 +490,7 @@ fn peer_memory(b: &mut Bench, client: Client, n: usize) -> Result<(u64, u64, usi
     });
     std::thread::sleep(Duration::from_secs(2));
     let bound = dnsmasq_lease_count(rig, "00:00:6c:be");
-    let roots: Vec<u32> = procs.0.iter().map(|c| c.id()).collect();
+    let roots: Vec<u32> = procs.iter().map(|c| c.0.id()).collect();
     let (rss, pss) = memory_kib(&process_tree(&roots));
     drop(procs);
     for (name, _) in &links {
@@ -648,15 +618,17 @@ fn main() -> Result<()> {
             "worst"
         );
         for (client, a, single, many) in rows.iter_mut().filter(|r| r.1 == arp) {
+            single.sort();
+            many.sort();
             let min = *single.iter().min().expect("runs > 0");
             let worst = *many.iter().max().expect("batches > 0");
             println!(
                 "  {:<22} {:>11.1} ms {:>7.1} ms {:>7.1} ms   {:>19.1} ms {:>7.1} ms",
                 client.label(*a),
-                ms(median(single)),
-                ms(p90(single)),
+                ms(percentile(single, 0.5)),
+                ms(percentile(single, 0.9)),
                 ms(min),
-                ms(median(many)),
+                ms(percentile(many, 0.5)),
                 ms(worst),
             );
         }

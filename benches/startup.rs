@@ -16,22 +16,17 @@
 #[path = "../tests/rig/mod.rs"]
 mod rig;
 
+mod common;
+
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use common::{Killed, kib_field, ms, percentile};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
-
-struct Killed(Child);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn agent_cmd(mut cmd: Command, dir: &Path, name: &str) -> Command {
     let _ = std::fs::write(dir.join("empty.toml"), "");
@@ -82,17 +77,7 @@ fn sigterm_and_wait(child: &mut Child) -> Result<()> {
 fn rss_kib(pid: u32) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .with_context(|| format!("process {pid} is gone"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .context("no VmRSS")
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[idx]
+    kib_field(&status, "VmRSS:").context("no VmRSS")
 }
 
 fn main() -> Result<()> {
@@ -214,7 +199,6 @@ fn main() -> Result<()> {
     let rss_connected = rss_kib(connected.0.id())?;
     let rss_udhcpc = rss_kib(udhcpc.0.id())?;
 
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     println!(
         "\nharvester-node-agent {} (release build)",
         env!("CARGO_PKG_VERSION")

@@ -90,10 +90,16 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     for problem in &sweep_problems {
         tracing::warn!(%problem, "could not check a stored DHCP lease for a left-behind macvlan");
     }
-    let metrics_url = metrics_listener
-        .as_ref()
-        .and_then(|l| l.local_addr().ok())
-        .map(|a| format!("http://{a}/metrics"));
+    // What start-up decided; each snapshot adds the live lease table.
+    let dhcp_at_start = status::DhcpStatus {
+        metrics_url: metrics_listener
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map(|a| format!("http://{a}/metrics")),
+        removed_at_start,
+        sweep_problems,
+        leases: Vec::new(),
+    };
 
     // macvlan is local initialisation: its state is known at READY=1. A
     // node without it keeps running (health reporting still matters).
@@ -124,7 +130,6 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         let node = cfg.node_name.clone();
         let state_dir = state_dir.clone();
         let engine = engine.clone();
-        let (removed_at_start, sweep_problems) = (removed_at_start.clone(), sweep_problems.clone());
         move || {
             let cluster = cluster_rx.borrow().clone();
             let macvlan = macvlan_rx.borrow().clone();
@@ -147,10 +152,8 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
                 topology: topology_rx.borrow().clone(),
                 node_conditions: conditions_rx.borrow().clone(),
                 dhcp: status::DhcpStatus {
-                    metrics_url: metrics_url.clone(),
-                    removed_at_start: removed_at_start.clone(),
-                    sweep_problems: sweep_problems.clone(),
                     leases: engine.snapshot(),
+                    ..dhcp_at_start.clone()
                 },
             }
         }

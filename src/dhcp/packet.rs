@@ -120,12 +120,10 @@ fn walk_area<'a>(
     }
 }
 
-/// Expected option lengths for the options the client acts on.
-/// Options decoded into dhcproto's types: exactly those [`check_len`]
-/// validates.
-const DECODED_OPTIONS: [u8; 10] = [1, 3, 6, 50, 51, 52, 53, 54, 58, 59];
-
-fn check_len(code: u8, len: usize) -> Result<(), ParseError> {
+/// Checks the length of an option the client acts on. `Ok(true)`: the
+/// client reads this option and its length fits; `Ok(false)`: the client
+/// does not read it (any length will do).
+fn check_len(code: u8, len: usize) -> Result<bool, ParseError> {
     let (ok, expected) = match code {
         1 | 50 | 54 => (len == 4, "4"),
         51 | 58 | 59 => (len == 4, "4"),
@@ -134,10 +132,10 @@ fn check_len(code: u8, len: usize) -> Result<(), ParseError> {
             len >= 4 && len.is_multiple_of(4),
             "a positive multiple of 4",
         ),
-        _ => (true, ""),
+        _ => return Ok(false),
     };
     if ok {
-        Ok(())
+        Ok(true)
     } else {
         Err(ParseError::OptionLength {
             code,
@@ -194,7 +192,7 @@ pub fn parse_reply(buf: &[u8]) -> Result<Reply, ParseError> {
 
     let mut options = DhcpOptions::new();
     for (code, data) in &merged {
-        check_len(*code, data.len())?;
+        let read_by_client = check_len(*code, data.len())?;
         if data.len() > 255 {
             // Only long options the client never reads can get here (the
             // ones it reads are length-checked above); a single TLV cannot
@@ -206,7 +204,7 @@ pub fn parse_reply(buf: &[u8]) -> Result<Reply, ParseError> {
         // their length (81, 94, 152-155) or subtract from it (151), which
         // a hostile server could turn into a panic or a dropped reply
         // (found by the fuzz target). The rest are kept as raw bytes.
-        let opt = if DECODED_OPTIONS.contains(code) {
+        let opt = if read_by_client {
             let mut tlv = Vec::with_capacity(data.len() + 2);
             tlv.push(*code);
             tlv.push(data.len() as u8);
