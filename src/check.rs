@@ -8,40 +8,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cluster::credentials::{self, Discovery, DiscoveryEnv};
 use crate::config::{Config, ConfigError};
-use crate::credentials::{self, Discovery, DiscoveryEnv};
+pub use crate::health::{Check, Status};
 use crate::state_dir::{self, Inspection};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Status {
-    Ok,
-    Warn,
-    Fail,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Check {
-    pub name: String,
-    pub status: Status,
-    /// Machine-readable, stable CamelCase reason.
-    pub reason: String,
-    pub message: String,
-    /// What to do about it; empty when nothing needs doing.
-    pub remediation: String,
-}
-
-impl Check {
-    fn new(name: &str, status: Status, reason: &str, message: String, remediation: &str) -> Self {
-        Self {
-            name: name.into(),
-            status,
-            reason: reason.into(),
-            message,
-            remediation: remediation.into(),
-        }
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Report {
@@ -185,7 +155,7 @@ pub async fn kubeconfig_checks(
     env: &dyn DiscoveryEnv,
     timeout: Duration,
 ) -> Vec<Check> {
-    let found = credentials::discover(cfg, env);
+    let found = credentials::discover(&cfg.into(), env);
     let where_ = match &found {
         Discovery::File { path, source } => {
             format!(
@@ -251,6 +221,28 @@ pub async fn kubeconfig_checks(
     checks
 }
 
+/// Someone who asked for `api-server` by name gets an entry of that name,
+/// also when there were no credentials to connect with.
+pub fn name_api_server(checks: &mut Vec<Check>) {
+    if checks.iter().any(|c| c.name == "api-server") {
+        return;
+    }
+    let failed_kubeconfig = checks
+        .iter()
+        .any(|c| c.name == "kubeconfig" && c.status == Status::Fail);
+    checks.push(Check::new(
+        "api-server",
+        if failed_kubeconfig {
+            Status::Fail
+        } else {
+            Status::Warn
+        },
+        "NoCredentials",
+        "not checked: there are no credentials to connect with (see the kubeconfig entry)".into(),
+        "see the kubeconfig entry",
+    ));
+}
+
 /// The `macvlan` check, from a preflight result.
 pub fn macvlan_check(state: &crate::kmod::MacvlanState) -> Check {
     Check::new(
@@ -285,6 +277,24 @@ mod tests {
                 .map(|(i, s)| Check::new(&format!("c{i}"), *s, "R", "m".into(), ""))
                 .collect(),
         }
+    }
+
+    #[test]
+    fn api_server_by_name_always_has_an_entry() {
+        let mut checks = vec![Check::new(
+            "kubeconfig",
+            Status::Warn,
+            "NotFound",
+            "m".into(),
+            "",
+        )];
+        name_api_server(&mut checks);
+        assert_eq!(checks[1].name, "api-server");
+        assert_eq!(checks[1].reason, "NoCredentials");
+        assert_eq!(checks[1].status, Status::Warn);
+        let before = checks.clone();
+        name_api_server(&mut checks);
+        assert_eq!(checks, before, "an existing entry is kept as it is");
     }
 
     #[test]

@@ -270,10 +270,19 @@ pub fn load(flags: &FlagValues) -> Result<Config, ConfigError> {
     resolve(file, &env, flags, &hostname_or_default)
 }
 
-fn hostname_or_default() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
+/// This machine's hostname as a Node name (lowercased, as the kubelet
+/// registers it), or `localhost`.
+pub fn hostname_or_default() -> String {
+    node_name_of_hostname(
+        nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok()),
+    )
+}
+
+fn node_name_of_hostname(hostname: Option<String>) -> String {
+    hostname
+        .filter(|h| !h.is_empty())
         .map(|h| h.to_ascii_lowercase())
         .unwrap_or_else(|| "localhost".to_string())
 }
@@ -359,18 +368,7 @@ pub fn resolve(
                 validate_log_level(&v).map_err(fail)?;
                 cfg.log_level = v;
             }
-            "log_target" => {
-                cfg.log_target = match text(raw).as_str() {
-                    "auto" => LogTarget::Auto,
-                    "journald" => LogTarget::Journald,
-                    "stderr" => LogTarget::Stderr,
-                    other => {
-                        return Err(fail(format!(
-                            "`{other}` is not a log target; use one of auto, journald, stderr"
-                        )));
-                    }
-                }
-            }
+            "log_target" => cfg.log_target = parse_log_target(&text(raw)).map_err(fail)?,
             "state_dir" => cfg.state_dir = absolute_path(text(raw)).map_err(fail)?,
             "socket" => {
                 let p = absolute_path(text(raw)).map_err(fail)?;
@@ -588,7 +586,7 @@ fn parse_duration(v: &str) -> Result<Duration, String> {
     })
 }
 
-fn duration_between(v: &str, min_secs: u64, max_secs: u64) -> Result<Duration, String> {
+pub fn duration_between(v: &str, min_secs: u64, max_secs: u64) -> Result<Duration, String> {
     let d = parse_duration(v)?;
     let (min, max) = (Duration::from_secs(min_secs), Duration::from_secs(max_secs));
     if d < min || d > max {
@@ -602,7 +600,20 @@ fn duration_between(v: &str, min_secs: u64, max_secs: u64) -> Result<Duration, S
     Ok(d)
 }
 
-fn validate_log_level(v: &str) -> Result<(), String> {
+/// `auto`, `journald` or `stderr`.
+pub fn parse_log_target(v: &str) -> Result<LogTarget, String> {
+    match v {
+        "auto" => Ok(LogTarget::Auto),
+        "journald" => Ok(LogTarget::Journald),
+        "stderr" => Ok(LogTarget::Stderr),
+        other => Err(format!(
+            "`{other}` is not a log target; use one of auto, journald, stderr"
+        )),
+    }
+}
+
+/// A level or tracing directives, as `EnvFilter` parses them.
+pub fn validate_log_level(v: &str) -> Result<(), String> {
     tracing_subscriber::EnvFilter::builder()
         .parse(v)
         .map(|_| ())
@@ -641,6 +652,19 @@ fn validate_node_name(v: &str) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_hostname_becomes_a_lowercase_node_name() {
+        assert_eq!(
+            super::node_name_of_hostname(Some("Guest-One".into())),
+            "guest-one"
+        );
+        assert_eq!(
+            super::node_name_of_hostname(Some(String::new())),
+            "localhost"
+        );
+        assert_eq!(super::node_name_of_hostname(None), "localhost");
+    }
+
     use super::*;
 
     fn resolve_file(text: &str) -> Result<Config, ConfigError> {

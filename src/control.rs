@@ -12,7 +12,8 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::agent::status::AgentStatus;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 const MAX_REQUEST: u64 = 256;
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
@@ -74,7 +75,9 @@ pub async fn bind(path: &Path) -> Result<UnixListener, ControlError> {
 }
 
 /// Answers one connection. `status` is called only for a valid request.
-pub async fn serve_connection(stream: UnixStream, status: impl FnOnce() -> AgentStatus) {
+/// Generic over the answer so that this transport knows nothing of the
+/// daemon's report types.
+pub async fn serve_connection<T: Serialize>(stream: UnixStream, status: impl FnOnce() -> T) {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
     let mut reader = BufReader::new(read.take(MAX_REQUEST));
@@ -97,7 +100,7 @@ pub async fn serve_connection(stream: UnixStream, status: impl FnOnce() -> Agent
 }
 
 /// Client side: asks the daemon on `path` for its status.
-pub async fn request_status(path: &Path) -> Result<AgentStatus, ControlError> {
+pub async fn request_status<T: DeserializeOwned>(path: &Path) -> Result<T, ControlError> {
     let no_daemon = |source| ControlError::NoDaemon {
         path: path.to_path_buf(),
         source,

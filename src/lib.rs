@@ -4,7 +4,9 @@
 //! Module map (one concern each):
 //! - [`config`]: the TOML file, environment and flags, validated before
 //!   anything touches the host;
-//! - [`credentials`]: which guest-cluster kubeconfig this node uses;
+//! - [`cluster`]: the guest-cluster connection shared by daemon and
+//!   controller (credentials, the credentials watcher, the single-object
+//!   watch);
 //! - [`state_dir`]: the persistent state directory;
 //! - [`systemd`]: `Type=notify` messages and the liveness-gated watchdog;
 //! - [`control`]: the local socket `status` talks to;
@@ -12,6 +14,7 @@
 //! - [`guest`]: qemu-guest-agent health;
 //! - [`topology`]: Harvester topology labels relayed to this node's Node;
 //! - [`node_status`]: the conditions the agent owns on its Node;
+//! - [`health`]: the status vocabulary every subsystem reports in (leaf);
 //! - [`check`]: the one-shot preflight;
 //! - [`dhcp`]: the DHCP client engine for LoadBalancer addresses (pure
 //!   state machine, packet sockets, lease files, `dhcp-probe`);
@@ -24,12 +27,13 @@
 pub mod agent;
 pub mod check;
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod control;
 pub mod controller;
-pub mod credentials;
 pub mod dhcp;
 pub mod guest;
+pub mod health;
 pub mod kmod;
 pub mod logging;
 pub mod metrics;

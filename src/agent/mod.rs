@@ -4,36 +4,68 @@
 //! module is entered; here the state directory and control socket are set up,
 //! then `READY=1` is sent. The cluster connection is not part of readiness:
 //! the daemon must do its local work on a node that has not joined yet.
+//!
+//! One task per subsystem, sharing a small [`Context`]:
+//! - [`macvlan`]: the preflight and its re-checks;
+//! - the guest-agent watch ([`crate::guest::watch`]);
+//! - the credentials watcher ([`crate::cluster::connection`]);
+//! - the topology relay ([`crate::topology`]);
+//! - [`conditions`]: this node's Node conditions;
+//! - [`publish`]: the `STATUS=` line;
+//! - the control socket and the optional metrics endpoint.
 
+mod conditions;
+mod macvlan;
+mod publish;
 pub mod status;
 
-use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
 
+use crate::cluster::connection::{self, ClusterState, WatchOptions};
+use crate::cluster::credentials::{self, HostEnv, Settings};
 use crate::config::Config;
 use crate::control;
-use crate::credentials::{self, Discovery, HostEnv};
 use crate::guest::{self, GuestAgentState};
-use crate::kmod::{self, MacvlanState};
-use crate::node_status::{self, Condition, Reported};
-use crate::systemd::{self, Heartbeat, Liveness, Notifier};
-use status::{AgentStatus, ClusterState, StateDirStatus};
+use crate::kmod::MacvlanState;
+use crate::node_status::Reported;
+use crate::systemd::{self, Liveness, Notifier};
+use status::{AgentStatus, StateDirStatus};
 
-/// The longest a macvlan preflight (modprobe + probe) may take.
-const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the work before `READY=1` may take: the macvlan preflight and
+/// the first qemu-guest-agent assessment, which run side by side. What is
+/// unfinished by then is reported as `Checking` (in `STATUS=`, `status` and
+/// the Node conditions) and completes after READY. Well below the unit's
+/// `TimeoutStartSec=60`, so a slow modprobe never gets the daemon killed.
+/// The rest of start-up (state directory, control socket, the left-behind
+/// macvlan sweep) is local and takes milliseconds.
+pub const READY_BUDGET: Duration = Duration::from_secs(20);
 
 /// How long one API health request may take before the cluster counts as
 /// unreachable.
 const API_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What every task of the daemon shares.
+#[derive(Clone)]
+pub struct Context {
+    pub node: String,
+    /// How often a task beats while it waits.
+    pub beat_every: Duration,
+    pub liveness: Liveness,
+    /// Changes once, when the daemon stops.
+    pub shutdown: watch::Receiver<bool>,
+}
+
 /// Runs until SIGTERM or SIGINT.
 pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()> {
     let started = SystemTime::now();
+    let started_at = tokio::time::Instant::now();
     let watchdog = systemd::watchdog_period();
     let beat_every = systemd::heartbeat_interval(watchdog);
     tracing::info!(
@@ -71,55 +103,56 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     };
     let listener = control::bind(&cfg.socket).await?;
 
-    // The DHCP engine that will hold this node's LoadBalancer addresses.
-    // Macvlans a crashed run left behind go first: the controller may have
-    // moved their addresses to another node meanwhile.
-    let store = crate::dhcp::store::Store::open(&cfg.state_dir)
-        .context("opening the DHCP lease directory")?;
-    let engine = Arc::new(
-        crate::dhcp::engine::Engine::new(Some(store))
-            .context("connecting to rtnetlink for the DHCP engine")?,
-    );
-    let (removed_at_start, sweep_problems) = engine.remove_leftovers().await;
-    if !removed_at_start.is_empty() {
-        tracing::warn!(
-            links = ?removed_at_start,
-            "removed macvlans an earlier run left behind (not released; lease files kept)"
-        );
-    }
-    for problem in &sweep_problems {
-        tracing::warn!(%problem, "could not check a stored DHCP lease for a left-behind macvlan");
-    }
-    // What start-up decided; each snapshot adds the live lease table.
-    let dhcp_at_start = status::DhcpStatus {
-        metrics_url: metrics_listener
-            .as_ref()
-            .and_then(|l| l.local_addr().ok())
-            .map(|a| format!("http://{a}/metrics")),
-        removed_at_start,
-        sweep_problems,
-        leases: Vec::new(),
+    // The slow parts of start-up begin now and run beside the rest.
+    let macvlan_first = tokio::spawn(macvlan::run_preflight());
+    let guest_first = tokio::spawn(async {
+        let systemd = guest::watch::connect_systemd().await;
+        let state = guest::watch::assess_with(Path::new("/"), systemd.as_ref()).await;
+        (systemd, state)
+    });
+
+    let (engine, dhcp_at_start) = start_dhcp(&cfg, metrics_listener.as_ref()).await?;
+
+    // READY=1 waits for them only until the budget is spent.
+    let deadline = started_at + READY_BUDGET;
+    let (macvlan_initial, macvlan_pending) = within(deadline, macvlan_first).await;
+    let macvlan_initial = macvlan_initial.unwrap_or_else(|| {
+        MacvlanState::checking(format!(
+            "the macvlan preflight is still running after {}; its result follows",
+            humantime::format_duration(READY_BUDGET)
+        ))
+    });
+    macvlan::log(&macvlan_initial);
+    let (guest_initial, guest_pending) = within(deadline, guest_first).await;
+    let (systemd_bus, guest_initial) = match guest_initial {
+        Some((bus, state)) => (Some(bus), state),
+        None => (
+            None,
+            GuestAgentState::checking(format!(
+                "the first qemu-guest-agent assessment is still running after {}; its result follows",
+                humantime::format_duration(READY_BUDGET)
+            )),
+        ),
     };
 
-    // macvlan is local initialisation: its state is known at READY=1. A
-    // node without it keeps running (health reporting still matters).
-    let macvlan_initial = run_preflight().await;
-    log_macvlan(&macvlan_initial);
     let (macvlan_tx, macvlan_rx) = watch::channel(macvlan_initial);
-    // One system-bus connection serves the first assessment and the watch.
-    let systemd = guest::watch::connect_systemd().await;
-    let (guest_tx, guest_rx) = watch::channel(
-        guest::watch::assess_with(std::path::Path::new("/"), systemd.as_ref()).await,
-    );
+    let (guest_tx, guest_rx) = watch::channel(guest_initial);
     let (client_tx, client_rx) = watch::channel::<Option<kube::Client>>(None);
     let (conditions_tx, conditions_rx) = watch::channel(Reported::NotConnected);
     let topology_cfg = crate::topology::TopologyConfig::from_config(&cfg);
     let (topology_tx, topology_rx) = watch::channel(topology_cfg.initial_state());
-    let (recheck_tx, recheck_rx) = tokio::sync::mpsc::channel::<()>(1);
-
-    let (cluster_tx, cluster_rx) = watch::channel(initial_cluster_state(&cfg));
+    let (recheck_tx, recheck_rx) = mpsc::channel::<()>(1);
+    let settings = Settings::from(&cfg);
+    let (cluster_tx, cluster_rx) = watch::channel(ClusterState::initial(&credentials::discover(
+        &settings, &HostEnv,
+    )));
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    let liveness = Liveness::default();
+    let ctx = Context {
+        node: cfg.node_name.clone(),
+        beat_every,
+        liveness: Liveness::default(),
+        shutdown: shutdown_rx.clone(),
+    };
 
     let snapshot = {
         let cluster_rx = cluster_rx.clone();
@@ -161,55 +194,34 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
 
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(l) = metrics_listener {
-        let (metrics_snapshot, liveness, every) = (snapshot.clone(), liveness.clone(), beat_every);
-        let mut shutdown = shutdown_rx.clone();
-        let pages = crate::metrics::Pages {
-            metrics: Arc::new(move || status::metrics(&metrics_snapshot())),
-            // The watchdog's rule: every main loop beat within a few periods.
-            health: Arc::new(move || {
-                match liveness.stalled(tokio::time::Instant::now(), every * 5) {
-                    stalled if stalled.is_empty() => Ok(()),
-                    stalled => Err(format!("main loops stalled: {}", stalled.join(", "))),
-                }
-            }),
-        };
-        tasks.spawn(async move {
-            tokio::select! {
-                _ = crate::metrics::serve(l, pages) => {}
-                _ = shutdown.changed() => {}
-            }
-        });
+        tasks.spawn(serve_metrics(ctx.clone(), l, snapshot.clone()));
     }
-    tasks.spawn(serve_control(
-        listener,
-        snapshot.clone(),
-        liveness.register("control-socket"),
-        beat_every,
-        shutdown_rx.clone(),
-    ));
-    tasks.spawn(watch_credentials(
-        cfg.clone(),
+    tasks.spawn(serve_control(ctx.clone(), listener, snapshot.clone()));
+    tasks.spawn(connection::watch(
+        WatchOptions {
+            settings,
+            every: cfg.credentials_retry,
+            api_timeout: API_TIMEOUT,
+            beat_every,
+        },
+        HostEnv,
         cluster_tx,
         client_tx,
-        liveness.register("credentials"),
-        beat_every,
+        ctx.liveness.register("credentials"),
         shutdown_rx.clone(),
     ));
-    tasks.spawn(recheck_macvlan(
+    tasks.spawn(macvlan::recheck(
+        ctx.clone(),
         cfg.macvlan_recheck,
+        macvlan_pending,
         macvlan_tx,
         recheck_rx,
-        liveness.register("macvlan"),
-        beat_every,
-        shutdown_rx.clone(),
     ));
-    tasks.spawn(guest::watch::run(
-        std::path::PathBuf::from("/"),
-        systemd,
+    tasks.spawn(watch_guest_agent(
+        ctx.clone(),
+        systemd_bus,
+        guest_pending,
         guest_tx,
-        liveness.register("guest-agent"),
-        beat_every,
-        shutdown_rx.clone(),
     ));
     tasks.spawn(crate::topology::run(
         topology_cfg,
@@ -218,38 +230,39 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         topology_tx,
         shutdown_rx.clone(),
     ));
-    tasks.spawn(report_conditions(
-        cfg.node_name.clone(),
+    tasks.spawn(conditions::report(
+        ctx.clone(),
         cfg.credentials_retry,
         client_rx,
         macvlan_rx.clone(),
         guest_rx.clone(),
         conditions_tx,
-        shutdown_rx.clone(),
     ));
     // READY=1 first, then the first STATUS=, then watchdog pings: the order
     // a service manager (and a reader of `systemctl status`) expects.
     notifier.ready();
     tracing::info!(summary = %snapshot().summary, "ready");
-    tasks.spawn(publish_status(
+    tasks.spawn(publish::status_line(
         notifier.clone(),
-        cluster_rx.clone(),
-        macvlan_rx.clone(),
-        guest_rx.clone(),
-        topology_rx.clone(),
+        publish::Sources {
+            cluster: cluster_rx.clone(),
+            macvlan: macvlan_rx.clone(),
+            guest: guest_rx.clone(),
+            topology: topology_rx.clone(),
+        },
         snapshot.clone(),
         shutdown_rx.clone(),
     ));
     if let Some(period) = watchdog {
         tasks.spawn(systemd::run_watchdog(
             notifier.clone(),
-            liveness.clone(),
+            ctx.liveness.clone(),
             period,
             shutdown_rx.clone(),
         ));
     }
 
-    let main_beat = liveness.register("main");
+    let main_beat = ctx.liveness.register("main");
     let mut tick = tokio::time::interval(beat_every);
     let signal_name = loop {
         tokio::select! {
@@ -285,43 +298,97 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     Ok(())
 }
 
-fn initial_cluster_state(cfg: &Config) -> ClusterState {
-    match credentials::discover(cfg, &HostEnv) {
-        Discovery::NotFound {
-            searched,
-            configured,
-        } => ClusterState::WaitingForCredentials {
-            searched,
-            configured,
-        },
-        Discovery::File { path, .. } => ClusterState::Connecting {
-            kubeconfig: Some(path),
-        },
-        Discovery::InCluster => ClusterState::Connecting { kubeconfig: None },
+/// The task's output if it finishes by `deadline`; otherwise `None` and the
+/// still-running task.
+async fn within<T>(
+    deadline: tokio::time::Instant,
+    mut task: JoinHandle<T>,
+) -> (Option<T>, Option<JoinHandle<T>>) {
+    match tokio::time::timeout_at(deadline, &mut task).await {
+        Ok(Ok(out)) => (Some(out), None),
+        // A panicked start-up task: the subsystem's own loop starts afresh.
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "a start-up check failed");
+            (None, None)
+        }
+        Err(_) => (None, Some(task)),
     }
 }
 
-/// Drives `fut` to completion while beating, so a loop waiting on bounded
-/// network I/O still counts as alive.
-async fn beating<F: Future>(hb: &Heartbeat, every: Duration, fut: F) -> F::Output {
-    tokio::pin!(fut);
-    let mut tick = tokio::time::interval(every);
-    loop {
-        tokio::select! {
-            out = &mut fut => return out,
-            _ = tick.tick() => hb.beat(),
-        }
+/// The DHCP engine that will hold this node's LoadBalancer addresses.
+/// Macvlans a crashed run left behind go first: the controller may have
+/// moved their addresses to another node meanwhile.
+async fn start_dhcp(
+    cfg: &Config,
+    metrics: Option<&tokio::net::TcpListener>,
+) -> anyhow::Result<(Arc<crate::dhcp::engine::Engine>, status::DhcpStatus)> {
+    let store = crate::dhcp::store::Store::open(&cfg.state_dir)
+        .context("opening the DHCP lease directory")?;
+    let engine = Arc::new(
+        crate::dhcp::engine::Engine::new(Some(store))
+            .context("connecting to rtnetlink for the DHCP engine")?,
+    );
+    let (removed_at_start, sweep_problems) = engine.remove_leftovers().await;
+    if !removed_at_start.is_empty() {
+        tracing::warn!(
+            links = ?removed_at_start,
+            "removed macvlans an earlier run left behind (not released; lease files kept)"
+        );
     }
+    for problem in &sweep_problems {
+        tracing::warn!(%problem, "could not check a stored DHCP lease for a left-behind macvlan");
+    }
+    // What start-up decided; each snapshot adds the live lease table.
+    let at_start = status::DhcpStatus {
+        metrics_url: metrics
+            .and_then(|l| l.local_addr().ok())
+            .map(|a| format!("http://{a}/metrics")),
+        removed_at_start,
+        sweep_problems,
+        leases: Vec::new(),
+    };
+    Ok((engine, at_start))
+}
+
+/// The guest-agent watch, after the first assessment if that outlived the
+/// start-up budget.
+async fn watch_guest_agent(
+    ctx: Context,
+    bus: Option<Option<guest::units::Systemd>>,
+    pending: Option<JoinHandle<(Option<guest::units::Systemd>, GuestAgentState)>>,
+    out: watch::Sender<GuestAgentState>,
+) {
+    let hb = ctx.liveness.register("guest-agent");
+    let bus = match (bus, pending) {
+        (Some(bus), _) => bus,
+        (None, Some(task)) => match connection::beating(&hb, ctx.beat_every, task).await {
+            Ok((bus, state)) => {
+                out.send_replace(state);
+                bus
+            }
+            Err(_) => None,
+        },
+        (None, None) => None,
+    };
+    guest::watch::run(
+        PathBuf::from("/"),
+        bus,
+        out,
+        hb,
+        ctx.beat_every,
+        ctx.shutdown.clone(),
+    )
+    .await
 }
 
 async fn serve_control(
+    ctx: Context,
     listener: tokio::net::UnixListener,
     snapshot: impl Fn() -> AgentStatus + Clone + Send + 'static,
-    hb: Heartbeat,
-    beat_every: Duration,
-    mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut tick = tokio::time::interval(beat_every);
+    let hb = ctx.liveness.register("control-socket");
+    let mut shutdown = ctx.shutdown.clone();
+    let mut tick = tokio::time::interval(ctx.beat_every);
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -340,323 +407,105 @@ async fn serve_control(
     }
 }
 
-/// Finds credentials, connects, and keeps checking the API server. Picks up a
-/// kubeconfig that appears (node joins) or changes (credentials rotated).
-async fn watch_credentials(
-    cfg: Config,
-    cluster: watch::Sender<ClusterState>,
-    client_out: watch::Sender<Option<kube::Client>>,
-    hb: Heartbeat,
-    beat_every: Duration,
-    mut shutdown: watch::Receiver<bool>,
+async fn serve_metrics(
+    ctx: Context,
+    listener: tokio::net::TcpListener,
+    snapshot: impl Fn() -> AgentStatus + Send + Sync + 'static,
 ) {
-    let mut connected: Option<(Discovery, Option<SystemTime>, kube::Client, String)> = None;
-    let mut tick = tokio::time::interval(cfg.credentials_retry);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut beat = tokio::time::interval(beat_every);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = beat.tick() => { hb.beat(); continue; }
-            _ = shutdown.changed() => return,
-        }
-        hb.beat();
-        let found = credentials::discover(&cfg, &HostEnv);
-        let kubeconfig = match &found {
-            Discovery::File { path, .. } => Some(path.clone()),
-            _ => None,
-        };
-        let mtime = kubeconfig.as_ref().and_then(|p| modified(p));
-        let next = match (&found, &connected) {
-            (
-                Discovery::NotFound {
-                    searched,
-                    configured,
-                },
-                _,
-            ) => {
-                connected = None;
-                ClusterState::WaitingForCredentials {
-                    searched: searched.clone(),
-                    configured: *configured,
-                }
-            }
-            (_, Some((was, was_mtime, client, server))) if *was == found && *was_mtime == mtime => {
-                let (client, server) = (client.clone(), server.clone());
-                match beating(
-                    &hb,
-                    beat_every,
-                    tokio::time::timeout(API_TIMEOUT, client.apiserver_version()),
-                )
-                .await
-                {
-                    Ok(Ok(info)) => ClusterState::Connected {
-                        kubeconfig: kubeconfig.clone(),
-                        server,
-                        server_version: info.git_version,
-                    },
-                    Ok(Err(e)) => ClusterState::Unreachable {
-                        kubeconfig: kubeconfig.clone(),
-                        error: e.to_string(),
-                    },
-                    Err(_) => ClusterState::Unreachable {
-                        kubeconfig: kubeconfig.clone(),
-                        error: format!(
-                            "API server did not answer within {}",
-                            humantime::format_duration(API_TIMEOUT)
-                        ),
-                    },
-                }
-            }
-            _ => match beating(&hb, beat_every, credentials::connect(&found, API_TIMEOUT)).await {
-                Ok(conn) => {
-                    tracing::info!(server = %conn.server, version = %conn.server_version, kubeconfig = ?kubeconfig, "connected to the guest cluster");
-                    connected = Some((found.clone(), mtime, conn.client, conn.server.clone()));
-                    ClusterState::Connected {
-                        kubeconfig: kubeconfig.clone(),
-                        server: conn.server,
-                        server_version: conn.server_version,
-                    }
-                }
-                Err(e) => {
-                    connected = None;
-                    ClusterState::Unreachable {
-                        kubeconfig: kubeconfig.clone(),
-                        error: format!("{e:#}"),
-                    }
-                }
+    let (liveness, every) = (ctx.liveness.clone(), ctx.beat_every);
+    let pages = crate::metrics::Pages {
+        metrics: Arc::new(move || status::metrics(&snapshot())),
+        // The watchdog's rule: every main loop beat within a few periods.
+        health: Arc::new(
+            move || match liveness.stalled(tokio::time::Instant::now(), every * 5) {
+                stalled if stalled.is_empty() => Ok(()),
+                stalled => Err(format!("main loops stalled: {}", stalled.join(", "))),
             },
-        };
-        let usable = match &next {
-            ClusterState::Connected { .. } => connected.as_ref().map(|c| c.2.clone()),
-            _ => None,
-        };
-        client_out.send_if_modified(|current| {
-            let changed = current.is_some() != usable.is_some();
-            *current = usable;
-            changed
+        ),
+    };
+    let mut shutdown = ctx.shutdown.clone();
+    tokio::select! {
+        _ = crate::metrics::serve(listener, pages) => {}
+        _ = shutdown.changed() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::{Instant, sleep};
+
+    #[tokio::test(start_paused = true)]
+    async fn work_past_the_budget_is_handed_on_not_awaited() {
+        let start = Instant::now();
+        let slow = tokio::spawn(async {
+            sleep(Duration::from_secs(45)).await;
+            7
         });
-        cluster.send_if_modified(|current| {
-            if *current != next {
-                *current = next;
-                true
-            } else {
-                false
+        let (got, pending) = within(start + READY_BUDGET, slow).await;
+        assert_eq!(got, None);
+        assert_eq!(start.elapsed(), READY_BUDGET, "READY waits no longer");
+        assert_eq!(pending.expect("still running").await.unwrap(), 7);
+
+        let start = Instant::now();
+        let fast = tokio::spawn(async {
+            sleep(Duration::from_secs(1)).await;
+            3
+        });
+        let (got, pending) = within(start + READY_BUDGET, fast).await;
+        assert_eq!((got, pending.is_none()), (Some(3), true));
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+    }
+
+    /// The result of a preflight that outlived the budget replaces the
+    /// `Checking` state as soon as it is there.
+    #[tokio::test(start_paused = true)]
+    async fn a_late_preflight_is_published_when_it_ends() {
+        let (_stop, shutdown) = watch::channel(false);
+        let ctx = Context {
+            node: "n".into(),
+            beat_every: Duration::from_secs(1),
+            liveness: Liveness::default(),
+            shutdown,
+        };
+        let late = tokio::spawn(async {
+            sleep(Duration::from_secs(40)).await;
+            MacvlanState {
+                ready: true,
+                reason: crate::kmod::Reason::LoadedByAgent,
+                ..MacvlanState::checking(String::new())
             }
         });
+        let (tx, mut rx) = watch::channel(MacvlanState::checking("slow".into()));
+        let (_req_tx, req_rx) = mpsc::channel(1);
+        let start = Instant::now();
+        tokio::spawn(macvlan::recheck(
+            ctx,
+            Duration::from_secs(3600),
+            Some(late),
+            tx,
+            req_rx,
+        ));
+        rx.changed().await.unwrap();
+        assert_eq!(rx.borrow().reason, crate::kmod::Reason::LoadedByAgent);
+        assert_eq!(start.elapsed(), Duration::from_secs(40));
     }
-}
 
-fn modified(path: &std::path::Path) -> Option<SystemTime> {
-    std::fs::metadata(path).and_then(|m| m.modified()).ok()
-}
-
-/// Keeps `STATUS=` and the log in step with the state.
-async fn publish_status(
-    notifier: Arc<dyn Notifier>,
-    mut cluster: watch::Receiver<ClusterState>,
-    mut macvlan: watch::Receiver<MacvlanState>,
-    mut guest: watch::Receiver<GuestAgentState>,
-    mut topology: watch::Receiver<crate::topology::TopologyState>,
-    snapshot: impl Fn() -> AgentStatus,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut last = String::new();
-    loop {
-        let summary = snapshot().summary;
-        if summary != last {
-            notifier.status(&summary);
-            match &*cluster.borrow() {
-                ClusterState::Unreachable { error, .. } => {
-                    tracing::warn!(%error, "{summary}")
-                }
-                _ => tracing::info!("{summary}"),
-            }
-            last = summary;
-        }
-        tokio::select! {
-            changed = cluster.changed() => if changed.is_err() { return },
-            changed = macvlan.changed() => if changed.is_err() { return },
-            changed = guest.changed() => if changed.is_err() { return },
-            changed = topology.changed() => if changed.is_err() { return },
-            _ = shutdown.changed() => return,
-        }
-    }
-}
-
-async fn run_preflight() -> MacvlanState {
-    let work = tokio::task::spawn_blocking(|| kmod::preflight(&kmod::host::Host::default(), true));
-    match tokio::time::timeout(PREFLIGHT_TIMEOUT, work).await {
-        Ok(Ok(state)) => state,
-        Ok(Err(e)) => failed_preflight(format!("the preflight task failed: {e}")),
-        Err(_) => failed_preflight(format!(
-            "the preflight did not finish within {}s",
-            PREFLIGHT_TIMEOUT.as_secs()
-        )),
-    }
-}
-
-fn failed_preflight(message: String) -> MacvlanState {
-    MacvlanState {
-        status: crate::check::Status::Fail,
-        reason: kmod::Reason::ProbeFailed,
-        message,
-        remediation: "see the daemon's log; `harvester-node-agent check --fix` runs the same steps"
-            .into(),
-        ready: false,
-        kernel: String::new(),
-        loaded_at_boot: None,
-    }
-}
-
-fn log_macvlan(state: &MacvlanState) {
-    if state.ready {
-        tracing::info!(reason = state.reason.as_str(), "{}", state.message);
-    } else {
-        tracing::error!(
-            reason = state.reason.as_str(),
-            remediation = %state.remediation,
-            "macvlan is not usable, DHCP LoadBalancer addresses cannot be held on this node: {}",
-            state.message
+    /// The budget is what keeps systemd from killing a slow start: it must
+    /// stay well below the shipped unit's start timeout.
+    #[test]
+    fn the_budget_fits_the_units_start_timeout() {
+        let unit = include_str!("../../systemd/harvester-node-agent.service");
+        let timeout = unit
+            .lines()
+            .find_map(|l| l.strip_prefix("TimeoutStartSec="))
+            .expect("the unit sets TimeoutStartSec");
+        let timeout = humantime::parse_duration(timeout.trim())
+            .or_else(|_| timeout.trim().parse().map(Duration::from_secs))
+            .expect("TimeoutStartSec is a duration");
+        assert!(
+            READY_BUDGET * 2 <= timeout,
+            "READY_BUDGET {READY_BUDGET:?} must leave half of TimeoutStartSec {timeout:?} as margin"
         );
-    }
-}
-
-/// Re-runs the preflight on a slow timer and when asked (SIGHUP), so
-/// installing the module and reloading fixes a node without a restart.
-async fn recheck_macvlan(
-    every: Duration,
-    state: watch::Sender<MacvlanState>,
-    mut requests: tokio::sync::mpsc::Receiver<()>,
-    hb: Heartbeat,
-    beat_every: Duration,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut timer = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    let mut beat = tokio::time::interval(beat_every);
-    loop {
-        tokio::select! {
-            _ = timer.tick() => {}
-            Some(()) = requests.recv() => {}
-            _ = beat.tick() => { hb.beat(); continue; }
-            _ = shutdown.changed() => return,
-        }
-        let next = beating(&hb, beat_every, run_preflight()).await;
-        let was = state.borrow().clone();
-        if was.reason != next.reason || was.ready != next.ready {
-            log_macvlan(&next);
-        }
-        // LoadedByAgent stays the reason while the module stays loaded: who
-        // loaded it does not change on a later check.
-        let next =
-            if was.reason == kmod::Reason::LoadedByAgent && next.reason == kmod::Reason::Loaded {
-                MacvlanState {
-                    reason: kmod::Reason::LoadedByAgent,
-                    ..next
-                }
-            } else {
-                next
-            };
-        state.send_if_modified(|cur| {
-            let changed = *cur != next;
-            *cur = next;
-            changed
-        });
-    }
-}
-
-fn condition(
-    type_: &str,
-    ready: bool,
-    reason: &str,
-    message: &str,
-    remediation: &str,
-) -> Condition {
-    Condition {
-        type_: type_.into(),
-        ready,
-        reason: reason.into(),
-        message: if remediation.is_empty() {
-            message.to_string()
-        } else {
-            format!("{message} Fix: {remediation}")
-        },
-    }
-}
-
-fn conditions_from(macvlan: &MacvlanState, guest: &GuestAgentState) -> Vec<Condition> {
-    vec![
-        condition(
-            "MacvlanReady",
-            macvlan.ready,
-            macvlan.reason.as_str(),
-            &macvlan.message,
-            &macvlan.remediation,
-        ),
-        condition(
-            "GuestAgentReady",
-            guest.ready,
-            guest.reason.as_str(),
-            &guest.message,
-            &guest.remediation,
-        ),
-    ]
-}
-
-/// Keeps the agent's own conditions on its Node: on every change, and every
-/// [`node_status::HEARTBEAT`]; retries after `retry` when the Node is not
-/// there yet or the write failed.
-async fn report_conditions(
-    node: String,
-    retry: Duration,
-    mut client: watch::Receiver<Option<kube::Client>>,
-    mut macvlan: watch::Receiver<MacvlanState>,
-    mut guest: watch::Receiver<GuestAgentState>,
-    out: watch::Sender<Reported>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut last_sent: Option<(Vec<Condition>, tokio::time::Instant)> = None;
-    loop {
-        let current_client = client.borrow().clone();
-        let wanted = conditions_from(&macvlan.borrow(), &guest.borrow());
-        let mut wait = node_status::HEARTBEAT;
-        let result = match current_client {
-            None => {
-                last_sent = None;
-                Reported::NotConnected
-            }
-            Some(c) => {
-                let heartbeat_due = match &last_sent {
-                    Some((sent, at)) => *sent != wanted || at.elapsed() >= node_status::HEARTBEAT,
-                    None => true,
-                };
-                let r = node_status::reconcile(&c, &node, &wanted, heartbeat_due).await;
-                match &r {
-                    Reported::Reported { .. } => {
-                        if heartbeat_due {
-                            last_sent = Some((wanted.clone(), tokio::time::Instant::now()));
-                        }
-                    }
-                    Reported::Failed { error } => {
-                        tracing::warn!(%error, "could not report Node conditions");
-                        wait = retry;
-                    }
-                    _ => wait = retry,
-                }
-                r
-            }
-        };
-        out.send_if_modified(|cur| {
-            let changed = std::mem::discriminant(cur) != std::mem::discriminant(&result);
-            *cur = result;
-            changed
-        });
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            r = client.changed() => if r.is_err() { return },
-            r = macvlan.changed() => if r.is_err() { return },
-            r = guest.changed() => if r.is_err() { return },
-            _ = shutdown.changed() => return,
-        }
     }
 }

@@ -5,35 +5,12 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::cluster::ClusterState;
 use crate::dhcp::driver::LeaseStatus;
 use crate::guest::GuestAgentState;
 use crate::kmod::MacvlanState;
 use crate::node_status::Reported;
 use crate::topology::TopologyState;
-
-/// Connection to the guest cluster.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "state")]
-pub enum ClusterState {
-    /// No kubeconfig yet: normal before the node has joined.
-    WaitingForCredentials {
-        searched: Vec<PathBuf>,
-        configured: bool,
-    },
-    /// Credentials found; the first connection attempt is under way.
-    Connecting { kubeconfig: Option<PathBuf> },
-    /// Credentials found, the API server answered.
-    Connected {
-        kubeconfig: Option<PathBuf>,
-        server: String,
-        server_version: String,
-    },
-    /// Credentials found but unusable or the server did not answer.
-    Unreachable {
-        kubeconfig: Option<PathBuf>,
-        error: String,
-    },
-}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StateDirStatus {
@@ -193,9 +170,9 @@ mod tests {
     fn macvlan(ready: bool) -> MacvlanState {
         MacvlanState {
             status: if ready {
-                crate::check::Status::Ok
+                crate::health::Status::Ok
             } else {
-                crate::check::Status::Fail
+                crate::health::Status::Fail
             },
             reason: if ready {
                 crate::kmod::Reason::BuiltIn
@@ -212,7 +189,7 @@ mod tests {
 
     fn guest() -> GuestAgentState {
         GuestAgentState {
-            status: crate::check::Status::Ok,
+            status: crate::health::Status::Ok,
             reason: crate::guest::Reason::Ready,
             message: String::new(),
             remediation: String::new(),

@@ -13,8 +13,8 @@
 //! - [`link`]: macvlan and address management over rtnetlink;
 //! - [`driver`]: runs one machine against a transport, a link and a store;
 //! - [`engine`]: many leases in one process, their status and metrics;
-//! - [`probe`]: `dhcp-probe`, the operator's preflight;
-//! - [`hold`]: the `dhcp-probe` and `dhcp-hold` command lines;
+//! - [`probe`]: `dhcp-probe`, the operator's preflight (its command line
+//!   lives with the others in `cli`);
 //! - [`fuzzing`]: the receive path as one function of untrusted bytes
 //!   (cargo-fuzz target in `fuzz/`, bounded harness in the unit tests).
 
@@ -22,7 +22,6 @@ pub mod driver;
 pub mod engine;
 pub mod frame;
 pub mod fuzzing;
-pub mod hold;
 pub mod io;
 pub mod link;
 pub mod machine;

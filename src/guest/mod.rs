@@ -14,7 +14,7 @@ pub mod watch;
 
 use serde::{Deserialize, Serialize};
 
-use crate::check::Status;
+use crate::health::Status;
 use units::UnitState;
 
 /// The channel name Harvester (KubeVirt) gives the guest-agent port.
@@ -64,6 +64,9 @@ pub enum Reason {
     NotRunning,
     PortNotOpen,
     HostDisconnected,
+    /// The daemon's first assessment was still running when the start-up
+    /// budget ran out; the result replaces this when it comes.
+    Checking,
 }
 
 impl Reason {
@@ -77,6 +80,7 @@ impl Reason {
             Reason::NotRunning => "NotRunning",
             Reason::PortNotOpen => "PortNotOpen",
             Reason::HostDisconnected => "HostDisconnected",
+            Reason::Checking => "Checking",
         }
     }
 }
@@ -92,6 +96,11 @@ pub struct GuestAgentState {
 }
 
 impl GuestAgentState {
+    /// An assessment under way: not ready, not yet a failure.
+    pub fn checking(message: String) -> GuestAgentState {
+        state(Status::Warn, Reason::Checking, message, "")
+    }
+
     pub fn short(&self) -> String {
         format!("qemu-ga {}", self.reason.as_str())
     }

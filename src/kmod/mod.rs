@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::check::Status;
+use crate::health::Status;
 use detect::{Detection, Facts};
 use remedy::OsRelease;
 
@@ -49,6 +49,9 @@ pub enum Reason {
     Blacklisted,
     LoadFailed,
     ProbeFailed,
+    /// The daemon's first preflight was still running when the start-up
+    /// budget ran out; the result replaces this when it comes.
+    Checking,
 }
 
 impl Reason {
@@ -62,6 +65,7 @@ impl Reason {
             Reason::Blacklisted => "Blacklisted",
             Reason::LoadFailed => "LoadFailed",
             Reason::ProbeFailed => "ProbeFailed",
+            Reason::Checking => "Checking",
         }
     }
 }
@@ -82,6 +86,19 @@ pub struct MacvlanState {
 }
 
 impl MacvlanState {
+    /// A preflight under way: not ready, not yet a failure.
+    pub fn checking(message: String) -> MacvlanState {
+        MacvlanState {
+            status: Status::Warn,
+            reason: Reason::Checking,
+            message,
+            remediation: String::new(),
+            ready: false,
+            kernel: String::new(),
+            loaded_at_boot: None,
+        }
+    }
+
     /// The short form for `STATUS=`: `macvlan LoadedByAgent`.
     pub fn short(&self) -> String {
         format!("macvlan {}", self.reason.as_str())

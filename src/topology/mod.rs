@@ -7,7 +7,7 @@
 //!   and the file is looked at again every `recheck` until it appears or
 //!   changes.
 //! * This VM's `VirtualMachineInstance` (kubevirt.io/v1, by `vm_name`) is
-//!   watched ([`watch_one`]); its annotations carry the region and zone
+//!   watched ([`crate::cluster::watch_one`]); its annotations carry the region and zone
 //!   Harvester copied from the host. When the credentials may read Nodes,
 //!   the host Node (`status.nodeName`) is watched too and its live labels
 //!   win, so a host relabel is seen at once.
@@ -22,7 +22,6 @@ pub mod cloud_config;
 pub mod plan;
 mod relay;
 pub mod state;
-pub mod watch_one;
 
 use std::path::PathBuf;
 use std::time::Duration;

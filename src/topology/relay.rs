@@ -15,7 +15,7 @@ use super::TopologyConfig;
 use super::cloud_config::{self, Found, Harvester};
 use super::plan::{self, Labels};
 use super::state::{Reason, TopologyState};
-use super::watch_one::{Failure, FailureKind, Update, watch_one};
+use crate::cluster::watch_one::{Failure, FailureKind, Update, watch_one};
 
 /// Server-side bound of one watch request on the guest cluster. The
 /// daemon's guest client has a 30 s read timeout; a watch ended by it is
@@ -177,7 +177,7 @@ fn publish(out: &watch::Sender<TopologyState>, state: TopologyState) {
             return false;
         }
         if cur.reason != state.reason || cur.labels != state.labels {
-            let level_warn = state.reason.status() != crate::check::Status::Ok;
+            let level_warn = state.reason.status() != crate::health::Status::Ok;
             if level_warn {
                 tracing::warn!(reason = state.reason.as_str(), message = %state.message, "topology");
             } else {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::check::{Check, Status};
+use crate::health::{Check, Status};
 
 use super::plan::Source;
 

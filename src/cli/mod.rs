@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+mod dhcp_commands;
+
 use crate::check::{self, Report};
+use crate::cluster::credentials::HostEnv;
 use crate::config::{self, Config, ConfigError, FlagValues};
 use crate::control;
-use crate::credentials::HostEnv;
 use crate::systemd::{Notifier, SdNotifier};
 
 /// sysexits.h EX_CONFIG: systemd's `RestartPreventExitStatus=78` keeps the
@@ -53,7 +55,11 @@ pub enum Command {
     /// they appear. Stops cleanly on SIGTERM or SIGINT.
     Run(RunArgs),
     /// Run the in-cluster controller (placement of LoadBalancer IPs).
-    Controller(RunArgs),
+    ///
+    /// Runs in the guest cluster (a Deployment), with its own settings:
+    /// none of the node daemon's apply. Credentials: --kubeconfig, else
+    /// $KUBECONFIG, else the Pod's service account.
+    Controller(ControllerArgs),
     /// One-shot preflight of this node: configuration, credentials, API
     /// server, state directory, macvlan. Read-only unless --fix. Exit code 0
     /// when no check fails, 1 otherwise.
@@ -66,12 +72,12 @@ pub enum Command {
     /// server, address, lease time, T1/T2, router and step timings, release
     /// it and remove the macvlan (also on Ctrl-C). Exit code 0 on a lease,
     /// 1 with the reason otherwise.
-    DhcpProbe(crate::dhcp::hold::ProbeArgs),
+    DhcpProbe(dhcp_commands::ProbeArgs),
     /// Hold N DHCP leases on macvlans until SIGTERM/SIGINT (for tests,
     /// benchmarks and watching the engine; the daemon does this for
     /// Services).
     #[command(hide = true)]
-    DhcpHold(crate::dhcp::hold::HoldArgs),
+    DhcpHold(dhcp_commands::HoldArgs),
 }
 
 /// Flags for every configuration key; each also reads from its HNA_*
@@ -158,6 +164,36 @@ pub struct RunArgs {
     pub config: ConfigArgs,
 }
 
+/// The controller's settings: flags, each also read from its environment
+/// variable (a Deployment sets either).
+#[derive(Debug, Args)]
+pub struct ControllerArgs {
+    /// Log filter: error, warn, info, debug, trace, or tracing directives
+    #[arg(long, value_name = "FILTER", env = "HNA_LOG_LEVEL", default_value = "info", value_parser = log_level_arg)]
+    pub log_level: String,
+    /// Where logs go: auto, journald or stderr
+    #[arg(long, value_name = "TARGET", env = "HNA_LOG_TARGET", default_value = "auto", value_parser = log_target_arg)]
+    pub log_target: config::LogTarget,
+    /// Kubeconfig of the guest cluster [default: $KUBECONFIG, then the Pod's service account]
+    #[arg(long, value_name = "PATH", env = "HNA_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// How often to look for credentials and re-check the API server (1s to 1h)
+    #[arg(long, value_name = "DURATION", env = "HNA_CREDENTIALS_RETRY", default_value = "10s", value_parser = credentials_retry_arg)]
+    pub credentials_retry: Duration,
+}
+
+fn log_level_arg(v: &str) -> Result<String, String> {
+    config::validate_log_level(v).map(|()| v.to_string())
+}
+
+fn log_target_arg(v: &str) -> Result<config::LogTarget, String> {
+    config::parse_log_target(v)
+}
+
+fn credentials_retry_arg(v: &str) -> Result<Duration, String> {
+    config::duration_between(v, 1, 3600)
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum, Default, PartialEq, Eq)]
 pub enum Output {
     /// Aligned text for people.
@@ -190,14 +226,12 @@ pub struct CheckArgs {
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// The daemon's control socket.
-    #[arg(
-        long,
-        value_name = "PATH",
-        env = "HNA_SOCKET",
-        default_value = "/run/harvester-node-agent/agent.sock"
-    )]
-    pub socket: PathBuf,
+    /// The daemon's configuration file, read as `run` reads it for its `socket` [default: /etc/harvester-node-agent/config.toml, used only if it exists] [env: HNA_CONFIG]
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// The daemon's control socket [default: `socket` from the configuration, else /run/harvester-node-agent/agent.sock] [env: HNA_SOCKET]
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<String>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Output::Human)]
     pub output: Output,
@@ -206,26 +240,43 @@ pub struct StatusArgs {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Run(args) => daemon(args, |cfg, n| Box::pin(crate::agent::run(cfg, n))),
+        Command::Run(args) => {
+            // Configuration first: nothing on the host changes before it
+            // is valid.
+            let cfg = match config::load(&args.config.flag_values()) {
+                Ok(cfg) => cfg,
+                Err(e) => return config_failure(&e),
+            };
+            serve(&cfg.log_level.clone(), cfg.log_target, |n| {
+                Box::pin(crate::agent::run(cfg, n))
+            })
+        }
         Command::Controller(args) => {
-            daemon(args, |cfg, n| Box::pin(crate::controller::run(cfg, n)))
+            let opts = crate::controller::Options {
+                kubeconfig: args.kubeconfig,
+                credentials_retry: args.credentials_retry,
+            };
+            serve(&args.log_level, args.log_target, |n| {
+                Box::pin(crate::controller::run(opts, n))
+            })
         }
         Command::Check(args) => check(args),
         Command::Status(args) => status(args),
-        Command::DhcpProbe(args) => crate::dhcp::hold::probe_main(args),
-        Command::DhcpHold(args) => crate::dhcp::hold::hold_main(args),
+        Command::DhcpProbe(args) => dhcp_commands::probe_main(args),
+        Command::DhcpHold(args) => dhcp_commands::hold_main(args),
     }
 }
 
 type DaemonFuture = std::pin::Pin<Box<dyn std::future::Future<Output = anyhow::Result<()>>>>;
 
-fn daemon(args: RunArgs, body: impl FnOnce(Config, Arc<dyn Notifier>) -> DaemonFuture) -> ExitCode {
-    // Configuration first: nothing on the host changes before it is valid.
-    let cfg = match config::load(&args.config.flag_values()) {
-        Ok(cfg) => cfg,
-        Err(e) => return config_failure(&e),
-    };
-    crate::logging::init(&cfg.log_level, cfg.log_target);
+/// Runs a long-lived command (`run`, `controller`) on a runtime, with
+/// logging set up and its failure told to systemd.
+fn serve(
+    log_level: &str,
+    log_target: config::LogTarget,
+    body: impl FnOnce(Arc<dyn Notifier>) -> DaemonFuture,
+) -> ExitCode {
+    crate::logging::init(log_level, log_target);
     let notifier: Arc<dyn Notifier> = Arc::new(SdNotifier);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -238,7 +289,7 @@ fn daemon(args: RunArgs, body: impl FnOnce(Config, Arc<dyn Notifier>) -> DaemonF
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(body(cfg, notifier.clone())) {
+    match runtime.block_on(body(notifier.clone())) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
@@ -259,11 +310,13 @@ fn config_failure(e: &ConfigError) -> ExitCode {
     ExitCode::from(EXIT_CONFIG)
 }
 
-/// Check groups `check` can be limited to (`kubeconfig` includes
-/// `api-server`).
+/// Checks `check` can be limited to. `kubeconfig` includes `api-server`,
+/// and `api-server` needs `kubeconfig` (no server without credentials), so
+/// naming either runs both.
 pub const CHECK_NAMES: &[&str] = &[
     "config",
     "kubeconfig",
+    "api-server",
     "state-dir",
     "macvlan",
     "qemu-guest-agent",
@@ -295,24 +348,28 @@ fn check(args: CheckArgs) -> ExitCode {
     }
     // With a broken file, still check what the flags and defaults describe.
     let effective = loaded.or_else(|_| {
-        config::resolve(None, &|k| std::env::var(k).ok(), &flags, &|| {
-            nix::unistd::gethostname()
-                .ok()
-                .and_then(|h| h.into_string().ok())
-                .unwrap_or_else(|| "localhost".into())
-        })
+        config::resolve(
+            None,
+            &|k| std::env::var(k).ok(),
+            &flags,
+            &config::hostname_or_default,
+        )
     });
     if let Ok(cfg) = &effective {
-        if wanted("kubeconfig") {
-            checks.extend(runtime.block_on(check::kubeconfig_checks(cfg, &HostEnv, args.timeout)));
+        if wanted("kubeconfig") || wanted("api-server") {
+            let mut found = runtime.block_on(check::kubeconfig_checks(cfg, &HostEnv, args.timeout));
+            if args.names.iter().any(|n| n == "api-server") {
+                check::name_api_server(&mut found);
+            }
+            checks.extend(found);
         }
         if wanted("state-dir") {
             checks.push(check::state_dir_check(cfg));
         }
         if wanted("topology") {
-            let found = crate::credentials::discover(cfg, &HostEnv);
+            let found = crate::cluster::credentials::discover(&cfg.into(), &HostEnv);
             let guest = runtime
-                .block_on(crate::credentials::connect(&found, args.timeout))
+                .block_on(crate::cluster::credentials::connect(&found, args.timeout))
                 .ok()
                 .map(|c| c.client);
             let tcfg = crate::topology::TopologyConfig::from_config(cfg);
@@ -345,12 +402,38 @@ fn check(args: CheckArgs) -> ExitCode {
     }
 }
 
+/// The socket `status` asks: resolved exactly as `run` resolves its own
+/// (flag, `HNA_SOCKET`, the configuration file's `socket`, the default).
+pub fn status_socket(
+    args: &StatusArgs,
+    load: impl FnOnce(&FlagValues) -> Result<Config, ConfigError>,
+) -> Result<PathBuf, ConfigError> {
+    let mut values = std::collections::BTreeMap::new();
+    if let Some(socket) = &args.socket {
+        values.insert("socket", socket.clone());
+    }
+    let flags = FlagValues {
+        config: args.config.clone(),
+        values,
+    };
+    load(&flags).map(|cfg| cfg.socket)
+}
+
 fn status(args: StatusArgs) -> ExitCode {
+    let socket = match status_socket(&args, config::load) {
+        Ok(socket) => socket,
+        Err(e) => {
+            eprintln!(
+                "harvester-node-agent: invalid configuration: {e}; `status` reads it to find the daemon's socket (or pass --socket)"
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("single-thread runtime");
-    match runtime.block_on(control::request_status(&args.socket)) {
+    match runtime.block_on(control::request_status::<crate::agent::status::AgentStatus>(&socket)) {
         Ok(st) => {
             match args.output {
                 Output::Json => println!(
@@ -497,6 +580,65 @@ fn human_dhcp(d: &crate::agent::status::DhcpStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn status_args(line: &[&str]) -> StatusArgs {
+        match Cli::try_parse_from(line).expect("parses").command {
+            Command::Status(a) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// `status` finds the daemon where `run` put it: the configuration
+    /// file's `socket`, unless a flag overrides it.
+    #[test]
+    fn status_reads_the_socket_from_the_configuration() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("config.toml");
+        std::fs::write(&file, "socket = \"/run/hna-test/other.sock\"\n").unwrap();
+        let file = file.to_str().unwrap();
+        let args = status_args(&["hna", "status", "--config", file]);
+        assert_eq!(
+            status_socket(&args, config::load).unwrap(),
+            PathBuf::from("/run/hna-test/other.sock")
+        );
+        let args = status_args(&["hna", "status", "--config", file, "--socket", "/tmp/s.sock"]);
+        assert_eq!(
+            status_socket(&args, config::load).unwrap(),
+            PathBuf::from("/tmp/s.sock")
+        );
+        std::fs::write(dir.path().join("bad.toml"), "socket = \"relative\"\n").unwrap();
+        let bad = dir.path().join("bad.toml");
+        let args = status_args(&["hna", "status", "--config", bad.to_str().unwrap()]);
+        let err = status_socket(&args, config::load).unwrap_err();
+        assert_eq!(err.key(), Some("socket"));
+    }
+
+    #[test]
+    fn controller_settings_are_not_the_daemons() {
+        use clap::CommandFactory;
+        let mut cli = Cli::command();
+        let run_help = cli
+            .find_subcommand_mut("run")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        let controller_help = cli
+            .find_subcommand_mut("controller")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        for daemon_only in [
+            "--state-dir",
+            "--macvlan-recheck",
+            "--socket",
+            "--node-name",
+        ] {
+            assert!(run_help.contains(daemon_only), "{daemon_only}");
+            assert!(!controller_help.contains(daemon_only), "{daemon_only}");
+        }
+        assert!(controller_help.contains("--kubeconfig"));
+        assert!(Cli::try_parse_from(["hna", "controller", "--state-dir", "/x"]).is_err());
+    }
     use crate::agent::status::DhcpStatus;
     use crate::dhcp::State;
     use crate::dhcp::driver::LeaseStatus;

@@ -17,6 +17,25 @@ use serde::Serialize;
 
 use crate::config::Config;
 
+/// Where to look for credentials: what the daemon's configuration and the
+/// controller's options both provide.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Settings {
+    /// Used alone when set.
+    pub kubeconfig: Option<PathBuf>,
+    /// Tried in order when `kubeconfig` is unset (after `$KUBECONFIG`).
+    pub search: Vec<PathBuf>,
+}
+
+impl From<&Config> for Settings {
+    fn from(cfg: &Config) -> Self {
+        Settings {
+            kubeconfig: cfg.kubeconfig.clone(),
+            search: cfg.kubeconfig_search.clone(),
+        }
+    }
+}
+
 /// How the credentials were found, for reports.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -58,7 +77,7 @@ impl DiscoveryEnv for HostEnv {
     }
 }
 
-pub fn discover(cfg: &Config, env: &dyn DiscoveryEnv) -> Discovery {
+pub fn discover(cfg: &Settings, env: &dyn DiscoveryEnv) -> Discovery {
     if let Some(path) = &cfg.kubeconfig {
         return if env.exists(path) {
             Discovery::File {
@@ -84,7 +103,7 @@ pub fn discover(cfg: &Config, env: &dyn DiscoveryEnv) -> Discovery {
             searched.push(p);
         }
     }
-    for p in &cfg.kubeconfig_search {
+    for p in &cfg.search {
         if env.exists(p) {
             return Discovery::File {
                 path: p.clone(),
@@ -198,12 +217,12 @@ mod tests {
         }
     }
 
-    fn cfg(kubeconfig: Option<&str>) -> Config {
+    fn cfg(kubeconfig: Option<&str>) -> Settings {
         let mut flags = FlagValues::default();
         if let Some(k) = kubeconfig {
             flags.values.insert("kubeconfig", k.into());
         }
-        resolve(None, &|_| None, &flags, &|| "n".into()).unwrap()
+        Settings::from(&resolve(None, &|_| None, &flags, &|| "n".into()).unwrap())
     }
 
     fn env(files: &[&str], vars: &[(&str, &str)]) -> FakeEnv {

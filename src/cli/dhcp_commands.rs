@@ -16,15 +16,15 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::driver::LeaseStatus;
-use super::engine::{Engine, LeaseConfig};
-use super::io::ProbeConfig;
-use super::link::{default_route_interface, parse_mac};
-use super::machine::{StopMode, Timing};
-use super::packet::Identity;
-use super::probe::{self, ProbeOptions};
-use super::store::Store;
-use crate::cli::Output;
+use super::Output;
+use crate::dhcp::driver::LeaseStatus;
+use crate::dhcp::engine::{Engine, LeaseConfig};
+use crate::dhcp::io::ProbeConfig;
+use crate::dhcp::link::{default_route_interface, parse_mac};
+use crate::dhcp::machine::{StopMode, Timing};
+use crate::dhcp::packet::Identity;
+use crate::dhcp::probe::{self, ProbeOptions};
+use crate::dhcp::store::Store;
 
 fn parse_mac_arg(s: &str) -> Result<[u8; 6], String> {
     parse_mac(s).ok_or_else(|| format!("`{s}` is not a MAC address like 00:00:6c:12:34:56"))
@@ -207,7 +207,7 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
         tokio::spawn(crate::metrics::serve(
             l,
             crate::metrics::Pages {
-                metrics: Arc::new(move || super::engine::render_metrics(&e.snapshot())),
+                metrics: Arc::new(move || crate::dhcp::engine::render_metrics(&e.snapshot())),
                 health: Arc::new(|| Ok(())),
             },
         ));

@@ -1,0 +1,461 @@
+//! The credentials watcher: finds credentials, connects, keeps asking the API
+//! server whether it is there, and connects afresh when the credentials
+//! change. Both the node daemon and the controller run it.
+//!
+//! Each round is decided by [`plan`], a pure function of what was found now
+//! and what the current session was built from; the loop in [`watch`] only
+//! performs the chosen step. A change is detected by content
+//! ([`Fingerprint`]), not modification time: a kubeconfig (or a client
+//! certificate it names, which RKE2 rotates in place) replaced within the
+//! same second must still be noticed.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::credentials::{self, Discovery, DiscoveryEnv, Settings};
+use crate::systemd::Heartbeat;
+
+/// Connection to the guest cluster, as reports show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state")]
+pub enum ClusterState {
+    /// No kubeconfig yet: normal before the node has joined.
+    WaitingForCredentials {
+        searched: Vec<PathBuf>,
+        configured: bool,
+    },
+    /// Credentials found; the first connection attempt is under way.
+    Connecting { kubeconfig: Option<PathBuf> },
+    /// Credentials found, the API server answered.
+    Connected {
+        kubeconfig: Option<PathBuf>,
+        server: String,
+        server_version: String,
+    },
+    /// Credentials found but unusable or the server did not answer.
+    Unreachable {
+        kubeconfig: Option<PathBuf>,
+        error: String,
+    },
+}
+
+impl ClusterState {
+    /// The state before the first round: what discovery finds right now.
+    pub fn initial(found: &Discovery) -> ClusterState {
+        match found {
+            Discovery::NotFound {
+                searched,
+                configured,
+            } => ClusterState::WaitingForCredentials {
+                searched: searched.clone(),
+                configured: *configured,
+            },
+            Discovery::File { path, .. } => ClusterState::Connecting {
+                kubeconfig: Some(path.clone()),
+            },
+            Discovery::InCluster => ClusterState::Connecting { kubeconfig: None },
+        }
+    }
+}
+
+/// The bytes a client is built from: the kubeconfig and every file it
+/// names (certificate authority, client certificate and key, token file).
+/// Equal fingerprints mean an equal client.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Fingerprint(Vec<(PathBuf, Option<Vec<u8>>)>);
+
+impl Fingerprint {
+    /// Reads the files behind `found`. In-cluster credentials have an empty
+    /// fingerprint: the client re-reads its rotating token by itself.
+    pub fn read(found: &Discovery) -> Fingerprint {
+        match found {
+            Discovery::File { path, .. } => Fingerprint::of_kubeconfig(path),
+            Discovery::InCluster | Discovery::NotFound { .. } => Fingerprint::default(),
+        }
+    }
+
+    fn of_kubeconfig(path: &Path) -> Fingerprint {
+        let main = std::fs::read(path).ok();
+        let mut files = vec![(path.to_path_buf(), main.clone())];
+        if let Some(text) = main.as_deref().and_then(|b| std::str::from_utf8(b).ok()) {
+            let base = path.parent().unwrap_or(Path::new("/"));
+            for named in referenced_files(text) {
+                let p = base.join(named);
+                let content = std::fs::read(&p).ok();
+                files.push((p, content));
+            }
+        }
+        Fingerprint(files)
+    }
+}
+
+/// Files a kubeconfig names, in document order; an unparsable kubeconfig
+/// names none (the client build reports why it is unusable).
+fn referenced_files(kubeconfig: &str) -> Vec<String> {
+    let Ok(kc) = kube::config::Kubeconfig::from_yaml(kubeconfig) else {
+        return Vec::new();
+    };
+    let clusters = kc
+        .clusters
+        .iter()
+        .filter_map(|c| c.cluster.as_ref()?.certificate_authority.clone());
+    let users = kc
+        .auth_infos
+        .iter()
+        .filter_map(|a| a.auth_info.as_ref())
+        .flat_map(|a| {
+            [
+                a.client_certificate.clone(),
+                a.client_key.clone(),
+                a.token_file.clone(),
+            ]
+            .into_iter()
+            .flatten()
+        });
+    clusters.chain(users).collect()
+}
+
+/// What the current session was built from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Basis {
+    pub found: Discovery,
+    pub fingerprint: Fingerprint,
+}
+
+/// One round's decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// No credentials: report this and drop any session.
+    Wait(ClusterState),
+    /// Same credentials as the session: ask the server whether it is there.
+    Probe,
+    /// New or changed credentials, or no session: build a client and connect.
+    Connect,
+}
+
+/// Decides a round from what was found now and the session's basis.
+pub fn plan(now: &Basis, session: Option<&Basis>) -> Step {
+    match (&now.found, session) {
+        (Discovery::NotFound { .. }, _) => Step::Wait(ClusterState::initial(&now.found)),
+        (_, Some(was)) if was == now => Step::Probe,
+        _ => Step::Connect,
+    }
+}
+
+/// The kubeconfig path a state names, for reports.
+pub fn kubeconfig_of(found: &Discovery) -> Option<PathBuf> {
+    match found {
+        Discovery::File { path, .. } => Some(path.clone()),
+        _ => None,
+    }
+}
+
+/// The state after a health probe of an existing session.
+pub fn after_probe(
+    found: &Discovery,
+    server: &str,
+    answer: Result<Result<String, String>, Duration>,
+) -> ClusterState {
+    let kubeconfig = kubeconfig_of(found);
+    match answer {
+        Ok(Ok(server_version)) => ClusterState::Connected {
+            kubeconfig,
+            server: server.to_string(),
+            server_version,
+        },
+        Ok(Err(error)) => ClusterState::Unreachable { kubeconfig, error },
+        Err(waited) => ClusterState::Unreachable {
+            kubeconfig,
+            error: format!(
+                "API server did not answer within {}",
+                humantime::format_duration(waited)
+            ),
+        },
+    }
+}
+
+/// How the watcher runs.
+#[derive(Debug, Clone)]
+pub struct WatchOptions {
+    pub settings: Settings,
+    /// Between rounds.
+    pub every: Duration,
+    /// How long one API request may take before the cluster counts as
+    /// unreachable.
+    pub api_timeout: Duration,
+    /// How often the loop beats while waiting on the network.
+    pub beat_every: Duration,
+}
+
+struct Session {
+    basis: Basis,
+    client: kube::Client,
+    server: String,
+}
+
+/// Runs until `shutdown` changes: publishes the cluster state and a usable
+/// client (`None` while not connected).
+pub async fn watch(
+    opts: WatchOptions,
+    env: impl DiscoveryEnv,
+    cluster: watch::Sender<ClusterState>,
+    client_out: watch::Sender<Option<kube::Client>>,
+    hb: Heartbeat,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut session: Option<Session> = None;
+    let mut tick = tokio::time::interval(opts.every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beat = tokio::time::interval(opts.beat_every);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = beat.tick() => { hb.beat(); continue; }
+            _ = shutdown.changed() => return,
+        }
+        hb.beat();
+        let found = credentials::discover(&opts.settings, &env);
+        let now = Basis {
+            fingerprint: Fingerprint::read(&found),
+            found,
+        };
+        let next = match plan(&now, session.as_ref().map(|s| &s.basis)) {
+            Step::Wait(state) => {
+                session = None;
+                state
+            }
+            Step::Probe => {
+                let s = session
+                    .as_ref()
+                    .expect("Probe is planned only with a session");
+                let answer = beating(
+                    &hb,
+                    opts.beat_every,
+                    tokio::time::timeout(opts.api_timeout, s.client.apiserver_version()),
+                )
+                .await
+                .map(|r| r.map(|info| info.git_version).map_err(|e| e.to_string()))
+                .map_err(|_| opts.api_timeout);
+                after_probe(&now.found, &s.server, answer)
+            }
+            Step::Connect => {
+                let kubeconfig = kubeconfig_of(&now.found);
+                match beating(
+                    &hb,
+                    opts.beat_every,
+                    credentials::connect(&now.found, opts.api_timeout),
+                )
+                .await
+                {
+                    Ok(conn) => {
+                        tracing::info!(server = %conn.server, version = %conn.server_version, kubeconfig = ?kubeconfig, "connected to the guest cluster");
+                        let state = ClusterState::Connected {
+                            kubeconfig,
+                            server: conn.server.clone(),
+                            server_version: conn.server_version,
+                        };
+                        session = Some(Session {
+                            basis: now,
+                            client: conn.client,
+                            server: conn.server,
+                        });
+                        state
+                    }
+                    Err(e) => {
+                        session = None;
+                        ClusterState::Unreachable {
+                            kubeconfig,
+                            error: format!("{e:#}"),
+                        }
+                    }
+                }
+            }
+        };
+        let usable = match &next {
+            ClusterState::Connected { .. } => session.as_ref().map(|s| s.client.clone()),
+            _ => None,
+        };
+        // A new session (changed credentials) replaces the client even when
+        // one was already published.
+        let replaced = matches!(&next, ClusterState::Connected { .. })
+            && !matches!(&*cluster.borrow(), ClusterState::Connected { .. });
+        client_out.send_if_modified(|current| {
+            let changed = current.is_some() != usable.is_some() || replaced;
+            *current = usable;
+            changed
+        });
+        cluster.send_if_modified(|current| {
+            if *current != next {
+                *current = next;
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+/// Drives `fut` to completion while beating, so a loop waiting on bounded
+/// network I/O still counts as alive.
+pub async fn beating<F: std::future::Future>(hb: &Heartbeat, every: Duration, fut: F) -> F::Output {
+    tokio::pin!(fut);
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            out = &mut fut => return out,
+            _ = tick.tick() => hb.beat(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::credentials::Source;
+
+    fn file(path: &str) -> Discovery {
+        Discovery::File {
+            path: path.into(),
+            source: Source::Search,
+        }
+    }
+
+    fn basis(found: Discovery, content: &[u8]) -> Basis {
+        let fingerprint = match &found {
+            Discovery::File { path, .. } => {
+                Fingerprint(vec![(path.clone(), Some(content.to_vec()))])
+            }
+            _ => Fingerprint::default(),
+        };
+        Basis { found, fingerprint }
+    }
+
+    #[test]
+    fn no_credentials_waits_and_drops_the_session() {
+        let missing = Discovery::NotFound {
+            searched: vec!["/a".into()],
+            configured: true,
+        };
+        let was = basis(file("/a"), b"x");
+        assert_eq!(
+            plan(&basis(missing, b""), Some(&was)),
+            Step::Wait(ClusterState::WaitingForCredentials {
+                searched: vec!["/a".into()],
+                configured: true
+            })
+        );
+    }
+
+    #[test]
+    fn same_credentials_probe_changed_ones_reconnect() {
+        let was = basis(file("/etc/kc"), b"v1");
+        assert_eq!(
+            plan(&basis(file("/etc/kc"), b"v1"), Some(&was)),
+            Step::Probe
+        );
+        assert_eq!(
+            plan(&basis(file("/etc/kc"), b"v2"), Some(&was)),
+            Step::Connect
+        );
+        assert_eq!(
+            plan(&basis(file("/other"), b"v1"), Some(&was)),
+            Step::Connect
+        );
+        assert_eq!(plan(&basis(file("/etc/kc"), b"v1"), None), Step::Connect);
+        let in_cluster = basis(Discovery::InCluster, b"");
+        assert_eq!(plan(&in_cluster, Some(&in_cluster.clone())), Step::Probe);
+    }
+
+    #[test]
+    fn probe_outcomes_become_states() {
+        let f = file("/etc/kc");
+        assert_eq!(
+            after_probe(&f, "https://s", Ok(Ok("v1.20.2".into()))),
+            ClusterState::Connected {
+                kubeconfig: Some("/etc/kc".into()),
+                server: "https://s".into(),
+                server_version: "v1.20.2".into()
+            }
+        );
+        assert_eq!(
+            after_probe(&f, "https://s", Err(Duration::from_secs(10))),
+            ClusterState::Unreachable {
+                kubeconfig: Some("/etc/kc".into()),
+                error: "API server did not answer within 10s".into()
+            }
+        );
+    }
+
+    const KUBECONFIG: &str = "apiVersion: v1
+kind: Config
+clusters:
+- name: c
+  cluster:
+    server: https://127.0.0.1:6443
+    certificate-authority: ca.crt
+users:
+- name: u
+  user:
+    client-certificate: /abs/client.crt
+    client-key: client.key
+contexts:
+- name: x
+  context: {cluster: c, user: u}
+current-context: x
+";
+
+    #[test]
+    fn a_kubeconfig_names_its_certificate_files() {
+        assert_eq!(
+            referenced_files(KUBECONFIG),
+            vec!["ca.crt", "/abs/client.crt", "client.key"]
+        );
+        assert!(referenced_files("not: [yaml").is_empty());
+    }
+
+    /// The defect this replaces: a file rewritten within the same second
+    /// (same mtime) went unnoticed. Content decides now, so the test pins
+    /// both versions to one mtime.
+    #[test]
+    fn a_rewrite_with_the_same_mtime_is_a_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let kc = dir.path().join("kubelet.kubeconfig");
+        let key = dir.path().join("client.key");
+        std::fs::write(&kc, KUBECONFIG).unwrap();
+        std::fs::write(&key, "key one").unwrap();
+        let pin = |p: &Path| {
+            let t = std::time::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+            let times = std::fs::FileTimes::new().set_accessed(t).set_modified(t);
+            std::fs::File::options()
+                .write(true)
+                .open(p)
+                .unwrap()
+                .set_times(times)
+                .unwrap();
+        };
+        pin(&kc);
+        pin(&key);
+        let found = Discovery::File {
+            path: kc.clone(),
+            source: Source::Configured,
+        };
+        let first = Fingerprint::read(&found);
+        assert_eq!(first, Fingerprint::read(&found), "reading twice is stable");
+
+        std::fs::write(&kc, KUBECONFIG.replace("6443", "6444")).unwrap();
+        pin(&kc);
+        let second = Fingerprint::read(&found);
+        assert_ne!(first, second, "kubeconfig rewritten in place");
+
+        std::fs::write(&key, "key two").unwrap();
+        pin(&key);
+        assert_ne!(
+            second,
+            Fingerprint::read(&found),
+            "a rotated client key is a change too"
+        );
+    }
+}
