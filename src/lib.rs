@@ -2,6 +2,7 @@
 //! clusters on Harvester.
 //!
 //! Module map (one concern each):
+//! - [`k8s_names`]: Kubernetes name and label rules, default topology keys;
 //! - [`config`]: the TOML file, environment and flags, validated before
 //!   anything touches the host;
 //! - [`credentials`]: which guest-cluster kubeconfig this node uses;
@@ -30,6 +31,7 @@ pub mod controller;
 pub mod credentials;
 pub mod dhcp;
 pub mod guest;
+pub mod k8s_names;
 pub mod kmod;
 pub mod logging;
 pub mod metrics;

@@ -27,7 +27,9 @@ pub mod watch_one;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use plan::{DEFAULT_KEYS, Source};
+/// The keys relayed unless `topology_labels` says otherwise.
+pub use crate::k8s_names::DEFAULT_TOPOLOGY_KEYS as DEFAULT_KEYS;
+pub use plan::Source;
 pub use relay::{probe, run};
 pub use state::{Reason, TopologyState};
 
