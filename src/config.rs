@@ -10,6 +10,8 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::k8s_names::{DEFAULT_TOPOLOGY_KEYS, is_dns_subdomain, validate_label_key};
+
 /// Where the agent looks for its configuration file when none is given.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/harvester-node-agent/config.toml";
 /// Environment variable naming the configuration file.
@@ -350,7 +352,7 @@ pub fn resolve(
         macvlan_recheck: Duration::from_secs(300),
         cloud_config: None,
         vm_name: String::new(),
-        topology_labels: crate::topology::DEFAULT_KEYS
+        topology_labels: DEFAULT_TOPOLOGY_KEYS
             .iter()
             .map(|k| k.to_string())
             .collect(),
@@ -434,7 +436,7 @@ pub fn resolve(
                     Raw::Text(t) => split_list(&t),
                 };
                 for k in &items {
-                    crate::topology::plan::validate_label_key(k).map_err(fail)?;
+                    validate_label_key(k).map_err(fail)?;
                 }
                 cfg.topology_labels = items;
             }
@@ -620,20 +622,6 @@ pub fn validate_log_level(v: &str) -> Result<(), String> {
         .map_err(|e| {
             format!("`{v}` is not a log filter ({e}); use error, warn, info, debug or trace")
         })
-}
-
-/// A DNS-1123 subdomain: what the API server accepts for Node names and
-/// label-key prefixes.
-pub fn is_dns_subdomain(v: &str) -> bool {
-    let label_ok = |l: &str| {
-        !l.is_empty()
-            && l.len() <= 63
-            && l.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !l.starts_with('-')
-            && !l.ends_with('-')
-    };
-    !v.is_empty() && v.len() <= 253 && v.split('.').all(label_ok)
 }
 
 /// Node names are DNS-1123 subdomains.

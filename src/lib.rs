@@ -2,6 +2,7 @@
 //! clusters on Harvester.
 //!
 //! Module map (one concern each):
+//! - [`k8s_names`]: Kubernetes name and label rules, default topology keys;
 //! - [`config`]: the TOML file, environment and flags, validated before
 //!   anything touches the host;
 //! - [`cluster`]: the guest-cluster connection shared by daemon and
@@ -34,6 +35,7 @@ pub mod controller;
 pub mod dhcp;
 pub mod guest;
 pub mod health;
+pub mod k8s_names;
 pub mod kmod;
 pub mod logging;
 pub mod metrics;

@@ -13,11 +13,13 @@
 //!   win, so a host relabel is seen at once.
 //! * The guest Node is watched with the node's own credentials and gets a
 //!   JSON merge patch touching only the configured keys (`null` removes one)
-//!   whenever it differs ([`plan`], pure). A live migration is just a change
+//!   whenever it differs ([`plan`], pure; the relay's decisions over what it
+//!   has seen are pure as well, in `assess`). A live migration is just a change
 //!   of `status.nodeName`: re-synced immediately, without taints or node
 //!   re-initialisation, and nothing polls.
 //! * The state ([`TopologyState`]) feeds `status`, `STATUS=` and `check`.
 
+mod assess;
 pub mod cloud_config;
 pub mod plan;
 mod relay;
@@ -26,7 +28,9 @@ pub mod state;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use plan::{DEFAULT_KEYS, Source};
+/// The keys relayed unless `topology_labels` says otherwise.
+pub use crate::k8s_names::DEFAULT_TOPOLOGY_KEYS as DEFAULT_KEYS;
+pub use plan::Source;
 pub use relay::{probe, run};
 pub use state::{Reason, TopologyState};
 
@@ -76,5 +80,32 @@ impl TopologyConfig {
         } else {
             TopologyState::new(Reason::Starting, "starting", &self.keys)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(keys: &[&str]) -> TopologyConfig {
+        TopologyConfig {
+            cloud_config: vec!["/etc/kubernetes/cloud-config".into()],
+            vm_name: "vm-1".into(),
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            recheck: Duration::from_secs(10),
+        }
+    }
+
+    #[test]
+    fn no_keys_means_disabled_else_starting() {
+        let s = cfg(&[]).initial_state();
+        assert_eq!(s.reason, Reason::Disabled);
+        assert_eq!(s.message, "topology_labels is empty: no labels are relayed");
+        let s = cfg(DEFAULT_KEYS).initial_state();
+        assert_eq!(
+            (s.reason, s.message.as_str()),
+            (Reason::Starting, "starting")
+        );
+        assert_eq!(s.keys, DEFAULT_KEYS);
     }
 }

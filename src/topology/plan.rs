@@ -10,12 +10,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
-/// The keys relayed unless configured otherwise: what Harvester copies from
-/// its host Nodes into the VMI's annotations.
-pub const DEFAULT_KEYS: &[&str] = &[
-    "topology.kubernetes.io/region",
-    "topology.kubernetes.io/zone",
-];
+use crate::k8s_names::is_label_value;
 
 pub type Labels = BTreeMap<String, String>;
 
@@ -80,7 +75,7 @@ pub fn desired(vmi_annotations: &Labels, host_labels: Option<&Labels>, keys: &[S
     let mut invalid = Vec::new();
     for key in keys {
         if let Some(v) = from.get(key) {
-            if valid_label_value(v) {
+            if is_label_value(v) {
                 labels.insert(key.clone(), v.clone());
             } else {
                 invalid.push((key.clone(), v.clone()));
@@ -125,51 +120,6 @@ pub fn short(labels: &Labels, keys: &[String]) -> String {
         .join("/")
 }
 
-/// Kubernetes label values: empty, or at most 63 characters of
-/// `[A-Za-z0-9._-]` beginning and ending with an alphanumeric.
-pub fn valid_label_value(v: &str) -> bool {
-    if v.is_empty() {
-        return true;
-    }
-    let b = v.as_bytes();
-    v.len() <= 63
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && b.iter()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
-}
-
-/// Kubernetes label keys: an optional DNS-subdomain prefix and `/`, then a
-/// name of at most 63 characters of `[A-Za-z0-9._-]` beginning and ending
-/// with an alphanumeric.
-pub fn validate_label_key(key: &str) -> Result<(), String> {
-    let (prefix, name) = match key.split_once('/') {
-        Some((p, n)) => (Some(p), n),
-        None => (None, key),
-    };
-    let bad = |why: &str| Err(format!("`{key}` is not a label key: {why}"));
-    if name.is_empty() || name.len() > 63 {
-        return bad("the name part must be 1 to 63 characters");
-    }
-    let n = name.as_bytes();
-    if !n[0].is_ascii_alphanumeric()
-        || !n[n.len() - 1].is_ascii_alphanumeric()
-        || !n
-            .iter()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
-    {
-        return bad(
-            "the name part may hold letters, digits, '-', '_' and '.', and must begin and end with a letter or digit",
-        );
-    }
-    if let Some(p) = prefix
-        && !crate::config::is_dns_subdomain(p)
-    {
-        return bad("the prefix must be a DNS subdomain (lowercase letters, digits, '-' and '.')");
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,7 +128,10 @@ mod tests {
     const ZONE: &str = "topology.kubernetes.io/zone";
 
     fn keys() -> Vec<String> {
-        DEFAULT_KEYS.iter().map(|k| k.to_string()).collect()
+        crate::k8s_names::DEFAULT_TOPOLOGY_KEYS
+            .iter()
+            .map(|k| k.to_string())
+            .collect()
     }
 
     fn labels(pairs: &[(&str, &str)]) -> Labels {
@@ -284,29 +237,5 @@ mod tests {
         let l = labels(&[(REGION, "us-east-1"), (ZONE, "us-east-1a")]);
         assert_eq!(short(&l, &keys()), "us-east-1/us-east-1a");
         assert_eq!(short(&labels(&[(ZONE, "z")]), &keys()), "-/z");
-    }
-
-    #[test]
-    fn label_keys_and_values_are_validated() {
-        for ok in [REGION, ZONE, "rack", "example.com/a.b_c-d"] {
-            assert!(validate_label_key(ok).is_ok(), "{ok}");
-        }
-        for bad in [
-            "",
-            "/zone",
-            "Example.com/zone",
-            "a/b/c",
-            "zone-",
-            "x/",
-            &"a".repeat(64),
-        ] {
-            assert!(validate_label_key(bad).is_err(), "{bad}");
-        }
-        assert!(valid_label_value("us-east-1a") && valid_label_value(""));
-        assert!(
-            !valid_label_value("-a")
-                && !valid_label_value("a b")
-                && !valid_label_value(&"a".repeat(64))
-        );
     }
 }

@@ -1,6 +1,7 @@
 //! The relay task: three watches (VMI and host Node on Harvester, this Node
-//! on the guest cluster) feed one loop that owns the state, decides with
-//! [`super::plan`] and patches the guest Node.
+//! on the guest cluster) feed one loop that records what they say in
+//! [`Seen`], decides with [`super::assess`] (pure) and patches the guest
+//! Node. Only I/O lives here: clients, watches, the patch, the clock.
 
 use std::time::{Duration, SystemTime};
 
@@ -12,9 +13,12 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use super::TopologyConfig;
+use super::assess::{
+    self, Cloud, HostWatch, PatchError, Scope, Seen, View, Vmi, assess_for_check, patch_failed,
+};
 use super::cloud_config::{self, Found, Harvester};
-use super::plan::{self, Labels};
-use super::state::{Reason, TopologyState};
+use super::plan::Labels;
+use super::state::TopologyState;
 use crate::cluster::watch_one::{Failure, FailureKind, Update, watch_one};
 
 /// Server-side bound of one watch request on the guest cluster. The
@@ -32,44 +36,24 @@ pub fn vmi_resource() -> ApiResource {
     )
 }
 
-/// What the relay needs of a VMI.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Vmi {
-    annotations: Labels,
-    node_name: Option<String>,
-}
-
-impl Vmi {
-    fn from_object(obj: &DynamicObject) -> Self {
-        Vmi {
-            annotations: obj.annotations().clone(),
-            node_name: obj
-                .data
-                .get("status")
-                .and_then(|s| s.get("nodeName"))
-                .and_then(Value::as_str)
-                .filter(|s| !s.is_empty())
-                .map(str::to_string),
-        }
+fn vmi_of(obj: &DynamicObject) -> Vmi {
+    Vmi {
+        annotations: obj.annotations().clone(),
+        node_name: obj
+            .data
+            .get("status")
+            .and_then(|s| s.get("nodeName"))
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string),
     }
 }
 
-/// The latest word on one watched object.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum View<T> {
-    Pending,
-    Present(T),
-    Absent,
-    Failed(Failure),
-}
-
-impl<T> View<T> {
-    fn from_update<K>(u: Update<K>, f: impl FnOnce(&K) -> T) -> Self {
-        match u {
-            Update::Present(k) => View::Present(f(&k)),
-            Update::Absent => View::Absent,
-            Update::Failed(e) => View::Failed(e),
-        }
+fn view_of<K, T>(u: Update<K>, f: impl FnOnce(&K) -> T) -> View<T> {
+    match u {
+        Update::Present(k) => View::Present(f(&k)),
+        Update::Absent => View::Absent,
+        Update::Failed(e) => View::Failed(e),
     }
 }
 
@@ -95,31 +79,20 @@ impl Drop for Task {
     }
 }
 
-/// The cloud-config as last seen.
-enum Cloud {
-    Missing(Vec<std::path::PathBuf>),
-    Invalid(std::path::PathBuf, String),
-    Ready(Harvester),
-}
-
+/// The watches and clients behind [`Seen`].
 struct Relay {
     cfg: TopologyConfig,
     node_name: String,
     next_id: u64,
     /// Path and content of the cloud-config the current client came from.
-    seen: Option<Found>,
-    cloud: Cloud,
+    found: Option<Found>,
+    /// The client made from it, when it was usable.
+    harvester: Option<kube::Client>,
     vmi_task: Option<Task>,
-    vmi: View<Vmi>,
     host_task: Option<Task>,
-    host_name: Option<String>,
-    host: View<Labels>,
-    /// The credentials may not read Harvester Nodes: use the annotations.
-    host_forbidden: bool,
     guest_client: Option<kube::Client>,
     guest_task: Option<Task>,
-    guest: View<Labels>,
-    last_patch: Option<String>,
+    seen: Seen,
 }
 
 /// Relays until `shutdown` turns true (or its sender is dropped).
@@ -201,9 +174,6 @@ pub async fn probe(
     if cfg.keys.is_empty() {
         return cfg.initial_state();
     }
-    let mut r = Relay::new(cfg.clone(), node_name.to_string());
-    let found = cloud_config::find(&cfg.cloud_config);
-    r.cloud = load(&found).await;
     async fn get<K>(api: Api<K>, name: &str, timeout: Duration) -> Update<K>
     where
         K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
@@ -218,59 +188,61 @@ pub async fn probe(
             }),
         }
     }
-    if let Cloud::Ready(h) = &r.cloud {
+    let mut seen = Seen::default();
+    let (cloud, harvester) = load(&cloud_config::find(&cfg.cloud_config)).await;
+    seen.cloud_changed(cloud);
+    if let (Some(client), Cloud::Ready { namespace, .. }) = (harvester, &seen.cloud) {
         let api: Api<DynamicObject> =
-            Api::namespaced_with(h.client.clone(), &h.namespace, &vmi_resource());
-        r.vmi = View::from_update(get(api, &cfg.vm_name, timeout).await, Vmi::from_object);
-        if let View::Present(Vmi {
-            node_name: Some(host),
-            ..
-        }) = &r.vmi
+            Api::namespaced_with(client.clone(), namespace, &vmi_resource());
+        let vmi = view_of(get(api, &cfg.vm_name, timeout).await, vmi_of);
+        if let Some(change) = seen.vmi_seen(vmi)
+            && let Some(host) = change.watch
         {
-            let api: Api<Node> = Api::all(h.client.clone());
-            r.host = View::from_update(get(api, host, timeout).await, node_labels);
-            r.host_name = Some(host.clone());
-            r.host_forbidden =
-                matches!(&r.host, View::Failed(f) if f.kind == FailureKind::Forbidden);
+            let host = view_of(
+                get(Api::<Node>::all(client), &host, timeout).await,
+                node_labels,
+            );
+            // One read: there is no watch to stop.
+            let _ = seen.host_seen(host);
         }
     }
-    if let Some(c) = &guest {
-        r.guest = View::from_update(
-            get(Api::<Node>::all(c.clone()), node_name, timeout).await,
+    seen.guest_connection(guest.is_some());
+    if let Some(c) = guest {
+        seen.guest_seen(view_of(
+            get(Api::<Node>::all(c), node_name, timeout).await,
             node_labels,
-        );
+        ));
     }
-    r.guest_client = guest;
-    let (mut state, patch) = r.assess();
-    if patch.is_some() {
-        state.reason = Reason::OutOfSync;
-        state.message = format!(
-            "Node {node_name} does not carry Harvester's topology yet ({})",
-            describe(&state.labels, &state.keys)
-        );
-    }
-    state
+    let scope = Scope {
+        keys: &cfg.keys,
+        vm_name: &cfg.vm_name,
+        node_name,
+    };
+    assess_for_check(scope, &seen)
 }
 
-async fn load(found: &Found) -> Cloud {
+/// The cloud-config's view and, when usable, its client.
+async fn load(found: &Found) -> (Cloud, Option<kube::Client>) {
     match found {
-        Found::Missing { searched } => Cloud::Missing(searched.clone()),
-        Found::Unreadable { path, error } => Cloud::Invalid(path.clone(), error.clone()),
+        Found::Missing { searched } => (Cloud::Missing(searched.clone()), None),
+        Found::Unreadable { path, error } => (Cloud::Invalid(path.clone(), error.clone()), None),
         Found::File { path, content } => match cloud_config::connect(path, content).await {
-            Ok(h) => Cloud::Ready(h),
-            Err(e) => Cloud::Invalid(path.clone(), e),
+            Ok(Harvester {
+                path,
+                client,
+                namespace,
+                server,
+            }) => (
+                Cloud::Ready {
+                    path,
+                    namespace,
+                    server,
+                },
+                Some(client),
+            ),
+            Err(e) => (Cloud::Invalid(path.clone(), e), None),
         },
     }
-}
-
-fn describe(labels: &Labels, keys: &[String]) -> String {
-    keys.iter()
-        .map(|k| match labels.get(k) {
-            Some(v) => format!("{k}={v}"),
-            None => format!("{k} unset"),
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 impl Relay {
@@ -279,18 +251,13 @@ impl Relay {
             cfg,
             node_name,
             next_id: 0,
-            seen: None,
-            cloud: Cloud::Missing(Vec::new()),
+            found: None,
+            harvester: None,
             vmi_task: None,
-            vmi: View::Pending,
             host_task: None,
-            host_name: None,
-            host: View::Pending,
-            host_forbidden: false,
             guest_client: None,
             guest_task: None,
-            guest: View::Pending,
-            last_patch: None,
+            seen: Seen::default(),
         }
     }
 
@@ -299,28 +266,35 @@ impl Relay {
         self.next_id
     }
 
+    fn scope(&self) -> Scope<'_> {
+        Scope {
+            keys: &self.cfg.keys,
+            vm_name: &self.cfg.vm_name,
+            node_name: &self.node_name,
+        }
+    }
+
     /// Looks at the cloud-config; on any change (appeared, gone, new
     /// content) starts over on the Harvester side.
     async fn recheck_cloud_config(&mut self, tx: &mpsc::Sender<Event>) {
         let found = cloud_config::find(&self.cfg.cloud_config);
-        if self.seen.as_ref() == Some(&found) {
+        if self.found.as_ref() == Some(&found) {
             return;
         }
         if let Found::File { path, .. } = &found {
             tracing::info!(path = %path.display(), "reading the Harvester cloud-provider kubeconfig");
         }
-        self.cloud = load(&found).await;
-        self.seen = Some(found);
+        let (cloud, harvester) = load(&found).await;
+        self.found = Some(found);
         self.vmi_task = None;
         self.host_task = None;
-        self.host_name = None;
-        self.host = View::Pending;
-        self.host_forbidden = false;
-        self.vmi = View::Pending;
-        let id = self.id();
-        if let Cloud::Ready(h) = &self.cloud {
+        self.seen.cloud_changed(cloud);
+        self.harvester = harvester;
+        if let (Some(client), Cloud::Ready { namespace, .. }) = (&self.harvester, &self.seen.cloud)
+        {
             let api: Api<DynamicObject> =
-                Api::namespaced_with(h.client.clone(), &h.namespace, &vmi_resource());
+                Api::namespaced_with(client.clone(), namespace, &vmi_resource());
+            let id = self.id();
             let handle = tokio::spawn(watch_one(
                 api,
                 self.cfg.vm_name.clone(),
@@ -334,7 +308,7 @@ impl Relay {
 
     fn set_guest(&mut self, client: Option<kube::Client>, tx: &mpsc::Sender<Event>) {
         self.guest_task = None;
-        self.guest = View::Pending;
+        self.seen.guest_connection(client.is_some());
         if let Some(c) = &client {
             let id = self.id();
             let handle = tokio::spawn(watch_one(
@@ -356,63 +330,47 @@ impl Relay {
     fn apply(&mut self, ev: Event, tx: &mpsc::Sender<Event>) {
         match ev {
             Event::Vmi(id, u) if Self::current(&self.vmi_task, id) => {
-                self.vmi = View::from_update(u, Vmi::from_object);
-                let host = match &self.vmi {
-                    View::Present(v) => v.node_name.clone(),
-                    // Keep following the last host while the VMI is
-                    // unreadable; a gone VMI has no host.
-                    View::Absent => None,
-                    _ => return,
+                let Some(change) = self.seen.vmi_seen(view_of(u, vmi_of)) else {
+                    return;
                 };
-                if host != self.host_name {
-                    if let Some(old) = &self.host_name {
-                        tracing::info!(from = %old, to = ?host, "VMI moved (live migration): re-syncing topology");
-                    }
-                    self.follow_host(host, tx);
+                if let Some(old) = &change.from {
+                    let host = &self.seen.host_name;
+                    tracing::info!(from = %old, to = ?host, "VMI moved (live migration): re-syncing topology");
+                }
+                self.host_task = None;
+                let id = self.id();
+                if let (Some(name), Some(client)) = (change.watch, &self.harvester) {
+                    let handle = tokio::spawn(watch_one(
+                        Api::<Node>::all(client.clone()),
+                        name,
+                        cloud_config::WATCH_TIMEOUT_SECS,
+                        tx.clone(),
+                        move |u| Event::Host(id, u),
+                    ));
+                    self.host_task = Some(Task { id, handle });
                 }
             }
             Event::Host(id, u) if Self::current(&self.host_task, id) => {
-                self.host = View::from_update(u, node_labels);
-                match &self.host {
-                    View::Failed(f) if f.kind == FailureKind::Forbidden => {
-                        tracing::info!(error = %f.message, "Harvester Nodes are not readable with the cloud-provider credentials; using the VMI's annotations");
-                        self.host_forbidden = true;
-                        // Permanent until the credentials change: stop asking.
+                match self.seen.host_seen(view_of(u, node_labels)) {
+                    HostWatch::Continue => {}
+                    HostWatch::Stop => {
+                        if let View::Failed(f) = &self.seen.host {
+                            tracing::info!(error = %f.message, "Harvester Nodes are not readable with the cloud-provider credentials; using the VMI's annotations");
+                        }
                         self.host_task = None;
                     }
-                    View::Present(_) => self.host_forbidden = false,
-                    _ => {}
                 }
             }
             Event::Guest(id, u) if Self::current(&self.guest_task, id) => {
-                self.guest = View::from_update(u, node_labels);
+                self.seen.guest_seen(view_of(u, node_labels));
             }
             _ => {} // from a watch that was replaced
         }
     }
 
-    fn follow_host(&mut self, host: Option<String>, tx: &mpsc::Sender<Event>) {
-        self.host_task = None;
-        self.host = View::Pending;
-        self.host_name = host.clone();
-        let id = self.id();
-        let (Some(name), Cloud::Ready(h)) = (host, &self.cloud) else {
-            self.host = View::Absent;
-            return;
-        };
-        let handle = tokio::spawn(watch_one(
-            Api::<Node>::all(h.client.clone()),
-            name,
-            cloud_config::WATCH_TIMEOUT_SECS,
-            tx.clone(),
-            move |u| Event::Host(id, u),
-        ));
-        self.host_task = Some(Task { id, handle });
-    }
-
     /// Decides, patches when needed, and returns the state to publish.
     async fn reconcile(&mut self) -> TopologyState {
-        let (mut state, patch) = self.assess();
+        let (state, patch) = assess::assess(self.scope(), &self.seen);
         let (Some(patch), Some(client)) = (patch, self.guest_client.clone()) else {
             return state;
         };
@@ -426,183 +384,15 @@ impl Relay {
             ),
         )
         .await;
-        match result {
+        let error = match result {
             Ok(Ok(node)) => {
-                let stamp = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
                 tracing::info!(node = %self.node_name, patch = %patch, "relayed topology labels");
-                self.guest = View::Present(node_labels(&node));
-                self.last_patch = Some(stamp);
-                state = self.assess().0;
+                self.seen.patched(node_labels(&node), SystemTime::now());
+                return assess::assess(self.scope(), &self.seen).0;
             }
-            Ok(Err(e)) => {
-                let f = Failure::from_kube(&e);
-                state.reason = match f.kind {
-                    FailureKind::Forbidden => Reason::Forbidden,
-                    FailureKind::Unreachable => Reason::Unreachable,
-                };
-                state.message = format!(
-                    "guest cluster: patching the labels of Node {} failed: {}",
-                    self.node_name, f.message
-                );
-            }
-            Err(_) => {
-                state.reason = Reason::Unreachable;
-                state.message = format!(
-                    "guest cluster: patching the labels of Node {} did not finish within {}",
-                    self.node_name,
-                    humantime::format_duration(PATCH_TIMEOUT)
-                );
-            }
-        }
-        state
-    }
-
-    /// The state and the patch the views call for (no I/O).
-    fn assess(&self) -> (TopologyState, Option<Value>) {
-        let keys = &self.cfg.keys;
-        let mut st = TopologyState::new(Reason::Starting, "starting", keys);
-        st.last_patch = self.last_patch.clone();
-        let h = match &self.cloud {
-            Cloud::Missing(searched) if self.seen.is_none() && searched.is_empty() => {
-                return (st, None);
-            }
-            Cloud::Missing(searched) => {
-                st.reason = Reason::NoCloudConfig;
-                st.message = format!(
-                    "no Harvester cloud-provider kubeconfig (looked for {})",
-                    searched
-                        .iter()
-                        .map(|p| p.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-                return (st, None);
-            }
-            Cloud::Invalid(path, e) => {
-                st.reason = Reason::InvalidCloudConfig;
-                st.message = format!("cloud-provider kubeconfig {}: {e}", path.display());
-                st.cloud_config = Some(path.clone());
-                return (st, None);
-            }
-            Cloud::Ready(h) => h,
+            Ok(Err(e)) => PatchError::Failed(Failure::from_kube(&e)),
+            Err(_) => PatchError::TimedOut(PATCH_TIMEOUT),
         };
-        st.cloud_config = Some(h.path.clone());
-        let vmi_ref = format!("{}/{}", h.namespace, self.cfg.vm_name);
-        st.vmi = Some(vmi_ref.clone());
-        let fail = |st: &mut TopologyState, side: &str, what: &str, f: &Failure| {
-            st.reason = match f.kind {
-                FailureKind::Forbidden => Reason::Forbidden,
-                FailureKind::Unreachable => Reason::Unreachable,
-            };
-            st.message = format!("{side}: {what}: {}", f.message);
-        };
-        let vmi = match &self.vmi {
-            View::Pending => {
-                st.message = format!("reading VirtualMachineInstance {vmi_ref} at {}", h.server);
-                return (st, None);
-            }
-            View::Absent => {
-                st.reason = Reason::VmiNotFound;
-                st.message = format!(
-                    "no VirtualMachineInstance {vmi_ref} on Harvester ({}); labels left as they are",
-                    h.server
-                );
-                return (st, None);
-            }
-            View::Failed(f) => {
-                let what = format!("reading VirtualMachineInstance {vmi_ref}");
-                fail(&mut st, &format!("Harvester ({})", h.server), &what, f);
-                return (st, None);
-            }
-            View::Present(v) => v,
-        };
-        st.host = vmi.node_name.clone();
-        let host_labels = match &self.host {
-            View::Present(l) if self.host_name.is_some() => Some(l),
-            View::Pending if !self.host_forbidden && self.host_name.is_some() => {
-                st.message = format!(
-                    "reading Harvester Node {}",
-                    self.host_name.as_deref().unwrap_or("")
-                );
-                return (st, None);
-            }
-            // A readable host that cannot be reached right now: hold
-            // rather than fall back to possibly older annotations.
-            View::Failed(f) if f.kind == FailureKind::Unreachable => {
-                let what = format!(
-                    "reading Harvester Node {}",
-                    self.host_name.as_deref().unwrap_or("")
-                );
-                fail(&mut st, &format!("Harvester ({})", h.server), &what, f);
-                return (st, None);
-            }
-            // Not readable (Forbidden), not found, or no host: annotations.
-            _ => None,
-        };
-        let desired = plan::desired(&vmi.annotations, host_labels, keys);
-        st.source = Some(desired.source);
-        st.labels = desired.labels.clone();
-        let origin = match (desired.source, &vmi.node_name) {
-            (plan::Source::HostNode, Some(n)) => format!("Harvester Node {n}"),
-            (_, Some(n)) => format!("the annotations of VMI {vmi_ref} (on {n})"),
-            (_, None) => format!("the annotations of VMI {vmi_ref}"),
-        };
-        let invalid = if desired.invalid.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; not relayed (invalid label values): {}",
-                desired
-                    .invalid
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v:?}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        };
-        if self.guest_client.is_none() {
-            st.reason = Reason::WaitingForGuestCluster;
-            st.message = format!(
-                "no guest-cluster connection yet; will relay {} from {origin}{invalid}",
-                describe(&st.labels, keys)
-            );
-            return (st, None);
-        }
-        let guest = match &self.guest {
-            View::Pending => {
-                st.message = format!("reading Node {}", self.node_name);
-                return (st, None);
-            }
-            View::Absent => {
-                st.reason = Reason::NodeNotFound;
-                st.message = format!(
-                    "Node {} is not registered in the guest cluster yet",
-                    self.node_name
-                );
-                return (st, None);
-            }
-            View::Failed(f) => {
-                let what = format!("reading Node {}", self.node_name);
-                fail(&mut st, "guest cluster", &what, f);
-                return (st, None);
-            }
-            View::Present(l) => l,
-        };
-        let patch = plan::patch(&desired, guest, keys);
-        st.reason = Reason::Relayed;
-        st.message = if st.labels.is_empty() && desired.invalid.is_empty() {
-            format!(
-                "{origin} has no topology ({} unset); Node {} carries none",
-                keys.join(", "),
-                self.node_name
-            )
-        } else {
-            format!(
-                "Node {} carries {} from {origin}{invalid}",
-                self.node_name,
-                describe(&st.labels, keys)
-            )
-        };
-        (st, patch)
+        patch_failed(state, &self.node_name, &error)
     }
 }

@@ -159,7 +159,7 @@ mod tests {
     use super::*;
 
     fn keys() -> Vec<String> {
-        super::super::plan::DEFAULT_KEYS
+        crate::k8s_names::DEFAULT_TOPOLOGY_KEYS
             .iter()
             .map(|k| k.to_string())
             .collect()
