@@ -1,15 +1,24 @@
 //! Many leases in one process: each on its own macvlan with its own MAC,
 //! client identifier and packet socket, driven by its own task.
+//!
+//! The lease table holds a name from the moment a start or stop of it
+//! begins until that operation has finished, so two operations on one name
+//! never interleave: a second start while the first is under way gets
+//! [`EngineError::Exists`], a start while a stop is under way waits for the
+//! stop (which deletes the link) and then makes its own. Starts and stops
+//! run in their own tasks: a caller that stops waiting (a timeout, a
+//! dropped reconcile) cannot leave a half-made lease or a held name behind.
 
-use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use super::driver::{Command, Driver, LeaseStatus};
-use super::io::{AfPacket, ProbeConfig};
-use super::link::{LinkError, Netlink};
+use super::io::ProbeConfig;
+use super::lease_engine::{LeaseEngine, SweepReport};
+use super::link::{Ensured, LinkError, Links, Netlink};
 use super::machine::{Machine, StopMode, Timing};
 use super::packet::Identity;
 use super::store::{Store, StoreError, validate_name};
@@ -28,7 +37,7 @@ pub struct LeaseConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("lease {0} is already running")]
+    #[error("lease {0} is already starting or running")]
     Exists(String),
     #[error("no lease {0}")]
     Unknown(String),
@@ -41,6 +50,8 @@ pub enum EngineError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error("lease {0}: the engine's runtime shut down before the operation finished")]
+    Aborted(String),
 }
 
 struct Running {
@@ -49,14 +60,99 @@ struct Running {
     task: JoinHandle<()>,
 }
 
-/// The lease table.
-pub struct Engine {
-    nl: Netlink,
-    store: Option<Store>,
-    leases: Mutex<BTreeMap<String, Running>>,
+impl Running {
+    /// Stops the driver: it removes the address and, for `Release`, sends
+    /// DHCPRELEASE and deletes the lease file.
+    async fn shut_down(self, mode: StopMode) {
+        let (done_tx, done_rx) = oneshot::channel();
+        if self.cmds.send(Command::Stop(mode, done_tx)).await.is_ok() {
+            let _ = done_rx.await;
+        }
+        let _ = self.task.await;
+    }
 }
 
-impl Engine {
+enum Slot {
+    /// A start is under way.
+    Starting(Settled),
+    Running(Running),
+    /// A stop, or a clean-up of a left-behind link, is under way.
+    Stopping(Settled),
+}
+
+/// Resolves once the operation holding a slot has finished: its sender
+/// lives in that operation's [`Claim`] and is dropped with it.
+#[derive(Clone)]
+struct Settled(watch::Receiver<()>);
+
+impl Settled {
+    async fn wait(mut self) {
+        // Err means the sender is gone: the operation has finished.
+        while self.0.changed().await.is_ok() {}
+    }
+}
+
+type Table = Arc<Mutex<BTreeMap<String, Slot>>>;
+
+fn lock(table: &Table) -> MutexGuard<'_, BTreeMap<String, Slot>> {
+    // The table is consistent after every statement that holds the lock,
+    // so a panic elsewhere cannot have left it half-changed.
+    table.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// An operation's hold on a name. Dropped, it puts the lease it was
+/// given with [`Claim::commit`] into the table, or else frees the name;
+/// either way, then it wakes whoever waits for the name.
+struct Claim {
+    table: Table,
+    name: String,
+    then: Option<Running>,
+    _settled: watch::Sender<()>,
+}
+
+impl Claim {
+    /// Puts `slot` for `name` into `map`, the table behind `table` that the
+    /// caller has locked: checking and taking a name happen under one lock.
+    fn take(
+        table: &Table,
+        map: &mut BTreeMap<String, Slot>,
+        name: &str,
+        slot: fn(Settled) -> Slot,
+    ) -> Claim {
+        let (tx, rx) = watch::channel(());
+        map.insert(name.to_string(), slot(Settled(rx)));
+        Claim {
+            table: table.clone(),
+            name: name.to_string(),
+            then: None,
+            _settled: tx,
+        }
+    }
+
+    fn commit(mut self, running: Running) {
+        self.then = Some(running);
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let mut table = lock(&self.table);
+        match self.then.take() {
+            Some(running) => table.insert(self.name.clone(), Slot::Running(running)),
+            None => table.remove(&self.name),
+        };
+    }
+}
+
+/// The lease table. `L` is the kernel edge: [`Netlink`] in the daemon, a
+/// fake in unit tests.
+pub struct Engine<L: Links = Netlink> {
+    links: L,
+    store: Option<Store>,
+    table: Table,
+}
+
+impl Engine<Netlink> {
     /// `store`: where lease files live; `None` for throwaway leases
     /// (`dhcp-probe`). Must be called inside a tokio runtime.
     pub fn new(store: Option<Store>) -> Result<Engine, EngineError> {
@@ -64,93 +160,85 @@ impl Engine {
             name: "netlink".into(),
             source,
         })?;
-        Ok(Engine {
-            nl,
-            store,
-            leases: Mutex::new(BTreeMap::new()),
-        })
+        Ok(Engine::with_links(nl, store))
     }
 
     pub fn netlink(&self) -> &Netlink {
-        &self.nl
+        &self.links
+    }
+}
+
+impl<L: Links> Engine<L> {
+    pub fn with_links(links: L, store: Option<Store>) -> Engine<L> {
+        Engine {
+            links,
+            store,
+            table: Arc::new(Mutex::new(BTreeMap::new())),
+        }
     }
 
-    /// Creates (or reuses) the macvlan, opens its packet socket and starts
-    /// the lease: in INIT-REBOOT when a lease file for the same MAC exists.
+    /// Makes (or reuses, see [`Netlink::ensure_macvlan`]) the macvlan,
+    /// opens its packet socket and starts the lease: in INIT-REBOOT when a
+    /// lease file for the same MAC exists. `Exists` while another start of
+    /// the name is under way or its lease runs; waits for a stop of it
+    /// under way. When the start fails after making the link, the link is
+    /// deleted again; a reused link is left as it was.
     pub async fn start(
         &self,
         cfg: LeaseConfig,
     ) -> Result<watch::Receiver<LeaseStatus>, EngineError> {
         let name = cfg.interface.clone();
         validate_name(&name)?;
-        if self.leases.lock().expect("lease table").contains_key(&name) {
-            return Err(EngineError::Exists(name));
-        }
-        let link_err = |source| EngineError::Link {
-            name: name.clone(),
-            source,
+        // The name is taken before the first await: no second start can
+        // pass this point for it until this one has finished.
+        let claim = loop {
+            let stopping = {
+                let mut table = lock(&self.table);
+                match table.get(&name) {
+                    None => break Claim::take(&self.table, &mut table, &name, Slot::Starting),
+                    Some(Slot::Stopping(s)) => s.clone(),
+                    Some(Slot::Starting(_) | Slot::Running(_)) => {
+                        return Err(EngineError::Exists(name));
+                    }
+                }
+            };
+            stopping.wait().await;
         };
-        let index = self
-            .nl
-            .ensure_macvlan(&name, &cfg.parent, cfg.identity.mac)
-            .await
-            .map_err(link_err)?;
-        let transport = AfPacket::open(index, cfg.identity.mac, cfg.probe).map_err(|source| {
-            EngineError::Socket {
-                name: name.clone(),
-                source,
-            }
-        })?;
-        let stored = match &self.store {
-            Some(s) => s
-                .load(&name)?
-                .filter(|r| r.identity.mac == cfg.identity.mac)
-                .map(|r| r.to_lease()),
-            None => None,
-        };
-        let machine = Machine::new(cfg.identity, cfg.timing, fastrand::u64(..));
-        let (driver, status) = Driver::new(
-            &name,
-            machine,
-            transport,
-            self.nl.on(&name, index),
-            self.store.clone(),
-        );
-        let (tx, rx) = mpsc::channel(4);
-        let task = tokio::spawn(driver.run(stored, rx));
-        self.leases.lock().expect("lease table").insert(
-            name,
-            Running {
-                cmds: tx,
-                status: status.clone(),
-                task,
-            },
-        );
-        Ok(status)
+        let work = bring_up(self.links.clone(), self.store.clone(), cfg, claim);
+        finish(&name, tokio::spawn(work)).await?
     }
 
     /// Stops a lease and deletes its macvlan. `Release` sends DHCPRELEASE
-    /// and deletes the lease file; `Handover` does neither.
+    /// and deletes the lease file; `Handover` does neither. Waits for a
+    /// start of the name under way and then stops what it started.
     pub async fn stop(&self, name: &str, mode: StopMode) -> Result<(), EngineError> {
-        let running = self
-            .leases
-            .lock()
-            .expect("lease table")
-            .remove(name)
-            .ok_or_else(|| EngineError::Unknown(name.into()))?;
-        let (done_tx, done_rx) = oneshot::channel();
-        if running
-            .cmds
-            .send(Command::Stop(mode, done_tx))
-            .await
-            .is_ok()
-        {
-            let _ = done_rx.await;
-        }
-        let _ = running.task.await;
-        self.nl
-            .delete(name)
-            .await
+        let (running, claim) = loop {
+            let busy = {
+                let mut table = lock(&self.table);
+                if let Some(Slot::Starting(s) | Slot::Stopping(s)) = table.get(name) {
+                    s.clone()
+                } else {
+                    match table.remove(name) {
+                        Some(Slot::Running(running)) => {
+                            let claim = Claim::take(&self.table, &mut table, name, Slot::Stopping);
+                            break (running, claim);
+                        }
+                        _ => return Err(EngineError::Unknown(name.into())),
+                    }
+                }
+            };
+            busy.wait().await;
+        };
+        let links = self.links.clone();
+        let work = async move {
+            running.shut_down(mode).await;
+            let deleted = links.delete(&claim.name).await;
+            // The name is free only once the link is gone.
+            drop(claim);
+            deleted
+        };
+        finish(name, tokio::spawn(work))
+            .await?
             .map_err(|source| EngineError::Link {
                 name: name.into(),
                 source,
@@ -159,33 +247,36 @@ impl Engine {
 
     /// Stops every lease, all at once: a daemon stopping (or handing over)
     /// a hundred addresses should not take a hundred link deletions in a
-    /// row.
+    /// row. Starts under way are waited for and stopped too.
     pub async fn stop_all(&self, mode: StopMode) -> Vec<EngineError> {
-        let names: Vec<String> = self
-            .leases
-            .lock()
-            .expect("lease table")
-            .keys()
-            .cloned()
-            .collect();
+        let names: Vec<String> = lock(&self.table).keys().cloned().collect();
         futures::future::join_all(names.iter().map(|n| self.stop(n, mode)))
             .await
             .into_iter()
             .filter_map(Result::err)
+            // Gone meanwhile (a start that failed, a stop by someone else).
+            .filter(|e| !matches!(e, EngineError::Unknown(_)))
             .collect()
     }
 
     /// Gratuitous ARP for a lease now (takeover).
     pub async fn announce(&self, name: &str) -> Result<(), EngineError> {
-        let tx = self
-            .leases
-            .lock()
-            .expect("lease table")
-            .get(name)
-            .map(|r| r.cmds.clone())
-            .ok_or_else(|| EngineError::Unknown(name.into()))?;
+        let tx = match lock(&self.table).get(name) {
+            Some(Slot::Running(r)) => r.cmds.clone(),
+            _ => return Err(EngineError::Unknown(name.into())),
+        };
         let _ = tx.send(Command::Announce).await;
         Ok(())
+    }
+
+    /// Takes `name` for a clean-up when nothing else holds it; a start of
+    /// it meanwhile waits as for a stop.
+    fn claim_if_free(&self, name: &str) -> Option<Claim> {
+        let mut table = lock(&self.table);
+        if table.contains_key(name) {
+            return None;
+        }
+        Some(Claim::take(&self.table, &mut table, name, Slot::Stopping))
     }
 
     /// Deletes the macvlans an earlier run left behind (a crash, `kill -9`,
@@ -205,9 +296,9 @@ impl Engine {
             Err(e) => return (removed, vec![e.to_string()]),
         };
         for name in names {
-            if self.leases.lock().expect("lease table").contains_key(&name) {
+            let Some(_claim) = self.claim_if_free(&name) else {
                 continue;
-            }
+            };
             let record = match store.load(&name) {
                 Ok(Some(r)) => r,
                 Ok(None) => continue,
@@ -216,9 +307,9 @@ impl Engine {
                     continue;
                 }
             };
-            match self.nl.link(&name).await {
+            match self.links.link(&name).await {
                 Ok(Some(link)) if link.mac == Some(record.identity.mac) => {
-                    match self.nl.delete(&name).await {
+                    match self.links.delete(&name).await {
                         Ok(()) => removed.push(name),
                         Err(e) => problems.push(format!("{name}: {e}")),
                     }
@@ -230,14 +321,128 @@ impl Engine {
         (removed, problems)
     }
 
-    /// Every lease's current status, by name.
+    /// Deletes every macvlan named `prefix...` that is not in `keep` and
+    /// not held by a lease of this engine, without DHCPRELEASE (lease files
+    /// stay). Links of other kinds are never touched, whatever their name.
+    pub async fn sweep(&self, prefix: &str, keep: &BTreeSet<String>) -> SweepReport {
+        let mut report = SweepReport::default();
+        let links = match self.links.links().await {
+            Ok(l) => l,
+            Err(e) => {
+                report.problems.push(e.to_string());
+                return report;
+            }
+        };
+        for link in links {
+            if !link.macvlan || !link.name.starts_with(prefix) || keep.contains(&link.name) {
+                continue;
+            }
+            let Some(_claim) = self.claim_if_free(&link.name) else {
+                continue;
+            };
+            match self.links.delete(&link.name).await {
+                Ok(()) => report.removed.push(link.name),
+                Err(e) => report.problems.push(format!("{}: {e}", link.name)),
+            }
+        }
+        report
+    }
+
+    /// Every running lease's current status, by name.
     pub fn snapshot(&self) -> Vec<LeaseStatus> {
-        self.leases
-            .lock()
-            .expect("lease table")
+        lock(&self.table)
             .values()
-            .map(|r| r.status.borrow().clone())
+            .filter_map(|slot| match slot {
+                Slot::Running(r) => Some(r.status.borrow().clone()),
+                _ => None,
+            })
             .collect()
+    }
+}
+
+/// Waits for an operation's task; a panic in it is a bug and goes on to
+/// the caller.
+async fn finish<T>(name: &str, task: JoinHandle<T>) -> Result<T, EngineError> {
+    match task.await {
+        Ok(t) => Ok(t),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Err(EngineError::Aborted(name.into())),
+    }
+}
+
+/// The body of [`Engine::start`], with the name already claimed.
+async fn bring_up<L: Links>(
+    links: L,
+    store: Option<Store>,
+    cfg: LeaseConfig,
+    claim: Claim,
+) -> Result<watch::Receiver<LeaseStatus>, EngineError> {
+    let name = cfg.interface.clone();
+    // Read before the kernel is touched: an unreadable lease file fails
+    // the start with nothing to undo.
+    let stored = match &store {
+        Some(s) => s
+            .load(&name)?
+            .filter(|r| r.identity.mac == cfg.identity.mac)
+            .map(|r| r.to_lease()),
+        None => None,
+    };
+    let link = links
+        .ensure_macvlan(&name, &cfg.parent, cfg.identity.mac)
+        .await
+        .map_err(|source| EngineError::Link {
+            name: name.clone(),
+            source,
+        })?;
+    let transport = match links.open(link.index(), cfg.identity.mac, cfg.probe) {
+        Ok(t) => t,
+        Err(source) => {
+            undo(&links, &name, link).await;
+            return Err(EngineError::Socket { name, source });
+        }
+    };
+    let machine = Machine::new(cfg.identity, cfg.timing, fastrand::u64(..));
+    let addrs = links.addrs(&name, link.index());
+    let (driver, status) = Driver::new(&name, machine, transport, addrs, store);
+    let (tx, rx) = mpsc::channel(4);
+    let task = tokio::spawn(driver.run(stored, rx));
+    claim.commit(Running {
+        cmds: tx,
+        status: status.clone(),
+        task,
+    });
+    Ok(status)
+}
+
+/// Deletes a link this start made; a reused one stays.
+async fn undo<L: Links>(links: &L, name: &str, link: Ensured) {
+    if !link.created() {
+        return;
+    }
+    if let Err(e) = links.delete(name).await {
+        tracing::warn!(lease = %name, "could not delete the macvlan of a failed start: {e}");
+    }
+}
+
+impl<L: Links> LeaseEngine for Engine<L> {
+    async fn start(&self, cfg: LeaseConfig) -> Result<watch::Receiver<LeaseStatus>, EngineError> {
+        Engine::start(self, cfg).await
+    }
+
+    async fn stop(&self, name: &str, mode: StopMode) -> Result<(), EngineError> {
+        Engine::stop(self, name, mode).await
+    }
+
+    async fn announce(&self, name: &str) -> Result<(), EngineError> {
+        Engine::announce(self, name).await
+    }
+
+    fn snapshot(&self) -> Vec<LeaseStatus> {
+        Engine::snapshot(self)
+    }
+
+    async fn sweep(&self, prefix: &str, keep: &BTreeSet<String>) -> SweepReport {
+        Engine::sweep(self, prefix, keep).await
     }
 }
 

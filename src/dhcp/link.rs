@@ -1,13 +1,18 @@
 //! Data-plane edge: the lease's macvlan and its address, over rtnetlink,
-//! behind [`AddressConfig`] so the driver can be tested without root.
+//! behind [`AddressConfig`] (what the driver does) and [`Links`] (what the
+//! engine does) so both can be tested without root.
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
 
 use futures::TryStreamExt;
 use rtnetlink::packet_route::address::AddressAttribute;
-use rtnetlink::packet_route::link::{LinkAttribute, MacVlanMode};
+use rtnetlink::packet_route::link::{
+    InfoKind, LinkAttribute, LinkInfo as NlLinkInfo, LinkMessage, MacVlanMode,
+};
 use rtnetlink::{Handle, LinkMacVlan, LinkUnspec};
+
+use super::io::{AfPacket, ProbeConfig, Transport};
 
 /// Prefix length the LB address is configured with. A /32 adds no subnet
 /// route through the `vip-*` interface, so node traffic to the subnet keeps
@@ -53,6 +58,61 @@ pub trait AddressConfig: Send + Sync + 'static {
     fn remove(&self, addr: Ipv4Addr) -> impl Future<Output = Result<(), LinkError>> + Send;
 }
 
+/// What the engine does to the kernel for a lease: the macvlan, the packet
+/// socket on it and its address configuration. A trait (the way youki hides
+/// syscalls) so the lease table's logic, its races and its clean-up, is
+/// tested without root; [`Netlink`] is the real one.
+pub trait Links: Clone + Send + Sync + 'static {
+    type Transport: Transport;
+    type Addrs: AddressConfig;
+
+    /// Link `name`, or `None` when there is none.
+    fn link(&self, name: &str) -> impl Future<Output = Result<Option<LinkInfo>, LinkError>> + Send;
+    /// Every link in the namespace.
+    fn links(&self) -> impl Future<Output = Result<Vec<LinkInfo>, LinkError>> + Send;
+    /// See [`Netlink::ensure_macvlan`].
+    fn ensure_macvlan(
+        &self,
+        name: &str,
+        parent: &str,
+        mac: [u8; 6],
+    ) -> impl Future<Output = Result<Ensured, LinkError>> + Send;
+    /// Deletes link `name`; a missing link is not an error.
+    fn delete(&self, name: &str) -> impl Future<Output = Result<(), LinkError>> + Send;
+    /// The lease's packet sockets on interface `index`.
+    fn open(
+        &self,
+        index: u32,
+        mac: [u8; 6],
+        probe: ProbeConfig,
+    ) -> std::io::Result<Self::Transport>;
+    /// The lease's address configuration on interface `name`/`index`.
+    fn addrs(&self, name: &str, index: u32) -> Self::Addrs;
+}
+
+/// How [`Netlink::ensure_macvlan`] came by the link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ensured {
+    /// Made by this call (possibly replacing a link that did not fit):
+    /// whoever asked must delete it if it then cannot use it.
+    Created { index: u32 },
+    /// A fitting link was already there and is used as it is: not this
+    /// call's to delete.
+    Reused { index: u32 },
+}
+
+impl Ensured {
+    pub fn index(self) -> u32 {
+        match self {
+            Ensured::Created { index } | Ensured::Reused { index } => index,
+        }
+    }
+
+    pub fn created(self) -> bool {
+        matches!(self, Ensured::Created { .. })
+    }
+}
+
 /// An rtnetlink connection (its task runs on the current runtime).
 #[derive(Clone)]
 pub struct Netlink {
@@ -62,8 +122,40 @@ pub struct Netlink {
 /// A link as seen over netlink.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkInfo {
+    pub name: String,
     pub index: u32,
     pub mac: Option<[u8; 6]>,
+    /// The lower device's index (a macvlan's parent).
+    pub parent: Option<u32>,
+    pub macvlan: bool,
+}
+
+impl LinkInfo {
+    fn from_message(msg: &LinkMessage) -> LinkInfo {
+        let mut info = LinkInfo {
+            name: String::new(),
+            index: msg.header.index,
+            mac: None,
+            parent: None,
+            macvlan: false,
+        };
+        for a in &msg.attributes {
+            match a {
+                LinkAttribute::IfName(n) => info.name = n.clone(),
+                LinkAttribute::Address(m) if m.len() == 6 => {
+                    info.mac = m.as_slice().try_into().ok()
+                }
+                LinkAttribute::Link(parent) => info.parent = Some(*parent),
+                LinkAttribute::LinkInfo(infos) => {
+                    info.macvlan = infos
+                        .iter()
+                        .any(|i| matches!(i, NlLinkInfo::Kind(InfoKind::MacVlan)));
+                }
+                _ => {}
+            }
+        }
+        info
+    }
 }
 
 impl Netlink {
@@ -81,13 +173,7 @@ impl Netlink {
             .match_name(name.to_string())
             .execute();
         match s.try_next().await {
-            Ok(Some(msg)) => Ok(Some(LinkInfo {
-                index: msg.header.index,
-                mac: msg.attributes.iter().find_map(|a| match a {
-                    LinkAttribute::Address(m) if m.len() == 6 => m.as_slice().try_into().ok(),
-                    _ => None,
-                }),
-            })),
+            Ok(Some(msg)) => Ok(Some(LinkInfo::from_message(&msg))),
             Ok(None) => Ok(None),
             Err(e) if errno(&e) == libc::ENODEV => Ok(None),
             Err(e) => Err(LinkError::Netlink {
@@ -98,24 +184,51 @@ impl Netlink {
         }
     }
 
-    /// Creates macvlan `name` (bridge mode) on `parent` with `mac` and sets
-    /// it up. An existing link of that name with the same MAC is reused
-    /// (a restarted agent keeps serving the address while it re-acquires);
-    /// one with another MAC is replaced.
+    /// Every link in the namespace.
+    pub async fn links(&self) -> Result<Vec<LinkInfo>, LinkError> {
+        let msgs: Vec<LinkMessage> = self
+            .handle
+            .link()
+            .get()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|e| LinkError::Netlink {
+                what: "list",
+                name: "links".into(),
+                reason: reason(&e),
+            })?;
+        Ok(msgs.iter().map(LinkInfo::from_message).collect())
+    }
+
+    /// Makes macvlan `name` (bridge mode) on `parent` with `mac` and sets
+    /// it up.
+    ///
+    /// Reuse: a link of that name that is a macvlan on `parent` with `mac`
+    /// is kept as it is (set up) and reported [`Ensured::Reused`]: a
+    /// restarted agent adopting its own link keeps serving the address
+    /// while it re-acquires, and a caller that pre-made the link keeps it.
+    /// Any other link of that name (another MAC, another parent, another
+    /// kind) is deleted and replaced, which is [`Ensured::Created`].
     pub async fn ensure_macvlan(
         &self,
         name: &str,
         parent: &str,
         mac: [u8; 6],
-    ) -> Result<u32, LinkError> {
+    ) -> Result<Ensured, LinkError> {
         let parent_info = self
             .link(parent)
             .await?
             .ok_or_else(|| LinkError::NotFound(parent.into()))?;
         if let Some(existing) = self.link(name).await? {
-            if existing.mac == Some(mac) {
+            if existing.macvlan
+                && existing.mac == Some(mac)
+                && existing.parent == Some(parent_info.index)
+            {
                 self.set_up(name, existing.index).await?;
-                return Ok(existing.index);
+                return Ok(Ensured::Reused {
+                    index: existing.index,
+                });
             }
             self.delete(name).await?;
         }
@@ -134,11 +247,15 @@ impl Netlink {
                 name: name.into(),
                 reason: reason(&e),
             })?;
-        let info = self
-            .link(name)
-            .await?
-            .ok_or_else(|| LinkError::NotFound(name.into()))?;
-        Ok(info.index)
+        match self.link(name).await {
+            Ok(Some(info)) => Ok(Ensured::Created { index: info.index }),
+            // Made but not usable: do not leave it behind.
+            Ok(None) => Err(LinkError::NotFound(name.into())),
+            Err(e) => {
+                let _ = self.delete(name).await;
+                Err(e)
+            }
+        }
     }
 
     async fn set_up(&self, name: &str, index: u32) -> Result<(), LinkError> {
@@ -202,6 +319,40 @@ impl Netlink {
             name: name.to_string(),
             index,
         }
+    }
+}
+
+impl Links for Netlink {
+    type Transport = AfPacket;
+    type Addrs = IfAddrs;
+
+    fn link(&self, name: &str) -> impl Future<Output = Result<Option<LinkInfo>, LinkError>> + Send {
+        Netlink::link(self, name)
+    }
+
+    fn links(&self) -> impl Future<Output = Result<Vec<LinkInfo>, LinkError>> + Send {
+        Netlink::links(self)
+    }
+
+    fn ensure_macvlan(
+        &self,
+        name: &str,
+        parent: &str,
+        mac: [u8; 6],
+    ) -> impl Future<Output = Result<Ensured, LinkError>> + Send {
+        Netlink::ensure_macvlan(self, name, parent, mac)
+    }
+
+    fn delete(&self, name: &str) -> impl Future<Output = Result<(), LinkError>> + Send {
+        Netlink::delete(self, name)
+    }
+
+    fn open(&self, index: u32, mac: [u8; 6], probe: ProbeConfig) -> std::io::Result<AfPacket> {
+        AfPacket::open(index, mac, probe)
+    }
+
+    fn addrs(&self, name: &str, index: u32) -> IfAddrs {
+        self.on(name, index)
     }
 }
 

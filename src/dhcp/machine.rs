@@ -166,7 +166,7 @@ pub enum Action {
     },
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopMode {
     /// The address is no longer wanted anywhere: DHCPRELEASE, remove the
     /// address, delete the lease file.

@@ -16,13 +16,21 @@
 //! - [`probe`]: `dhcp-probe`, the operator's preflight (its command line
 //!   lives with the others in `cli`);
 //! - [`fuzzing`]: the receive path as one function of untrusted bytes
-//!   (cargo-fuzz target in `fuzz/`, bounded harness in the unit tests).
+//!   (cargo-fuzz target in `fuzz/`, bounded harness in the unit tests);
+//! - [`lease_engine`]: the engine as the LoadBalancer layer sees it, a
+//!   trait (`fake::FakeEngine`, in unit tests, records calls and injects
+//!   failures).
 
 pub mod driver;
 pub mod engine;
+#[cfg(test)]
+mod engine_tests;
+#[cfg(test)]
+pub mod fake;
 pub mod frame;
 pub mod fuzzing;
 pub mod io;
+pub mod lease_engine;
 pub mod link;
 pub mod machine;
 pub mod packet;
@@ -32,5 +40,7 @@ pub mod store;
 #[cfg(test)]
 mod machine_tests;
 
+pub use engine::{Engine, EngineError, LeaseConfig};
+pub use lease_engine::{LeaseEngine, SweepReport};
 pub use machine::{Action, Event, Lease, Machine, State, StopMode, Timing};
 pub use packet::Identity;

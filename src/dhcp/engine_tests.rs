@@ -1,0 +1,700 @@
+//! The engine's lease table against a fake kernel ([`FakeLinks`]): two
+//! operations on one name never interleave, and a failed or abandoned
+//! start leaves no link it made. Then the same on the real kernel, in a
+//! private network namespace (root only).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::net::Ipv4Addr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{Semaphore, mpsc};
+
+use super::engine::{Engine, EngineError, LeaseConfig};
+use super::io::{Inbound, ProbeConfig, RecvError, Transport};
+use super::link::{AddressConfig, Ensured, LinkError, LinkInfo, Links};
+use super::machine::{Destination, StopMode, Timing};
+use super::packet::Identity;
+
+const MAC: [u8; 6] = [0, 0, 0x6c, 0, 0, 1];
+const NAME: &str = "vip-0000000e";
+/// Every handshake in these tests completes in microseconds; this only
+/// turns a hang into a failure.
+const DEADLINE: Duration = Duration::from_secs(10);
+
+/// A kernel as the engine sees it. `ops` is what was done to it, in order.
+struct Kernel {
+    links: BTreeMap<String, LinkInfo>,
+    next_index: u32,
+    ops: Vec<String>,
+    fail_open: bool,
+}
+
+/// Holds an operation at its start until the test lets it go, and tells
+/// the test it got there.
+#[derive(Clone)]
+struct Gate {
+    entered: mpsc::UnboundedSender<()>,
+    release: Arc<Semaphore>,
+}
+
+struct GateControl {
+    entered: mpsc::UnboundedReceiver<()>,
+    release: Arc<Semaphore>,
+}
+
+impl Gate {
+    fn new() -> (Gate, GateControl) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let release = Arc::new(Semaphore::new(0));
+        (
+            Gate {
+                entered: tx,
+                release: release.clone(),
+            },
+            GateControl {
+                entered: rx,
+                release,
+            },
+        )
+    }
+
+    async fn pass(&self) {
+        let _ = self.entered.send(());
+        self.release
+            .acquire()
+            .await
+            .expect("gate semaphore open")
+            .forget();
+    }
+}
+
+impl GateControl {
+    async fn wait_entered(&mut self) {
+        tokio::time::timeout(DEADLINE, self.entered.recv())
+            .await
+            .expect("the operation did not reach the gate")
+            .expect("gate sender alive");
+    }
+
+    fn open_once(&self) {
+        self.release.add_permits(1);
+    }
+}
+
+#[derive(Clone)]
+struct FakeLinks {
+    kernel: Arc<Mutex<Kernel>>,
+    ensure_gate: Option<Gate>,
+    delete_gate: Option<Gate>,
+}
+
+fn link(name: &str, index: u32, mac: [u8; 6], parent: Option<u32>, macvlan: bool) -> LinkInfo {
+    LinkInfo {
+        name: name.into(),
+        index,
+        mac: Some(mac),
+        parent,
+        macvlan,
+    }
+}
+
+impl FakeLinks {
+    /// A kernel with one uplink, `eth0` (index 1).
+    fn new() -> FakeLinks {
+        let eth0 = link("eth0", 1, [2, 0, 0, 0, 0, 1], None, false);
+        FakeLinks {
+            kernel: Arc::new(Mutex::new(Kernel {
+                links: BTreeMap::from([("eth0".to_string(), eth0)]),
+                next_index: 2,
+                ops: Vec::new(),
+                fail_open: false,
+            })),
+            ensure_gate: None,
+            delete_gate: None,
+        }
+    }
+
+    fn add(&self, name: &str, mac: [u8; 6], parent: Option<u32>, macvlan: bool) -> u32 {
+        let mut k = self.kernel.lock().unwrap();
+        let index = k.next_index;
+        k.next_index += 1;
+        k.links
+            .insert(name.into(), link(name, index, mac, parent, macvlan));
+        index
+    }
+
+    fn ops(&self) -> Vec<String> {
+        self.kernel.lock().unwrap().ops.clone()
+    }
+
+    fn get(&self, name: &str) -> Option<LinkInfo> {
+        self.kernel.lock().unwrap().links.get(name).cloned()
+    }
+
+    fn fail_open(&self, fail: bool) {
+        self.kernel.lock().unwrap().fail_open = fail;
+    }
+}
+
+impl Links for FakeLinks {
+    type Transport = IdleTransport;
+    type Addrs = NoAddrs;
+
+    async fn link(&self, name: &str) -> Result<Option<LinkInfo>, LinkError> {
+        Ok(self.get(name))
+    }
+
+    async fn links(&self) -> Result<Vec<LinkInfo>, LinkError> {
+        Ok(self
+            .kernel
+            .lock()
+            .unwrap()
+            .links
+            .values()
+            .cloned()
+            .collect())
+    }
+
+    async fn ensure_macvlan(
+        &self,
+        name: &str,
+        parent: &str,
+        mac: [u8; 6],
+    ) -> Result<Ensured, LinkError> {
+        if let Some(g) = &self.ensure_gate {
+            g.pass().await;
+        }
+        let mut k = self.kernel.lock().unwrap();
+        let parent = k
+            .links
+            .get(parent)
+            .map(|l| l.index)
+            .ok_or_else(|| LinkError::NotFound(parent.into()))?;
+        if let Some(l) = k.links.get(name)
+            && l.macvlan
+            && l.mac == Some(mac)
+            && l.parent == Some(parent)
+        {
+            let index = l.index;
+            k.ops.push(format!("reuse {name}"));
+            return Ok(Ensured::Reused { index });
+        }
+        let index = k.next_index;
+        k.next_index += 1;
+        k.links
+            .insert(name.into(), link(name, index, mac, Some(parent), true));
+        k.ops.push(format!("create {name}"));
+        Ok(Ensured::Created { index })
+    }
+
+    async fn delete(&self, name: &str) -> Result<(), LinkError> {
+        if let Some(g) = &self.delete_gate {
+            g.pass().await;
+        }
+        let mut k = self.kernel.lock().unwrap();
+        if k.links.remove(name).is_some() {
+            k.ops.push(format!("delete {name}"));
+        }
+        Ok(())
+    }
+
+    fn open(&self, _index: u32, _mac: [u8; 6], _probe: ProbeConfig) -> io::Result<IdleTransport> {
+        if self.kernel.lock().unwrap().fail_open {
+            return Err(io::Error::from_raw_os_error(libc::EPERM));
+        }
+        Ok(IdleTransport)
+    }
+
+    fn addrs(&self, _name: &str, _index: u32) -> NoAddrs {
+        NoAddrs
+    }
+}
+
+/// A network where nothing ever answers.
+struct IdleTransport;
+
+impl Transport for IdleTransport {
+    async fn send(&self, _payload: &[u8], _src: Ipv4Addr, _dst: Destination) -> io::Result<()> {
+        Ok(())
+    }
+    async fn recv(&self) -> Result<Inbound, RecvError> {
+        std::future::pending().await
+    }
+    async fn arp_probe(&self, _addr: Ipv4Addr) -> io::Result<bool> {
+        Ok(false)
+    }
+    async fn arp_announce(&self, _addr: Ipv4Addr) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+struct NoAddrs;
+
+impl AddressConfig for NoAddrs {
+    async fn add(&self, _addr: Ipv4Addr) -> Result<(), LinkError> {
+        Ok(())
+    }
+    async fn remove(&self, _addr: Ipv4Addr) -> Result<(), LinkError> {
+        Ok(())
+    }
+}
+
+fn cfg(name: &str, parent: &str) -> LeaseConfig {
+    LeaseConfig {
+        interface: name.into(),
+        parent: parent.into(),
+        identity: Identity::new(MAC),
+        timing: Timing::default(),
+        probe: ProbeConfig::default(),
+    }
+}
+
+async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(DEADLINE, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish"))
+}
+
+#[tokio::test]
+async fn concurrent_starts_of_one_name_one_wins() {
+    let (gate, mut control) = Gate::new();
+    let links = FakeLinks {
+        ensure_gate: Some(gate),
+        ..FakeLinks::new()
+    };
+    let engine = Arc::new(Engine::with_links(links.clone(), None));
+    let first = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.start(cfg(NAME, "eth0")).await }
+    });
+    // The first start is inside its first await (making the link).
+    control.wait_entered().await;
+    let second = within("the second start", engine.start(cfg(NAME, "eth0"))).await;
+    assert!(
+        matches!(second, Err(EngineError::Exists(ref n)) if n == NAME),
+        "{second:?}"
+    );
+    control.open_once();
+    within("the first start", first)
+        .await
+        .unwrap()
+        .expect("the first start succeeds");
+    assert_eq!(links.ops(), vec![format!("create {NAME}")]);
+    assert_eq!(engine.snapshot().len(), 1);
+
+    within("the stop", engine.stop(NAME, StopMode::Handover))
+        .await
+        .unwrap();
+    assert!(links.get(NAME).is_none());
+    assert!(engine.snapshot().is_empty());
+}
+
+#[tokio::test]
+async fn a_failed_start_deletes_the_link_it_made_and_frees_the_name() {
+    let links = FakeLinks::new();
+    links.fail_open(true);
+    let engine = Engine::with_links(links.clone(), None);
+    let err = engine.start(cfg(NAME, "eth0")).await.unwrap_err();
+    assert!(matches!(err, EngineError::Socket { .. }), "{err:?}");
+    assert_eq!(
+        links.ops(),
+        vec![format!("create {NAME}"), format!("delete {NAME}")]
+    );
+    assert!(links.get(NAME).is_none());
+    assert!(engine.snapshot().is_empty());
+
+    links.fail_open(false);
+    engine
+        .start(cfg(NAME, "eth0"))
+        .await
+        .expect("the name is free again");
+}
+
+#[tokio::test]
+async fn a_failed_start_leaves_a_reused_link() {
+    let links = FakeLinks::new();
+    let index = links.add(NAME, MAC, Some(1), true);
+    links.fail_open(true);
+    let engine = Engine::with_links(links.clone(), None);
+    assert!(engine.start(cfg(NAME, "eth0")).await.is_err());
+    assert_eq!(links.ops(), vec![format!("reuse {NAME}")]);
+    assert_eq!(links.get(NAME).map(|l| l.index), Some(index));
+}
+
+#[tokio::test]
+async fn a_failed_link_creation_frees_the_name() {
+    let links = FakeLinks::new();
+    let engine = Engine::with_links(links.clone(), None);
+    let err = engine.start(cfg(NAME, "eth9")).await.unwrap_err();
+    assert!(
+        matches!(err, EngineError::Link { source: LinkError::NotFound(ref p), .. } if p == "eth9"),
+        "{err:?}"
+    );
+    assert!(links.ops().is_empty());
+    engine
+        .start(cfg(NAME, "eth0"))
+        .await
+        .expect("the name is free again");
+}
+
+#[tokio::test]
+async fn a_start_during_a_stop_waits_until_the_old_link_is_gone() {
+    let (gate, mut control) = Gate::new();
+    let links = FakeLinks {
+        delete_gate: Some(gate),
+        ..FakeLinks::new()
+    };
+    let engine = Arc::new(Engine::with_links(links.clone(), None));
+    engine.start(cfg(NAME, "eth0")).await.unwrap();
+    let stop = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.stop(NAME, StopMode::Release).await }
+    });
+    control.wait_entered().await;
+    let restart = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.start(cfg(NAME, "eth0")).await }
+    });
+    // The restart must not get ahead of the deletion: it waits for it.
+    tokio::task::yield_now().await;
+    assert!(!restart.is_finished());
+    assert_eq!(links.ops(), vec![format!("create {NAME}")]);
+
+    control.open_once();
+    within("the stop", stop).await.unwrap().unwrap();
+    within("the restart", restart)
+        .await
+        .unwrap()
+        .expect("the restart succeeds after the stop");
+    assert_eq!(
+        links.ops(),
+        vec![
+            format!("create {NAME}"),
+            format!("delete {NAME}"),
+            format!("create {NAME}")
+        ]
+    );
+    assert!(links.get(NAME).is_some(), "the new lease's link is there");
+    assert_eq!(engine.snapshot().len(), 1);
+}
+
+#[tokio::test]
+async fn a_stop_during_a_start_stops_what_it_started() {
+    let (gate, mut control) = Gate::new();
+    let links = FakeLinks {
+        ensure_gate: Some(gate),
+        ..FakeLinks::new()
+    };
+    let engine = Arc::new(Engine::with_links(links.clone(), None));
+    let start = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.start(cfg(NAME, "eth0")).await }
+    });
+    control.wait_entered().await;
+    let errors = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.stop_all(StopMode::Handover).await }
+    });
+    control.open_once();
+    within("the start", start).await.unwrap().unwrap();
+    let errors = within("stop_all", errors).await.unwrap();
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(links.get(NAME).is_none());
+    assert!(engine.snapshot().is_empty());
+}
+
+#[tokio::test]
+async fn an_abandoned_start_still_finishes() {
+    let (gate, mut control) = Gate::new();
+    let links = FakeLinks {
+        ensure_gate: Some(gate),
+        ..FakeLinks::new()
+    };
+    let engine = Engine::with_links(links.clone(), None);
+    {
+        let start = engine.start(cfg(NAME, "eth0"));
+        tokio::pin!(start);
+        tokio::select! {
+            _ = &mut start => panic!("the start cannot finish before the gate opens"),
+            _ = control.wait_entered() => {}
+        }
+        // The caller gives up here: the start's future is dropped.
+    }
+    control.open_once();
+    // A stop waits for the start under way, then stops its lease.
+    within("the stop", engine.stop(NAME, StopMode::Handover))
+        .await
+        .expect("the abandoned start registered its lease");
+    assert_eq!(
+        links.ops(),
+        vec![format!("create {NAME}"), format!("delete {NAME}")]
+    );
+}
+
+#[tokio::test]
+async fn an_abandoned_failing_start_still_cleans_up() {
+    let (gate, mut control) = Gate::new();
+    let links = FakeLinks {
+        ensure_gate: Some(gate),
+        ..FakeLinks::new()
+    };
+    links.fail_open(true);
+    let engine = Engine::with_links(links.clone(), None);
+    {
+        let start = engine.start(cfg(NAME, "eth0"));
+        tokio::pin!(start);
+        tokio::select! {
+            _ = &mut start => panic!("the start cannot finish before the gate opens"),
+            _ = control.wait_entered() => {}
+        }
+    }
+    control.open_once();
+    let stopped = within("the stop", engine.stop(NAME, StopMode::Handover)).await;
+    assert!(
+        matches!(stopped, Err(EngineError::Unknown(_))),
+        "{stopped:?}"
+    );
+    assert_eq!(
+        links.ops(),
+        vec![format!("create {NAME}"), format!("delete {NAME}")]
+    );
+}
+
+#[tokio::test]
+async fn sweep_deletes_only_unwanted_prefixed_macvlans() {
+    let links = FakeLinks::new();
+    links.add("vip-00000001", MAC, Some(1), true);
+    links.add("vip-00000002", MAC, Some(1), true);
+    links.add("vip-veth", MAC, None, false);
+    links.add("other-0001", MAC, Some(1), true);
+    let engine = Engine::with_links(links.clone(), None);
+    engine.start(cfg("vip-00000003", "eth0")).await.unwrap();
+    let keep = BTreeSet::from(["vip-00000001".to_string()]);
+    let report = engine.sweep("vip-", &keep).await;
+    assert_eq!(report.removed, vec!["vip-00000002".to_string()]);
+    assert!(report.problems.is_empty());
+    let left: Vec<String> = links.kernel.lock().unwrap().links.keys().cloned().collect();
+    assert_eq!(
+        left,
+        vec![
+            "eth0",
+            "other-0001",
+            "vip-00000001",
+            "vip-00000003",
+            "vip-veth"
+        ]
+    );
+}
+
+/// The same properties on the real kernel: rtnetlink in a network
+/// namespace of its own, on a veth parent made there.
+mod real {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use futures::TryStreamExt;
+    use rtnetlink::packet_route::link::MacVlanMode;
+    use rtnetlink::{LinkMacVlan, LinkUnspec, LinkVeth};
+
+    use super::*;
+    use crate::dhcp::io::AfPacket;
+    use crate::dhcp::link::{IfAddrs, Netlink};
+
+    /// Netlink whose packet socket opening can be made to fail: a failure
+    /// after the real link was made.
+    #[derive(Clone)]
+    struct FailingOpen {
+        nl: Netlink,
+        fail: Arc<AtomicBool>,
+    }
+
+    impl Links for FailingOpen {
+        type Transport = AfPacket;
+        type Addrs = IfAddrs;
+
+        async fn link(&self, name: &str) -> Result<Option<LinkInfo>, LinkError> {
+            self.nl.link(name).await
+        }
+        async fn links(&self) -> Result<Vec<LinkInfo>, LinkError> {
+            self.nl.links().await
+        }
+        async fn ensure_macvlan(
+            &self,
+            name: &str,
+            parent: &str,
+            mac: [u8; 6],
+        ) -> Result<Ensured, LinkError> {
+            self.nl.ensure_macvlan(name, parent, mac).await
+        }
+        async fn delete(&self, name: &str) -> Result<(), LinkError> {
+            self.nl.delete(name).await
+        }
+        fn open(&self, index: u32, mac: [u8; 6], probe: ProbeConfig) -> io::Result<AfPacket> {
+            if self.fail.load(Ordering::SeqCst) {
+                return Err(io::Error::from_raw_os_error(libc::EPERM));
+            }
+            AfPacket::open(index, mac, probe)
+        }
+        fn addrs(&self, name: &str, index: u32) -> IfAddrs {
+            self.nl.on(name, index)
+        }
+    }
+
+    fn macvlans(all: &[LinkInfo], name: &str) -> Vec<LinkInfo> {
+        all.iter()
+            .filter(|l| l.name == name && l.macvlan)
+            .cloned()
+            .collect()
+    }
+
+    async fn scenario() {
+        let (conn, handle, _) = rtnetlink::new_connection().expect("netlink socket");
+        tokio::spawn(conn);
+        handle
+            .link()
+            .add(LinkVeth::new("hna-up0", "hna-up1").build())
+            .execute()
+            .await
+            .expect("veth pair");
+        for name in ["hna-up0", "hna-up1"] {
+            let index = handle
+                .link()
+                .get()
+                .match_name(name)
+                .execute()
+                .try_next()
+                .await
+                .unwrap()
+                .unwrap()
+                .header
+                .index;
+            handle
+                .link()
+                .set(LinkUnspec::new_with_index(index).up().build())
+                .execute()
+                .await
+                .expect("set up");
+        }
+        let nl = Netlink::connect().expect("netlink");
+        let fail = Arc::new(AtomicBool::new(false));
+        let links = FailingOpen {
+            nl: nl.clone(),
+            fail: fail.clone(),
+        };
+        let engine = Engine::with_links(links, None);
+        let parent = nl.link("hna-up0").await.unwrap().unwrap().index;
+
+        // Two starts of one name at once: one lease, one link.
+        let (a, b) = tokio::join!(
+            engine.start(cfg(NAME, "hna-up0")),
+            engine.start(cfg(NAME, "hna-up0"))
+        );
+        assert_eq!(
+            [a.is_ok(), b.is_ok()].iter().filter(|ok| **ok).count(),
+            1,
+            "{a:?} {b:?}"
+        );
+        assert!(
+            matches!(
+                (&a, &b),
+                (Err(EngineError::Exists(_)), _) | (_, Err(EngineError::Exists(_)))
+            ),
+            "{a:?} {b:?}"
+        );
+        let made = macvlans(&nl.links().await.unwrap(), NAME);
+        assert_eq!(made.len(), 1);
+        assert_eq!(made[0].mac, Some(MAC));
+        assert_eq!(made[0].parent, Some(parent));
+        engine.stop(NAME, StopMode::Handover).await.unwrap();
+        assert_eq!(nl.link(NAME).await.unwrap(), None);
+
+        // A failure after the link was made: the link goes again.
+        fail.store(true, Ordering::SeqCst);
+        let err = engine.start(cfg(NAME, "hna-up0")).await.unwrap_err();
+        assert!(matches!(err, EngineError::Socket { .. }), "{err:?}");
+        assert_eq!(nl.link(NAME).await.unwrap(), None, "the made link is gone");
+
+        // ... but a link that fits and was there before stays.
+        let before = nl.ensure_macvlan(NAME, "hna-up0", MAC).await.unwrap();
+        assert!(before.created());
+        assert!(engine.start(cfg(NAME, "hna-up0")).await.is_err());
+        let kept = nl.link(NAME).await.unwrap().expect("the reused link stays");
+        assert_eq!(kept.index, before.index());
+        fail.store(false, Ordering::SeqCst);
+
+        // A link of the name that does not fit (other parent) is replaced.
+        nl.delete(NAME).await.unwrap();
+        let other_parent = nl.link("hna-up1").await.unwrap().unwrap().index;
+        handle
+            .link()
+            .add(
+                LinkMacVlan::new(NAME, other_parent, MacVlanMode::Bridge)
+                    .address(MAC.to_vec())
+                    .build(),
+            )
+            .execute()
+            .await
+            .expect("macvlan on the other parent");
+        engine.start(cfg(NAME, "hna-up0")).await.unwrap();
+        let now = nl.link(NAME).await.unwrap().unwrap();
+        assert_eq!(now.parent, Some(parent));
+        engine.stop(NAME, StopMode::Handover).await.unwrap();
+
+        // The sweep: only unwanted macvlans with the prefix.
+        for (name, mac) in [
+            ("hna-x-a", [0, 0, 0x6c, 0, 0, 2]),
+            ("hna-x-b", [0, 0, 0x6c, 0, 0, 3]),
+        ] {
+            nl.ensure_macvlan(name, "hna-up0", mac).await.unwrap();
+        }
+        let keep = BTreeSet::from(["hna-x-b".to_string()]);
+        let report = engine.sweep("hna-", &keep).await;
+        assert_eq!(report.removed, vec!["hna-x-a".to_string()]);
+        assert!(report.problems.is_empty(), "{:?}", report.problems);
+        let names: BTreeSet<String> = nl
+            .links()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|l| l.name)
+            .collect();
+        for present in ["hna-up0", "hna-up1", "hna-x-b"] {
+            assert!(names.contains(present), "{present} in {names:?}");
+        }
+        assert!(!names.contains("hna-x-a"));
+    }
+
+    #[test]
+    fn on_the_real_kernel_in_a_private_netns() {
+        if !nix::unistd::geteuid().is_root() {
+            let why = "needs root for a private network namespace: run `sudo -E cargo test --lib dhcp::engine_tests`";
+            if std::env::var("CI").as_deref() == Ok("true") {
+                panic!("{why}");
+            }
+            eprintln!("SKIPPED: {why}");
+            return;
+        }
+        // A dedicated thread: unshare(CLONE_NEWNET) moves the calling
+        // thread for good, and everything made in the namespace goes with
+        // it when the thread ends. The host's interfaces are never seen.
+        std::thread::Builder::new()
+            .name("engine-netns".into())
+            .spawn(|| {
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                    .expect("unshare(CLONE_NEWNET)");
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(async {
+                        tokio::time::timeout(Duration::from_secs(60), scenario())
+                            .await
+                            .expect("the scenario did not finish in 60 s")
+                    })
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+    }
+}

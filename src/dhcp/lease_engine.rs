@@ -1,0 +1,67 @@
+//! What a LoadBalancer layer needs from the DHCP engine, as a trait: the
+//! real [`Engine`](super::engine::Engine) implements it, and
+//! [`FakeEngine`](super::fake::FakeEngine) (unit tests) records every call
+//! and injects failures, so the LB reconcile is tested without root.
+//!
+//! Generic use (`E: LeaseEngine`), not `dyn`: the methods return
+//! `impl Future + Send`, so a reconcile can spawn them.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+
+use tokio::sync::watch;
+
+use super::driver::LeaseStatus;
+use super::engine::{EngineError, LeaseConfig};
+use super::machine::StopMode;
+
+/// What [`LeaseEngine::sweep`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Links deleted.
+    pub removed: Vec<String>,
+    /// Links that could not be listed or deleted, with the reason.
+    pub problems: Vec<String>,
+}
+
+/// Leases held by this node, one per LoadBalancer address, by macvlan name
+/// ([`LeaseConfig::interface`]).
+pub trait LeaseEngine: Send + Sync + 'static {
+    /// Makes the macvlan (or reuses a macvlan of that name on
+    /// `cfg.parent` with `cfg.identity.mac`) and starts acquiring; the
+    /// receiver follows the lease's status until it is stopped.
+    /// [`EngineError::Exists`] while the name is started or running; a
+    /// start while a stop of the name is under way waits for the stop. On
+    /// failure nothing the start made is left (a reused link stays).
+    fn start(
+        &self,
+        cfg: LeaseConfig,
+    ) -> impl Future<Output = Result<watch::Receiver<LeaseStatus>, EngineError>> + Send;
+
+    /// Stops a lease and deletes its macvlan: `Release` when the address is
+    /// no longer wanted anywhere (DHCPRELEASE, lease file deleted),
+    /// `Handover` when another node takes it (nothing sent, file kept).
+    /// [`EngineError::Unknown`] when no such lease runs.
+    fn stop(
+        &self,
+        name: &str,
+        mode: StopMode,
+    ) -> impl Future<Output = Result<(), EngineError>> + Send;
+
+    /// Gratuitous ARP for a bound lease now (takeover); nothing when the
+    /// lease holds no address yet.
+    fn announce(&self, name: &str) -> impl Future<Output = Result<(), EngineError>> + Send;
+
+    /// Every running lease's current status.
+    fn snapshot(&self) -> Vec<LeaseStatus>;
+
+    /// Start-up clean-up: deletes every macvlan named `prefix...` that is
+    /// not in `keep` and not held by a running lease, without DHCPRELEASE
+    /// (lease files stay). Call it before starting the leases in `keep`,
+    /// which then adopt their links.
+    fn sweep(
+        &self,
+        prefix: &str,
+        keep: &BTreeSet<String>,
+    ) -> impl Future<Output = SweepReport> + Send;
+}
