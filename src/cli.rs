@@ -183,7 +183,7 @@ pub struct CheckArgs {
     pub timeout: Duration,
     /// Do what the daemon does: load macvlan when it is on disk but not
     /// loaded (with the system's modprobe), then prove it with a throwaway
-    /// macvlan in a private network namespace.
+    /// macvlan on the uplink, never set up and deleted at once.
     #[arg(long)]
     pub fix: bool,
 }
