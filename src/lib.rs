@@ -4,6 +4,7 @@
 //! Module map (one concern each):
 //! - [`config`]: the TOML file, environment and flags, validated before
 //!   anything touches the host;
+//! - [`duration`]: the one duration syntax (bare seconds or units);
 //! - [`credentials`]: which guest-cluster kubeconfig this node uses;
 //! - [`state_dir`]: the persistent state directory;
 //! - [`systemd`]: `Type=notify` messages and the liveness-gated watchdog;
@@ -29,6 +30,7 @@ pub mod control;
 pub mod controller;
 pub mod credentials;
 pub mod dhcp;
+pub mod duration;
 pub mod guest;
 pub mod kmod;
 pub mod logging;
