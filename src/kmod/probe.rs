@@ -73,19 +73,13 @@ fn can_be_parent(link: &LinkFacts) -> bool {
 
 /// The interfaces to try as parent, best first: the interface of the
 /// default route (the uplink, whatever its kind: bridge, bond, VLAN or a
-/// NIC), then hardware Ethernet NICs in index order. Virtual links that
-/// do not carry the default route (pod veths, CNI bridges, other macvlans)
-/// are left alone.
+/// NIC), then hardware Ethernet NICs, then, on a node with neither, other
+/// Ethernet links (veths, bridges), each group in index order.
 pub fn parents(links: &[LinkFacts], default_route: Option<u32>) -> Vec<&LinkFacts> {
-    let uplink = default_route
-        .and_then(|i| links.iter().find(|l| l.index == i))
-        .filter(|l| can_be_parent(l));
-    let mut nics: Vec<&LinkFacts> = links
-        .iter()
-        .filter(|l| can_be_parent(l) && l.kind.is_none() && Some(l.index) != default_route)
-        .collect();
-    nics.sort_by_key(|l| l.index);
-    uplink.into_iter().chain(nics).take(MAX_PARENTS).collect()
+    let mut candidates: Vec<&LinkFacts> = links.iter().filter(|l| can_be_parent(l)).collect();
+    candidates.sort_by_key(|l| (Some(l.index) != default_route, l.kind.is_some(), l.index));
+    candidates.truncate(MAX_PARENTS);
+    candidates
 }
 
 /// Why no interface qualifies, for [`ProbeError::NoParent`].
@@ -98,7 +92,7 @@ pub fn no_parent_detail(links: &[LinkFacts]) -> String {
             } else if l.controller.is_some() {
                 "port of a bridge or bond"
             } else {
-                "virtual, not on the default route"
+                "a probe link"
             };
             format!("{} ({why})", l.name)
         })
@@ -166,10 +160,15 @@ mod tests {
             link(7, "wg0", false, Some("wireguard")),
         ];
         assert_eq!(names(parents(&links, Some(3))), ["br0", "eth0", "ens5"]);
-        assert_eq!(names(parents(&links, Some(6))), ["ens5", "eth0"]);
-        // No default route (or through a tunnel): hardware NICs only.
-        assert_eq!(names(parents(&links, None)), ["eth0", "ens5"]);
-        assert_eq!(names(parents(&links, Some(7))), ["eth0", "ens5"]);
+        assert_eq!(names(parents(&links, Some(6))), ["ens5", "eth0", "br0"]);
+        // No default route (or through a tunnel): hardware NICs first.
+        assert_eq!(names(parents(&links, None)), ["eth0", "ens5", "br0"]);
+        assert_eq!(names(parents(&links, Some(7))), ["eth0", "ens5", "br0"]);
+        // No hardware NIC: virtual Ethernet links will do.
+        assert_eq!(
+            names(parents(&links[2..5], None)),
+            ["br0", "cali1234", "vip-0a1b2c3d"]
+        );
     }
 
     #[test]
@@ -182,9 +181,12 @@ mod tests {
             link(3, "br0", true, Some("bridge")),
             link(4, "hnaprobe77", true, Some("macvlan")),
         ];
-        assert_eq!(names(parents(&links, Some(2))), Vec::<&str>::new());
-        assert_eq!(names(parents(&links, Some(4))), Vec::<&str>::new());
-        assert_eq!(names(parents(&links, Some(3))), ["br0"]);
+        // The bridge, never its port, the loopback or a probe link.
+        for route in [None, Some(1), Some(2), Some(3), Some(4)] {
+            assert_eq!(names(parents(&links, route)), ["br0"], "{route:?}");
+        }
+        assert_eq!(names(parents(&links[..2], Some(2))), Vec::<&str>::new());
+        assert!(no_parent_detail(&links[3..]).contains("hnaprobe77 (a probe link)"));
         let detail = no_parent_detail(&links[..2]);
         assert!(
             detail.contains("lo (not Ethernet)")
