@@ -516,8 +516,11 @@ fn raw_from_toml(spec: &KeySpec, value: toml::Value) -> Result<Raw, String> {
             found(&other)
         )),
         (_, toml::Value::String(s)) => Ok(Raw::Text(s)),
+        // A bare number is seconds, in the file as in flags and environment.
+        (Kind::Duration, toml::Value::Integer(i)) => Ok(Raw::Text(i.to_string())),
+        (Kind::Duration, toml::Value::Float(f)) => Ok(Raw::Text(f.to_string())),
         (Kind::Duration, other) => Err(format!(
-            "expected a duration string such as \"10s\" or \"2m\", {}",
+            "expected a duration such as 10 (seconds), \"10s\" or \"2m\", {}",
             found(&other)
         )),
         (Kind::Path, other) => Err(format!("expected a path string, {}", found(&other))),
@@ -582,14 +585,8 @@ fn absolute_path(v: String) -> Result<PathBuf, String> {
     }
 }
 
-fn parse_duration(v: &str) -> Result<Duration, String> {
-    humantime::parse_duration(v).map_err(|e| {
-        format!("`{v}` is not a duration ({e}); write it like \"10s\", \"1m30s\" or \"500ms\"")
-    })
-}
-
 pub fn duration_between(v: &str, min_secs: u64, max_secs: u64) -> Result<Duration, String> {
-    let d = parse_duration(v)?;
+    let d = crate::duration::parse_duration(v)?;
     let (min, max) = (Duration::from_secs(min_secs), Duration::from_secs(max_secs));
     if d < min || d > max {
         return Err(format!(
@@ -679,6 +676,50 @@ mod tests {
         assert_eq!(cfg.credentials_retry, Duration::from_secs(10));
         assert_eq!(cfg.kubeconfig_search.len(), DEFAULT_KUBECONFIG_SEARCH.len());
         assert_eq!(cfg.log_target, LogTarget::Auto);
+    }
+
+    #[test]
+    fn durations_take_bare_seconds_from_file_environment_and_flags() {
+        for text in [
+            "credentials_retry = 3",
+            "credentials_retry = \"3\"",
+            "credentials_retry = 3.0",
+            "credentials_retry = \"3s\"",
+        ] {
+            assert_eq!(
+                resolve_file(text).unwrap().credentials_retry,
+                Duration::from_secs(3),
+                "{text}"
+            );
+        }
+        let cfg = resolve_file("macvlan_recheck = 12.5\ncredentials_retry = \"1m30s\"").unwrap();
+        assert_eq!(cfg.macvlan_recheck, Duration::from_millis(12_500));
+        assert_eq!(cfg.credentials_retry, Duration::from_secs(90));
+
+        let env = |k: &str| (k == "HNA_MACVLAN_RECHECK").then(|| "30".to_string());
+        let mut flags = FlagValues::default();
+        flags.values.insert("credentials_retry", "2.5".into());
+        let cfg = resolve(None, &env, &flags, &|| "node-a".into()).unwrap();
+        assert_eq!(cfg.macvlan_recheck, Duration::from_secs(30));
+        assert_eq!(cfg.credentials_retry, Duration::from_millis(2500));
+
+        for (text, says) in [
+            ("credentials_retry = -3", "negative"),
+            ("credentials_retry = nan", "bare number"),
+            ("credentials_retry = inf", "bare number"),
+            ("credentials_retry = \"\"", "empty"),
+            ("credentials_retry = \"3 parsecs\"", "unknown time unit"),
+            (
+                "credentials_retry = true",
+                "expected a duration such as 10 (seconds)",
+            ),
+            // In range only as seconds: 0.5 is below the 1s minimum.
+            ("credentials_retry = 0.5", "out of range"),
+        ] {
+            let err = resolve_file(text).unwrap_err();
+            assert_eq!(err.key(), Some("credentials_retry"), "{text}");
+            assert!(err.to_string().contains(says), "{text}: {err}");
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! - [`k8s_names`]: Kubernetes name and label rules, default topology keys;
 //! - [`config`]: the TOML file, environment and flags, validated before
 //!   anything touches the host;
+//! - [`duration`]: the one duration syntax (bare seconds or units);
 //! - [`cluster`]: the guest-cluster connection shared by daemon and
 //!   controller (credentials, the credentials watcher, the single-object
 //!   watch);
@@ -33,6 +34,7 @@ pub mod config;
 pub mod control;
 pub mod controller;
 pub mod dhcp;
+pub mod duration;
 pub mod guest;
 pub mod health;
 pub mod k8s_names;

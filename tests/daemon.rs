@@ -17,6 +17,21 @@ fn agent(dir: &Path) -> Command {
         .env("HNA_CONFIG", dir.join("absent-default.toml"))
         .env("HNA_KUBECONFIG_SEARCH", "")
         .env("HNA_LOG_TARGET", "stderr");
+    // The daemon and `check` probe macvlan on the uplink; as root they
+    // would do it on this machine's own interface. Without CAP_NET_ADMIN
+    // they cannot change the host's network (the probe fails with EPERM).
+    // SAFETY: prctl is async-signal-safe; nothing else runs before exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            const CAP_NET_ADMIN: libc::c_ulong = 12;
+            if libc::prctl(libc::PR_CAPBSET_DROP, CAP_NET_ADMIN, 0, 0, 0) != 0
+                && libc::geteuid() == 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     cmd
 }
 

@@ -68,7 +68,7 @@ fn preflight_states_on_a_real_kernel() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let mut img = image(&kernel, dir.path(), &[]);
+    let mut img = image(&kernel, dir.path(), &["virtio_pci", "virtio_net"]);
     let sles = "NAME=\"SLES\"\nVERSION=\"15-SP5\"\nID=\"sles\"\nID_LIKE=\"suse\"\nPRETTY_NAME=\"SUSE Linux Enterprise Server 15 SP5\"\n";
     img.add_file("/etc/os-release.sles", sles.as_bytes(), 0o644)
         .unwrap();
@@ -81,6 +81,9 @@ fn preflight_states_on_a_real_kernel() {
         r#"
 hna release "$REL"
 hna loaded.start "$(loaded)"
+# The NIC: the probe's parent, as on a node.
+modprobe virtio_pci && modprobe virtio_net
+hna nic $?
 
 # qemu-guest-agent: not installed, then installed without a channel.
 hna_run ga_missing $A check qemu-guest-agent --output json $ARGS
@@ -142,8 +145,9 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
 "#
     ));
     let started = Instant::now();
-    let run = vm::boot(&kernel, &img.build().unwrap(), &vm::VmOptions::default()).unwrap();
+    let run = vm::boot(&kernel, &img.build().unwrap(), &isolated_nic()).unwrap();
     eprintln!("VM run took {:.1}s", started.elapsed().as_secs_f64());
+    assert_eq!(run.marker("nic").as_deref(), Some("0"), "{}", run.tail(60));
     let release = run.marker("release").unwrap();
     assert_eq!(release, kernel.release);
     assert_eq!(run.marker("loaded.start").as_deref(), Some("0"));
@@ -454,4 +458,135 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
         seen, want,
         "MacvlanReady on Node {node} went through {seen:?}"
     );
+}
+
+/// A virtio NIC (the macvlan probe's parent, like a node's uplink) whose
+/// frames go nowhere: its hub has no other port.
+fn isolated_nic() -> vm::VmOptions {
+    vm::VmOptions {
+        extra_args: vec![
+            "-netdev".into(),
+            "hubport,id=n0,hubid=0".into(),
+            "-device".into(),
+            "virtio-net-pci,netdev=n0".into(),
+        ],
+        ..vm::VmOptions::default()
+    }
+}
+
+/// The capabilities the shipped unit bounds the daemon to, as a `setpriv
+/// --bounding-set` argument (`-all,+net_admin,...`).
+fn unit_bounding_set() -> String {
+    let unit = include_str!("../systemd/harvester-node-agent.service");
+    let caps = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("CapabilityBoundingSet="))
+        .expect("the unit sets CapabilityBoundingSet=");
+    let mut arg = String::from("-all");
+    for cap in caps.split_whitespace() {
+        let cap = cap
+            .strip_prefix("CAP_")
+            .expect("capability names start with CAP_");
+        arg.push_str(",+");
+        arg.push_str(&cap.to_ascii_lowercase());
+    }
+    arg
+}
+
+/// Issue #12: a kernel that has macvlan but neither veth nor dummy (the
+/// image carries only macvlan and the virtio NIC's drivers, like a node
+/// whose kernel package lacks them). The probe needs no module besides
+/// macvlan: `check macvlan` reports ok, not ProbeFailed, also with no more
+/// capabilities than the shipped unit grants, and leaves no link behind.
+#[test]
+fn probe_needs_neither_veth_nor_dummy_on_a_real_kernel() {
+    let Some(kernel) = vm::kernel().unwrap() else {
+        return;
+    };
+    let Some(setpriv) = vm::find_program("setpriv") else {
+        assert!(
+            !(std::env::var("CI").as_deref() == Ok("true") || nix::unistd::geteuid().is_root()),
+            "setpriv is missing; install it with `apt-get install util-linux`"
+        );
+        eprintln!("SKIPPED: setpriv is missing (package util-linux)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut img = vm::Initramfs::new(&kernel).unwrap();
+    img.add_binary(
+        &vm::stripped_binary(Path::new(BIN), dir.path()).unwrap(),
+        "/usr/bin/harvester-node-agent",
+    )
+    .unwrap();
+    img.add_binary(&setpriv, "/usr/bin/setpriv").unwrap();
+    img.add_modules(&["macvlan", "virtio_pci", "virtio_net"])
+        .unwrap();
+    img.add_file("/etc/harvester-node-agent/config.toml", b"", 0o644)
+        .unwrap();
+    let bounding = unit_bounding_set();
+    img.set_init(&format!(
+        "{PRELUDE}UNIT_CAPS={bounding}\n{}",
+        r#"
+modprobe virtio_pci && modprobe virtio_net
+hna nic $?
+links() { ls /sys/class/net | tr '\n' ' '; }
+hna links.before "$(links)"
+# The premise: neither veth nor dummy can be had on this kernel.
+hna_run veth_mod modprobe veth
+hna_run dummy_mod modprobe dummy
+hna_run veth_link ip link add hv0 type veth peer name hv1
+hna_run dummy_link ip link add hd0 type dummy
+hna loaded.veth_dummy "$(grep -cE '^(veth|dummy) ' /proc/modules)"
+
+# On disk, not loaded: --fix loads and proves it, with the unit's
+# capabilities only (no CAP_SYS_ADMIN), the uplink still down.
+hna_run fix setpriv --bounding-set=$UNIT_CAPS --inh-caps=-all $A check macvlan --fix --output json $ARGS
+hna loaded.after_fix "$(loaded)"
+hna caps "$(setpriv --bounding-set=$UNIT_CAPS --inh-caps=-all grep CapEff /proc/self/status)"
+# Loaded, uplink up: plain check proves it again.
+ip link set eth0 up
+hna_run plain $A check macvlan --output json $ARGS
+hna links.after "$(links)"
+"#
+    ));
+    let run = vm::boot(&kernel, &img.build().unwrap(), &isolated_nic()).unwrap();
+    eprintln!("VM run took {:.1}s", run.duration.as_secs_f64());
+    assert_eq!(run.marker("nic").as_deref(), Some("0"), "{}", run.tail(60));
+
+    // The premise holds: veth and dummy are not available.
+    for key in ["veth_mod", "dummy_mod", "veth_link", "dummy_link"] {
+        assert_ne!(rc(&run, key), "0", "{key} worked: {}", run.tail(60));
+    }
+    for key in ["veth_link", "dummy_link"] {
+        let out = run.markers(&format!("{key}.out")).join(" ");
+        assert!(out.contains("not supported"), "{key}: {out}");
+    }
+    assert_eq!(run.marker("loaded.veth_dummy").as_deref(), Some("0"));
+
+    for key in ["fix", "plain"] {
+        let c = run.check(key, "macvlan");
+        assert_eq!(c["status"], "ok", "{key}: {c}");
+        assert!(
+            c["message"]
+                .as_str()
+                .unwrap()
+                .contains("test macvlan link was created"),
+            "{key}: {c}"
+        );
+        assert_eq!(rc(&run, key), "0");
+    }
+    assert_eq!(run.check("fix", "macvlan")["reason"], "LoadedByAgent");
+    assert_eq!(run.check("plain", "macvlan")["reason"], "Loaded");
+    assert_eq!(run.marker("loaded.after_fix").as_deref(), Some("1"));
+    assert_eq!(
+        run.marker("links.after"),
+        run.marker("links.before"),
+        "the probe left a link behind"
+    );
+
+    // CAP_SYS_ADMIN (bit 21) is not among the capabilities the fix ran with.
+    let caps = run.marker("caps").unwrap();
+    let eff = u64::from_str_radix(caps.split_whitespace().last().unwrap(), 16).unwrap();
+    assert_eq!(eff & (1 << 21), 0, "CAP_SYS_ADMIN in {caps}");
+    assert_ne!(eff & (1 << 12), 0, "no CAP_NET_ADMIN in {caps}");
 }

@@ -500,9 +500,8 @@ mod tests {
             .lines()
             .find_map(|l| l.strip_prefix("TimeoutStartSec="))
             .expect("the unit sets TimeoutStartSec");
-        let timeout = humantime::parse_duration(timeout.trim())
-            .or_else(|_| timeout.trim().parse().map(Duration::from_secs))
-            .expect("TimeoutStartSec is a duration");
+        let timeout =
+            crate::duration::parse_duration(timeout.trim()).expect("TimeoutStartSec is a duration");
         assert!(
             READY_BUDGET * 2 <= timeout,
             "READY_BUDGET {READY_BUDGET:?} must leave half of TimeoutStartSec {timeout:?} as margin"

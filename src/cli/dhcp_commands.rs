@@ -64,8 +64,8 @@ pub struct ProbeArgs {
     /// Release the lease at the end (`--release=false` keeps it on the server)
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub release: bool,
-    /// How long to wait for a lease
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    /// How long to wait for a lease (seconds, or with a unit: 500ms, 1m)
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::duration::parse_duration)]
     pub timeout: Duration,
     /// Skip the ARP probe (RFC 5227) of the offered address
     #[arg(long)]
@@ -124,8 +124,8 @@ pub struct HoldArgs {
     /// State directory (lease files go to <DIR>/leases)
     #[arg(long, value_name = "DIR")]
     pub state_dir: PathBuf,
-    /// Smallest retransmission interval while renewing/rebinding (RFC: 60s)
-    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = humantime::parse_duration)]
+    /// Smallest retransmission interval while renewing/rebinding (RFC: 60s; seconds, or with a unit)
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = crate::duration::parse_duration)]
     pub renew_floor: Duration,
     /// Skip the ARP probe (RFC 5227) of offered addresses
     #[arg(long)]

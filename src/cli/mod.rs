@@ -214,12 +214,12 @@ pub struct CheckArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Output::Human)]
     pub output: Output,
-    /// How long to wait for the API server when credentials are found.
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    /// How long to wait for the API server when credentials are found (seconds, or with a unit: 500ms, 1m)
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = crate::duration::parse_duration)]
     pub timeout: Duration,
     /// Do what the daemon does: load macvlan when it is on disk but not
     /// loaded (with the system's modprobe), then prove it with a throwaway
-    /// macvlan in a private network namespace.
+    /// macvlan on the uplink, never set up and deleted at once.
     #[arg(long)]
     pub fix: bool,
 }
@@ -680,5 +680,61 @@ mod tests {
             "{text}"
         );
         assert_eq!(lines.len(), 4, "{text}");
+    }
+
+    #[test]
+    fn duration_flags_take_bare_seconds_and_units() {
+        use std::time::Duration;
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from([&["harvester-node-agent"], args].concat())
+                .map(|c| c.command)
+                .map_err(|e| e.to_string())
+        };
+        let check_timeout = |args: &[&str]| match parse(args) {
+            Ok(Command::Check(a)) => Ok(a.timeout),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        };
+        let probe_timeout = |args: &[&str]| match parse(args) {
+            Ok(Command::DhcpProbe(a)) => Ok(a.timeout),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        };
+        assert_eq!(
+            check_timeout(&["check", "--timeout", "3"]),
+            Ok(Duration::from_secs(3))
+        );
+        assert_eq!(
+            check_timeout(&["check", "--timeout", "1m30s"]),
+            Ok(Duration::from_secs(90))
+        );
+        assert_eq!(check_timeout(&["check"]), Ok(Duration::from_secs(5)));
+        assert_eq!(
+            probe_timeout(&["dhcp-probe", "--timeout", "3"]),
+            Ok(Duration::from_secs(3))
+        );
+        assert_eq!(
+            probe_timeout(&["dhcp-probe", "--timeout", "2.5"]),
+            Ok(Duration::from_millis(2500))
+        );
+        assert_eq!(
+            probe_timeout(&["dhcp-probe", "--timeout", "500ms"]),
+            Ok(Duration::from_millis(500))
+        );
+        assert_eq!(probe_timeout(&["dhcp-probe"]), Ok(Duration::from_secs(10)));
+        for bad in ["--timeout=-3", "--timeout=soon", "--timeout="] {
+            let err = probe_timeout(&["dhcp-probe", bad]).unwrap_err();
+            assert!(err.contains("bare number"), "{bad}: {err}");
+        }
+
+        // Configuration flags are resolved by config::resolve.
+        let Ok(Command::Run(run)) = parse(&["run", "--credentials-retry", "3"]) else {
+            panic!("run does not parse");
+        };
+        let cfg = crate::config::resolve(None, &|_| None, &run.config.flag_values(), &|| {
+            "node-a".into()
+        })
+        .unwrap();
+        assert_eq!(cfg.credentials_retry, Duration::from_secs(3));
     }
 }

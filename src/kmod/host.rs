@@ -1,18 +1,23 @@
 //! The real host behind [`super::KernelHost`]: files under /proc, /lib/modules
-//! and modprobe.d, the system's `modprobe`, and a netlink probe in a private
-//! network namespace.
+//! and modprobe.d, the system's `modprobe`, and a netlink probe on the uplink.
 
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use futures::TryStreamExt;
-use rtnetlink::packet_route::link::MacVlanMode;
-use rtnetlink::{LinkDummy, LinkMacVlan, LinkVeth};
+use rtnetlink::packet_route::link::{
+    LinkAttribute, LinkFlags, LinkInfo, LinkLayerType, LinkMessage, MacVlanMode,
+};
+use rtnetlink::packet_route::route::{RouteAttribute, RouteHeader, RouteMessage};
+use rtnetlink::{LinkMacVlan, RouteMessageBuilder};
 
 use super::KernelHost;
 use super::detect::{self, Facts};
 use super::modprobe_d;
+use super::probe::{self, LinkFacts, ProbeError};
 use super::remedy::OsRelease;
 
 /// How long `modprobe` may take before the load counts as failed.
@@ -176,33 +181,42 @@ impl KernelHost for Host {
         }
     }
 
-    fn probe(&self) -> Result<(), String> {
-        probe_in_private_netns()
+    fn probe(&self) -> Result<(), ProbeError> {
+        probe_on_uplink()
     }
 }
 
-/// Creates a macvlan on a throwaway parent inside a brand-new network
-/// namespace owned by a dedicated thread, then removes it. The node's own
-/// interfaces are never touched and nothing is visible outside: when the
-/// thread ends, the namespace and anything left in it disappear.
-pub fn probe_in_private_netns() -> Result<(), String> {
-    // A dedicated OS thread: unshare(CLONE_NEWNET) changes the calling
-    // thread's namespace for good, so it must never be a pooled thread.
+/// One probe at a time in a process: the link name is per process.
+static PROBE: Mutex<()> = Mutex::new(());
+
+/// Creates a macvlan on the node's uplink, DOWN, and deletes it at once
+/// (see [`super::probe`] for why the uplink). Leftovers of a process killed
+/// mid-probe are removed first.
+pub fn probe_on_uplink() -> Result<(), ProbeError> {
+    let _one = PROBE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    // A thread with its own runtime: callers are plain threads, blocking-pool
+    // threads or code already inside a runtime, where block_on would panic.
     std::thread::Builder::new()
         .name("macvlan-probe".into())
         .spawn(|| {
-            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| {
-                format!("cannot create a private network namespace for the probe: {e}")
-            })?;
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .map_err(|e| format!("probe runtime: {e}"))?;
+                .map_err(|e| ProbeError::Failed(format!("probe runtime: {e}")))?;
             rt.block_on(probe_links())
         })
-        .map_err(|e| format!("cannot start the probe thread: {e}"))?
+        .map_err(|e| ProbeError::Failed(format!("cannot start the probe thread: {e}")))?
         .join()
-        .map_err(|_| "the probe thread panicked".to_string())?
+        .map_err(|_| ProbeError::Failed("the probe thread panicked".into()))?
+}
+
+fn errno(e: &rtnetlink::Error) -> i32 {
+    match e {
+        rtnetlink::Error::NetlinkError(m) => -m.raw_code(),
+        _ => 0,
+    }
 }
 
 fn netlink_error(e: &rtnetlink::Error) -> String {
@@ -214,54 +228,362 @@ fn netlink_error(e: &rtnetlink::Error) -> String {
     }
 }
 
-async fn link_index(handle: &rtnetlink::Handle, name: &str) -> Result<u32, String> {
-    let mut links = handle.link().get().match_name(name.to_string()).execute();
-    match links.try_next().await {
-        Ok(Some(msg)) => Ok(msg.header.index),
-        Ok(None) => Err(format!("link {name} vanished")),
-        Err(e) => Err(format!("looking up {name}: {}", netlink_error(&e))),
+fn link_facts(msg: &LinkMessage) -> LinkFacts {
+    let mut facts = LinkFacts {
+        index: msg.header.index,
+        name: String::new(),
+        ethernet: msg.header.link_layer_type == LinkLayerType::Ether
+            && !msg.header.flags.contains(LinkFlags::Loopback),
+        controller: None,
+        kind: None,
+    };
+    for attr in &msg.attributes {
+        match attr {
+            LinkAttribute::IfName(name) => facts.name = name.clone(),
+            LinkAttribute::Controller(index) => facts.controller = Some(*index),
+            LinkAttribute::LinkInfo(infos) => {
+                facts.kind = infos.iter().find_map(|i| match i {
+                    LinkInfo::Kind(kind) => Some(kind.to_string()),
+                    _ => None,
+                });
+            }
+            _ => {}
+        }
+    }
+    facts
+}
+
+async fn links(handle: &rtnetlink::Handle) -> Result<Vec<LinkFacts>, ProbeError> {
+    let msgs: Vec<LinkMessage> = handle
+        .link()
+        .get()
+        .execute()
+        .try_collect()
+        .await
+        .map_err(|e| ProbeError::Failed(format!("listing links: {}", netlink_error(&e))))?;
+    Ok(msgs.iter().map(link_facts).collect())
+}
+
+/// The outgoing interface of the main table's IPv4 default route with the
+/// lowest metric; `None` when there is none (or it is multipath).
+async fn default_route(handle: &rtnetlink::Handle) -> Option<u32> {
+    let routes: Vec<RouteMessage> = handle
+        .route()
+        .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
+        .execute()
+        .try_collect()
+        .await
+        .ok()?;
+    routes
+        .iter()
+        .filter(|r| r.header.destination_prefix_length == 0)
+        .filter_map(|r| {
+            let mut table = u32::from(r.header.table);
+            let (mut oif, mut metric) = (None, 0);
+            for attr in &r.attributes {
+                match attr {
+                    RouteAttribute::Table(t) => table = *t,
+                    RouteAttribute::Oif(i) => oif = Some(*i),
+                    RouteAttribute::Priority(p) => metric = *p,
+                    _ => {}
+                }
+            }
+            (table == u32::from(RouteHeader::RT_TABLE_MAIN))
+                .then_some(oif.map(|oif| (metric, oif)))
+                .flatten()
+        })
+        .min()
+        .map(|(_, oif)| oif)
+}
+
+fn pid_alive(pid: u32) -> bool {
+    std::path::Path::new("/proc").join(pid.to_string()).exists()
+}
+
+async fn delete_link(handle: &rtnetlink::Handle, index: u32) -> Result<(), rtnetlink::Error> {
+    match handle.link().del(index).execute().await {
+        Err(e) if errno(&e) == libc::ENODEV => Ok(()),
+        other => other,
     }
 }
 
-async fn probe_links() -> Result<(), String> {
-    let (conn, handle, _) =
-        rtnetlink::new_connection().map_err(|e| format!("netlink socket: {e}"))?;
+async fn probe_links() -> Result<(), ProbeError> {
+    let (conn, handle, _) = rtnetlink::new_connection()
+        .map_err(|e| ProbeError::Failed(format!("netlink socket: {e}")))?;
     tokio::spawn(conn);
-    // A parent for the macvlan: veth is present on every Kubernetes node
-    // (CNIs use it); dummy is the fallback.
-    let veth = handle
-        .link()
-        .add(LinkVeth::new("hna-probe0", "hna-probe1").build())
-        .execute()
-        .await;
-    if let Err(veth_err) = veth {
+    let links = links(&handle).await?;
+    let pid = std::process::id();
+    for stale in probe::leftovers(&links, pid, pid_alive) {
+        delete_link(&handle, stale.index).await.map_err(|e| {
+            ProbeError::Failed(format!(
+                "cannot delete {}, left by an earlier probe: {}",
+                stale.name,
+                netlink_error(&e)
+            ))
+        })?;
+    }
+    let parents = probe::parents(&links, default_route(&handle).await);
+    if parents.is_empty() {
+        return Err(ProbeError::NoParent(probe::no_parent_detail(&links)));
+    }
+    let name = probe::link_name(pid);
+    let mut refused = Vec::new();
+    for parent in parents {
+        let mac = probe::link_mac(std::array::from_fn(|_| fastrand::u8(..)));
+        let created = handle
+            .link()
+            .add(
+                LinkMacVlan::new(&name, parent.index, MacVlanMode::Bridge)
+                    .address(mac.to_vec())
+                    .build(),
+            )
+            .execute()
+            .await;
+        match created {
+            Ok(()) => {
+                let mut found = handle.link().get().match_name(name.clone()).execute();
+                let index = match found.try_next().await {
+                    Ok(Some(msg)) => msg.header.index,
+                    Ok(None) => return Ok(()),
+                    Err(e) if errno(&e) == libc::ENODEV => return Ok(()),
+                    Err(e) => {
+                        return Err(ProbeError::Failed(format!(
+                            "created {name} on {} but cannot find it to delete it: {}",
+                            parent.name,
+                            netlink_error(&e)
+                        )));
+                    }
+                };
+                return delete_link(&handle, index).await.map_err(|e| {
+                    ProbeError::Failed(format!(
+                        "created {name} on {} but cannot delete it: {}",
+                        parent.name,
+                        netlink_error(&e)
+                    ))
+                });
+            }
+            Err(e) if errno(&e) == libc::EOPNOTSUPP => {
+                return Err(ProbeError::Unsupported(netlink_error(&e)));
+            }
+            Err(e) => refused.push(format!("on {}: {}", parent.name, netlink_error(&e))),
+        }
+    }
+    Err(ProbeError::Failed(format!(
+        "every parent refused it ({})",
+        refused.join("; ")
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The real probe against the kernel, each test in a network namespace
+    //! of its own (root only) where a veth stands in for the node's NIC.
+
+    use super::*;
+    use futures::StreamExt;
+    use rtnetlink::packet_core::NetlinkPayload;
+    use rtnetlink::packet_route::RouteNetlinkMessage;
+    use rtnetlink::{LinkUnspec, LinkVeth, MulticastGroup};
+
+    /// Runs `f` on a thread in a new network namespace (gone with the
+    /// thread) with a current-thread runtime. `None` (skipped) when not
+    /// root, except under `CI=true`.
+    fn in_netns<T: Send>(f: impl FnOnce(&tokio::runtime::Runtime) -> T + Send) -> Option<T> {
+        if !nix::unistd::geteuid().is_root() {
+            assert_ne!(
+                std::env::var("CI").as_deref(),
+                Ok("true"),
+                "the probe tests need root (network namespaces)"
+            );
+            eprintln!("SKIPPED: the probe tests need root (network namespaces)");
+            return None;
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare");
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let _in_runtime = rt.enter();
+                f(&rt)
+            })
+            .join()
+            .unwrap()
+        })
+        .into()
+    }
+
+    async fn index_of(handle: &rtnetlink::Handle, name: &str) -> Option<u32> {
+        let mut s = handle.link().get().match_name(name.to_string()).execute();
+        s.try_next().await.ok().flatten().map(|m| m.header.index)
+    }
+
+    async fn names(handle: &rtnetlink::Handle) -> Vec<String> {
+        links(handle)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|l| l.name)
+            .collect()
+    }
+
+    /// `eth0` (a veth whose peer stays here too), up, with the default
+    /// route: what the probe takes for the uplink. Returns its index.
+    async fn uplink(handle: &rtnetlink::Handle) -> u32 {
         handle
             .link()
-            .add(LinkDummy::new("hna-probe0").build())
+            .add(LinkVeth::new("eth0", "peer0").build())
             .execute()
             .await
-            .map_err(|dummy_err| {
-                format!(
-                    "no parent link for the probe: veth ({}) and dummy ({}) are unavailable",
-                    netlink_error(&veth_err),
-                    netlink_error(&dummy_err)
-                )
-            })?;
+            .unwrap();
+        let eth0 = index_of(handle, "eth0").await.unwrap();
+        handle
+            .link()
+            .set(LinkUnspec::new_with_index(eth0).up().build())
+            .execute()
+            .await
+            .unwrap();
+        handle
+            .route()
+            .add(
+                RouteMessageBuilder::<Ipv4Addr>::new()
+                    .output_interface(eth0)
+                    .scope(rtnetlink::packet_route::route::RouteScope::Link)
+                    .build(),
+            )
+            .execute()
+            .await
+            .unwrap();
+        eth0
     }
-    let parent = link_index(&handle, "hna-probe0").await?;
-    handle
-        .link()
-        .add(LinkMacVlan::new("hna-probe-mv", parent, MacVlanMode::Bridge).build())
-        .execute()
-        .await
-        .map_err(|e| format!("creating a macvlan link failed: {}", netlink_error(&e)))?;
-    let mv = link_index(&handle, "hna-probe-mv").await?;
-    handle
-        .link()
-        .del(mv)
-        .execute()
-        .await
-        .map_err(|e| format!("deleting the probe macvlan failed: {}", netlink_error(&e)))?;
-    let _ = handle.link().del(parent).execute().await;
-    Ok(())
+
+    /// Drops CAP_SYS_ADMIN from this thread's effective and permitted sets
+    /// (capabilities are per thread; threads it starts inherit them).
+    fn drop_cap_sys_admin() {
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: i32,
+        }
+        #[repr(C)]
+        #[derive(Clone, Copy, Default)]
+        struct Data {
+            effective: u32,
+            permitted: u32,
+            inheritable: u32,
+        }
+        const VERSION_3: u32 = 0x2008_0522;
+        const CAP_SYS_ADMIN: u32 = 21;
+        let mut header = Header {
+            version: VERSION_3,
+            pid: 0,
+        };
+        let mut data = [Data::default(); 2];
+        // SAFETY: header and a two-element data array, as capget(2) and
+        // capset(2) take for version 3.
+        unsafe {
+            assert_eq!(
+                libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()),
+                0
+            );
+            data[0].effective &= !(1 << CAP_SYS_ADMIN);
+            data[0].permitted &= !(1 << CAP_SYS_ADMIN);
+            assert_eq!(
+                libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()),
+                0
+            );
+        }
+    }
+
+    #[test]
+    fn probe_creates_a_down_macvlan_on_the_uplink_and_removes_it_without_cap_sys_admin() {
+        in_netns(|rt| {
+            let (conn, handle, _) = rtnetlink::new_connection().unwrap();
+            let _conn = rt.spawn(conn);
+            let eth0 = rt.block_on(uplink(&handle));
+            // Listen to every link change in this namespace before probing.
+            let (mon, _, mut events) =
+                rtnetlink::new_multicast_connection(&[MulticastGroup::Link]).unwrap();
+            let _mon = rt.spawn(mon);
+
+            drop_cap_sys_admin();
+            assert_eq!(
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET),
+                Err(nix::errno::Errno::EPERM),
+                "CAP_SYS_ADMIN was not dropped"
+            );
+            probe_on_uplink().unwrap();
+
+            let name = probe::link_name(std::process::id());
+            let (mut created, mut deleted) = (Vec::new(), false);
+            rt.block_on(async {
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                while !deleted {
+                    let Ok(Some((msg, _))) = tokio::time::timeout_at(deadline, events.next()).await
+                    else {
+                        break;
+                    };
+                    match msg.payload {
+                        NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l))
+                            if link_facts(&l).name == name =>
+                        {
+                            created.push(l)
+                        }
+                        NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(l)) => {
+                            deleted |= link_facts(&l).name == name
+                        }
+                        _ => {}
+                    }
+                }
+            });
+            assert!(!created.is_empty(), "no RTM_NEWLINK for {name}");
+            assert!(deleted, "no RTM_DELLINK for {name}");
+            for l in &created {
+                assert!(!l.header.flags.contains(LinkFlags::Up), "{name} was up");
+                assert!(l.attributes.contains(&LinkAttribute::Link(eth0)), "{l:?}");
+                assert_eq!(link_facts(l).kind.as_deref(), Some("macvlan"));
+            }
+            let mut left = rt.block_on(names(&handle));
+            left.sort();
+            assert_eq!(left, ["eth0", "lo", "peer0"]);
+        });
+    }
+
+    #[test]
+    fn probe_without_an_ethernet_interface_says_so() {
+        in_netns(|_| {
+            let err = probe_on_uplink().unwrap_err();
+            assert!(
+                matches!(&err, ProbeError::NoParent(d) if d.contains("lo (not Ethernet)")),
+                "{err:?}"
+            );
+        });
+    }
+
+    #[test]
+    fn probe_removes_leftovers_of_dead_processes_only() {
+        in_netns(|rt| {
+            let (conn, handle, _) = rtnetlink::new_connection().unwrap();
+            let _conn = rt.spawn(conn);
+            let eth0 = rt.block_on(uplink(&handle));
+            // pid_max is at most 2^22, so no process has that pid; pid 1
+            // always runs.
+            let dead = probe::link_name(1 << 22);
+            let alive = probe::link_name(1);
+            for name in [&dead, &alive] {
+                rt.block_on(
+                    handle
+                        .link()
+                        .add(LinkMacVlan::new(name, eth0, MacVlanMode::Bridge).build())
+                        .execute(),
+                )
+                .unwrap();
+            }
+            probe_on_uplink().unwrap();
+            let left = rt.block_on(names(&handle));
+            assert!(!left.contains(&dead), "{left:?}");
+            assert!(left.contains(&alive), "{left:?}");
+        });
+    }
 }

@@ -1,5 +1,5 @@
 //! macvlan preflight: is the module there, load it when it is on disk, and
-//! prove it works by creating a throwaway macvlan in a private namespace.
+//! prove it works by creating a throwaway macvlan on the uplink.
 //!
 //! The flow ([`preflight`]) is a plain function over a [`KernelHost`], so the
 //! decisions are unit-tested with a fake host; [`host::Host`] is the real one.
@@ -10,6 +10,7 @@
 pub mod detect;
 pub mod host;
 pub mod modprobe_d;
+pub mod probe;
 pub mod remedy;
 
 use std::path::PathBuf;
@@ -18,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::health::Status;
 use detect::{Detection, Facts};
+use probe::ProbeError;
 use remedy::OsRelease;
 
 /// The module this preflight is about.
@@ -34,8 +36,8 @@ pub trait KernelHost {
     fn os_release(&self) -> OsRelease;
     /// Loads the module with its dependencies.
     fn load(&self, module: &str) -> Result<(), String>;
-    /// Creates and deletes a macvlan without touching real interfaces.
-    fn probe(&self) -> Result<(), String>;
+    /// Creates a macvlan on the uplink, never up, and deletes it.
+    fn probe(&self) -> Result<(), ProbeError>;
 }
 
 /// Stable reasons, as in `check`, `status` and the `MacvlanReady` condition.
@@ -142,7 +144,7 @@ pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
             Status::Fail,
             Reason::ProbeFailed,
             format!("{what} in kernel {kernel}, but creating a macvlan link failed: {e}"),
-            "check `dmesg` for macvlan errors and that the agent runs with CAP_NET_ADMIN and CAP_SYS_ADMIN (the shipped unit grants both)",
+            probe_remedy(&e),
         ),
     };
 
@@ -158,13 +160,21 @@ pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
                 ),
                 "",
             ),
-            Err(e) => state(
+            Err(e @ ProbeError::Unsupported(_)) => state(
                 Status::Fail,
                 Reason::ModuleNotFound,
                 format!(
                     "kernel {kernel} has no loadable-module support and no built-in macvlan ({e})"
                 ),
                 "boot a kernel built with CONFIG_MACVLAN=y or =m",
+            ),
+            Err(e) => state(
+                Status::Fail,
+                Reason::ProbeFailed,
+                format!(
+                    "kernel {kernel} has no loadable-module support, and whether macvlan is built in is unknown: creating a macvlan link failed: {e}"
+                ),
+                probe_remedy(&e),
             ),
         },
         Detection::Blacklisted { path, by } => state(
@@ -241,6 +251,18 @@ pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
     }
 }
 
+/// What to do when the probe fails.
+fn probe_remedy(e: &ProbeError) -> &'static str {
+    match e {
+        ProbeError::NoParent(_) => {
+            "DHCP-mode LoadBalancer addresses are macvlans on the node's Ethernet uplink: give the node one (see `ip -d link`)"
+        }
+        ProbeError::Unsupported(_) | ProbeError::Failed(_) => {
+            "check `dmesg` for macvlan errors and that the agent runs with CAP_NET_ADMIN (the shipped unit grants it)"
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,7 +271,7 @@ mod tests {
     struct Fake {
         facts: RefCell<Facts>,
         load_result: Result<(), String>,
-        probe_result: Result<(), String>,
+        probe_result: Result<(), ProbeError>,
         loads: RefCell<u32>,
         probes: RefCell<u32>,
         os: &'static str,
@@ -294,7 +316,7 @@ mod tests {
             }
             self.load_result.clone()
         }
-        fn probe(&self) -> Result<(), String> {
+        fn probe(&self) -> Result<(), ProbeError> {
             *self.probes.borrow_mut() += 1;
             self.probe_result.clone()
         }
@@ -332,9 +354,21 @@ mod tests {
         assert!(s.message.contains("Exec format error"));
 
         let mut host = Fake::new(Some("macvlan 1 0 - Live 0x0\n"), DEP);
-        host.probe_result = Err("Operation not supported (os error 95)".into());
+        host.probe_result = Err(ProbeError::Failed(
+            "every parent refused it (on eth0: Device or resource busy)".into(),
+        ));
         let s = preflight(&host, false);
         assert_eq!((s.reason, s.ready), (Reason::ProbeFailed, false));
+        assert!(s.message.contains("on eth0: Device or resource busy"));
+        assert!(s.remediation.contains("CAP_NET_ADMIN"));
+        assert!(!s.remediation.contains("CAP_SYS_ADMIN"));
+
+        let mut host = Fake::new(Some("macvlan 1 0 - Live 0x0\n"), DEP);
+        host.probe_result = Err(ProbeError::NoParent("found lo (not Ethernet)".into()));
+        let s = preflight(&host, false);
+        assert_eq!((s.status, s.reason), (Status::Fail, Reason::ProbeFailed));
+        assert!(s.message.contains("lo (not Ethernet)"), "{}", s.message);
+        assert!(s.remediation.contains("Ethernet uplink"));
     }
 
     #[test]
@@ -372,7 +406,11 @@ mod tests {
         let host = Fake::new(None, DEP);
         assert_eq!(preflight(&host, false).reason, Reason::BuiltIn);
         let mut host = Fake::new(None, DEP);
-        host.probe_result = Err("Operation not supported".into());
+        host.probe_result = Err(ProbeError::Unsupported("Operation not supported".into()));
         assert_eq!(preflight(&host, false).reason, Reason::ModuleNotFound);
+        // Without a parent nothing is known about macvlan: not "not found".
+        let mut host = Fake::new(None, DEP);
+        host.probe_result = Err(ProbeError::NoParent("found no interfaces".into()));
+        assert_eq!(preflight(&host, false).reason, Reason::ProbeFailed);
     }
 }
