@@ -4,15 +4,19 @@
 //! The VM has no systemd, so the agent is judged by its process; the
 //! unit-state mapping is unit-tested with a D-Bus double (src/guest).
 
-#[allow(dead_code, unused_imports)]
-mod vm;
-
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+use hna_testkit::vm;
+
+use crate::BIN;
+use crate::harness::tests;
+
+tests! {
+    guest_agent_states_with_a_real_qemu_ga: Root, Qemu, VmKernel, QemuGuestAgent;
+}
 
 /// The hypervisor's end of the channel: connects, proves the guest agent
 /// answers `guest-ping`, holds the connection for `hold`, then hangs up.
@@ -50,11 +54,8 @@ fn host_end(socket: &Path, hold: Duration) -> Result<Duration, String> {
     Ok(answered_after)
 }
 
-#[test]
 fn guest_agent_states_with_a_real_qemu_ga() {
-    let Some(kernel) = vm::kernel().unwrap() else {
-        return;
-    };
+    let kernel = vm::kernel().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut img = vm::Initramfs::new(&kernel).unwrap();
     img.add_binary(
