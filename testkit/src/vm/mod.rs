@@ -49,20 +49,19 @@
 mod initramfs;
 mod qemu;
 
-pub use crate::find_program;
-use crate::prereq::{INSTALL_ALL, Prereq, require};
-
 use std::cmp::Ordering;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-/// What booting a VM needs from the machine.
-pub const PREREQUISITES: &[Prereq] = &[Prereq::Root, Prereq::Qemu, Prereq::VmKernel];
-
+pub use crate::find_program;
+use crate::prereq::{INSTALL_ALL, Prereq, require};
 pub use initramfs::Initramfs;
 pub use qemu::{VmOptions, VmRun, boot};
+
+/// What booting a VM needs from the machine.
+pub const PREREQUISITES: &[Prereq] = &[Prereq::Root, Prereq::Qemu, Prereq::VmKernel];
 
 /// Default cache folder of `tests/rig/prereqs.sh`.
 pub const DEFAULT_CACHE_DIR: &str = "/var/cache/harvester-node-agent";
