@@ -86,14 +86,10 @@ impl Machine {
             if missing.contains_key(&p) {
                 continue;
             }
-            let found = if p == Prereq::Root {
-                if is_root {
-                    Ok(())
-                } else {
-                    Prereq::Root.probe().and(Err(root_missing()))
-                }
-            } else {
-                p.probe()
+            let found = match p {
+                Prereq::Root if is_root => Ok(()),
+                Prereq::Root => Err(root_missing()),
+                _ => p.probe(),
             };
             if let Err(m) = found {
                 missing.insert(p, m);
@@ -137,7 +133,7 @@ fn prerequisite_failure(missing: &[Missing]) -> Failed {
 }
 
 /// The one-line summary of skipped tests, e.g.
-/// `skipped: 27 of 35 integration tests (27 need root; 3 need qemu-system-x86)`.
+/// `skipped: 26 of 36 integration tests (26 need root; 10 need kube-apiserver; ...)`.
 fn summary(selected: usize, skipped: &[Vec<Prereq>]) -> String {
     if skipped.is_empty() {
         return format!("skipped: 0 of {selected} integration tests");
