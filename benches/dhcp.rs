@@ -34,10 +34,6 @@
 //! for the cost per lease), 100 `udhcpc` and 100 `dhclient` daemons, and one
 //! `dhcpcd` manager for 100 interfaces.
 
-#[allow(dead_code)]
-#[path = "../tests/rig/mod.rs"]
-mod rig;
-
 mod common;
 
 use std::collections::BTreeSet;
@@ -54,7 +50,7 @@ use harvester_node_agent::dhcp::driver::LeaseStatus;
 use harvester_node_agent::dhcp::engine::{Engine, LeaseConfig};
 use harvester_node_agent::dhcp::io::ProbeConfig;
 use harvester_node_agent::dhcp::{Identity, StopMode, Timing};
-use rig::{Rig, RigOptions, find_program, in_netns};
+use hna_testkit::rig::{Rig, RigOptions, find_program, in_netns};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
 
@@ -539,8 +535,7 @@ fn main() -> Result<()> {
         dhcp: true,
         dnsmasq_args: WIDE_RANGES.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
-    })?
-    .context("rig prerequisites missing: run `sudo tests/rig/prereqs.sh`")?;
+    })?;
     let ns = rig.guest_ns(0).to_string();
     let ns_fd: OwnedFd = File::open(format!("/run/netns/{ns}"))?.into();
     let dir = tempfile::tempdir()?;

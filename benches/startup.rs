@@ -12,11 +12,9 @@
 //!   in a guest namespace connected to the rig's kube-apiserver, and
 //!   `udhcpc` holding a lease on a macvlan in another guest namespace.
 
-#[allow(dead_code)]
-#[path = "../tests/rig/mod.rs"]
-mod rig;
-
 mod common;
+
+use hna_testkit::rig;
 
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
@@ -115,8 +113,7 @@ fn main() -> Result<()> {
         dhcp: true,
         apiserver: true,
         ..Default::default()
-    })?
-    .context("rig prerequisites missing: run `sudo tests/rig/prereqs.sh`")?;
+    })?;
     let api = rig.apiserver().expect("apiserver");
 
     let alone = Killed(agent_cmd(Command::new(BIN), dir.path(), "alone").spawn()?);

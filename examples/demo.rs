@@ -5,17 +5,13 @@
 //! `--hold` keeps everything running until Ctrl-C. Everything is torn down
 //! at the end, also on error.
 
-#[allow(dead_code)]
-#[path = "../tests/rig/mod.rs"]
-mod rig;
-
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use rig::{Rig, RigOptions};
+use hna_testkit::rig::{self, Rig, RigOptions};
 
 /// A daemon the demo started; stopped with SIGTERM when dropped.
 struct Daemon {
@@ -165,8 +161,7 @@ fn main() -> Result<()> {
         dhcp: true,
         apiserver: true,
         ..RigOptions::default()
-    })?
-    .context("the rig's prerequisites are missing (run tests/rig/prereqs.sh as root)")?;
+    })?;
     let api = rig.apiserver().expect("apiserver requested");
     println!(
         "rig {} up in {:.1}s (all traffic stays in its namespaces and on loopback):",

@@ -9,18 +9,14 @@
 //! SIGINT, SIGTERM or EOF on stdin (`--no-stdin`: signals only) and tears
 //! everything down. Exit status 2 means a prerequisite is missing.
 
-#[allow(dead_code)]
-#[path = "../tests/rig/mod.rs"]
-mod rig;
-
 use std::io::Read;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use hna_testkit::rig::{Rig, RigOptions};
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
-use rig::{Rig, RigOptions};
 
 const USAGE: &str = "usage: rig [--guests N] [--no-dhcp] [--apiserver] [--no-stdin]";
 
@@ -71,9 +67,14 @@ fn real_main() -> Result<()> {
         unsafe { sigaction(sig, &action) }?;
     }
 
-    let Some(rig) = Rig::start(opts)? else {
+    let missing = hna_testkit::prereq::missing(&opts.prerequisites());
+    if !missing.is_empty() {
+        for m in &missing {
+            eprintln!("rig: {m}");
+        }
         std::process::exit(2);
-    };
+    }
+    let rig = Rig::start(opts)?;
 
     let guests: Vec<_> = (0..rig.guest_count())
         .map(|i| serde_json::json!({ "netns": rig.guest_ns(i), "node_name": rig.node_name(i) }))

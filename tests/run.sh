@@ -3,13 +3,32 @@
 # the real-part tests (Debian packages, the kube-apiserver build, cached by
 # version outside the checkout), then runs every test. Needs root: the tests
 # create network namespaces, veths, macvlans and run dnsmasq, etcd and
-# kube-apiserver. Under CI=true a missing prerequisite fails a test instead of
-# skipping it.
+# kube-apiserver. A non-root run skips what needs root (cargo counts those
+# tests as ignored); as root or under CI=true a missing prerequisite fails a
+# test, naming the command that installs it.
+#
+# The last line is the integration tests' `skipped: N of M ...` summary, also
+# when something failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-KUBEBUILDER_ASSETS="$(bash tests/rig/prereqs.sh | tail -n1)"
-export KUBEBUILDER_ASSETS
-cargo test --locked "$@"
+
+log="$(mktemp)"
+skipped_summary() {
+    local line
+    line="$(grep -h '^skipped: ' "$log" 2>/dev/null | tail -n1 || true)"
+    echo "${line:-skipped: unknown (the integration tests did not run to their end)}"
+    rm -f "$log"
+}
+trap skipped_summary EXIT
+
+if [[ $(id -u) -eq 0 ]]; then
+    KUBEBUILDER_ASSETS="$(bash tests/rig/prereqs.sh | tail -n1)"
+    export KUBEBUILDER_ASSETS
+else
+    echo "run.sh: not root: the prerequisites are not installed and the tests that need root are skipped" >&2
+fi
+# The test binaries' output (stdout) is kept to repeat the summary at the end.
+cargo test --locked "$@" | tee "$log"
 # The fuzz target of the DHCP receive path, for a bounded time (60 s by
 # default, HNA_FUZZ_SECONDS to change); a crash fails the run.
 bash tests/fuzz.sh

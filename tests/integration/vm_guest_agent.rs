@@ -1,29 +1,45 @@
 //! qemu-guest-agent health on a real kernel with a real `qemu-ga` (Debian's
 //! qemu-guest-agent) and a virtio-serial channel named
-//! `org.qemu.guest_agent.0` whose host end this test holds and releases.
+//! `org.qemu.guest_agent.0` whose host end this test holds and releases
+//! (when the guest says, on a second port `hna.ctl`, that it has seen the
+//! agent ready).
 //! The VM has no systemd, so the agent is judged by its process; the
 //! unit-state mapping is unit-tested with a D-Bus double (src/guest).
-
-#[allow(dead_code, unused_imports)]
-mod vm;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+use hna_testkit::vm;
 
-/// The hypervisor's end of the channel: connects, proves the guest agent
-/// answers `guest-ping`, holds the connection for `hold`, then hangs up.
-fn host_end(socket: &Path, hold: Duration) -> Result<Duration, String> {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !socket.exists() {
+use crate::BIN;
+use crate::harness::tests;
+
+tests! {
+    guest_agent_states_with_a_real_qemu_ga: Root, Qemu, VmKernel, QemuGuestAgent;
+}
+
+/// Waits (up to `deadline`) for qemu to create the socket at `path`.
+fn wait_socket(path: &Path, deadline: Instant) -> Result<(), String> {
+    while !path.exists() {
         if Instant::now() > deadline {
-            return Err("qemu never created the channel socket".into());
+            return Err(format!("qemu never created {}", path.display()));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    Ok(())
+}
+
+/// The hypervisor's end of the channel: connects, proves the guest agent
+/// answers `guest-ping`, holds the connection until the guest says on the
+/// control port (`ctl`) that it has seen the agent ready, then hangs up.
+fn host_end(socket: &Path, ctl: &Path) -> Result<Duration, String> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    wait_socket(ctl, deadline)?;
+    wait_socket(socket, deadline)?;
+    // Connected first, so the guest's write to its end does not wait.
+    let ctl = UnixStream::connect(ctl).map_err(|e| format!("control port: {e}"))?;
     let stream = UnixStream::connect(socket).map_err(|e| e.to_string())?;
     stream
         .set_read_timeout(Some(Duration::from_secs(2)))
@@ -44,17 +60,23 @@ fn host_end(socket: &Path, hold: Duration) -> Result<Duration, String> {
         }
     }
     let answered_after = started.elapsed();
-    std::thread::sleep(hold);
+    let left = deadline.saturating_duration_since(Instant::now());
+    ctl.set_read_timeout(Some(left.max(Duration::from_secs(1))))
+        .map_err(|e| e.to_string())?;
+    let mut seen = String::new();
+    BufReader::new(ctl)
+        .read_line(&mut seen)
+        .map_err(|e| format!("the guest never reported the agent ready: {e}"))?;
+    if seen.trim() != "ready-seen" {
+        return Err(format!("unexpected line on the control port: {seen:?}"));
+    }
     drop(writer);
     drop(reader);
     Ok(answered_after)
 }
 
-#[test]
 fn guest_agent_states_with_a_real_qemu_ga() {
-    let Some(kernel) = vm::kernel().unwrap() else {
-        return;
-    };
+    let kernel = vm::kernel().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut img = vm::Initramfs::new(&kernel).unwrap();
     img.add_binary(
@@ -74,7 +96,9 @@ export HNA_LOG_TARGET=stderr HNA_KUBECONFIG_SEARCH=
 ARGS="--state-dir /var/lib/hna --socket /run/hna/agent.sock"
 ST() { $A status --output json --socket /run/hna/agent.sock 2>/dev/null; }
 wait_status() { i=0; while [ $i -lt 600 ]; do ST | grep -q "$1" && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
-flag() { cat /sys/kernel/debug/virtio-ports/vport*p* 2>/dev/null | sed -n "s/^$1: //p" | head -1; }
+# The guest agent's port (the VM also has the test's control port).
+gaport() { for p in /sys/class/virtio-ports/*; do [ "$(cat $p/name 2>/dev/null)" = org.qemu.guest_agent.0 ] && basename $p; done; }
+flag() { sed -n "s/^$1: //p" /sys/kernel/debug/virtio-ports/$(gaport) 2>/dev/null | head -1; }
 wait_flag() { i=0; while [ $i -lt 1200 ]; do [ "$(flag $1)" = "$2" ] && return 0; sleep 0.1; i=$((i+1)); done; return 1; }
 ms() { cut -d' ' -f1 /proc/uptime | tr -d . ; }
 
@@ -100,6 +124,8 @@ wait_flag guest_connected 1; hna guest_connected $?
 wait_flag host_connected 1; hna host_connected $?
 hna_run ready $A check qemu-guest-agent --output json $ARGS
 wait_status '"reason": "Ready"'; hna d.ready $?
+# Tell the host it may hang up now (it holds the channel until then).
+timeout 60 sh -c 'echo ready-seen > /dev/virtio-ports/hna.ctl'; hna ctl.sent $?
 
 # The host end hangs up.
 wait_flag host_connected 0; hna host_disconnected $?
@@ -117,6 +143,7 @@ while read -r l; do hna qga.log "$l"; done < /tmp/qga.log
     );
     let initramfs = img.build().unwrap();
     let socket = dir.path().join("qga.sock");
+    let ctl = dir.path().join("ctl.sock");
     let opts = vm::VmOptions {
         extra_args: vec![
             "-device".into(),
@@ -128,11 +155,15 @@ while read -r l; do hna qga.log "$l"; done < /tmp/qga.log
             ),
             "-device".into(),
             "virtserialport,bus=vs0.0,chardev=qga0,name=org.qemu.guest_agent.0".into(),
+            "-chardev".into(),
+            format!("socket,id=ctl0,path={},server=on,wait=off", ctl.display()),
+            "-device".into(),
+            "virtserialport,bus=vs0.0,chardev=ctl0,name=hna.ctl".into(),
         ],
         ..vm::VmOptions::default()
     };
     let (run, host) = std::thread::scope(|s| {
-        let host = s.spawn(|| host_end(&socket, Duration::from_secs(15)));
+        let host = s.spawn(|| host_end(&socket, &ctl));
         let run = vm::boot(&kernel, &initramfs, &opts);
         (run, host.join().unwrap())
     });
@@ -187,6 +218,12 @@ while read -r l; do hna qga.log "$l"; done < /tmp/qga.log
         run.tail(80)
     );
 
+    assert_eq!(
+        run.marker("ctl.sent").as_deref(),
+        Some("0"),
+        "{}",
+        run.tail(80)
+    );
     assert_eq!(run.marker("host_disconnected").as_deref(), Some("0"));
     let c = run.check("hostgone", "qemu-guest-agent");
     assert_eq!(

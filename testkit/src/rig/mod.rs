@@ -1,12 +1,6 @@
 //! The real test rig: network namespaces, a bridge, a real DHCP server and
 //! (optionally) a real kube-apiserver, all torn down when the [`Rig`] drops.
 //!
-//! Include it from an integration test with `#[allow(dead_code)] mod rig;`
-//! (or `#[allow(dead_code)] #[path = "rig/mod.rs"] mod rig;`) and from an
-//! example or bench with
-//! `#[allow(dead_code)] #[path = "../tests/rig/mod.rs"] mod rig;` (each
-//! includer uses only part of the API).
-//!
 //! Layout of a rig with id `<id>`:
 //!
 //! ```text
@@ -19,10 +13,11 @@
 //!  └──────────────────────────────┘
 //! ```
 //!
-//! Prerequisites (`sudo tests/rig/prereqs.sh` installs them): root,
-//! iproute2, dnsmasq (`/usr/sbin/dnsmasq`), and for the API server `openssl`,
-//! `etcd` and `kube-apiserver`. When one is missing, [`Rig::start`] returns
-//! `Ok(None)` (skip) unless `CI=true`, where it is an error.
+//! Prerequisites ([`RigOptions::prerequisites`]; `sudo tests/rig/prereqs.sh`
+//! installs them): root, iproute2, dnsmasq (`/usr/sbin/dnsmasq`), and for
+//! the API server `openssl`, `etcd` and `kube-apiserver`. When one is
+//! missing, [`Rig::start`] fails naming it and its install command: callers
+//! that may skip decide so beforehand with [`crate::prereq::missing`].
 //!
 //! Set `HNA_RIG_KEEP=1` to keep the rig directory (logs, certificates,
 //! leases) after the rig is dropped.
@@ -43,6 +38,9 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 pub use apiserver::{ApiServer, Binaries};
+
+pub use crate::find_program;
+use crate::prereq::Prereq;
 use forward::Forwarder;
 use process::{ChildProc, pid_alive, run, run_args, tail};
 
@@ -56,8 +54,6 @@ pub const LAN_ADDR: &str = "10.77.0.1";
 pub const DHCP_FIRST: &str = "10.77.0.100";
 /// Last address dnsmasq hands out.
 pub const DHCP_LAST: &str = "10.77.0.199";
-/// How to install the prerequisites.
-pub const INSTALL_HINT: &str = "install them with `sudo tests/rig/prereqs.sh`";
 
 /// Runs `f` on a new thread that has entered network namespace `ns`, with
 /// its own single-threaded runtime (setns changes only that thread).
@@ -98,6 +94,20 @@ pub struct RigOptions {
     pub lease_time: Option<String>,
 }
 
+impl RigOptions {
+    /// What a rig with these options needs from the machine.
+    pub fn prerequisites(&self) -> Vec<Prereq> {
+        let mut needs = vec![Prereq::Root, Prereq::Iproute2];
+        if self.dhcp {
+            needs.push(Prereq::Dnsmasq);
+        }
+        if self.apiserver {
+            needs.push(Prereq::ApiServer);
+        }
+        needs
+    }
+}
+
 impl Default for RigOptions {
     /// Two guests, DHCP on, no API server.
     fn default() -> Self {
@@ -132,26 +142,6 @@ pub struct Rig {
     torn_down: bool,
 }
 
-/// Returns `Ok(None)` after printing why the test is skipped, or, when the
-/// environment variable `CI` is `true`, an error: on CI a missing
-/// prerequisite must fail the test instead of silently skipping it.
-pub fn skip_or_fail<T>(missing: &str) -> Result<Option<T>> {
-    if std::env::var("CI").as_deref() == Ok("true") {
-        bail!("test rig prerequisite missing: {missing}; {INSTALL_HINT}");
-    }
-    eprintln!("SKIPPED: test rig prerequisite missing: {missing}; {INSTALL_HINT}");
-    Ok(None)
-}
-
-/// Finds `name` in `$PATH`, `/usr/sbin` and `/sbin`.
-pub fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
-        .map(|d| d.join(name))
-        .find(|p| apiserver::is_executable(p))
-}
-
 /// Builds a kube client from a kubeconfig file (e.g.
 /// [`ApiServer::admin_kubeconfig`]). Needs a Tokio runtime.
 pub async fn kube_client(kubeconfig: &Path) -> Result<kube::Client> {
@@ -163,27 +153,6 @@ pub async fn kube_client(kubeconfig: &Path) -> Result<kube::Client> {
     config.connect_timeout = Some(Duration::from_secs(5));
     config.read_timeout = Some(Duration::from_secs(30));
     Ok(kube::Client::try_from(config)?)
-}
-
-fn missing_prerequisite(opts: &RigOptions) -> Option<String> {
-    if !nix::unistd::geteuid().is_root() {
-        return Some("root (network namespaces need it: run the tests with sudo)".into());
-    }
-    if find_program("ip").is_none() {
-        return Some("`ip` (iproute2)".into());
-    }
-    if opts.dhcp && !apiserver::is_executable(Path::new(DNSMASQ)) {
-        return Some(format!("{DNSMASQ} (dnsmasq-base)"));
-    }
-    if opts.apiserver {
-        if find_program("openssl").is_none() {
-            return Some("`openssl`".into());
-        }
-        if let Err(missing) = Binaries::find() {
-            return Some(missing);
-        }
-    }
-    None
 }
 
 /// A new id, unique across threads and processes: `<pid>-<counter>-<random>`.
@@ -302,15 +271,12 @@ fn kill_netns_processes(ns: &str) {
 }
 
 impl Rig {
-    /// Starts the rig. Returns `Ok(None)` ("skip") when a prerequisite is
-    /// missing (after printing what and how to install it) unless `CI=true`,
-    /// where that is an error. Not being root counts as a missing
-    /// prerequisite. Any failure after that is an error, and whatever was
+    /// Starts the rig. A missing prerequisite
+    /// ([`RigOptions::prerequisites`]) is an error naming it and the command
+    /// that installs it; so is any failure after that, and whatever was
     /// started so far is torn down.
-    pub fn start(opts: RigOptions) -> Result<Option<Rig>> {
-        if let Some(missing) = missing_prerequisite(&opts) {
-            return skip_or_fail(&missing);
-        }
+    pub fn start(opts: RigOptions) -> Result<Rig> {
+        crate::prereq::require(&opts.prerequisites())?;
         let node_names = if opts.node_names.is_empty() {
             (1..=opts.guests).map(|i| format!("guest-{i}")).collect()
         } else if opts.node_names.len() == opts.guests {
@@ -365,7 +331,7 @@ impl Rig {
                 rig.forwarders.push(fwd);
             }
         }
-        Ok(Some(rig))
+        Ok(rig)
     }
 
     fn add_netns(&mut self, ns: &str) -> Result<()> {

@@ -1,21 +1,23 @@
 //! `harvester-node-agent dhcp-probe` against dnsmasq on the rig, as an
 //! operator runs it: a lease with every figure reported and released, no
 //! server, Ctrl-C and SIGTERM mid-way, a missing uplink. Never an interface
-//! or a lease left behind. Run as root; without the prerequisites the tests
-//! skip, under `CI=true` they fail.
-
-#[allow(dead_code)]
-mod rig;
+//! or a lease left behind.
 
 use std::net::Ipv4Addr;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use rig::process::run;
-use rig::{Rig, RigOptions};
+use hna_testkit::rig::process::run;
+use hna_testkit::rig::{self, Rig, RigOptions};
 
-const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+use crate::BIN;
+use crate::harness::tests;
+
+tests! {
+    lease_reported_released_and_nothing_left_behind: Root, Iproute2, Dnsmasq;
+    no_server_interrupts_and_missing_uplink_fail_clearly: Root, Iproute2, Dnsmasq;
+}
 
 fn probe(rig: &Rig, ns: &str, args: &[&str]) -> Result<Output> {
     Ok(rig
@@ -45,9 +47,8 @@ fn no_probe_links(ns: &str) -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn lease_reported_released_and_nothing_left_behind() -> Result<()> {
-    let Some(rig) = Rig::start(RigOptions {
+    let rig = Rig::start(RigOptions {
         guests: 1,
         lease_time: Some("2m".into()),
         dnsmasq_args: vec![
@@ -55,10 +56,7 @@ fn lease_reported_released_and_nothing_left_behind() -> Result<()> {
             "--dhcp-option=option:T2,90".into(),
         ],
         ..Default::default()
-    })?
-    else {
-        return Ok(());
-    };
+    })?;
     let g = rig.guest_ns(0).to_string();
     let out = probe(
         &rig,
@@ -151,15 +149,11 @@ fn lease_reported_released_and_nothing_left_behind() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn no_server_interrupts_and_missing_uplink_fail_clearly() -> Result<()> {
-    let Some(mut rig) = Rig::start(RigOptions {
+    let mut rig = Rig::start(RigOptions {
         guests: 1,
         ..Default::default()
-    })?
-    else {
-        return Ok(());
-    };
+    })?;
     let g = rig.guest_ns(0).to_string();
     rig.stop_dhcp();
 

@@ -14,25 +14,30 @@
 //! kubeconfig is then built from that Secret as `generate_addon.sh` builds
 //! it.
 
-#[allow(dead_code)]
-mod rig;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use harvester_node_agent::topology::{self, Reason, TopologyConfig, TopologyState};
+use hna_testkit::rig::apiserver::{ApiServer, Binaries, base64};
+use hna_testkit::rig::{self, Rig, RigOptions};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, Node, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
-use rig::apiserver::{ApiServer, Binaries, base64};
-use rig::{Rig, RigOptions};
 use serde_json::{Value, json};
 use tokio::sync::watch;
+
+use crate::harness::tests;
+
+tests! {
+    labels_follow_the_vmi_across_migration_host_relabel_and_removal: Root, Iproute2, ApiServer;
+    problems_are_reported_and_the_relay_keeps_running: Root, Iproute2, ApiServer;
+    the_daemon_relays_and_reports_topology: Root, Iproute2, ApiServer;
+}
 
 const NS: &str = "guest-vms";
 const REGION: &str = "topology.kubernetes.io/region";
@@ -51,7 +56,7 @@ impl Drop for Clusters {
     }
 }
 
-fn start(nodes: &[&str]) -> Option<Clusters> {
+fn start(nodes: &[&str]) -> Clusters {
     let rig = Rig::start(RigOptions {
         guests: nodes.len(),
         dhcp: false,
@@ -59,14 +64,14 @@ fn start(nodes: &[&str]) -> Option<Clusters> {
         node_names: nodes.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
     })
-    .unwrap()?;
+    .unwrap();
     let dir = rig.dir().join("harvester");
     std::fs::create_dir_all(&dir).unwrap();
     let bins = Binaries::find().unwrap();
     let harvester = ApiServer::start(&dir, &format!("{}-hv", rig.id()), &bins, &[])
         .context("start the Harvester API server")
         .unwrap();
-    Some(Clusters { harvester, rig })
+    Clusters { harvester, rig }
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -494,11 +499,8 @@ impl Relay {
     }
 }
 
-#[test]
 fn labels_follow_the_vmi_across_migration_host_relabel_and_removal() {
-    let Some(c) = start(&["guest-1", "guest-2"]) else {
-        return;
-    };
+    let c = start(&["guest-1", "guest-2"]);
     let started = Instant::now();
     let dir = c.rig.dir().join("topology");
     std::fs::create_dir_all(&dir).unwrap();
@@ -709,11 +711,8 @@ fn labels_follow_the_vmi_across_migration_host_relabel_and_removal() {
     eprintln!("test body took {:?}", started.elapsed());
 }
 
-#[test]
 fn problems_are_reported_and_the_relay_keeps_running() {
-    let Some(c) = start(&["guest-1", "guest-2"]) else {
-        return;
-    };
+    let c = start(&["guest-1", "guest-2"]);
     let dir = c.rig.dir().join("topology");
     std::fs::create_dir_all(&dir).unwrap();
     runtime().block_on(async {
@@ -895,17 +894,14 @@ fn problems_are_reported_and_the_relay_keeps_running() {
 /// The daemon itself (`harvester-node-agent run`), not the task: labels
 /// relayed, a migration followed, and the relay visible in `status`,
 /// `STATUS=`'s summary and `check topology`.
-#[test]
 fn the_daemon_relays_and_reports_topology() {
-    let Some(c) = start(&["guest-1"]) else {
-        return;
-    };
+    let c = start(&["guest-1"]);
     let dir = c.rig.dir().join("daemon");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("config.toml"), "credentials_retry = \"1s\"\n").unwrap();
     let cloud_config = dir.join("cloud-config");
     let node_kubeconfig = c.rig.apiserver().unwrap().node_kubeconfig("guest-1");
-    let bin = env!("CARGO_BIN_EXE_harvester-node-agent");
+    let bin = crate::BIN;
     let common = |cmd: &mut std::process::Command| {
         cmd.arg("--config")
             .arg(dir.join("config.toml"))

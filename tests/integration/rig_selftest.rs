@@ -1,40 +1,37 @@
-//! Self-tests of the test rig (tests/rig): real namespaces, real dnsmasq,
-//! real kube-apiserver. Run as root; without the prerequisites the tests skip
-//! (print why and pass) unless `CI=true`, where they fail.
-
-#[allow(dead_code)]
-mod rig;
+//! Self-tests of the test rig (`hna_testkit::rig`): real namespaces, real
+//! dnsmasq, real kube-apiserver.
 
 use std::net::Ipv4Addr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
+use hna_testkit::rig::process::{pid_alive, run};
+use hna_testkit::rig::{self, Rig, RigOptions, find_program};
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, PostParams};
-use rig::process::{pid_alive, run};
-use rig::{Rig, RigOptions, find_program, skip_or_fail};
 
-/// `Some(path)` of a tool the test needs, or `None` after `skip_or_fail`.
-fn tool(name: &str) -> Result<Option<std::path::PathBuf>> {
-    match find_program(name) {
-        Some(p) => Ok(Some(p)),
-        None => skip_or_fail(&format!("`{name}`")),
-    }
+use crate::harness::tests;
+
+tests! {
+    dhcp_lease_through_macvlan: Root, Iproute2, Dnsmasq, Busybox;
+    apiserver_service_roundtrip: Root, Iproute2, ApiServer;
+    guest_namespace_reaches_apiserver: Root, Iproute2, ApiServer, Curl;
+    teardown_leaves_nothing: Root, Iproute2, Dnsmasq, ApiServer;
+    teardown_after_panic: Root, Iproute2, Dnsmasq;
 }
 
-#[test]
+/// The path of a tool the test needs (declared as its prerequisite).
+fn tool(name: &str) -> Result<std::path::PathBuf> {
+    find_program(name).with_context(|| format!("`{name}` not found"))
+}
+
 fn dhcp_lease_through_macvlan() -> Result<()> {
-    let Some(busybox) = tool("busybox")? else {
-        return Ok(());
-    };
-    let Some(rig) = Rig::start(RigOptions {
+    let busybox = tool("busybox")?;
+    let rig = Rig::start(RigOptions {
         guests: 1,
         ..Default::default()
-    })?
-    else {
-        return Ok(());
-    };
+    })?;
     let g = rig.guest_ns(0);
     run(Command::new("ip").args([
         "-n", g, "link", "add", "mv0", "link", "eth0", "type", "macvlan", "mode", "bridge",
@@ -115,17 +112,21 @@ fn dhcp_lease_through_macvlan() -> Result<()> {
     Ok(())
 }
 
-#[tokio::test]
-async fn apiserver_service_roundtrip() -> Result<()> {
-    let Some(rig) = Rig::start(RigOptions {
+fn apiserver_service_roundtrip() -> Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(apiserver_service_roundtrip_async())
+}
+
+async fn apiserver_service_roundtrip_async() -> Result<()> {
+    let rig = Rig::start(RigOptions {
         guests: 1,
         dhcp: false,
         apiserver: true,
         ..Default::default()
-    })?
-    else {
-        return Ok(());
-    };
+    })?;
     let api = rig.apiserver().expect("started with apiserver");
     eprintln!(
         "kube-apiserver {} ready after {:?}",
@@ -171,20 +172,14 @@ async fn apiserver_service_roundtrip() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn guest_namespace_reaches_apiserver() -> Result<()> {
-    let Some(curl) = tool("curl")? else {
-        return Ok(());
-    };
-    let Some(rig) = Rig::start(RigOptions {
+    let curl = tool("curl")?;
+    let rig = Rig::start(RigOptions {
         guests: 2,
         dhcp: false,
         apiserver: true,
         ..Default::default()
-    })?
-    else {
-        return Ok(());
-    };
+    })?;
     let api = rig.apiserver().expect("started with apiserver");
     for g in rig.guest_namespaces() {
         // No -k: the CA and the 127.0.0.1 SAN must verify from in there too.
@@ -219,29 +214,41 @@ fn guest_namespace_reaches_apiserver() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn teardown_leaves_nothing() -> Result<()> {
-    let apiserver = rig::Binaries::find().is_ok();
-    let Some(rig) = Rig::start(RigOptions {
+    let rig = Rig::start(RigOptions {
         guests: 2,
         dhcp: true,
-        apiserver,
+        apiserver: true,
         ..Default::default()
-    })?
-    else {
-        return Ok(());
-    };
+    })?;
     let mut namespaces = vec![rig.lan_ns().to_string()];
     namespaces.extend(rig.guest_namespaces().iter().cloned());
     let pids = rig.pids();
-    ensure!(pids.len() == if apiserver { 3 } else { 1 }, "pids {pids:?}");
+    ensure!(
+        pids.len() == 3,
+        "dnsmasq, etcd, kube-apiserver: pids {pids:?}"
+    );
     let dir = rig.dir().to_path_buf();
     // A process a test forgot in a guest namespace must not survive either.
     let mut straggler = rig
         .netns_cmd(rig.guest_ns(1), "sleep")
         .arg("1000")
         .spawn()?;
-    std::thread::sleep(Duration::from_millis(200));
+    // `ip netns exec` enters the namespace, then execs `sleep` in the same
+    // process: wait until the namespace lists it.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let straggler_pid = straggler.id().to_string();
+    while !run(Command::new("ip").args(["netns", "pids", rig.guest_ns(1)]))?
+        .split_whitespace()
+        .any(|p| p == straggler_pid)
+    {
+        ensure!(
+            Instant::now() < deadline,
+            "the straggler never entered {}",
+            rig.guest_ns(1)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 
     drop(rig);
 
@@ -271,20 +278,18 @@ fn teardown_leaves_nothing() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn teardown_after_panic() -> Result<()> {
     let names = std::sync::Mutex::new(None);
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
-        let Some(rig) = Rig::start(RigOptions::default())? else {
-            return Ok(()); // skipped
-        };
+        let rig = Rig::start(RigOptions::default())?;
         let mut ns = vec![rig.lan_ns().to_string()];
         ns.extend(rig.guest_namespaces().iter().cloned());
         *names.lock().unwrap() = Some((ns, rig.pids(), rig.dir().to_path_buf()));
         panic!("deliberate panic while holding the rig (expected by this test)");
     }));
     if let Ok(started) = outcome {
-        return started; // skipped, or failed to start
+        started.context("the rig did not start")?;
+        anyhow::bail!("the closure returned without its deliberate panic");
     }
     let (namespaces, pids, dir) = names
         .into_inner()

@@ -4,10 +4,8 @@
 //! puts there, runs the test's shell script as the guest's init, and returns
 //! the serial console.
 //!
-//! Include it from an integration test with `#[allow(dead_code)] mod vm;`.
-//!
 //! ```ignore
-//! let Some(kernel) = vm::kernel()? else { return Ok(()) }; // skipped
+//! let kernel = vm::kernel()?;                        // fails when a prerequisite is missing
 //! let mut image = vm::Initramfs::new(&kernel)?;      // busybox, kmod, os-release
 //! image.add_modules(&["macvlan"])?;                   // + deps, depmod'ed in the image
 //! image.add_binary(Path::new("/usr/sbin/ip"), "/usr/bin/ip")?; // + its shared libs
@@ -39,13 +37,14 @@
 //! models hang right after SeaBIOS). `HNA_VM_ACCEL` and `HNA_VM_CPU`
 //! override the accelerator and CPU model.
 //!
-//! Prerequisites (`sudo tests/rig/prereqs.sh` installs them): root,
-//! `qemu-system-x86_64`, `kmod`, `cpio`, `busybox`, and the unpacked kernel
-//! package in `${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}/kernel/<package
+//! Prerequisites ([`PREREQUISITES`]; `sudo tests/rig/prereqs.sh` installs
+//! them): root, `qemu-system-x86_64`, `kmod`, `cpio`, `busybox`, `strip`,
+//! and the unpacked kernel package in
+//! `${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}/kernel/<package
 //! version>/` (`boot/vmlinuz-<release>`, `lib/modules/<release>/` with
 //! `modules.dep`, `VERSION` holding `<release>`); the newest such folder is
 //! used, or the folder named by `HNA_VM_KERNEL_DIR`. When one is missing,
-//! [`kernel`] returns `Ok(None)` (skip) unless `CI=true`, where it is an error.
+//! [`kernel`] fails naming it and its install command.
 
 mod initramfs;
 mod qemu;
@@ -56,11 +55,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
+pub use crate::find_program;
+use crate::prereq::{INSTALL_ALL, Prereq, require};
 pub use initramfs::Initramfs;
 pub use qemu::{VmOptions, VmRun, boot};
 
-/// How to install the prerequisites.
-pub const INSTALL_HINT: &str = "install with `sudo tests/rig/prereqs.sh`";
+/// What booting a VM needs from the machine.
+pub const PREREQUISITES: &[Prereq] = &[Prereq::Root, Prereq::Qemu, Prereq::VmKernel];
+
 /// Default cache folder of `tests/rig/prereqs.sh`.
 pub const DEFAULT_CACHE_DIR: &str = "/var/cache/harvester-node-agent";
 
@@ -105,25 +107,16 @@ impl Kernel {
     }
 }
 
-/// The kernel to boot, after checking every prerequisite of the harness.
-/// Returns `Ok(None)` after printing why the test is skipped, or, with
-/// `CI=true`, an error.
-pub fn kernel() -> Result<Option<Kernel>> {
-    if !nix::unistd::geteuid().is_root() {
-        return skip_or_fail("not root (the initramfs holds device nodes)");
-    }
-    for program in [
-        "qemu-system-x86_64",
-        "kmod",
-        "depmod",
-        "cpio",
-        "busybox",
-        "ldd",
-    ] {
-        if find_program(program).is_none() {
-            return skip_or_fail(&format!("`{program}` not found"));
-        }
-    }
+/// The kernel to boot, after checking every prerequisite of the harness
+/// ([`PREREQUISITES`]); a missing one is an error naming its install command.
+pub fn kernel() -> Result<Kernel> {
+    require(PREREQUISITES)?;
+    find_kernel()
+}
+
+/// The unpacked kernel: the folder named by `HNA_VM_KERNEL_DIR`, else the
+/// newest one in the cache of `tests/rig/prereqs.sh`.
+pub fn find_kernel() -> Result<Kernel> {
     let dir = match std::env::var_os("HNA_VM_KERNEL_DIR") {
         Some(dir) => PathBuf::from(dir),
         None => {
@@ -131,18 +124,11 @@ pub fn kernel() -> Result<Option<Kernel>> {
                 .map(PathBuf::from)
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_CACHE_DIR))
                 .join("kernel");
-            match newest_kernel_dir(&cache) {
-                Some(dir) => dir,
-                None => {
-                    return skip_or_fail(&format!("no unpacked kernel under {}", cache.display()));
-                }
-            }
+            newest_kernel_dir(&cache)
+                .with_context(|| format!("no unpacked kernel under {}", cache.display()))?
         }
     };
-    match Kernel::from_dir(&dir) {
-        Ok(kernel) => Ok(Some(kernel)),
-        Err(e) => skip_or_fail(&format!("kernel folder {}: {e:#}", dir.display())),
-    }
+    Kernel::from_dir(&dir).with_context(|| format!("kernel folder {}", dir.display()))
 }
 
 /// The subfolder of `cache` with a `VERSION` file whose name is the highest
@@ -191,38 +177,10 @@ pub fn version_cmp(a: &str, b: &str) -> Ordering {
     ca.len().cmp(&cb.len())
 }
 
-/// `Ok(None)` after printing why the test is skipped, or an error when the
-/// environment variable `CI` is `true`.
-pub fn skip_or_fail<T>(missing: &str) -> Result<Option<T>> {
-    if std::env::var("CI").as_deref() == Ok("true") {
-        bail!("VM test prerequisite missing: {missing}; {INSTALL_HINT}");
-    }
-    eprintln!("SKIPPED: VM test prerequisite missing: {missing}; {INSTALL_HINT}");
-    Ok(None)
-}
-
-/// Finds a program in `PATH` and the usual system folders.
-pub fn find_program(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(
-            [
-                "/usr/local/sbin",
-                "/usr/local/bin",
-                "/usr/sbin",
-                "/usr/bin",
-                "/sbin",
-                "/bin",
-            ]
-            .map(PathBuf::from),
-        )
-        .map(|dir| dir.join(name))
-        .find(|p| p.is_file())
-}
-
 /// [`find_program`] or an error naming the program.
 fn require_program(name: &str) -> Result<PathBuf> {
-    find_program(name).with_context(|| format!("`{name}` not found; {INSTALL_HINT}"))
+    find_program(name)
+        .with_context(|| format!("`{name}` not found; install it with `{INSTALL_ALL}`"))
 }
 
 /// The agent binary under test without debug info (the debug build is

@@ -3,19 +3,21 @@
 
 use std::process::Command;
 
-const UNIT: &str = include_str!("../systemd/harvester-node-agent.service");
-const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+use crate::BIN;
+use crate::harness::tests;
 
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true")
+tests! {
+    unit_matches_the_daemon_contract;
+    systemd_accepts_the_unit_and_scores_it_below_4_5: SystemdAnalyze;
 }
+
+const UNIT: &str = include_str!("../../systemd/harvester-node-agent.service");
 
 fn directive(key: &str) -> Option<&'static str> {
     UNIT.lines()
         .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
 }
 
-#[test]
 fn unit_matches_the_daemon_contract() {
     assert_eq!(directive("Type"), Some("notify"));
     assert_eq!(directive("RestartPreventExitStatus"), Some("78"));
@@ -30,17 +32,7 @@ fn unit_matches_the_daemon_contract() {
     assert_eq!(directive("RuntimeDirectory"), Some("harvester-node-agent"));
 }
 
-#[test]
 fn systemd_accepts_the_unit_and_scores_it_below_4_5() {
-    if Command::new("systemd-analyze")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        assert!(!in_ci(), "systemd-analyze is missing (package systemd)");
-        eprintln!("SKIP: systemd-analyze not installed");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let unit = dir.path().join("harvester-node-agent.service");
     std::fs::write(&unit, UNIT.replace("/usr/bin/harvester-node-agent", BIN)).unwrap();

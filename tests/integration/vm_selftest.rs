@@ -1,17 +1,23 @@
-//! Self-test of the VM harness (`tests/vm`): boots Debian's stock kernel
+//! Self-test of the VM harness (`hna_testkit::vm`): boots Debian's stock kernel
 //! and shows that `macvlan` there is a module that is not loaded at boot,
 //! that creating a macvlan then fails exactly like in the field
 //! ("Operation not supported") when the kernel cannot load it by itself,
 //! that the kernel loads it by itself (`request_module`) when its modprobe
 //! helper works, and that `modprobe macvlan` loads it.
 
-#[allow(dead_code)]
-mod vm;
-
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Result;
+use hna_testkit::vm;
+
+use crate::harness::tests;
+
+tests! {
+    macvlan_is_a_module_that_modprobe_loads: Root, Qemu, VmKernel, Iproute2;
+    marker_parser;
+    version_order;
+}
 
 const SCRIPT: &str = r#"
 loaded() { if grep -q '^macvlan ' /proc/modules; then echo yes; else echo no; fi; }
@@ -56,11 +62,8 @@ hna_run add add_macvlan
 hna_run show ip -d -o link show mv0
 "#;
 
-#[test]
 fn macvlan_is_a_module_that_modprobe_loads() -> Result<()> {
-    let Some(kernel) = vm::kernel()? else {
-        return Ok(());
-    };
+    let kernel = vm::kernel()?;
     let mut image = vm::Initramfs::new(&kernel)?;
     image.add_modules(&["macvlan", "veth"])?;
     // iproute2 rather than busybox `ip`, as on a real node.
@@ -155,7 +158,6 @@ fn macvlan_is_a_module_that_modprobe_loads() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn marker_parser() {
     let run = vm::VmRun {
         console: [
@@ -190,7 +192,6 @@ fn marker_parser() {
     assert_eq!(run.tail(2), "@@HNA-EXIT 0\n@@HNA-END");
 }
 
-#[test]
 fn version_order() {
     use std::cmp::Ordering::*;
     assert_eq!(vm::version_cmp("6.1.99-1", "6.1.192-2"), Less);

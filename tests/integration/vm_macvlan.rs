@@ -9,17 +9,23 @@
 //! rig's API server on host loopback, and shows `MacvlanReady` change on the
 //! Node as the module state changes.
 
-#[allow(dead_code)]
-mod rig;
-#[allow(dead_code)]
-mod vm;
-
+use std::io::Write;
+use std::net::TcpListener;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use rig::{Rig, RigOptions};
+use hna_testkit::rig::{self, Rig, RigOptions};
+use hna_testkit::vm;
 
-const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+use crate::BIN;
+use crate::harness::tests;
+
+tests! {
+    preflight_states_on_a_real_kernel: Root, Qemu, VmKernel, Socat, QemuGuestAgent;
+    macvlan_ready_condition_follows_the_module_on_a_real_kernel:
+        Root, Qemu, VmKernel, Socat, Iproute2, ApiServer;
+}
 
 fn image(kernel: &vm::Kernel, dir: &Path, extra_modules: &[&str]) -> vm::Initramfs {
     let mut img = vm::Initramfs::new(kernel).unwrap();
@@ -62,11 +68,8 @@ wait_status() {
 }
 "#;
 
-#[test]
 fn preflight_states_on_a_real_kernel() {
-    let Some(kernel) = vm::kernel().unwrap() else {
-        return;
-    };
+    let kernel = vm::kernel().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut img = image(&kernel, dir.path(), &["virtio_pci", "virtio_net"]);
     let sles = "NAME=\"SLES\"\nVERSION=\"15-SP5\"\nID=\"sles\"\nID_LIKE=\"suse\"\nPRETTY_NAME=\"SUSE Linux Enterprise Server 15 SP5\"\n";
@@ -117,7 +120,8 @@ cp /tmp/os-release.debian /etc/os-release
 #    status; installing the module and reloading fixes it, no restart.
 socat -u UNIX-RECV:/run/notify.sock,unlink-early OPEN:/tmp/notify.log,creat,append &
 SOCAT=$!
-sleep 0.3
+# The receiver is up once its socket exists (10 s at most).
+i=0; while [ ! -S /run/notify.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
 NOTIFY_SOCKET=/run/notify.sock $A run $ARGS --node-name vm-1 --macvlan-recheck 1h 2>/tmp/daemon.log &
 PID=$!
 wait_status '"reason": "ModuleNotFound"'; hna d.missing.waited $?
@@ -139,7 +143,9 @@ hna loaded.after_start "$(loaded)"
 ip link add v0 type veth peer name v1 && ip link add link v0 name mv0 type macvlan mode bridge
 hna iplink.macvlan $?
 kill -TERM $PID; wait $PID; hna d2.exit $?
-sleep 0.3; kill $SOCAT
+# Stop the receiver once it has logged the second daemon's STOPPING=1.
+i=0; while [ "$(grep -c '^STOPPING=1' /tmp/notify.log)" -lt 2 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done
+kill $SOCAT
 while read -r line; do hna notify "$line"; done < /tmp/notify.log
 while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
 "#
@@ -297,6 +303,35 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
     assert_eq!(run.marker("d2.exit").as_deref(), Some("0"));
 }
 
+/// Accepts the guest's next handshake connection on `listener` and, once
+/// `observed` holds (60 s at most), answers `observed` (else `not-observed`)
+/// and hangs up. Returns early when `done` is set (the VM has ended).
+fn answer_when_seen(listener: &TcpListener, done: &AtomicBool, observed: impl Fn() -> bool) {
+    let mut conn = loop {
+        match listener.accept() {
+            Ok((conn, _)) => break conn,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if done.load(Ordering::Relaxed) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("handshake listener: {e}"),
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let answer = loop {
+        if observed() {
+            break "observed";
+        }
+        if Instant::now() > deadline || done.load(Ordering::Relaxed) {
+            break "not-observed";
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = writeln!(conn, "{answer}");
+}
+
 fn admin_client_call<T: Send>(
     api: &rig::ApiServer,
     f: impl FnOnce(kube::Client) -> std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>
@@ -325,22 +360,17 @@ fn macvlan_condition(api: &rig::ApiServer, node: &str) -> Option<(String, String
     })
 }
 
-#[test]
 fn macvlan_ready_condition_follows_the_module_on_a_real_kernel() {
-    let Some(kernel) = vm::kernel().unwrap() else {
-        return;
-    };
+    let kernel = vm::kernel().unwrap();
     let node = "hna-vm";
-    let Some(rig) = Rig::start(RigOptions {
+    let rig = Rig::start(RigOptions {
         guests: 1,
         dhcp: false,
         apiserver: true,
         node_names: vec![node.into()],
         ..Default::default()
     })
-    .unwrap() else {
-        return;
-    };
+    .unwrap();
     let api = rig.apiserver().unwrap();
     admin_client_call(api, move |client| {
         Box::pin(async move {
@@ -389,24 +419,32 @@ $A run $ARGS --node-name hna-vm --kubeconfig /etc/kubernetes/kubelet.conf --cred
 PID=$!
 wait_status '"reason": "Blacklisted"' && wait_status '"state": "Reported"'
 hna phase.blacklisted $?
-# Let the test observe the False condition before it changes.
-sleep 5
+# Handshake: the host answers on 10.0.2.101:80 once it has seen the False
+# condition on the Node, so the state cannot change before it is observed.
+hna seen.blacklisted "$(timeout 90 socat -u TCP:10.0.2.101:80 STDOUT)"
 rm /etc/modprobe.d/no-macvlan.conf
 kill -HUP $PID
 wait_status '"reason": "LoadedByAgent"'
 hna phase.loaded $?
-sleep 5
+hna seen.loaded "$(timeout 90 socat -u TCP:10.0.2.101:80 STDOUT)"
 hna_run final $A status --output json --socket /run/hna/agent.sock
 kill -TERM $PID; wait $PID; hna d.exit $?
 while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
 "#
     ));
     let initramfs = img.build().unwrap();
+    // The host end of the handshake: the guest connects to 10.0.2.101:80
+    // and waits for a line.
+    let handshake = TcpListener::bind("127.0.0.1:0").unwrap();
+    handshake.set_nonblocking(true).unwrap();
+    let handshake_port = handshake.local_addr().unwrap().port();
     let opts = vm::VmOptions {
         extra_args: vec![
             "-netdev".into(),
             format!(
-                "user,id=n0,restrict=on,guestfwd=tcp:10.0.2.100:{port}-cmd:socat - TCP:127.0.0.1:{port}"
+                "user,id=n0,restrict=on,\
+                 guestfwd=tcp:10.0.2.100:{port}-cmd:socat - TCP:127.0.0.1:{port},\
+                 guestfwd=tcp:10.0.2.101:80-cmd:socat - TCP:127.0.0.1:{handshake_port}"
             ),
             "-device".into(),
             "virtio-net-pci,netdev=n0".into(),
@@ -415,10 +453,10 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
     };
 
     let seen = std::sync::Mutex::new(Vec::<(String, String)>::new());
-    let done = std::sync::atomic::AtomicBool::new(false);
+    let done = AtomicBool::new(false);
     let run = std::thread::scope(|s| {
         s.spawn(|| {
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+            while !done.load(Ordering::Relaxed) {
                 if let Some(c) = macvlan_condition(api, node) {
                     let mut seen = seen.lock().unwrap();
                     if seen.last() != Some(&c) {
@@ -428,8 +466,18 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
                 std::thread::sleep(Duration::from_millis(200));
             }
         });
+        s.spawn(|| {
+            for want in [("False", "Blacklisted"), ("True", "LoadedByAgent")] {
+                answer_when_seen(&handshake, &done, || {
+                    seen.lock()
+                        .unwrap()
+                        .iter()
+                        .any(|(st, r)| (st.as_str(), r.as_str()) == want)
+                });
+            }
+        });
         let run = vm::boot(&kernel, &initramfs, &opts);
-        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        done.store(true, Ordering::Relaxed);
         run
     })
     .unwrap();
@@ -447,6 +495,14 @@ while read -r line; do hna daemon.log "$line"; done < /tmp/daemon.log
         "{}",
         run.tail(80)
     );
+    for key in ["seen.blacklisted", "seen.loaded"] {
+        assert_eq!(
+            run.marker(key).as_deref(),
+            Some("observed"),
+            "{key}: {}",
+            run.tail(80)
+        );
+    }
     assert_eq!(run.json("final")["node_conditions"]["state"], "Reported");
     assert_eq!(run.marker("d.exit").as_deref(), Some("0"));
     let seen = seen.into_inner().unwrap();

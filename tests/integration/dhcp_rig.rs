@@ -1,15 +1,11 @@
 //! The DHCP engine against a real dnsmasq on the rig: acquire, renew at T1
 //! (unicast through the packet socket), rebind at T2, expiry, NAK,
 //! INIT-REBOOT after kill -9, release, coexistence with a peer client on
-//! the same namespace, and 200 leases in one process. Run as root; without
-//! the prerequisites the tests skip, under `CI=true` they fail.
+//! the same namespace, and 200 leases in one process.
 //!
 //! Leases are dnsmasq's minimum (2 minutes) with small T1/T2 through
 //! options 58/59, and the engine's renew floor is lowered to 1 s so the
 //! RFC's 60 s minimum does not dominate.
-
-#[allow(dead_code)]
-mod rig;
 
 use std::net::Ipv4Addr;
 use std::process::{Child, Command};
@@ -20,14 +16,27 @@ use harvester_node_agent::dhcp::driver::LeaseStatus;
 use harvester_node_agent::dhcp::engine::{Engine, LeaseConfig};
 use harvester_node_agent::dhcp::io::ProbeConfig;
 use harvester_node_agent::dhcp::{Identity, State, StopMode, Timing};
-use rig::process::run;
-use rig::{Rig, RigOptions, find_program, in_netns, skip_or_fail};
+use hna_testkit::rig::process::run;
+use hna_testkit::rig::{Rig, RigOptions, find_program, in_netns};
 use tokio::sync::watch;
 
-const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+use crate::BIN;
+use crate::harness::tests;
+
+tests! {
+    acquire_renew_unicast_and_release: Root, Iproute2, Dnsmasq;
+    server_down_rebinds_at_t2_and_keeps_the_address: Root, Iproute2, Dnsmasq;
+    server_gone_past_expiry_removes_the_address: Root, Iproute2, Dnsmasq;
+    nak_on_renew_reacquires: Root, Iproute2, Dnsmasq;
+    kill9_and_restart_keeps_the_address_via_init_reboot: Root, Iproute2, Dnsmasq;
+    coexists_with_dhclient_on_eth0: Root, Iproute2, Dnsmasq, Dhclient;
+    two_hundred_leases_bound_and_renewing: Root, Iproute2, Dnsmasq;
+    daemon_removes_macvlans_a_crash_left_behind_and_only_those: Root, Iproute2, Dnsmasq;
+    address_in_use_is_declined_and_another_one_bound: Root, Iproute2, Dnsmasq;
+}
 
 /// A rig with 2-minute leases and the given T1/T2 (seconds).
-fn short_rig(t1: u32, t2: u32, extra: &[&str]) -> Result<Option<Rig>> {
+fn short_rig(t1: u32, t2: u32, extra: &[&str]) -> Result<Rig> {
     let mut args = vec![
         format!("--dhcp-option=option:T1,{t1}"),
         format!("--dhcp-option=option:T2,{t2}"),
@@ -108,11 +117,8 @@ fn udp68_bound(rig: &Rig, ns: &str) -> Result<bool> {
         }))
 }
 
-#[test]
 fn acquire_renew_unicast_and_release() -> Result<()> {
-    let Some(rig) = short_rig(6, 100, &[])? else {
-        return Ok(());
-    };
+    let rig = short_rig(6, 100, &[])?;
     let g = rig.guest_ns(0).to_string();
     let started = Instant::now();
     in_netns(&g, async || -> Result<()> {
@@ -192,11 +198,8 @@ fn acquire_renew_unicast_and_release() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn server_down_rebinds_at_t2_and_keeps_the_address() -> Result<()> {
-    let Some(mut rig) = short_rig(4, 8, &[])? else {
-        return Ok(());
-    };
+    let mut rig = short_rig(4, 8, &[])?;
     let g = rig.guest_ns(0).to_string();
     in_netns(&g, async || -> Result<()> {
         let engine = Engine::new(None)?;
@@ -239,11 +242,8 @@ fn server_down_rebinds_at_t2_and_keeps_the_address() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn server_gone_past_expiry_removes_the_address() -> Result<()> {
-    let Some(mut rig) = short_rig(4, 8, &[])? else {
-        return Ok(());
-    };
+    let mut rig = short_rig(4, 8, &[])?;
     let g = rig.guest_ns(0).to_string();
     in_netns(&g, async || -> Result<()> {
         let engine = Engine::new(None)?;
@@ -277,11 +277,8 @@ fn server_gone_past_expiry_removes_the_address() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn nak_on_renew_reacquires() -> Result<()> {
-    let Some(mut rig) = short_rig(3, 100, &[])? else {
-        return Ok(());
-    };
+    let mut rig = short_rig(3, 100, &[])?;
     let g = rig.guest_ns(0).to_string();
     in_netns(&g, async || -> Result<()> {
         let engine = Engine::new(None)?;
@@ -364,11 +361,8 @@ fn wait_status(
     }
 }
 
-#[test]
 fn kill9_and_restart_keeps_the_address_via_init_reboot() -> Result<()> {
-    let Some(rig) = short_rig(60, 100, &[])? else {
-        return Ok(());
-    };
+    let rig = short_rig(60, 100, &[])?;
     let g = rig.guest_ns(0);
     let dir = tempfile::tempdir()?;
     let mut child = hold(&rig, g, dir.path(), 1, &[])?;
@@ -433,14 +427,9 @@ fn kill9_and_restart_keeps_the_address_via_init_reboot() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn coexists_with_dhclient_on_eth0() -> Result<()> {
-    let Some(dhclient) = find_program("dhclient") else {
-        return skip_or_fail::<()>("`dhclient` (isc-dhcp-client)").map(|_| ());
-    };
-    let Some(rig) = short_rig(4, 100, &[])? else {
-        return Ok(());
-    };
+    let dhclient = find_program("dhclient").context("`dhclient` (isc-dhcp-client)")?;
+    let rig = short_rig(4, 100, &[])?;
     let g = rig.guest_ns(0).to_string();
     let d = rig.dir().to_path_buf();
     // The node's own client on eth0, holding UDP port 68 the whole time.
@@ -496,20 +485,16 @@ fn coexists_with_dhclient_on_eth0() -> Result<()> {
     result?
 }
 
-#[test]
 fn two_hundred_leases_bound_and_renewing() -> Result<()> {
     // Three ranges (2-99, 100-199, 200-254): room for 200 clients.
-    let Some(rig) = short_rig(
+    let rig = short_rig(
         15,
         100,
         &[
             "--dhcp-range=10.77.0.2,10.77.0.99,255.255.255.0,2m",
             "--dhcp-range=10.77.0.200,10.77.0.254,255.255.255.0,2m",
         ],
-    )?
-    else {
-        return Ok(());
-    };
+    )?;
     let g = rig.guest_ns(0).to_string();
     in_netns(&g, async || -> Result<()> {
         let engine = Engine::new(None)?;
@@ -560,11 +545,8 @@ fn two_hundred_leases_bound_and_renewing() -> Result<()> {
     Ok(())
 }
 
-#[test]
 fn daemon_removes_macvlans_a_crash_left_behind_and_only_those() -> Result<()> {
-    let Some(rig) = short_rig(60, 100, &[])? else {
-        return Ok(());
-    };
+    let rig = short_rig(60, 100, &[])?;
     let g = rig.guest_ns(0).to_string();
     let dir = tempfile::tempdir()?;
     let mut child = hold(&rig, &g, dir.path(), 2, &[])?;
@@ -664,19 +646,15 @@ fn daemon_removes_macvlans_a_crash_left_behind_and_only_those() -> Result<()> {
     result
 }
 
-#[test]
 fn address_in_use_is_declined_and_another_one_bound() -> Result<()> {
     // dnsmasq offers 10.77.0.150 to this MAC, and the second guest already
     // uses that address on its eth0: the ARP probe must see the kernel's
     // reply, DECLINE, and the client must end up on a free address.
-    let Some(rig) = Rig::start(RigOptions {
+    let rig = Rig::start(RigOptions {
         guests: 2,
         dnsmasq_args: vec!["--dhcp-host=00:00:6c:d0:0e:01,10.77.0.150".into()],
         ..Default::default()
-    })?
-    else {
-        return Ok(());
-    };
+    })?;
     let squatter = rig.guest_ns(1).to_string();
     run(Command::new("ip").args([
         "-n",

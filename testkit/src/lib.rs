@@ -1,0 +1,38 @@
+//! The real test rig of harvester-node-agent, shared by the integration
+//! tests (`tests/integration`), the benches and the examples (the demo):
+//!
+//! - [`rig`]: network namespaces on a bridge, dnsmasq as DHCP server and a
+//!   real etcd + kube-apiserver, torn down on drop;
+//! - [`vm`]: Debian's stock kernel booted under qemu with a small initramfs
+//!   that runs a test's shell script;
+//! - [`prereq`]: what those need from the machine, how to tell whether it is
+//!   there, and the command that installs it.
+//!
+//! It does not depend on the agent's crate: it drives the agent binary (or
+//! the agent's library, in the caller) from the outside.
+
+pub mod prereq;
+pub mod rig;
+pub mod vm;
+
+use std::path::PathBuf;
+
+/// Finds the executable `name` in `$PATH` and the usual system folders
+/// (`sudo` and cron leave the sbin folders out of `$PATH`).
+pub fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(
+            [
+                "/usr/local/sbin",
+                "/usr/local/bin",
+                "/usr/sbin",
+                "/usr/bin",
+                "/sbin",
+                "/bin",
+            ]
+            .map(PathBuf::from),
+        )
+        .map(|dir| dir.join(name))
+        .find(|p| rig::apiserver::is_executable(p))
+}

@@ -1,0 +1,212 @@
+//! What the real-part tests, benches and the demo need from the machine, and
+//! how to get it.
+//!
+//! Each [`Prereq`] is probed with [`Prereq::probe`]; a missing one comes back
+//! as a [`Missing`] naming what is absent and the command that installs it.
+//! `sudo tests/rig/prereqs.sh` installs every one of them (and builds
+//! kube-apiserver once); [`Missing::install`] names the single package too.
+
+use std::fmt;
+use std::path::Path;
+
+use crate::find_program;
+use crate::rig::DNSMASQ;
+use crate::rig::apiserver::{Binaries, is_executable};
+use crate::vm;
+
+/// The command that installs every prerequisite.
+pub const INSTALL_ALL: &str = "sudo tests/rig/prereqs.sh";
+
+/// One thing a test needs from the machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Prereq {
+    /// Running as root (network namespaces, device nodes in an initramfs).
+    Root,
+    /// `ip` from iproute2.
+    Iproute2,
+    /// dnsmasq as DHCP server ([`DNSMASQ`]).
+    Dnsmasq,
+    /// `openssl`, etcd and kube-apiserver (`KUBEBUILDER_ASSETS`, or the
+    /// build `tests/rig/prereqs.sh` caches).
+    ApiServer,
+    /// ISC `dhclient`, a peer DHCP client.
+    Dhclient,
+    /// `busybox` (its `udhcpc`).
+    Busybox,
+    /// `curl`.
+    Curl,
+    /// `socat` (the VM tests' notify receiver and user-mode network
+    /// forward).
+    Socat,
+    /// The VM harness's programs: `qemu-system-x86_64`, kmod's `modprobe`
+    /// and `depmod`, `cpio`, `busybox`, `ldd` and `strip`.
+    Qemu,
+    /// Debian's kernel package unpacked in the cache (see [`vm::kernel`]).
+    VmKernel,
+    /// `/usr/sbin/qemu-ga`, Debian's qemu-guest-agent.
+    QemuGuestAgent,
+    /// `systemd-analyze`.
+    SystemdAnalyze,
+}
+
+/// A prerequisite that is not there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Missing {
+    /// Which one.
+    pub prereq: Prereq,
+    /// What exactly is absent, e.g. "`qemu-system-x86_64`".
+    pub what: String,
+    /// The command that installs it.
+    pub install: String,
+}
+
+impl fmt::Display for Missing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} is missing; {}", self.what, self.install)
+    }
+}
+
+impl std::error::Error for Missing {}
+
+impl Prereq {
+    /// Short name for summaries: "root", or the Debian package to install.
+    pub fn label(self) -> &'static str {
+        match self {
+            Prereq::Root => "root",
+            Prereq::Iproute2 => "iproute2",
+            Prereq::Dnsmasq => "dnsmasq-base",
+            Prereq::ApiServer => "kube-apiserver",
+            Prereq::Dhclient => "isc-dhcp-client",
+            Prereq::Busybox => "busybox",
+            Prereq::Curl => "curl",
+            Prereq::Socat => "socat",
+            Prereq::Qemu => "qemu-system-x86",
+            Prereq::VmKernel => "the VM kernel",
+            Prereq::QemuGuestAgent => "qemu-guest-agent",
+            Prereq::SystemdAnalyze => "systemd",
+        }
+    }
+
+    /// `Ok` when present, else what is missing and how to install it.
+    pub fn probe(self) -> Result<(), Missing> {
+        let missing = |what: String, install: String| {
+            Err(Missing {
+                prereq: self,
+                what,
+                install,
+            })
+        };
+        let program = |name: &str, package: &str| match find_program(name) {
+            Some(_) => Ok(()),
+            None => missing(format!("`{name}`"), apt_install(package)),
+        };
+        match self {
+            Prereq::Root => {
+                if is_root() {
+                    Ok(())
+                } else {
+                    missing(
+                        "root (network namespaces and VMs need it)".into(),
+                        "run the tests as root, e.g. `sudo -E cargo test --test integration`"
+                            .into(),
+                    )
+                }
+            }
+            Prereq::Iproute2 => program("ip", "iproute2"),
+            Prereq::Dnsmasq => {
+                if is_executable(Path::new(DNSMASQ)) {
+                    Ok(())
+                } else {
+                    missing(format!("`{DNSMASQ}`"), apt_install("dnsmasq-base"))
+                }
+            }
+            Prereq::ApiServer => {
+                program("openssl", "openssl")?;
+                match Binaries::find() {
+                    Ok(_) => Ok(()),
+                    Err(what) => missing(
+                        what,
+                        format!(
+                            "build and cache it with `{INSTALL_ALL}`, then \
+                             `export KUBEBUILDER_ASSETS=\"$({INSTALL_ALL} | tail -n1)\"`"
+                        ),
+                    ),
+                }
+            }
+            Prereq::Dhclient => program("dhclient", "isc-dhcp-client"),
+            Prereq::Busybox => program("busybox", "busybox"),
+            Prereq::Curl => program("curl", "curl"),
+            Prereq::Socat => program("socat", "socat"),
+            Prereq::Qemu => {
+                for (name, package) in [
+                    ("qemu-system-x86_64", "qemu-system-x86"),
+                    ("modprobe", "kmod"),
+                    ("depmod", "kmod"),
+                    ("cpio", "cpio"),
+                    ("busybox", "busybox"),
+                    ("ldd", "libc-bin"),
+                    ("strip", "binutils"),
+                ] {
+                    program(name, package)?;
+                }
+                Ok(())
+            }
+            Prereq::VmKernel => match vm::find_kernel() {
+                Ok(_) => Ok(()),
+                Err(e) => missing(
+                    format!("the VM kernel ({e:#})"),
+                    format!("fetch and unpack it with `{INSTALL_ALL}`"),
+                ),
+            },
+            Prereq::QemuGuestAgent => {
+                if Path::new(QEMU_GA).is_file() {
+                    Ok(())
+                } else {
+                    missing(format!("`{QEMU_GA}`"), apt_install("qemu-guest-agent"))
+                }
+            }
+            Prereq::SystemdAnalyze => program("systemd-analyze", "systemd"),
+        }
+    }
+}
+
+/// Where Debian's qemu-guest-agent puts `qemu-ga`.
+pub const QEMU_GA: &str = "/usr/sbin/qemu-ga";
+
+/// `` `sudo tests/rig/prereqs.sh` (or `apt-get install PACKAGE`) ``.
+fn apt_install(package: &str) -> String {
+    format!("install it with `{INSTALL_ALL}` (or `sudo apt-get install {package}`)")
+}
+
+/// Whether this process runs as root.
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// Every prerequisite of `needs` that is missing, each once, in order.
+pub fn missing(needs: &[Prereq]) -> Vec<Missing> {
+    let mut seen = Vec::new();
+    needs
+        .iter()
+        .filter(|p| {
+            let new = !seen.contains(*p);
+            seen.push(**p);
+            new
+        })
+        .filter_map(|p| p.probe().err())
+        .collect()
+}
+
+/// `Ok` when every one of `needs` is present, else an error listing what is
+/// missing and how to install it.
+pub fn require(needs: &[Prereq]) -> anyhow::Result<()> {
+    let missing = missing(needs);
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let lines: Vec<String> = missing.iter().map(|m| format!("  - {m}")).collect();
+    anyhow::bail!(
+        "prerequisites missing (`{INSTALL_ALL}` installs them all):\n{}",
+        lines.join("\n")
+    )
+}

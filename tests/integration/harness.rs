@@ -1,0 +1,195 @@
+//! The harness of the integration tests: every test declares what it needs
+//! from the machine ([`Prereq`]); `main` probes each prerequisite once,
+//! before any test runs, and then
+//!
+//! - when everything a test needs is there, runs it;
+//! - when something is missing and this is a non-root run outside CI
+//!   (`CI` is not `true`), registers the test as ignored, so cargo's closing
+//!   line counts it, and prints one `skipped: ...` line after the run saying
+//!   how many were skipped and why;
+//! - when something is missing and this is a root run or CI, runs the test,
+//!   which fails at once naming what is missing and the command that
+//!   installs it. Only a non-root run may skip.
+//!
+//! `--ignored` / `--include-ignored` run skipped tests anyway (they then fail
+//! with the same message). Filtering, `--list`, `--exact`, `--skip` and
+//! `--test-threads` work as with the built-in harness (libtest-mimic).
+//! Output is not captured: a test's stderr shows as it runs.
+//!
+//! `HNA_TEST_AS_NONROOT=1` makes a root run behave like a non-root one
+//! (outside CI only), to see the skip path without another user.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+
+use hna_testkit::prereq::{self, Missing, Prereq};
+use libtest_mimic::{Arguments, Failed, Trial};
+
+/// One integration test: `module::name`, what it needs, and its body.
+pub struct Test {
+    pub name: String,
+    pub needs: &'static [Prereq],
+    pub run: fn() -> Result<(), Failed>,
+}
+
+/// What a test body may return: `()` (it panics on failure) or a `Result`.
+pub trait Outcome {
+    fn into_outcome(self) -> Result<(), Failed>;
+}
+
+impl Outcome for () {
+    fn into_outcome(self) -> Result<(), Failed> {
+        Ok(())
+    }
+}
+
+impl Outcome for anyhow::Result<()> {
+    fn into_outcome(self) -> Result<(), Failed> {
+        self.map_err(|e| format!("{e:?}").into())
+    }
+}
+
+/// Declares a module's tests: `tests! { name_a; name_b: Root, Dnsmasq; }`
+/// defines `pub fn tests() -> Vec<Test>` with one entry per function, named
+/// `<module>::<function>`, needing the listed [`Prereq`]s.
+macro_rules! tests {
+    ($($f:ident $(: $($need:ident),+)?);* $(;)?) => {
+        pub fn tests() -> Vec<$crate::harness::Test> {
+            let module = module_path!().rsplit("::").next().unwrap_or_default();
+            vec![$(
+                $crate::harness::Test {
+                    name: format!("{module}::{}", stringify!($f)),
+                    needs: &[$($(hna_testkit::prereq::Prereq::$need),+)?],
+                    run: || $crate::harness::Outcome::into_outcome($f()),
+                }
+            ),*]
+        }
+    };
+}
+pub(crate) use tests;
+
+/// The environment the tests run in, probed once.
+struct Machine {
+    /// Missing prerequisites (of those some test needs), by prerequisite.
+    missing: BTreeMap<Prereq, Missing>,
+    /// Root or CI: a missing prerequisite fails instead of skipping.
+    strict: bool,
+}
+
+impl Machine {
+    fn probe(tests: &[Test]) -> Machine {
+        let in_ci = std::env::var("CI").as_deref() == Ok("true");
+        let as_nonroot = !in_ci && std::env::var("HNA_TEST_AS_NONROOT").as_deref() == Ok("1");
+        let is_root = prereq::is_root() && !as_nonroot;
+        let mut missing = BTreeMap::new();
+        for &p in tests.iter().flat_map(|t| t.needs) {
+            if missing.contains_key(&p) {
+                continue;
+            }
+            let found = match p {
+                Prereq::Root if is_root => Ok(()),
+                Prereq::Root => Err(root_missing()),
+                _ => p.probe(),
+            };
+            if let Err(m) = found {
+                missing.insert(p, m);
+            }
+        }
+        Machine {
+            missing,
+            strict: is_root || in_ci,
+        }
+    }
+
+    fn missing_for(&self, test: &Test) -> Vec<&Missing> {
+        test.needs
+            .iter()
+            .filter_map(|p| self.missing.get(p))
+            .collect()
+    }
+}
+
+/// The `Missing` of root (also under `HNA_TEST_AS_NONROOT=1`).
+fn root_missing() -> Missing {
+    match Prereq::Root.probe() {
+        Err(m) => m,
+        Ok(()) => Missing {
+            prereq: Prereq::Root,
+            what: "root (HNA_TEST_AS_NONROOT=1 pretends this is a non-root run)".into(),
+            install: "unset HNA_TEST_AS_NONROOT".into(),
+        },
+    }
+}
+
+/// The failure of a test whose prerequisites are missing.
+fn prerequisite_failure(missing: &[Missing]) -> Failed {
+    let lines: Vec<String> = missing.iter().map(|m| format!("  - {m}")).collect();
+    format!(
+        "prerequisites missing (`{}` installs them all):\n{}",
+        prereq::INSTALL_ALL,
+        lines.join("\n")
+    )
+    .into()
+}
+
+/// The one-line summary of skipped tests, e.g.
+/// `skipped: 26 of 36 integration tests (26 need root; 10 need kube-apiserver; ...)`.
+fn summary(selected: usize, skipped: &[Vec<Prereq>]) -> String {
+    if skipped.is_empty() {
+        return format!("skipped: 0 of {selected} integration tests");
+    }
+    let mut by_prereq: BTreeMap<Prereq, usize> = BTreeMap::new();
+    for needs in skipped {
+        for p in needs {
+            *by_prereq.entry(*p).or_default() += 1;
+        }
+    }
+    let why: Vec<String> = by_prereq
+        .iter()
+        .map(|(p, n)| format!("{n} need {}", p.label()))
+        .collect();
+    format!(
+        "skipped: {} of {selected} integration tests ({}); `{}` installs what is missing, then run them as root",
+        skipped.len(),
+        why.join("; "),
+        prereq::INSTALL_ALL
+    )
+}
+
+/// Runs `tests` as the process's test harness.
+pub fn main(tests: Vec<Test>) -> ExitCode {
+    let args = Arguments::from_args();
+    let machine = Machine::probe(&tests);
+    let runs_ignored = args.ignored || args.include_ignored;
+    let mut selected = 0;
+    let mut skipped: Vec<Vec<Prereq>> = Vec::new();
+    let trials: Vec<Trial> = tests
+        .into_iter()
+        .map(|test| {
+            let missing: Vec<Missing> = machine.missing_for(&test).into_iter().cloned().collect();
+            let missing_prereqs: Vec<Prereq> = missing.iter().map(|m| m.prereq).collect();
+            let skip = !missing.is_empty() && !machine.strict;
+            let run = test.run;
+            let trial = Trial::test(test.name, move || {
+                if missing.is_empty() {
+                    run()
+                } else {
+                    Err(prerequisite_failure(&missing))
+                }
+            })
+            .with_ignored_flag(skip);
+            if !args.is_filtered_out(&trial) {
+                selected += 1;
+                if skip && !runs_ignored {
+                    skipped.push(missing_prereqs);
+                }
+            }
+            trial
+        })
+        .collect();
+    let conclusion = libtest_mimic::run(&args, trials);
+    if !args.list {
+        println!("{}", summary(selected, &skipped));
+    }
+    conclusion.exit_code()
+}

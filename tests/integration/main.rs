@@ -1,0 +1,51 @@
+//! The integration tests, in one binary: the daemon binary as systemd and an
+//! operator see it, and the real parts (network namespaces, dnsmasq,
+//! kube-apiserver, a real kernel under qemu) through the test kit
+//! (`testkit/`, crate `hna_testkit`).
+//!
+//! ```text
+//! cargo test --test integration                  # all
+//! cargo test --test integration dhcp_rig::       # one module
+//! cargo test --test integration -- --list        # the test names
+//! ```
+//!
+//! Each test declares its prerequisites; see [`harness`] for what happens
+//! when one is missing (a non-root run skips and says so in a closing
+//! `skipped: ...` line; a root run or `CI=true` fails naming the install
+//! command).
+
+mod facts;
+mod harness;
+
+mod cluster;
+mod daemon;
+mod dhcp_probe;
+mod dhcp_rig;
+mod rig_selftest;
+mod topology;
+mod unit_file;
+mod vm_guest_agent;
+mod vm_macvlan;
+mod vm_selftest;
+
+/// The agent binary under test.
+const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+
+fn main() -> std::process::ExitCode {
+    let tests = [
+        daemon::tests(),
+        unit_file::tests(),
+        cluster::tests(),
+        topology::tests(),
+        dhcp_rig::tests(),
+        dhcp_probe::tests(),
+        rig_selftest::tests(),
+        vm_selftest::tests(),
+        vm_macvlan::tests(),
+        vm_guest_agent::tests(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    harness::main(tests)
+}
