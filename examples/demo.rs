@@ -216,8 +216,6 @@ fn main() -> Result<()> {
     }
     let mut cmd = Command::new(&agent);
     cmd.args(["controller", "--credentials-retry", "1s"])
-        .arg("--config")
-        .arg(&empty_config)
         .arg("--kubeconfig")
         .arg(api.controller_kubeconfig());
     daemons.push(Daemon::spawn("controller", cmd, rig.dir(), None)?);

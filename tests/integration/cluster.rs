@@ -209,12 +209,22 @@ fn rejected_credentials_are_reported_and_a_fixed_file_is_picked_up() {
                 .contains("Unauthorized"),
         "{st}"
     );
-    // The operator (or the kubelet) writes a good file: the daemon connects.
-    // The new file differs in content (and is a new inode), which is what
-    // tells the daemon it changed: no waiting for the clock to move on.
-    let tmp = dir.join("kubeconfig.new");
-    std::fs::write(&tmp, good).unwrap();
-    std::fs::rename(&tmp, &kubeconfig).unwrap();
+    // The operator (or the kubelet) rewrites the file in place with good
+    // credentials, and its modification time ends up where it was (as a
+    // rewrite within the same second leaves it): only the content tells
+    // the daemon that it changed. It connects.
+    let mtime = std::fs::metadata(&kubeconfig).unwrap().modified().unwrap();
+    std::fs::write(&kubeconfig, good).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&kubeconfig)
+        .unwrap()
+        .set_times(std::fs::FileTimes::new().set_modified(mtime))
+        .unwrap();
+    assert_eq!(
+        std::fs::metadata(&kubeconfig).unwrap().modified().unwrap(),
+        mtime
+    );
     wait_cluster_state(&socket, "Connected", Duration::from_secs(10));
 }
 

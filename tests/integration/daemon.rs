@@ -17,6 +17,9 @@ tests! {
     status_answers_from_a_running_daemon_and_fails_clearly_without_one;
     restart_after_a_crash_reuses_the_stale_socket;
     metrics_endpoint_serves_health_and_gauges_and_refuses_bad_addresses;
+    check_api_server_is_a_check_of_its_own;
+    status_finds_the_daemon_through_its_configuration_file;
+    check_with_a_broken_file_on_a_mixed_case_hostname_still_checks: Root;
 }
 
 /// A hermetic command: no host config file, no host kubeconfigs.
@@ -628,4 +631,150 @@ fn metrics_endpoint_serves_health_and_gauges_and_refuses_bad_addresses() {
 
     sigterm(&child.0);
     assert!(wait_exit(&mut child.0, Duration::from_secs(10)).success());
+}
+
+/// `check api-server` was refused as an unknown check (exit 2) although the
+/// README lists it. Named alone it runs with the kubeconfig check it needs;
+/// with a configured kubeconfig that does not exist (this test made sure it
+/// does not), both fail and the exit code is 1.
+fn check_api_server_is_a_check_of_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    empty_config(tmp.path());
+    let missing = tmp.path().join("no-such.kubeconfig");
+    let out = agent(tmp.path())
+        .args(["check", "api-server", "--output", "json"])
+        .env("HNA_KUBECONFIG", &missing)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["kubeconfig", "api-server"], "{v}");
+    assert_eq!(v["checks"][0]["reason"], "ConfiguredFileMissing");
+    assert_eq!(v["checks"][1]["reason"], "NoCredentials");
+    assert_eq!(v["checks"][1]["status"], "fail");
+
+    let out = agent(tmp.path())
+        .args(["check", "api-servers"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a misspelt name is still refused"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("api-server"));
+}
+
+/// `status` ignored the configuration file's `socket`. A daemon started
+/// with only `--config` listens where the file says; `status --config`
+/// finds it there, and plain `status` (the default socket) does not.
+fn status_finds_the_daemon_through_its_configuration_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    empty_config(tmp.path());
+    let sock = tmp.path().join("from-file.sock");
+    let config = tmp.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "socket = \"{}\"\nstate_dir = \"{}\"\nnode_name = \"guest-9\"\n",
+            sock.display(),
+            tmp.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let _daemon = Daemon(
+        agent(tmp.path())
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "the daemon never bound {sock:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = loop {
+        let out = agent(tmp.path())
+            .args(["status", "--output", "json", "--config"])
+            .arg(&config)
+            .output()
+            .unwrap();
+        if out.status.success() || Instant::now() > deadline {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["node_name"], "guest-9");
+
+    // The same through HNA_CONFIG, as `run` reads it.
+    let out = agent(tmp.path())
+        .args(["status", "--output", "json"])
+        .env("HNA_CONFIG", &config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+
+    // Without the file, `status` asks the default socket, where no daemon
+    // of this test listens.
+    let out = agent(tmp.path()).arg("status").output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("/run/harvester-node-agent/agent.sock"),
+        "{out:?}"
+    );
+}
+
+/// With a broken configuration file, `check` still checks what the flags
+/// and defaults describe. It used to take the node name from the raw
+/// hostname, so on a host named `Guest-One` (an invalid Node name) those
+/// checks silently disappeared. The hostname is set in a private UTS
+/// namespace (root only).
+fn check_with_a_broken_file_on_a_mixed_case_hostname_still_checks() {
+    let tmp = tempfile::tempdir().unwrap();
+    empty_config(tmp.path());
+    let broken = tmp.path().join("broken.toml");
+    std::fs::write(&broken, "this is = not toml [").unwrap();
+    let mut cmd = agent(tmp.path());
+    cmd.args([
+        "check",
+        "config",
+        "state-dir",
+        "--output",
+        "json",
+        "--config",
+    ])
+    .arg(&broken)
+    .env("HNA_STATE_DIR", tmp.path().join("state"));
+    // SAFETY: unshare and sethostname are plain syscalls; nothing else runs
+    // before exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUTS)?;
+            nix::unistd::sethostname("Guest-One")?;
+            Ok(())
+        });
+    }
+    let out = cmd.output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "the broken file fails: {out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["config", "state-dir"], "{v}");
+    assert_eq!(v["checks"][0]["status"], "fail");
+    assert_ne!(v["checks"][1]["status"], "fail", "{v}");
 }

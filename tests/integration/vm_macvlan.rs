@@ -25,6 +25,7 @@ tests! {
     preflight_states_on_a_real_kernel: Root, Qemu, VmKernel, Socat, QemuGuestAgent;
     macvlan_ready_condition_follows_the_module_on_a_real_kernel:
         Root, Qemu, VmKernel, Socat, Iproute2, ApiServer;
+    probe_needs_neither_veth_nor_dummy_on_a_real_kernel: Root, Qemu, VmKernel;
 }
 
 fn image(kernel: &vm::Kernel, dir: &Path, extra_modules: &[&str]) -> vm::Initramfs {
@@ -533,7 +534,7 @@ fn isolated_nic() -> vm::VmOptions {
 /// The capabilities the shipped unit bounds the daemon to, as a `setpriv
 /// --bounding-set` argument (`-all,+net_admin,...`).
 fn unit_bounding_set() -> String {
-    let unit = include_str!("../systemd/harvester-node-agent.service");
+    let unit = include_str!("../../systemd/harvester-node-agent.service");
     let caps = unit
         .lines()
         .find_map(|l| l.strip_prefix("CapabilityBoundingSet="))
@@ -554,19 +555,11 @@ fn unit_bounding_set() -> String {
 /// whose kernel package lacks them). The probe needs no module besides
 /// macvlan: `check macvlan` reports ok, not ProbeFailed, also with no more
 /// capabilities than the shipped unit grants, and leaves no link behind.
-#[test]
 fn probe_needs_neither_veth_nor_dummy_on_a_real_kernel() {
-    let Some(kernel) = vm::kernel().unwrap() else {
-        return;
-    };
-    let Some(setpriv) = vm::find_program("setpriv") else {
-        assert!(
-            !(std::env::var("CI").as_deref() == Ok("true") || nix::unistd::geteuid().is_root()),
-            "setpriv is missing; install it with `apt-get install util-linux`"
-        );
-        eprintln!("SKIPPED: setpriv is missing (package util-linux)");
-        return;
-    };
+    let kernel = vm::kernel().unwrap();
+    // util-linux is essential on Debian: setpriv is always there.
+    let setpriv = hna_testkit::find_program("setpriv")
+        .expect("setpriv is missing; install it with `apt-get install util-linux`");
     let dir = tempfile::tempdir().unwrap();
     let mut img = vm::Initramfs::new(&kernel).unwrap();
     img.add_binary(
