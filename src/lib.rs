@@ -21,6 +21,9 @@
 //! - [`dhcp`]: the DHCP client engine for LoadBalancer addresses (pure
 //!   state machine, packet sockets, lease files, `dhcp-probe`);
 //! - [`metrics`]: the optional `/metrics` and `/healthz` endpoint;
+//! - [`contract`]: what the daemon and the controller share (and share
+//!   with the Harvester cloud provider and kube-vip): annotation keys,
+//!   which Services are ours, the address identity;
 //! - [`agent`]: orchestration of the node daemon (`run`);
 //! - [`controller`]: the in-cluster controller;
 //! - [`logging`]: journald or stderr;
@@ -31,6 +34,7 @@ pub mod check;
 pub mod cli;
 pub mod cluster;
 pub mod config;
+pub mod contract;
 pub mod control;
 pub mod controller;
 pub mod dhcp;

@@ -1,0 +1,393 @@
+//! The contract between the node daemon and the controller, and with the
+//! Harvester cloud provider and kube-vip: annotation keys, which Services
+//! are ours, and the identity (link name, MAC, client identifier) under
+//! which any node asks for a Service's lease. A leaf module: the daemon and
+//! the controller share this and nothing else, and never import each other.
+//!
+//! What kube-vip and the cloud provider do with these keys is written up in
+//! `docs/kube-vip-contract.md`.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+/// `spec.loadBalancerClass` that selects this agent on clusters without the
+/// Harvester cloud provider (Kubernetes 1.24+; the field is immutable).
+pub const LOAD_BALANCER_CLASS: &str = "harvester-node-agent.io/dhcp";
+/// Our opt-out: `"true"` leaves the Service alone.
+pub const IGNORE: &str = "harvester-node-agent.io/ignore";
+/// Prefix of the macvlans that hold LoadBalancer addresses: `hlb-` and the
+/// first 8 hex digits of the Service UID. Not kube-vip's `vip-`, so that
+/// neither agent's clean-up takes the other's links during a migration.
+pub const INTERFACE_PREFIX: &str = "hlb-";
+
+/// Written by the Harvester cloud provider; never by us.
+pub mod harvester {
+    pub const IPAM: &str = "cloudprovider.harvesterhci.io/ipam";
+    pub const PRIMARY_SERVICE: &str = "cloudprovider.harvesterhci.io/primary-service";
+    pub const NETWORK: &str = "cloudprovider.harvesterhci.io/network";
+}
+
+/// kube-vip's keys. `LOADBALANCER_IPS` and `SERVICE_INTERFACE` come from the
+/// cloud provider (never written by us); `HWADDR`, `REQUESTED_IP` and
+/// `VIP_HOST` are written back in kube-vip's format so that going back to
+/// kube-vip keeps the address.
+pub mod kube_vip {
+    pub const LOADBALANCER_IPS: &str = "kube-vip.io/loadbalancerIPs";
+    pub const SERVICE_INTERFACE: &str = "kube-vip.io/serviceInterface";
+    pub const HWADDR: &str = "kube-vip.io/hwaddr";
+    pub const REQUESTED_IP: &str = "kube-vip.io/requestedIP";
+    pub const VIP_HOST: &str = "kube-vip.io/vipHost";
+    pub const LOADBALANCER_HOSTNAME: &str = "kube-vip.io/loadbalancerHostname";
+    pub const IGNORE: &str = "kube-vip.io/ignore";
+    /// The address the cloud provider writes for "ask DHCP".
+    pub const ASK_DHCP: &str = "0.0.0.0";
+}
+
+pub type Annotations = BTreeMap<String, String>;
+
+/// The parts of a Service that decide whether it is ours.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceView {
+    /// `spec.type`.
+    pub type_: String,
+    /// `spec.loadBalancerClass`.
+    pub load_balancer_class: Option<String>,
+    pub annotations: Annotations,
+}
+
+/// `namespace/name`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for ServiceKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// What a Service is to this agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Selection {
+    /// Its address comes from DHCP and a node of ours holds it.
+    Primary,
+    /// Shares its primary's address (Harvester's share-IP). Whether the
+    /// primary is ours, and not itself a secondary, the controller decides
+    /// with the whole set in view.
+    Secondary { primary: ServiceKey },
+    /// Not ours; the reason, for logs and Events.
+    NotOurs(&'static str),
+    /// `harvester-node-agent.io/ignore: "true"`.
+    OptedOut,
+    /// Ours by its annotations, but one is malformed: an Event says which,
+    /// and nothing that runs changes.
+    Invalid(String),
+}
+
+/// Decides from one Service alone. Pool-mode Services are never ours: the
+/// Harvester side allocates them.
+pub fn select(svc: &ServiceView) -> Selection {
+    if svc.type_ != "LoadBalancer" {
+        return Selection::NotOurs("not type LoadBalancer");
+    }
+    let a = &svc.annotations;
+    if a.get(IGNORE).map(String::as_str) == Some("true") {
+        return Selection::OptedOut;
+    }
+    match svc.load_balancer_class.as_deref() {
+        Some(LOAD_BALANCER_CLASS) => return Selection::Primary,
+        // The cloud-provider framework skips classed Services, and so do we.
+        Some(_) => return Selection::NotOurs("another loadBalancerClass"),
+        None => {}
+    }
+    if let Some(primary) = a.get(harvester::PRIMARY_SERVICE) {
+        return match parse_service_key(primary) {
+            Some(primary) => Selection::Secondary { primary },
+            None => Selection::Invalid(format!(
+                "{} must be `namespace/name`, not `{primary}`",
+                harvester::PRIMARY_SERVICE
+            )),
+        };
+    }
+    let dhcp_ipam = a.get(harvester::IPAM).map(String::as_str) == Some("dhcp");
+    let ask_dhcp = a.get(kube_vip::LOADBALANCER_IPS).map(|v| v.trim()) == Some(kube_vip::ASK_DHCP);
+    if dhcp_ipam || ask_dhcp {
+        Selection::Primary
+    } else {
+        Selection::NotOurs("not DHCP mode (pool mode is allocated by Harvester)")
+    }
+}
+
+pub fn parse_service_key(v: &str) -> Option<ServiceKey> {
+    let (namespace, name) = v.trim().split_once('/')?;
+    let ok = |s: &str| !s.is_empty() && !s.contains('/');
+    (ok(namespace) && ok(name)).then(|| ServiceKey {
+        namespace: namespace.to_string(),
+        name: name.to_string(),
+    })
+}
+
+/// Under which identity any node asks for a Service's lease: the same on
+/// every node, so a failover keeps the address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddressIdentity {
+    /// The macvlan's name.
+    pub interface: String,
+    pub mac: [u8; 6],
+    /// Option 61.
+    pub client_id: Vec<u8>,
+    /// Option 12.
+    pub hostname: Option<String>,
+    /// The address to ask for first (INIT-REBOOT), from kube-vip's record.
+    pub requested_ip: Option<Ipv4Addr>,
+}
+
+/// The identity of the Service with `uid`: kube-vip's `hwaddr`,
+/// `requestedIP` and `loadbalancerHostname` when present (a Service that
+/// kube-vip served keeps its address and its client), otherwise a locally
+/// administered unicast MAC and a client identifier derived from the UID.
+pub fn address_identity(uid: &str, annotations: &Annotations) -> Result<AddressIdentity, String> {
+    let hex: String = uid
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(8)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    if hex.len() < 8 {
+        return Err(format!("Service UID `{uid}` has fewer than 8 hex digits"));
+    }
+    let mac = match annotations.get(kube_vip::HWADDR) {
+        Some(v) => parse_unicast_mac(v).ok_or_else(|| {
+            format!(
+                "{}: `{v}` is not a unicast MAC like 00:00:6c:12:34:56",
+                kube_vip::HWADDR
+            )
+        })?,
+        None => derived_mac(uid),
+    };
+    let requested_ip = match annotations.get(kube_vip::REQUESTED_IP) {
+        Some(v) if !v.trim().is_empty() => Some(
+            v.trim()
+                .parse::<Ipv4Addr>()
+                .map_err(|_| format!("{}: `{v}` is not an IPv4 address", kube_vip::REQUESTED_IP))?,
+        ),
+        _ => None,
+    };
+    let hostname = match annotations.get(kube_vip::LOADBALANCER_HOSTNAME) {
+        Some(h) if crate::k8s_names::is_dns_subdomain(h.trim()) => Some(h.trim().to_string()),
+        Some(h) => {
+            return Err(format!(
+                "{}: `{h}` is not a valid hostname",
+                kube_vip::LOADBALANCER_HOSTNAME
+            ));
+        }
+        None => None,
+    };
+    // kube-vip sends the hostname itself as option 61 (no type byte); doing
+    // the same keeps the server's view of the client across a migration.
+    let client_id = match &hostname {
+        Some(h) => h.as_bytes().to_vec(),
+        // RFC 2132 type 0: an identifier that is not a hardware address.
+        None => [&[0u8][..], b"hna/", uid.as_bytes()].concat(),
+    };
+    Ok(AddressIdentity {
+        interface: format!("{INTERFACE_PREFIX}{hex}"),
+        mac,
+        client_id,
+        hostname,
+        requested_ip,
+    })
+}
+
+/// A locally administered unicast MAC from the UID (FNV-1a, 64 bits): the
+/// same on every node, unlikely to meet another Service's (46 free bits).
+pub fn derived_mac(uid: &str) -> [u8; 6] {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in uid.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let b = h.to_be_bytes();
+    [(b[0] & 0xfc) | 0x02, b[1], b[2], b[3], b[4], b[5]]
+}
+
+/// `aa:bb:cc:dd:ee:ff` (any case, `-` accepted), not multicast, not zero.
+pub fn parse_unicast_mac(v: &str) -> Option<[u8; 6]> {
+    let parts: Vec<&str> = v.trim().split([':', '-']).collect();
+    if parts.len() != 6 {
+        return None;
+    }
+    let mut mac = [0u8; 6];
+    for (slot, p) in mac.iter_mut().zip(&parts) {
+        if p.len() != 2 {
+            return None;
+        }
+        *slot = u8::from_str_radix(p, 16).ok()?;
+    }
+    (mac[0] & 0x01 == 0 && mac != [0; 6]).then_some(mac)
+}
+
+/// kube-vip's format of `hwaddr`: Go's `HardwareAddr.String()`.
+pub fn format_mac(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UID: &str = "3f2a9c1e-77b0-4d2e-9a51-0c8d2b6e4f11";
+
+    fn svc(type_: &str, class: Option<&str>, annotations: &[(&str, &str)]) -> ServiceView {
+        ServiceView {
+            type_: type_.into(),
+            load_balancer_class: class.map(str::to_string),
+            annotations: annotations
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn which_services_are_ours() {
+        let lb = "LoadBalancer";
+        let table: &[(ServiceView, Selection)] = &[
+            (
+                svc(lb, None, &[(harvester::IPAM, "dhcp")]),
+                Selection::Primary,
+            ),
+            (
+                svc(lb, None, &[(kube_vip::LOADBALANCER_IPS, "0.0.0.0")]),
+                Selection::Primary,
+            ),
+            (svc(lb, Some(LOAD_BALANCER_CLASS), &[]), Selection::Primary),
+            (
+                svc(lb, Some("other.io/lb"), &[(harvester::IPAM, "dhcp")]),
+                Selection::NotOurs("another loadBalancerClass"),
+            ),
+            (
+                svc(lb, None, &[(harvester::IPAM, "pool")]),
+                Selection::NotOurs("not DHCP mode (pool mode is allocated by Harvester)"),
+            ),
+            (
+                svc(lb, None, &[(kube_vip::LOADBALANCER_IPS, "10.0.0.5")]),
+                Selection::NotOurs("not DHCP mode (pool mode is allocated by Harvester)"),
+            ),
+            (
+                svc("ClusterIP", None, &[(harvester::IPAM, "dhcp")]),
+                Selection::NotOurs("not type LoadBalancer"),
+            ),
+            (
+                svc(lb, None, &[(harvester::IPAM, "dhcp"), (IGNORE, "true")]),
+                Selection::OptedOut,
+            ),
+            (
+                // A secondary loses its ipam annotation and gets its
+                // primary's address from the cloud provider.
+                svc(
+                    lb,
+                    None,
+                    &[
+                        (harvester::PRIMARY_SERVICE, "default/web"),
+                        (kube_vip::LOADBALANCER_IPS, "10.77.0.150"),
+                    ],
+                ),
+                Selection::Secondary {
+                    primary: ServiceKey {
+                        namespace: "default".into(),
+                        name: "web".into(),
+                    },
+                },
+            ),
+        ];
+        for (view, want) in table {
+            assert_eq!(&select(view), want, "{view:?}");
+        }
+        assert!(matches!(
+            select(&svc(lb, None, &[(harvester::PRIMARY_SERVICE, "web")])),
+            Selection::Invalid(_)
+        ));
+        // kube-vip's own opt-out is not ours: it is how a Service moves
+        // from kube-vip to this agent.
+        assert_eq!(
+            select(&svc(
+                lb,
+                None,
+                &[(harvester::IPAM, "dhcp"), (kube_vip::IGNORE, "true")]
+            )),
+            Selection::Primary
+        );
+    }
+
+    #[test]
+    fn every_node_derives_the_same_identity() {
+        let id = address_identity(UID, &Annotations::new()).unwrap();
+        assert_eq!(id, address_identity(UID, &Annotations::new()).unwrap());
+        assert_eq!(id.interface, "hlb-3f2a9c1e");
+        assert!(id.interface.len() <= 15, "IFNAMSIZ");
+        assert_eq!(id.mac[0] & 0x03, 0x02, "locally administered unicast");
+        assert_eq!(id.client_id[0], 0, "RFC 2132 type 0");
+        assert!(id.client_id.ends_with(UID.as_bytes()));
+        assert_eq!((id.hostname, id.requested_ip), (None, None));
+        let other =
+            address_identity("9f2a9c1e-0000-4000-8000-000000000000", &Annotations::new()).unwrap();
+        assert_ne!(other.mac, id.mac);
+    }
+
+    #[test]
+    fn kube_vips_record_is_honoured() {
+        let a: Annotations = [
+            (kube_vip::HWADDR, "00:00:6C:AB:CD:EF"),
+            (kube_vip::REQUESTED_IP, "10.77.0.150"),
+            (kube_vip::LOADBALANCER_HOSTNAME, "web-lb"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let id = address_identity(UID, &a).unwrap();
+        assert_eq!(id.mac, [0x00, 0x00, 0x6c, 0xab, 0xcd, 0xef]);
+        assert_eq!(
+            format_mac(&id.mac),
+            "00:00:6c:ab:cd:ef",
+            "kube-vip's format"
+        );
+        assert_eq!(id.requested_ip, Some(Ipv4Addr::new(10, 77, 0, 150)));
+        assert_eq!(id.hostname.as_deref(), Some("web-lb"));
+        assert_eq!(id.client_id, b"web-lb", "as kube-vip sends it");
+    }
+
+    #[test]
+    fn malformed_records_are_errors_not_guesses() {
+        for (k, v) in [
+            (kube_vip::HWADDR, "01:00:5e:00:00:01"),
+            (kube_vip::HWADDR, "00:00:00:00:00:00"),
+            (kube_vip::HWADDR, "zz:00:6c:ab:cd:ef"),
+            (kube_vip::REQUESTED_IP, "10.77.0"),
+            (kube_vip::LOADBALANCER_HOSTNAME, "Not A Host"),
+        ] {
+            let a: Annotations = [(k.to_string(), v.to_string())].into();
+            let e = address_identity(UID, &a).unwrap_err();
+            assert!(e.starts_with(k), "{e}");
+        }
+        assert!(address_identity("short", &Annotations::new()).is_err());
+    }
+
+    #[test]
+    fn service_keys() {
+        assert_eq!(
+            parse_service_key(" kube-system/traefik ")
+                .unwrap()
+                .to_string(),
+            "kube-system/traefik"
+        );
+        for bad in ["", "a", "/b", "a/", "a/b/c"] {
+            assert_eq!(parse_service_key(bad), None, "{bad}");
+        }
+    }
+}
