@@ -65,7 +65,6 @@ pub struct Context {
 /// Runs until SIGTERM or SIGINT.
 pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()> {
     let started = SystemTime::now();
-    let started_at = tokio::time::Instant::now();
     let watchdog = systemd::watchdog_period();
     let beat_every = systemd::heartbeat_interval(watchdog);
     tracing::info!(
@@ -77,75 +76,11 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         watchdog = ?watchdog,
         "starting harvester-node-agent"
     );
-
     // Handlers first: a SIGTERM that arrives during start-up must still
     // mean a clean stop, not the default disposition.
-    let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
-    let mut sighup = signal(SignalKind::hangup()).context("installing SIGHUP handler")?;
+    let mut signals = Signals::install()?;
+    let start = start_up(&cfg).await?;
 
-    // Binding changes nothing on the host, so a taken port stops start-up
-    // before the state directory or any link is touched.
-    let metrics_listener = match cfg.metrics_listen {
-        Some(addr) => Some(crate::metrics::bind(addr).await.with_context(|| {
-            format!(
-                "metrics_listen {addr}: cannot listen there; choose a free port or leave metrics_listen unset"
-            )
-        })?),
-        None => None,
-    };
-
-    crate::state_dir::prepare(&cfg.state_dir)?;
-    let state_dir = StateDirStatus {
-        path: cfg.state_dir.clone(),
-        ok: true,
-        message: "writable".into(),
-    };
-    let listener = control::bind(&cfg.socket).await?;
-
-    // The slow parts of start-up begin now and run beside the rest.
-    let macvlan_first = tokio::spawn(macvlan::run_preflight());
-    let guest_first = tokio::spawn(async {
-        let systemd = guest::watch::connect_systemd().await;
-        let state = guest::watch::assess_with(Path::new("/"), systemd.as_ref()).await;
-        (systemd, state)
-    });
-
-    let (engine, dhcp_at_start) = start_dhcp(&cfg, metrics_listener.as_ref()).await?;
-
-    // READY=1 waits for them only until the budget is spent.
-    let deadline = started_at + READY_BUDGET;
-    let (macvlan_initial, macvlan_pending) = within(deadline, macvlan_first).await;
-    let macvlan_initial = macvlan_initial.unwrap_or_else(|| {
-        MacvlanState::checking(format!(
-            "the macvlan preflight is still running after {}; its result follows",
-            humantime::format_duration(READY_BUDGET)
-        ))
-    });
-    macvlan::log(&macvlan_initial);
-    let (guest_initial, guest_pending) = within(deadline, guest_first).await;
-    let (systemd_bus, guest_initial) = match guest_initial {
-        Some((bus, state)) => (Some(bus), state),
-        None => (
-            None,
-            GuestAgentState::checking(format!(
-                "the first qemu-guest-agent assessment is still running after {}; its result follows",
-                humantime::format_duration(READY_BUDGET)
-            )),
-        ),
-    };
-
-    let (macvlan_tx, macvlan_rx) = watch::channel(macvlan_initial);
-    let (guest_tx, guest_rx) = watch::channel(guest_initial);
-    let (client_tx, client_rx) = watch::channel::<Option<kube::Client>>(None);
-    let (conditions_tx, conditions_rx) = watch::channel(Reported::NotConnected);
-    let topology_cfg = crate::topology::TopologyConfig::from_config(&cfg);
-    let (topology_tx, topology_rx) = watch::channel(topology_cfg.initial_state());
-    let (recheck_tx, recheck_rx) = mpsc::channel::<()>(1);
-    let settings = Settings::from(&cfg);
-    let (cluster_tx, cluster_rx) = watch::channel(ClusterState::initial(&credentials::discover(
-        &settings, &HostEnv,
-    )));
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let ctx = Context {
         node: cfg.node_name.clone(),
@@ -153,50 +88,39 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         liveness: Liveness::default(),
         shutdown: shutdown_rx.clone(),
     };
-
-    let snapshot = {
-        let cluster_rx = cluster_rx.clone();
-        let macvlan_rx = macvlan_rx.clone();
-        let guest_rx = guest_rx.clone();
-        let topology_rx = topology_rx.clone();
-        let conditions_rx = conditions_rx.clone();
-        let node = cfg.node_name.clone();
-        let state_dir = state_dir.clone();
-        let engine = engine.clone();
-        move || {
-            let cluster = cluster_rx.borrow().clone();
-            let macvlan = macvlan_rx.borrow().clone();
-            let guest_agent = guest_rx.borrow().clone();
-            AgentStatus {
-                version: env!("CARGO_PKG_VERSION").to_string(),
-                pid: std::process::id(),
-                node_name: node.clone(),
-                started_at: humantime::format_rfc3339_seconds(started).to_string(),
-                uptime_seconds: started.elapsed().map(|d| d.as_secs()).unwrap_or(0),
-                summary: format!(
-                    "{}; topology {}",
-                    status::summary(&node, &state_dir, &cluster, &macvlan, &guest_agent),
-                    topology_rx.borrow().short()
-                ),
-                state_dir: state_dir.clone(),
-                cluster,
-                macvlan,
-                guest_agent,
-                topology: topology_rx.borrow().clone(),
-                node_conditions: conditions_rx.borrow().clone(),
-                dhcp: status::DhcpStatus {
-                    leases: engine.snapshot(),
-                    ..dhcp_at_start.clone()
-                },
-            }
-        }
+    let settings = Settings::from(&cfg);
+    let topology_cfg = crate::topology::TopologyConfig::from_config(&cfg);
+    let (cluster_tx, cluster_rx) = watch::channel(ClusterState::initial(&credentials::discover(
+        &settings, &HostEnv,
+    )));
+    let (macvlan_tx, macvlan_rx) = watch::channel(start.macvlan);
+    let (guest_tx, guest_rx) = watch::channel(start.guest);
+    let (client_tx, client_rx) = watch::channel::<Option<kube::Client>>(None);
+    let (conditions_tx, conditions_rx) = watch::channel(Reported::NotConnected);
+    let (topology_tx, topology_rx) = watch::channel(topology_cfg.initial_state());
+    let (recheck_tx, recheck_rx) = mpsc::channel::<()>(1);
+    let snapshot = Snapshot {
+        node: cfg.node_name.clone(),
+        started,
+        state_dir: StateDirStatus {
+            path: cfg.state_dir.clone(),
+            ok: true,
+            message: "writable".into(),
+        },
+        dhcp_at_start: start.dhcp_at_start,
+        engine: start.engine.clone(),
+        cluster: cluster_rx.clone(),
+        macvlan: macvlan_rx.clone(),
+        guest: guest_rx.clone(),
+        topology: topology_rx.clone(),
+        conditions: conditions_rx,
     };
 
     let mut tasks = tokio::task::JoinSet::new();
-    if let Some(l) = metrics_listener {
+    if let Some(l) = start.metrics {
         tasks.spawn(serve_metrics(ctx.clone(), l, snapshot.clone()));
     }
-    tasks.spawn(serve_control(ctx.clone(), listener, snapshot.clone()));
+    tasks.spawn(serve_control(ctx.clone(), start.control, snapshot.clone()));
     tasks.spawn(connection::watch(
         WatchOptions {
             settings,
@@ -213,14 +137,14 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     tasks.spawn(macvlan::recheck(
         ctx.clone(),
         cfg.macvlan_recheck,
-        macvlan_pending,
+        start.macvlan_pending,
         macvlan_tx,
         recheck_rx,
     ));
     tasks.spawn(watch_guest_agent(
         ctx.clone(),
-        systemd_bus,
-        guest_pending,
+        start.systemd_bus,
+        start.guest_pending,
         guest_tx,
     ));
     tasks.spawn(crate::topology::run(
@@ -241,16 +165,16 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     // READY=1 first, then the first STATUS=, then watchdog pings: the order
     // a service manager (and a reader of `systemctl status`) expects.
     notifier.ready();
-    tracing::info!(summary = %snapshot().summary, "ready");
+    tracing::info!(summary = %snapshot.take().summary, "ready");
     tasks.spawn(publish::status_line(
         notifier.clone(),
         publish::Sources {
-            cluster: cluster_rx.clone(),
-            macvlan: macvlan_rx.clone(),
-            guest: guest_rx.clone(),
-            topology: topology_rx.clone(),
+            cluster: cluster_rx,
+            macvlan: macvlan_rx,
+            guest: guest_rx,
+            topology: topology_rx,
         },
-        snapshot.clone(),
+        move || snapshot.take(),
         shutdown_rx.clone(),
     ));
     if let Some(period) = watchdog {
@@ -258,32 +182,20 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
             notifier.clone(),
             ctx.liveness.clone(),
             period,
-            shutdown_rx.clone(),
+            shutdown_rx,
         ));
     }
 
-    let main_beat = ctx.liveness.register("main");
-    let mut tick = tokio::time::interval(beat_every);
-    let signal_name = loop {
-        tokio::select! {
-            _ = sigterm.recv() => break "SIGTERM",
-            _ = sigint.recv() => break "SIGINT",
-            _ = sighup.recv() => {
-                tracing::info!("SIGHUP: re-running the macvlan preflight");
-                // A full queue means a re-check is already pending.
-                let _ = recheck_tx.try_send(());
-            }
-            _ = tick.tick() => main_beat.beat(),
-        }
-    };
-
+    let signal_name = signals
+        .until_stop(&ctx.liveness.register("main"), beat_every, &recheck_tx)
+        .await;
     tracing::info!(signal = signal_name, "stopping");
     notifier.stopping();
     notifier.status(&format!("stopping ({signal_name})"));
     let _ = shutdown_tx.send(true);
     // Stopping the daemon is a handover, never a release: after a restart
     // or on another node the same address must stay the holder's.
-    for e in engine.stop_all(crate::dhcp::StopMode::Handover).await {
+    for e in start.engine.stop_all(crate::dhcp::StopMode::Handover).await {
         tracing::warn!(error = %e, "could not stop a DHCP lease cleanly");
     }
     let drain = async { while tasks.join_next().await.is_some() {} };
@@ -296,6 +208,175 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     let _ = std::fs::remove_file(&cfg.socket);
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The signals the daemon acts on.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> anyhow::Result<Signals> {
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).context("installing SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing SIGINT handler")?,
+            hup: signal(SignalKind::hangup()).context("installing SIGHUP handler")?,
+        })
+    }
+
+    /// Beats `main` until SIGTERM or SIGINT (returned by name); SIGHUP asks
+    /// for a macvlan re-check.
+    async fn until_stop(
+        &mut self,
+        main: &systemd::Heartbeat,
+        beat_every: Duration,
+        recheck: &mpsc::Sender<()>,
+    ) -> &'static str {
+        let mut tick = tokio::time::interval(beat_every);
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return "SIGTERM",
+                _ = self.int.recv() => return "SIGINT",
+                _ = self.hup.recv() => {
+                    tracing::info!("SIGHUP: re-running the macvlan preflight");
+                    // A full queue means a re-check is already pending.
+                    let _ = recheck.try_send(());
+                }
+                _ = tick.tick() => main.beat(),
+            }
+        }
+    }
+}
+
+/// What start-up hands to the running daemon.
+struct StartUp {
+    metrics: Option<tokio::net::TcpListener>,
+    control: tokio::net::UnixListener,
+    engine: Arc<crate::dhcp::engine::Engine>,
+    dhcp_at_start: status::DhcpStatus,
+    macvlan: MacvlanState,
+    macvlan_pending: Option<JoinHandle<MacvlanState>>,
+    guest: GuestAgentState,
+    systemd_bus: Option<Option<guest::units::Systemd>>,
+    guest_pending: Option<GuestSetup>,
+}
+
+type GuestSetup = JoinHandle<(Option<guest::units::Systemd>, GuestAgentState)>;
+
+/// Everything before `READY=1`, in an order that changes nothing on the
+/// host before it must, and takes at most [`READY_BUDGET`] for the slow
+/// parts.
+async fn start_up(cfg: &Config) -> anyhow::Result<StartUp> {
+    let started_at = tokio::time::Instant::now();
+    // Binding changes nothing on the host, so a taken port stops start-up
+    // before the state directory or any link is touched.
+    let metrics = match cfg.metrics_listen {
+        Some(addr) => Some(crate::metrics::bind(addr).await.with_context(|| {
+            format!(
+                "metrics_listen {addr}: cannot listen there; choose a free port or leave metrics_listen unset"
+            )
+        })?),
+        None => None,
+    };
+    crate::state_dir::prepare(&cfg.state_dir)?;
+    let control = control::bind(&cfg.socket).await?;
+
+    // The slow parts begin now and run beside the rest.
+    let macvlan_first = tokio::spawn(macvlan::run_preflight());
+    let guest_first = tokio::spawn(async {
+        let systemd = guest::watch::connect_systemd().await;
+        let state = guest::watch::assess_with(Path::new("/"), systemd.as_ref()).await;
+        (systemd, state)
+    });
+    let (engine, dhcp_at_start) = start_dhcp(cfg, metrics.as_ref()).await?;
+
+    // READY=1 waits for them only until the budget is spent.
+    let deadline = started_at + READY_BUDGET;
+    let (macvlan, macvlan_pending) = within(deadline, macvlan_first).await;
+    let macvlan = macvlan.unwrap_or_else(|| {
+        MacvlanState::checking(format!(
+            "the macvlan preflight is still running after {}; its result follows",
+            humantime::format_duration(READY_BUDGET)
+        ))
+    });
+    macvlan::log(&macvlan);
+    let (guest, guest_pending) = within(deadline, guest_first).await;
+    let (systemd_bus, guest) = match guest {
+        Some((bus, state)) => (Some(bus), state),
+        None => (
+            None,
+            GuestAgentState::checking(format!(
+                "the first qemu-guest-agent assessment is still running after {}; its result follows",
+                humantime::format_duration(READY_BUDGET)
+            )),
+        ),
+    };
+    Ok(StartUp {
+        metrics,
+        control,
+        engine,
+        dhcp_at_start,
+        macvlan,
+        macvlan_pending,
+        guest,
+        systemd_bus,
+        guest_pending,
+    })
+}
+
+/// The daemon's live state, assembled on demand for `status`, `/metrics`
+/// and `STATUS=` from the subsystems' channels.
+#[derive(Clone)]
+struct Snapshot {
+    node: String,
+    started: SystemTime,
+    state_dir: StateDirStatus,
+    dhcp_at_start: status::DhcpStatus,
+    engine: Arc<crate::dhcp::engine::Engine>,
+    cluster: watch::Receiver<ClusterState>,
+    macvlan: watch::Receiver<MacvlanState>,
+    guest: watch::Receiver<GuestAgentState>,
+    topology: watch::Receiver<crate::topology::TopologyState>,
+    conditions: watch::Receiver<Reported>,
+}
+
+impl Snapshot {
+    fn take(&self) -> AgentStatus {
+        let cluster = self.cluster.borrow().clone();
+        let macvlan = self.macvlan.borrow().clone();
+        let guest_agent = self.guest.borrow().clone();
+        let topology = self.topology.borrow().clone();
+        AgentStatus {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            pid: std::process::id(),
+            node_name: self.node.clone(),
+            started_at: humantime::format_rfc3339_seconds(self.started).to_string(),
+            uptime_seconds: self.started.elapsed().map(|d| d.as_secs()).unwrap_or(0),
+            summary: format!(
+                "{}; topology {}",
+                status::summary(
+                    &self.node,
+                    &self.state_dir,
+                    &cluster,
+                    &macvlan,
+                    &guest_agent
+                ),
+                topology.short()
+            ),
+            state_dir: self.state_dir.clone(),
+            cluster,
+            macvlan,
+            guest_agent,
+            topology,
+            node_conditions: self.conditions.borrow().clone(),
+            dhcp: status::DhcpStatus {
+                leases: self.engine.snapshot(),
+                ..self.dhcp_at_start.clone()
+            },
+        }
+    }
 }
 
 /// The task's output if it finishes by `deadline`; otherwise `None` and the
@@ -355,7 +436,7 @@ async fn start_dhcp(
 async fn watch_guest_agent(
     ctx: Context,
     bus: Option<Option<guest::units::Systemd>>,
-    pending: Option<JoinHandle<(Option<guest::units::Systemd>, GuestAgentState)>>,
+    pending: Option<GuestSetup>,
     out: watch::Sender<GuestAgentState>,
 ) {
     let hb = ctx.liveness.register("guest-agent");
@@ -381,11 +462,7 @@ async fn watch_guest_agent(
     .await
 }
 
-async fn serve_control(
-    ctx: Context,
-    listener: tokio::net::UnixListener,
-    snapshot: impl Fn() -> AgentStatus + Clone + Send + 'static,
-) {
+async fn serve_control(ctx: Context, listener: tokio::net::UnixListener, snapshot: Snapshot) {
     let hb = ctx.liveness.register("control-socket");
     let mut shutdown = ctx.shutdown.clone();
     let mut tick = tokio::time::interval(ctx.beat_every);
@@ -394,7 +471,7 @@ async fn serve_control(
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     let snapshot = snapshot.clone();
-                    tokio::spawn(control::serve_connection(stream, snapshot));
+                    tokio::spawn(control::serve_connection(stream, move || snapshot.take()));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "control socket accept failed");
@@ -407,14 +484,10 @@ async fn serve_control(
     }
 }
 
-async fn serve_metrics(
-    ctx: Context,
-    listener: tokio::net::TcpListener,
-    snapshot: impl Fn() -> AgentStatus + Send + Sync + 'static,
-) {
+async fn serve_metrics(ctx: Context, listener: tokio::net::TcpListener, snapshot: Snapshot) {
     let (liveness, every) = (ctx.liveness.clone(), ctx.beat_every);
     let pages = crate::metrics::Pages {
-        metrics: Arc::new(move || status::metrics(&snapshot())),
+        metrics: Arc::new(move || status::metrics(&snapshot.take())),
         // The watchdog's rule: every main loop beat within a few periods.
         health: Arc::new(
             move || match liveness.stalled(tokio::time::Instant::now(), every * 5) {
