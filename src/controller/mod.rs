@@ -6,6 +6,8 @@
 //! reconcilers are added by the load-balancer work; until then the
 //! controller changes nothing in the cluster.
 
+pub mod election;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
