@@ -34,8 +34,9 @@ fn wait_socket(path: &Path, deadline: Instant) -> Result<(), String> {
 /// The hypervisor's end of the channel: connects, proves the guest agent
 /// answers `guest-ping`, holds the connection until the guest says on the
 /// control port (`ctl`) that it has seen the agent ready, then hangs up.
-fn host_end(socket: &Path, ctl: &Path) -> Result<Duration, String> {
-    let deadline = Instant::now() + Duration::from_secs(120);
+/// Bounded by the VM's life: when qemu ends, its sockets close.
+fn host_end(socket: &Path, ctl: &Path, vm_timeout: Duration) -> Result<Duration, String> {
+    let deadline = Instant::now() + vm_timeout;
     wait_socket(ctl, deadline)?;
     wait_socket(socket, deadline)?;
     // Connected first, so the guest's write to its end does not wait.
@@ -60,15 +61,16 @@ fn host_end(socket: &Path, ctl: &Path) -> Result<Duration, String> {
         }
     }
     let answered_after = started.elapsed();
-    let left = deadline.saturating_duration_since(Instant::now());
-    ctl.set_read_timeout(Some(left.max(Duration::from_secs(1))))
-        .map_err(|e| e.to_string())?;
+    // No timeout of its own: the read ends with the guest's line, or with
+    // end-of-file when the VM ends (or is killed at its timeout).
     let mut seen = String::new();
     BufReader::new(ctl)
         .read_line(&mut seen)
-        .map_err(|e| format!("the guest never reported the agent ready: {e}"))?;
+        .map_err(|e| format!("reading the control port: {e}"))?;
     if seen.trim() != "ready-seen" {
-        return Err(format!("unexpected line on the control port: {seen:?}"));
+        return Err(format!(
+            "the guest never reported the agent ready (control port read {seen:?})"
+        ));
     }
     drop(writer);
     drop(reader);
@@ -163,7 +165,7 @@ while read -r l; do hna qga.log "$l"; done < /tmp/qga.log
         ..vm::VmOptions::default()
     };
     let (run, host) = std::thread::scope(|s| {
-        let host = s.spawn(|| host_end(&socket, &ctl));
+        let host = s.spawn(|| host_end(&socket, &ctl, opts.timeout));
         let run = vm::boot(&kernel, &initramfs, &opts);
         (run, host.join().unwrap())
     });
