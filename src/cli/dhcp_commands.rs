@@ -76,15 +76,9 @@ pub struct ProbeArgs {
 }
 
 pub fn probe_main(args: ProbeArgs) -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let rt = match super::runtime(super::Threads::Current) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("harvester-node-agent: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     let report = rt.block_on(probe::run(ProbeOptions {
         parent: args.parent,
@@ -151,16 +145,9 @@ fn write_status(path: &PathBuf, leases: &[LeaseStatus]) -> std::io::Result<()> {
 }
 
 pub fn hold_main(args: HoldArgs) -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    let rt = match super::runtime(super::Threads::Two) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("harvester-node-agent: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     match rt.block_on(hold(args)) {
         Ok(()) => ExitCode::SUCCESS,

@@ -269,6 +269,31 @@ pub fn main() -> ExitCode {
 
 type DaemonFuture = std::pin::Pin<Box<dyn std::future::Future<Output = anyhow::Result<()>>>>;
 
+/// How many worker threads a command's runtime gets.
+enum Threads {
+    /// One-shot commands.
+    Current,
+    /// Long-lived ones: two workers keep a slow handler from stalling the
+    /// watchdog's loops on a 2-core VM.
+    Two,
+}
+
+/// The async runtime of a command, or the exit code after saying why not.
+fn runtime(threads: Threads) -> Result<tokio::runtime::Runtime, ExitCode> {
+    let mut builder = match threads {
+        Threads::Current => tokio::runtime::Builder::new_current_thread(),
+        Threads::Two => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(2);
+            b
+        }
+    };
+    builder.enable_all().build().map_err(|e| {
+        eprintln!("harvester-node-agent: cannot start the async runtime: {e}");
+        ExitCode::FAILURE
+    })
+}
+
 /// Runs a long-lived command (`run`, `controller`) on a runtime, with
 /// logging set up and its failure told to systemd.
 fn serve(
@@ -278,16 +303,9 @@ fn serve(
 ) -> ExitCode {
     crate::logging::init(log_level, log_target);
     let notifier: Arc<dyn Notifier> = Arc::new(SdNotifier);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    let runtime = match runtime(Threads::Two) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("harvester-node-agent: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+        Err(code) => return code,
     };
     match runtime.block_on(body(notifier.clone())) {
         Ok(()) => ExitCode::SUCCESS,
@@ -336,10 +354,10 @@ fn check(args: CheckArgs) -> ExitCode {
         return ExitCode::from(2);
     }
     let wanted = |name: &str| args.names.is_empty() || args.names.iter().any(|n| n == name);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("single-thread runtime");
+    let runtime = match runtime(Threads::Current) {
+        Ok(rt) => rt,
+        Err(code) => return code,
+    };
     let flags = args.config.flag_values();
     let loaded = config::load(&flags);
     let mut checks = Vec::new();
@@ -429,10 +447,10 @@ fn status(args: StatusArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("single-thread runtime");
+    let runtime = match runtime(Threads::Current) {
+        Ok(rt) => rt,
+        Err(code) => return code,
+    };
     match runtime.block_on(control::request_status::<crate::agent::status::AgentStatus>(&socket)) {
         Ok(st) => {
             match args.output {

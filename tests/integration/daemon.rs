@@ -56,6 +56,24 @@ fn empty_config(dir: &Path) -> PathBuf {
     p
 }
 
+/// `status --output json ARGS` once it answers (a daemon just spawned
+/// binds its socket within moments), within 10 s.
+fn status_once_up(dir: &Path, args: &[&std::ffi::OsStr]) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = agent(dir)
+            .args(["status", "--output", "json"])
+            .args(args)
+            .output()
+            .unwrap();
+        if out.status.success() {
+            return serde_json::from_slice(&out.stdout).unwrap();
+        }
+        assert!(Instant::now() < deadline, "no answer within 10 s: {out:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 struct Daemon(Child);
 impl Drop for Daemon {
     fn drop(&mut self) {
@@ -445,20 +463,7 @@ fn status_answers_from_a_running_daemon_and_fails_clearly_without_one() {
             .spawn()
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let out = loop {
-        let out = agent(tmp.path())
-            .args(["status", "--output", "json", "--socket"])
-            .arg(&sock)
-            .output()
-            .unwrap();
-        if out.status.success() || Instant::now() > deadline {
-            break out;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert!(out.status.success(), "{out:?}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = status_once_up(tmp.path(), &["--socket".as_ref(), sock.as_os_str()]);
     assert_eq!(v["node_name"], "guest-7");
     assert_eq!(v["pid"], child.0.id());
     assert_eq!(v["cluster"]["state"], "WaitingForCredentials");
@@ -697,24 +702,7 @@ fn status_finds_the_daemon_through_its_configuration_file() {
             .spawn()
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sock.exists() {
-        assert!(Instant::now() < deadline, "the daemon never bound {sock:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = loop {
-        let out = agent(tmp.path())
-            .args(["status", "--output", "json", "--config"])
-            .arg(&config)
-            .output()
-            .unwrap();
-        if out.status.success() || Instant::now() > deadline {
-            break out;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert!(out.status.success(), "{out:?}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = status_once_up(tmp.path(), &["--config".as_ref(), config.as_os_str()]);
     assert_eq!(v["node_name"], "guest-9");
 
     // The same through HNA_CONFIG, as `run` reads it.
