@@ -74,6 +74,16 @@ fn status_once_up(dir: &Path, args: &[&std::ffi::OsStr]) -> serde_json::Value {
     }
 }
 
+/// The names of a `check --output json` report's entries, in order.
+fn check_names(report: &serde_json::Value) -> Vec<&str> {
+    report["checks"]
+        .as_array()
+        .expect("checks array")
+        .iter()
+        .map(|c| c["name"].as_str().expect("name"))
+        .collect()
+}
+
 struct Daemon(Child);
 impl Drop for Daemon {
     fn drop(&mut self) {
@@ -280,12 +290,7 @@ fn check_json_has_every_field_and_exit_code_follows_failures() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let names: Vec<&str> = v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap())
-        .collect();
+    let names = check_names(&v);
     assert_eq!(names, vec!["config", "state-dir"]);
     let out = agent(tmp.path())
         .args(["check", "macvlna"])
@@ -653,12 +658,7 @@ fn check_api_server_is_a_check_of_its_own() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let names: Vec<&str> = v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap())
-        .collect();
+    let names = check_names(&v);
     assert_eq!(names, ["kubeconfig", "api-server"], "{v}");
     assert_eq!(v["checks"][0]["reason"], "ConfiguredFileMissing");
     assert_eq!(v["checks"][1]["reason"], "NoCredentials");
@@ -756,12 +756,7 @@ fn check_with_a_broken_file_on_a_mixed_case_hostname_still_checks() {
     let out = cmd.output().unwrap();
     assert_eq!(out.status.code(), Some(1), "the broken file fails: {out:?}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let names: Vec<&str> = v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap())
-        .collect();
+    let names = check_names(&v);
     assert_eq!(names, ["config", "state-dir"], "{v}");
     assert_eq!(v["checks"][0]["status"], "fail");
     assert_ne!(v["checks"][1]["status"], "fail", "{v}");
