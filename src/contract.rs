@@ -45,6 +45,53 @@ pub mod kube_vip {
 
 pub type Annotations = BTreeMap<String, String>;
 
+/// The per-node object (`LoadBalancerNode`, one per Node, named after it,
+/// in the controller's namespace): the controller writes `spec`, the node's
+/// agent writes `status` (see `docs/loadbalancer-design.md`).
+pub mod node_object {
+    use serde::{Deserialize, Serialize};
+
+    pub const GROUP: &str = "lb.harvester-node-agent.io";
+    pub const VERSION: &str = "v1alpha1";
+    pub const KIND: &str = "LoadBalancerNode";
+    pub const PLURAL: &str = "loadbalancernodes";
+
+    /// Written by the controller only.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct Spec {
+        #[serde(default)]
+        pub assignments: Vec<Assignment>,
+    }
+
+    /// One address this node is to hold (or release). Everything the node
+    /// needs is here: agents never read Services.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct Assignment {
+        /// `namespace/name`.
+        pub service: String,
+        pub uid: String,
+        /// The macvlan's name (`hlb-<8 hex>`).
+        pub interface: String,
+        /// kube-vip's format, `02:..`.
+        pub mac: String,
+        /// Option 61 as hex bytes.
+        pub client_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub hostname: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub requested_ip: Option<String>,
+        /// The uplink (`kube-vip.io/serviceInterface`); the node's own
+        /// default otherwise.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub uplink: Option<String>,
+        /// The Service is gone: send DHCPRELEASE, then drop the link.
+        #[serde(default)]
+        pub release: bool,
+    }
+}
+
 /// The parts of a Service that decide whether it is ours.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ServiceView {

@@ -20,6 +20,7 @@
 //! - [`check`]: the one-shot preflight;
 //! - [`dhcp`]: the DHCP client engine for LoadBalancer addresses (pure
 //!   state machine, packet sockets, lease files, `dhcp-probe`);
+//! - [`lb`]: the node's LoadBalancer data plane (assignments to leases);
 //! - [`metrics`]: the optional `/metrics` and `/healthz` endpoint;
 //! - [`contract`]: what the daemon and the controller share (and share
 //!   with the Harvester cloud provider and kube-vip): annotation keys,
@@ -43,6 +44,7 @@ pub mod guest;
 pub mod health;
 pub mod k8s_names;
 pub mod kmod;
+pub mod lb;
 pub mod logging;
 pub mod metrics;
 pub mod node_status;

@@ -1,0 +1,241 @@
+//! What the node does about its assignments, as a pure function: the
+//! assignments from its `LoadBalancerNode` object and the leases running
+//! now in; starts and stops out. Idempotent: a plan over its own outcome
+//! is empty.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use crate::contract::{INTERFACE_PREFIX, node_object::Assignment, parse_unicast_mac};
+use crate::dhcp::StopMode;
+
+/// One assignment, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Want {
+    pub service: String,
+    pub interface: String,
+    pub mac: [u8; 6],
+    pub client_id: Vec<u8>,
+    pub hostname: Option<String>,
+    pub requested_ip: Option<Ipv4Addr>,
+    pub uplink: Option<String>,
+    pub release: bool,
+}
+
+/// Checks an assignment; an unusable one is reported and left alone (the
+/// running state is not touched because of it).
+pub fn want(a: &Assignment) -> Result<Want, String> {
+    let what =
+        |field: &str, v: &str| format!("assignment for {}: {field} `{v}` is not valid", a.service);
+    let suffix = a
+        .interface
+        .strip_prefix(INTERFACE_PREFIX)
+        .ok_or_else(|| what("interface", &a.interface))?;
+    if suffix.is_empty() || a.interface.len() > 15 || !suffix.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return Err(what("interface", &a.interface));
+    }
+    let mac = parse_unicast_mac(&a.mac).ok_or_else(|| what("mac", &a.mac))?;
+    let client_id = hex_bytes(&a.client_id).ok_or_else(|| what("clientId", &a.client_id))?;
+    let requested_ip = match &a.requested_ip {
+        Some(ip) => Some(ip.parse().map_err(|_| what("requestedIP", ip))?),
+        None => None,
+    };
+    Ok(Want {
+        service: a.service.clone(),
+        interface: a.interface.clone(),
+        mac,
+        client_id,
+        hostname: a.hostname.clone(),
+        requested_ip,
+        uplink: a.uplink.clone(),
+        release: a.release,
+    })
+}
+
+fn hex_bytes(v: &str) -> Option<Vec<u8>> {
+    if v.is_empty() || v.len() % 2 != 0 {
+        return None;
+    }
+    (0..v.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(v.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// A lease the engine runs now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Running {
+    pub interface: String,
+    pub mac: [u8; 6],
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Start(Want),
+    Stop { interface: String, mode: StopMode },
+}
+
+/// Stops first (so a changed identity frees its name before it starts
+/// again), then starts, each in interface order.
+pub fn plan(wanted: &[Want], running: &[Running]) -> Vec<Action> {
+    let wanted: BTreeMap<&str, &Want> = wanted.iter().map(|w| (w.interface.as_str(), w)).collect();
+    let running: BTreeMap<&str, &Running> =
+        running.iter().map(|r| (r.interface.as_str(), r)).collect();
+    let mut stops = Vec::new();
+    let mut starts = Vec::new();
+    for (name, r) in &running {
+        let stop = |mode| Action::Stop {
+            interface: name.to_string(),
+            mode,
+        };
+        match wanted.get(name) {
+            // Ours no more, or moved to another node: the new holder asks
+            // for the same lease, so nothing may be released.
+            None => stops.push(stop(StopMode::Handover)),
+            Some(w) if w.release => stops.push(stop(StopMode::Release)),
+            Some(w) if w.mac != r.mac => {
+                stops.push(stop(StopMode::Handover));
+                starts.push(Action::Start((*w).clone()));
+            }
+            Some(_) => {}
+        }
+    }
+    for (name, w) in &wanted {
+        if !w.release && !running.contains_key(name) {
+            starts.push(Action::Start((*w).clone()));
+        }
+    }
+    stops.extend(starts);
+    stops
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assignment(uid8: &str) -> Assignment {
+        Assignment {
+            service: format!("default/svc-{uid8}"),
+            uid: format!("{uid8}-0000-4000-8000-000000000000"),
+            interface: format!("hlb-{uid8}"),
+            mac: "02:11:22:33:44:55".into(),
+            client_id: "00686e61".into(),
+            hostname: None,
+            requested_ip: Some("10.77.0.150".into()),
+            uplink: None,
+            release: false,
+        }
+    }
+
+    fn running(w: &Want) -> Running {
+        Running {
+            interface: w.interface.clone(),
+            mac: w.mac,
+        }
+    }
+
+    /// Applies a plan to a model of the engine, as the executor would.
+    fn apply(running: &mut Vec<Running>, actions: &[Action]) {
+        for a in actions {
+            match a {
+                Action::Stop { interface, .. } => running.retain(|r| &r.interface != interface),
+                Action::Start(w) => running.push(super::tests::running(w)),
+            }
+        }
+    }
+
+    #[test]
+    fn assignments_are_checked() {
+        let w = want(&assignment("3f2a9c1e")).unwrap();
+        assert_eq!(w.client_id, vec![0x00, 0x68, 0x6e, 0x61]);
+        assert_eq!(w.requested_ip, Some(Ipv4Addr::new(10, 77, 0, 150)));
+        for broken in [
+            Assignment {
+                interface: "vip-3f2a9c1e".into(),
+                ..assignment("3f2a9c1e")
+            },
+            Assignment {
+                interface: "hlb-3f2a9c1e00000".into(),
+                ..assignment("3f2a9c1e")
+            },
+            Assignment {
+                mac: "01:00:5e:00:00:01".into(),
+                ..assignment("3f2a9c1e")
+            },
+            Assignment {
+                client_id: "0".into(),
+                ..assignment("3f2a9c1e")
+            },
+            Assignment {
+                requested_ip: Some("10.77".into()),
+                ..assignment("3f2a9c1e")
+            },
+        ] {
+            let e = want(&broken).unwrap_err();
+            assert!(e.starts_with("assignment for default/svc-3f2a9c1e"), "{e}");
+        }
+    }
+
+    #[test]
+    fn start_keep_move_release_and_idempotence() {
+        let a = want(&assignment("aaaaaaaa")).unwrap();
+        let b = want(&assignment("bbbbbbbb")).unwrap();
+        let mut now: Vec<Running> = Vec::new();
+
+        let p = plan(&[a.clone(), b.clone()], &now);
+        assert_eq!(p, vec![Action::Start(a.clone()), Action::Start(b.clone())]);
+        apply(&mut now, &p);
+        assert_eq!(plan(&[a.clone(), b.clone()], &now), vec![], "idempotent");
+
+        // b moves to another node: handed over, never released.
+        let p = plan(&[a.clone()], &now);
+        assert_eq!(
+            p,
+            vec![Action::Stop {
+                interface: "hlb-bbbbbbbb".into(),
+                mode: StopMode::Handover
+            }]
+        );
+        apply(&mut now, &p);
+
+        // a's Service is deleted: released, and not started again.
+        let gone = Want {
+            release: true,
+            ..a.clone()
+        };
+        let p = plan(std::slice::from_ref(&gone), &now);
+        assert_eq!(
+            p,
+            vec![Action::Stop {
+                interface: "hlb-aaaaaaaa".into(),
+                mode: StopMode::Release
+            }]
+        );
+        apply(&mut now, &p);
+        assert_eq!(
+            plan(&[gone], &now),
+            vec![],
+            "a released lease stays released"
+        );
+    }
+
+    #[test]
+    fn a_changed_identity_restarts_without_release() {
+        let a = want(&assignment("aaaaaaaa")).unwrap();
+        let now = vec![Running {
+            interface: a.interface.clone(),
+            mac: [0x02, 0, 0, 0, 0, 1],
+        }];
+        assert_eq!(
+            plan(std::slice::from_ref(&a), &now),
+            vec![
+                Action::Stop {
+                    interface: "hlb-aaaaaaaa".into(),
+                    mode: StopMode::Handover
+                },
+                Action::Start(a)
+            ]
+        );
+    }
+}
