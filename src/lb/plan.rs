@@ -54,7 +54,7 @@ pub fn want(a: &Assignment) -> Result<Want, String> {
 }
 
 fn hex_bytes(v: &str) -> Option<Vec<u8>> {
-    if v.is_empty() || v.len() % 2 != 0 {
+    if v.is_empty() || !v.len().is_multiple_of(2) {
         return None;
     }
     (0..v.len())
@@ -189,7 +189,7 @@ mod tests {
         assert_eq!(plan(&[a.clone(), b.clone()], &now), vec![], "idempotent");
 
         // b moves to another node: handed over, never released.
-        let p = plan(&[a.clone()], &now);
+        let p = plan(std::slice::from_ref(&a), &now);
         assert_eq!(
             p,
             vec![Action::Stop {
