@@ -1,0 +1,197 @@
+//! Carries out a [`plan`](super::plan::plan) on a [`LeaseEngine`]: the thin
+//! edge of the data plane. Each action's outcome is returned; a failed one
+//! is simply planned again on the next round.
+
+use crate::dhcp::io::ProbeConfig;
+use crate::dhcp::{Identity, LeaseConfig, LeaseEngine, Timing};
+
+use super::plan::{Action, Want};
+
+/// What every lease of this node shares.
+#[derive(Debug, Clone, Default)]
+pub struct Settings {
+    /// The uplink when an assignment names none (configuration `uplink`,
+    /// else the default route's interface).
+    pub default_uplink: Option<String>,
+    pub timing: Timing,
+    pub probe: ProbeConfig,
+}
+
+/// One action's result, by interface.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub interface: String,
+    pub result: Result<(), String>,
+}
+
+pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, String> {
+    let parent = w
+        .uplink
+        .clone()
+        .or_else(|| settings.default_uplink.clone())
+        .ok_or_else(|| {
+            format!(
+                "{}: no uplink: the Service names none (kube-vip.io/serviceInterface) and this node has no default route; set `uplink` in the configuration",
+                w.service
+            )
+        })?;
+    Ok(LeaseConfig {
+        interface: w.interface.clone(),
+        parent,
+        identity: Identity {
+            mac: w.mac,
+            client_id: Some(w.client_id.clone()),
+            hostname: w.hostname.clone(),
+        },
+        timing: settings.timing.clone(),
+        probe: settings.probe,
+    })
+}
+
+pub async fn apply<E: LeaseEngine>(
+    engine: &E,
+    actions: Vec<Action>,
+    settings: &Settings,
+) -> Vec<Outcome> {
+    let mut out = Vec::with_capacity(actions.len());
+    for action in actions {
+        let (interface, result) = match action {
+            Action::Stop { interface, mode } => {
+                let r = engine
+                    .stop(&interface, mode)
+                    .await
+                    .map_err(|e| e.to_string());
+                (interface, r)
+            }
+            Action::Start(w) => {
+                let r = match lease_config(&w, settings) {
+                    Ok(cfg) => engine
+                        .start(cfg)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e),
+                };
+                (w.interface, r)
+            }
+        };
+        out.push(Outcome { interface, result });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::node_object::Assignment;
+    use crate::dhcp::StopMode;
+    use crate::dhcp::fake::{Call, FakeEngine, link_error};
+    use crate::lb::plan::{Running, plan, want};
+
+    fn settings() -> Settings {
+        Settings {
+            default_uplink: Some("eth0".into()),
+            ..Settings::default()
+        }
+    }
+
+    fn wanted(release: bool, uplink: Option<&str>) -> Want {
+        want(&Assignment {
+            service: "default/web".into(),
+            uid: "3f2a9c1e-77b0-4d2e-9a51-0c8d2b6e4f11".into(),
+            interface: "hlb-3f2a9c1e".into(),
+            mac: "02:11:22:33:44:55".into(),
+            client_id: "00686e61".into(),
+            hostname: Some("web-lb".into()),
+            requested_ip: None,
+            uplink: uplink.map(str::to_string),
+            release,
+        })
+        .unwrap()
+    }
+
+    fn running(engine: &FakeEngine) -> Vec<Running> {
+        engine
+            .running()
+            .into_iter()
+            .map(|interface| {
+                let mac = engine.config(&interface).unwrap().identity.mac;
+                Running { interface, mac }
+            })
+            .collect()
+    }
+
+    async fn round(engine: &FakeEngine, wants: &[Want]) -> Vec<Outcome> {
+        let actions = plan(wants, &running(engine));
+        apply(engine, actions, &settings()).await
+    }
+
+    /// The whole life of one address on a node, without root: start with
+    /// the assignment's identity on its uplink, a failed start retried by
+    /// the next round, nothing done while in sync, RELEASE on delete.
+    #[tokio::test]
+    async fn an_assignment_is_held_then_released() {
+        let engine = FakeEngine::new();
+        let w = wanted(false, Some("eth1"));
+        engine.fail_next_start("hlb-3f2a9c1e", link_error("hlb-3f2a9c1e", "no such device"));
+        let first = round(&engine, std::slice::from_ref(&w)).await;
+        assert!(first[0].result.is_err(), "{first:?}");
+        assert!(engine.running().is_empty());
+
+        let second = round(&engine, std::slice::from_ref(&w)).await;
+        assert_eq!(
+            second,
+            vec![Outcome {
+                interface: "hlb-3f2a9c1e".into(),
+                result: Ok(())
+            }]
+        );
+        assert!(
+            round(&engine, std::slice::from_ref(&w)).await.is_empty(),
+            "in sync"
+        );
+
+        round(&engine, &[wanted(true, Some("eth1"))]).await;
+        let calls = engine.take_calls();
+        let identity = Identity {
+            mac: [0x02, 0x11, 0x22, 0x33, 0x44, 0x55],
+            client_id: Some(vec![0x00, 0x68, 0x6e, 0x61]),
+            hostname: Some("web-lb".into()),
+        };
+        let start = Call::Start {
+            name: "hlb-3f2a9c1e".into(),
+            parent: "eth1".into(),
+            identity,
+        };
+        assert_eq!(
+            calls,
+            vec![
+                start.clone(),
+                start,
+                Call::Stop {
+                    name: "hlb-3f2a9c1e".into(),
+                    mode: StopMode::Release
+                }
+            ]
+        );
+        assert!(engine.links().is_empty(), "no link left behind");
+    }
+
+    #[tokio::test]
+    async fn the_default_uplink_serves_and_its_absence_is_explained() {
+        let engine = FakeEngine::new();
+        round(&engine, &[wanted(false, None)]).await;
+        assert_eq!(engine.config("hlb-3f2a9c1e").unwrap().parent, "eth0");
+
+        let engine = FakeEngine::new();
+        let out = apply(
+            &engine,
+            plan(&[wanted(false, None)], &[]),
+            &Settings::default(),
+        )
+        .await;
+        let e = out[0].result.clone().unwrap_err();
+        assert!(e.contains("no uplink"), "{e}");
+        assert!(engine.calls().is_empty(), "nothing was tried");
+    }
+}
