@@ -126,7 +126,17 @@ impl Drop for Qemu {
 /// No network device at all; console on the first serial port. An error
 /// (with the end of the console) when qemu fails, the guest does not reach
 /// `@@HNA-END`, or the timeout passes.
+///
+/// One VM at a time per process: each guest under TCG keeps a core busy, and
+/// two at once beside the rest of the suite on a 2-core machine slowed a
+/// guest past its timeout. The wait for the turn does not count against
+/// `opts.timeout`.
 pub fn boot(kernel: &Kernel, initramfs: &Path, opts: &VmOptions) -> Result<VmRun> {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // A test that panicked while holding the turn does not poison the rest.
+    let _turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let qemu = require_program("qemu-system-x86_64")?;
     for p in [kernel.vmlinuz.as_path(), initramfs] {
         if p.to_string_lossy().contains(',') {
