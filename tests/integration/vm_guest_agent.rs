@@ -112,6 +112,10 @@ wait_status '"reason": "NoVirtioPort"'; hna d.noport $?
 # Hot-plug: the port appears (driver loads); udev's rule makes the link.
 T0=$(ms)
 modprobe virtio_console
+# The ports are announced one by one after the driver loads; on a loaded
+# host the second can come late. Link them only once both are there (a
+# write to a missing link would create a plain file and reach nobody).
+i=0; while [ "$(cat /sys/class/virtio-ports/*/name 2>/dev/null | grep -c -e '^org.qemu.guest_agent.0$' -e '^hna.ctl$')" -lt 2 ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done
 for p in /sys/class/virtio-ports/*; do
   mkdir -p /dev/virtio-ports; ln -sf ../$(basename $p) /dev/virtio-ports/$(cat $p/name)
 done
@@ -127,6 +131,7 @@ wait_flag host_connected 1; hna host_connected $?
 hna_run ready $A check qemu-guest-agent --output json $ARGS
 wait_status '"reason": "Ready"'; hna d.ready $?
 # Tell the host it may hang up now (it holds the channel until then).
+[ -c /dev/virtio-ports/hna.ctl ]; hna ctl.linked $?
 timeout 60 sh -c 'echo ready-seen > /dev/virtio-ports/hna.ctl'; hna ctl.sent $?
 
 # The host end hangs up.
@@ -220,6 +225,12 @@ while read -r l; do hna qga.log "$l"; done < /tmp/qga.log
         run.tail(80)
     );
 
+    assert_eq!(
+        run.marker("ctl.linked").as_deref(),
+        Some("0"),
+        "the control port never appeared: {}",
+        run.tail(80)
+    );
     assert_eq!(
         run.marker("ctl.sent").as_deref(),
         Some("0"),
