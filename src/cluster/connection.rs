@@ -222,6 +222,10 @@ pub async fn watch(
             fingerprint: Fingerprint::read(&found),
             found,
         };
+        // A new session (first connection, or changed credentials) is
+        // published even when a client already was: holders of the old
+        // client must move to the new one.
+        let mut new_session = false;
         let next = match plan(&now, session.as_ref().map(|s| &s.basis)) {
             Step::Wait(state) => {
                 session = None;
@@ -262,6 +266,7 @@ pub async fn watch(
                             client: conn.client,
                             server: conn.server,
                         });
+                        new_session = true;
                         state
                     }
                     Err(e) => {
@@ -278,12 +283,8 @@ pub async fn watch(
             ClusterState::Connected { .. } => session.as_ref().map(|s| s.client.clone()),
             _ => None,
         };
-        // A new session (changed credentials) replaces the client even when
-        // one was already published.
-        let replaced = matches!(&next, ClusterState::Connected { .. })
-            && !matches!(&*cluster.borrow(), ClusterState::Connected { .. });
         client_out.send_if_modified(|current| {
-            let changed = current.is_some() != usable.is_some() || replaced;
+            let changed = current.is_some() != usable.is_some() || new_session;
             *current = usable;
             changed
         });
