@@ -7,6 +7,7 @@
 //! controller changes nothing in the cluster.
 
 pub mod election;
+pub mod placement;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,0 +1,149 @@
+//! Which node holds which Service's address, as a pure function: stable
+//! (nothing moves while its holder stays eligible), spread (a Service that
+//! needs a holder goes to the eligible node holding the fewest), and
+//! deterministic (ties are broken by a hash of Service UID and node name,
+//! so every controller replica decides alike).
+
+use std::collections::BTreeMap;
+
+use crate::contract::ServiceKey;
+
+/// A Service that needs a holder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceNeed {
+    pub key: ServiceKey,
+    pub uid: String,
+}
+
+/// Services to holders (`None`: no eligible node).
+pub type Placement = BTreeMap<ServiceKey, Option<String>>;
+
+/// `eligible`: the nodes that may hold addresses now (agent alive,
+/// macvlan ready). `current`: the holders recorded so far.
+pub fn place(
+    services: &[ServiceNeed],
+    eligible: &[String],
+    current: &BTreeMap<ServiceKey, String>,
+) -> Placement {
+    let mut load: BTreeMap<&str, usize> = eligible.iter().map(|n| (n.as_str(), 0)).collect();
+    let mut out = Placement::new();
+    let mut homeless = Vec::new();
+    for s in services {
+        match current.get(&s.key) {
+            Some(holder) if load.contains_key(holder.as_str()) => {
+                *load.get_mut(holder.as_str()).expect("eligible") += 1;
+                out.insert(s.key.clone(), Some(holder.clone()));
+            }
+            _ => homeless.push(s),
+        }
+    }
+    homeless.sort_by(|a, b| a.key.cmp(&b.key));
+    for s in homeless {
+        let choice = load
+            .iter()
+            .min_by_key(|(node, n)| (**n, tie_break(&s.uid, node)))
+            .map(|(node, _)| node.to_string());
+        if let Some(node) = &choice {
+            *load.get_mut(node.as_str()).expect("eligible") += 1;
+        }
+        out.insert(s.key.clone(), choice);
+    }
+    out
+}
+
+/// FNV-1a over `uid` and `node`: stable across processes and versions
+/// (unlike `std`'s randomly seeded hasher).
+fn tie_break(uid: &str, node: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in uid.bytes().chain([0]).chain(node.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(i: usize) -> ServiceNeed {
+        ServiceNeed {
+            key: ServiceKey {
+                namespace: "default".into(),
+                name: format!("svc-{i:02}"),
+            },
+            uid: format!("{i:08x}-0000-4000-8000-000000000000"),
+        }
+    }
+
+    fn nodes(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| n.to_string()).collect()
+    }
+
+    fn holders(p: &Placement) -> BTreeMap<ServiceKey, String> {
+        p.iter()
+            .filter_map(|(k, v)| v.clone().map(|v| (k.clone(), v)))
+            .collect()
+    }
+
+    fn counts(p: &Placement) -> BTreeMap<String, usize> {
+        let mut c = BTreeMap::new();
+        for n in p.values().flatten() {
+            *c.entry(n.clone()).or_default() += 1;
+        }
+        c
+    }
+
+    #[test]
+    fn spread_then_stable_then_only_the_dead_nodes_services_move() {
+        let services: Vec<ServiceNeed> = (0..10).map(svc).collect();
+        let all = nodes(&["n1", "n2", "n3"]);
+        let first = place(&services, &all, &BTreeMap::new());
+        let mut c: Vec<usize> = counts(&first).into_values().collect();
+        c.sort();
+        assert_eq!(c, vec![3, 3, 4], "{first:?}");
+
+        // Nothing fails: nothing moves, also when the order of input changes.
+        let mut reversed = services.clone();
+        reversed.reverse();
+        assert_eq!(place(&reversed, &all, &holders(&first)), first);
+
+        // n2 dies: its Services move, the others stay where they were.
+        let survivors = nodes(&["n1", "n3"]);
+        let after = place(&services, &survivors, &holders(&first));
+        for (k, was) in holders(&first) {
+            let now = after[&k].clone().unwrap();
+            if was == "n2" {
+                assert_ne!(now, "n2");
+            } else {
+                assert_eq!(now, was, "{k} moved although its holder lives");
+            }
+        }
+        assert_eq!(counts(&after).values().sum::<usize>(), 10);
+    }
+
+    #[test]
+    fn deterministic_and_explicit_without_nodes() {
+        let services: Vec<ServiceNeed> = (0..5).map(svc).collect();
+        let all = nodes(&["a", "b"]);
+        assert_eq!(
+            place(&services, &all, &BTreeMap::new()),
+            place(&services, &all, &BTreeMap::new())
+        );
+        let none = place(&services, &[], &BTreeMap::new());
+        assert!(none.values().all(Option::is_none));
+        assert_eq!(none.len(), 5);
+    }
+
+    #[test]
+    fn a_recovered_node_gets_new_services_not_old_ones_back() {
+        let services: Vec<ServiceNeed> = (0..4).map(svc).collect();
+        let on_one = place(&services, &nodes(&["n1"]), &BTreeMap::new());
+        let back = place(&services, &nodes(&["n1", "n2"]), &holders(&on_one));
+        assert_eq!(back, on_one, "no flapping back");
+        let mut more = services.clone();
+        more.push(svc(9));
+        let next = place(&more, &nodes(&["n1", "n2"]), &holders(&back));
+        assert_eq!(next[&svc(9).key].as_deref(), Some("n2"));
+    }
+}
