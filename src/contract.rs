@@ -206,7 +206,7 @@ pub fn address_identity(uid: &str, annotations: &Annotations) -> Result<AddressI
         return Err(format!("Service UID `{uid}` has fewer than 8 hex digits"));
     }
     let mac = match annotations.get(kube_vip::HWADDR) {
-        Some(v) => parse_unicast_mac(v).ok_or_else(|| {
+        Some(v) => crate::mac::parse_unicast(v).ok_or_else(|| {
             format!(
                 "{}: `{v}` is not a unicast MAC like 00:00:6c:12:34:56",
                 kube_vip::HWADDR
@@ -251,37 +251,22 @@ pub fn address_identity(uid: &str, annotations: &Annotations) -> Result<AddressI
 /// A locally administered unicast MAC from the UID (FNV-1a, 64 bits): the
 /// same on every node, unlikely to meet another Service's (46 free bits).
 pub fn derived_mac(uid: &str) -> [u8; 6] {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in uid.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    let b = h.to_be_bytes();
+    let b = fnv1a(&[uid.as_bytes()]).to_be_bytes();
     [(b[0] & 0xfc) | 0x02, b[1], b[2], b[3], b[4], b[5]]
 }
 
-/// `aa:bb:cc:dd:ee:ff` (any case, `-` accepted), not multicast, not zero.
-pub fn parse_unicast_mac(v: &str) -> Option<[u8; 6]> {
-    let parts: Vec<&str> = v.trim().split([':', '-']).collect();
-    if parts.len() != 6 {
-        return None;
-    }
-    let mut mac = [0u8; 6];
-    for (slot, p) in mac.iter_mut().zip(&parts) {
-        if p.len() != 2 {
-            return None;
+/// FNV-1a (64 bits) over `parts`, each followed by a zero byte: stable
+/// across processes and versions (unlike `std`'s seeded hasher), so every
+/// node and every controller replica derives the same value.
+pub fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in part.iter().chain([0u8].iter()) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
         }
-        *slot = u8::from_str_radix(p, 16).ok()?;
     }
-    (mac[0] & 0x01 == 0 && mac != [0; 6]).then_some(mac)
-}
-
-/// kube-vip's format of `hwaddr`: Go's `HardwareAddr.String()`.
-pub fn format_mac(mac: &[u8; 6]) -> String {
-    mac.iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":")
+    h
 }
 
 #[cfg(test)]
@@ -400,7 +385,7 @@ mod tests {
         let id = address_identity(UID, &a).unwrap();
         assert_eq!(id.mac, [0x00, 0x00, 0x6c, 0xab, 0xcd, 0xef]);
         assert_eq!(
-            format_mac(&id.mac),
+            crate::mac::format(&id.mac),
             "00:00:6c:ab:cd:ef",
             "kube-vip's format"
         );

@@ -5,6 +5,7 @@
 //! - [`k8s_names`]: Kubernetes name and label rules, default topology keys;
 //! - [`config`]: the TOML file, environment and flags, validated before
 //!   anything touches the host;
+//! - [`mac`]: MAC addresses as text (kube-vip's format);
 //! - [`duration`]: the one duration syntax (bare seconds or units);
 //! - [`cluster`]: the guest-cluster connection shared by daemon and
 //!   controller (credentials, the credentials watcher, the single-object
@@ -46,6 +47,7 @@ pub mod k8s_names;
 pub mod kmod;
 pub mod lb;
 pub mod logging;
+pub mod mac;
 pub mod metrics;
 pub mod node_status;
 pub mod state_dir;

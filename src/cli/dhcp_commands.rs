@@ -20,14 +20,14 @@ use super::Output;
 use crate::dhcp::driver::LeaseStatus;
 use crate::dhcp::engine::{Engine, LeaseConfig};
 use crate::dhcp::io::ProbeConfig;
-use crate::dhcp::link::{default_route_interface, parse_mac};
+use crate::dhcp::link::default_route_interface;
 use crate::dhcp::machine::{StopMode, Timing};
 use crate::dhcp::packet::Identity;
 use crate::dhcp::probe::{self, ProbeOptions};
 use crate::dhcp::store::Store;
 
 fn parse_mac_arg(s: &str) -> Result<[u8; 6], String> {
-    parse_mac(s).ok_or_else(|| format!("`{s}` is not a MAC address like 00:00:6c:12:34:56"))
+    crate::mac::parse(s).ok_or_else(|| format!("`{s}` is not a MAC address like 00:00:6c:12:34:56"))
 }
 
 /// `01:02:0a` (hex bytes) or plain text.

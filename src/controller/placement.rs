@@ -51,15 +51,8 @@ pub fn place(
     out
 }
 
-/// FNV-1a over `uid` and `node`: stable across processes and versions
-/// (unlike `std`'s randomly seeded hasher).
 fn tie_break(uid: &str, node: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in uid.bytes().chain([0]).chain(node.bytes()) {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
+    crate::contract::fnv1a(&[uid.as_bytes(), node.as_bytes()])
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use super::io::{RecvError, Transport};
-use super::link::{AddressConfig, format_mac};
+use super::link::AddressConfig;
 use super::machine::{Action, Counters, Event, Lease, Machine, State, StopMode};
 use super::store::{LeaseRecord, Store};
 
@@ -51,7 +51,7 @@ impl LeaseStatus {
     pub fn new(name: &str, mac: [u8; 6]) -> Self {
         LeaseStatus {
             name: name.to_string(),
-            mac: format_mac(&mac),
+            mac: crate::mac::format(&mac),
             state: State::Init,
             address: None,
             server: None,
@@ -283,7 +283,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         let l = m.lease();
         let st = LeaseStatus {
             name: self.name.clone(),
-            mac: format_mac(&m.identity().mac),
+            mac: crate::mac::format(&m.identity().mac),
             state: m.state(),
             address: l.map(|l| l.address),
             server: l.map(|l| l.server_id),

@@ -461,27 +461,6 @@ pub fn random_vip_mac() -> [u8; 6] {
     ]
 }
 
-pub fn format_mac(mac: &[u8; 6]) -> String {
-    mac.iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":")
-}
-
-pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let parts: Vec<u8> = s
-        .split([':', '-'])
-        .map(|p| {
-            if p.len() == 2 {
-                u8::from_str_radix(p, 16).ok()
-            } else {
-                None
-            }
-        })
-        .collect::<Option<_>>()?;
-    parts.try_into().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -502,9 +481,6 @@ eth0\t00004D0A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n";
         assert_eq!(vip_name("AB-cd-ef-01-23"), "vip-abcdef01");
         let m = random_vip_mac();
         assert_eq!(&m[..3], &[0, 0, 0x6c]);
-        assert_eq!(parse_mac(&format_mac(&m)), Some(m));
-        assert_eq!(parse_mac("00:00:6C:01:02:03"), Some([0, 0, 0x6c, 1, 2, 3]));
-        assert_eq!(parse_mac("00:00:6C:01:02"), None);
-        assert_eq!(parse_mac("00:00:6C:01:02:0g"), None);
+        assert_eq!(crate::mac::parse(&crate::mac::format(&m)), Some(m));
     }
 }

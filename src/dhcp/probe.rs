@@ -12,7 +12,7 @@ use serde::Serialize;
 use super::driver::LeaseStatus;
 use super::engine::{Engine, EngineError, LeaseConfig};
 use super::io::ProbeConfig;
-use super::link::{default_route_interface, format_mac, random_vip_mac};
+use super::link::{default_route_interface, random_vip_mac};
 use super::machine::{Counters, State, StopMode, Timing};
 use super::packet::Identity;
 
@@ -131,7 +131,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
         message: String::new(),
         parent: opts.parent.clone().unwrap_or_default(),
         interface: interface.clone(),
-        mac: format_mac(&mac),
+        mac: crate::mac::format(&mac),
         server: None,
         address: None,
         lease_secs: None,

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
-use crate::contract::{INTERFACE_PREFIX, node_object::Assignment, parse_unicast_mac};
+use crate::contract::{INTERFACE_PREFIX, node_object::Assignment};
 use crate::dhcp::StopMode;
 
 /// One assignment, checked.
@@ -35,7 +35,7 @@ pub fn want(a: &Assignment) -> Result<Want, String> {
     {
         return Err(what("interface", &a.interface));
     }
-    let mac = parse_unicast_mac(&a.mac).ok_or_else(|| what("mac", &a.mac))?;
+    let mac = crate::mac::parse_unicast(&a.mac).ok_or_else(|| what("mac", &a.mac))?;
     let client_id = hex_bytes(&a.client_id).ok_or_else(|| what("clientId", &a.client_id))?;
     let requested_ip = match &a.requested_ip {
         Some(ip) => Some(ip.parse().map_err(|_| what("requestedIP", ip))?),
