@@ -168,6 +168,19 @@ pub async fn run_watchdog(
     }
 }
 
+/// Drives `fut` to completion while beating, so a loop waiting on bounded
+/// network I/O still counts as alive.
+pub async fn beating<F: std::future::Future>(hb: &Heartbeat, every: Duration, fut: F) -> F::Output {
+    tokio::pin!(fut);
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            out = &mut fut => return out,
+            _ = tick.tick() => hb.beat(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,9 +7,9 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use super::Context;
-use crate::cluster::connection::beating;
 use crate::health::Status;
 use crate::kmod::{self, MacvlanState, Reason};
+use crate::systemd::beating;
 
 /// The longest one preflight (modprobe + probe) may take.
 pub const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(60);

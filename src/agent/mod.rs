@@ -442,7 +442,7 @@ async fn watch_guest_agent(
     let hb = ctx.liveness.register("guest-agent");
     let bus = match (bus, pending) {
         (Some(bus), _) => bus,
-        (None, Some(task)) => match connection::beating(&hb, ctx.beat_every, task).await {
+        (None, Some(task)) => match systemd::beating(&hb, ctx.beat_every, task).await {
             Ok((bus, state)) => {
                 out.send_replace(state);
                 bus

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::credentials::{self, Discovery, DiscoveryEnv, Settings};
-use crate::systemd::Heartbeat;
+use crate::systemd::{Heartbeat, beating};
 
 /// Connection to the guest cluster, as reports show it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -296,19 +296,6 @@ pub async fn watch(
                 false
             }
         });
-    }
-}
-
-/// Drives `fut` to completion while beating, so a loop waiting on bounded
-/// network I/O still counts as alive.
-pub async fn beating<F: std::future::Future>(hb: &Heartbeat, every: Duration, fut: F) -> F::Output {
-    tokio::pin!(fut);
-    let mut tick = tokio::time::interval(every);
-    loop {
-        tokio::select! {
-            out = &mut fut => return out,
-            _ = tick.tick() => hb.beat(),
-        }
     }
 }
 
