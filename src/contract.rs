@@ -20,6 +20,15 @@ pub const IGNORE: &str = "harvester-node-agent.io/ignore";
 /// neither agent's clean-up takes the other's links during a migration.
 pub const INTERFACE_PREFIX: &str = "hlb-";
 
+/// The namespace of the controller, its Lease and the per-node objects,
+/// unless configured otherwise (agent `namespace`, controller `--namespace`).
+pub const DEFAULT_NAMESPACE: &str = "harvester-node-agent";
+/// The finalizer the controller puts on every Service it gives an address:
+/// deleting the Service waits until the holder has sent DHCPRELEASE.
+pub const FINALIZER: &str = "harvester-node-agent.io/dhcp-release";
+/// The `coordination.k8s.io` Lease the controller replicas elect a leader on.
+pub const CONTROLLER_LEASE: &str = "harvester-node-agent-controller";
+
 /// Written by the Harvester cloud provider; never by us.
 pub mod harvester {
     pub const IPAM: &str = "cloudprovider.harvesterhci.io/ipam";
@@ -56,6 +65,35 @@ pub mod node_object {
     pub const KIND: &str = "LoadBalancerNode";
     pub const PLURAL: &str = "loadbalancernodes";
 
+    /// The object: `spec` from the controller, `status` from the node's
+    /// agent. Used through [`api_resource`] (no generated types).
+    pub type LoadBalancerNode = kube::core::Object<Spec, Status>;
+
+    pub fn api_resource() -> kube::core::ApiResource {
+        kube::core::ApiResource::from_gvk_with_plural(
+            &kube::core::GroupVersionKind::gvk(GROUP, VERSION, KIND),
+            PLURAL,
+        )
+    }
+
+    /// The name of the Role (and RoleBinding) that lets `system:node:<node>`
+    /// read its own object and write its status, and nothing else.
+    /// Kubernetes names may be 253 characters; a long node name is cut and
+    /// made unique again with a hash.
+    pub fn role_name(node: &str) -> String {
+        let full = format!("harvester-node-agent-node-{node}");
+        if full.len() <= 253 {
+            return full;
+        }
+        let hash = crate::contract::fnv1a(&[node.as_bytes()]);
+        format!("{}-{hash:016x}", &full[..253 - 17])
+    }
+
+    /// The Kubernetes user a node's kubelet credentials authenticate as.
+    pub fn node_user(node: &str) -> String {
+        format!("system:node:{node}")
+    }
+
     /// Written by the controller only.
     #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
     #[serde(rename_all = "camelCase")]
@@ -89,6 +127,62 @@ pub mod node_object {
         /// The Service is gone: send DHCPRELEASE, then drop the link.
         #[serde(default)]
         pub release: bool,
+    }
+
+    /// Written by the node's agent only (the `status` subresource).
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct Status {
+        /// RFC 3339 on the agent's clock. The controller judges only whether
+        /// it changed, on its own clock, never its value.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub heartbeat: Option<String>,
+        /// The agent can hold addresses: macvlan usable and, if set, the
+        /// default uplink present.
+        #[serde(default)]
+        pub ready: bool,
+        /// Why not ready (or `Ready`), in the agent's words.
+        #[serde(default)]
+        pub reason: String,
+        #[serde(default)]
+        pub macvlan_ready: bool,
+        /// The uplink used when an assignment names none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub default_uplink: Option<String>,
+        /// Number of leases BOUND (printer column).
+        #[serde(default)]
+        pub held: u32,
+        /// `10.77.0.150 (default/web), ...` for `kubectl get` (printer column).
+        #[serde(default)]
+        pub addresses: String,
+        #[serde(default)]
+        pub leases: Vec<LeaseReport>,
+        #[serde(default)]
+        pub agent_version: String,
+    }
+
+    /// One lease as its holder sees it.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct LeaseReport {
+        /// `namespace/name` from the assignment.
+        pub service: String,
+        pub interface: String,
+        /// The DHCP state: `BOUND`, `SELECTING`, `INIT-REBOOT`, ... or
+        /// `FAILED` when the lease could not be started (see `message`).
+        pub state: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub address: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub server: Option<String>,
+        /// RFC 3339.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub expires: Option<String>,
+        /// The MAC the lease runs under (kube-vip's format).
+        #[serde(default)]
+        pub mac: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub message: Option<String>,
     }
 }
 
