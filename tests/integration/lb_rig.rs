@@ -1,0 +1,520 @@
+//! The LoadBalancer rig: the test kit's rig (dnsmasq LAN, guest namespaces,
+//! a real kube-apiserver) with the cluster manifests of
+//! `packaging/kubernetes/` applied, a Node per guest, the node agent in
+//! every guest namespace with that node's credentials, controller replicas
+//! with the manifests' ServiceAccount, a client namespace on the LAN and a
+//! TCP listener in every guest that answers with its node's name.
+//!
+//! Everything a test asserts is read from the machine or the API server
+//! (links and addresses with `ip`, dnsmasq's log and lease file, objects),
+//! not from the agents' own reports.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use harvester_node_agent::contract::{self, node_object};
+use hna_testkit::rig::{self, Rig, RigOptions};
+use k8s_openapi::api::core::v1::{Event, Node, Service};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+
+use crate::BIN;
+
+pub const NAMESPACE: &str = contract::DEFAULT_NAMESPACE;
+/// Where the test listeners answer in every guest.
+pub const LISTEN_PORT: u16 = 8080;
+
+pub struct Options {
+    pub guests: usize,
+    pub controllers: usize,
+    /// Extra lines for every agent's configuration file.
+    pub agent_config: String,
+    /// Extra arguments for every controller replica.
+    pub controller_args: Vec<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            guests: 3,
+            controllers: 2,
+            agent_config: String::new(),
+            controller_args: Vec::new(),
+        }
+    }
+}
+
+/// A process the rig started; killed when dropped.
+struct Proc {
+    child: Child,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub struct LbRig {
+    pub rig: Rig,
+    pub client_ns: String,
+    rt: tokio::runtime::Runtime,
+    admin: kube::Client,
+    agents: Vec<Option<Proc>>,
+    controllers: Vec<Option<Proc>>,
+    opts: Options,
+}
+
+impl LbRig {
+    pub fn start(opts: Options) -> Result<LbRig> {
+        let mut rig = Rig::start(RigOptions {
+            guests: opts.guests,
+            dhcp: true,
+            apiserver: true,
+            ..RigOptions::default()
+        })?;
+        let client_ns = rig.add_lan_host("client").context("client namespace")?.0;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let api = rig.apiserver().context("API server")?;
+        let admin_kubeconfig = api.admin_kubeconfig().to_path_buf();
+        let admin = rt.block_on(rig::kube_client(&admin_kubeconfig))?;
+        rt.block_on(rig::manifests::apply(
+            &admin,
+            &manifests_dir(),
+            rig::manifests::Mode::Apply,
+        ))
+        .context("applying packaging/kubernetes")?;
+        let mut lb = LbRig {
+            rig,
+            client_ns,
+            rt,
+            admin,
+            agents: Vec::new(),
+            controllers: Vec::new(),
+            opts,
+        };
+        for i in 0..lb.opts.guests {
+            let node = lb.rig.node_name(i).to_string();
+            lb.register_node(&node)?;
+            lb.agents.push(None);
+            lb.start_agent(i)?;
+            lb.listen(i)?;
+        }
+        for i in 0..lb.opts.controllers {
+            lb.controllers.push(None);
+            lb.start_controller(i)?;
+        }
+        Ok(lb)
+    }
+
+    pub fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    pub fn admin(&self) -> kube::Client {
+        self.admin.clone()
+    }
+
+    pub fn services(&self) -> Api<Service> {
+        Api::namespaced(self.admin.clone(), "default")
+    }
+
+    pub fn node_objects(&self) -> Api<node_object::LoadBalancerNode> {
+        Api::namespaced_with(self.admin.clone(), NAMESPACE, &node_object::api_resource())
+    }
+
+    pub fn node_name(&self, i: usize) -> String {
+        self.rig.node_name(i).to_string()
+    }
+
+    pub fn guest_of(&self, node: &str) -> usize {
+        self.rig
+            .node_names()
+            .iter()
+            .position(|n| n == node)
+            .unwrap_or_else(|| panic!("no guest runs node {node}"))
+    }
+
+    fn register_node(&self, name: &str) -> Result<()> {
+        let nodes: Api<Node> = Api::all(self.admin.clone());
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": name}
+        }))?;
+        self.block_on(nodes.create(&PostParams::default(), &node))
+            .with_context(|| format!("creating Node {name}"))?;
+        Ok(())
+    }
+
+    fn agent_dir(&self, i: usize) -> PathBuf {
+        self.rig.dir().join(format!("agent-{}", self.rig.node_name(i)))
+    }
+
+    pub fn agent_socket(&self, i: usize) -> PathBuf {
+        self.agent_dir(i).join("agent.sock")
+    }
+
+    pub fn agent_log(&self, i: usize) -> String {
+        fs::read_to_string(self.agent_dir(i).join("agent.log")).unwrap_or_default()
+    }
+
+    /// Starts (or restarts) guest `i`'s agent with the same state directory.
+    pub fn start_agent(&mut self, i: usize) -> Result<()> {
+        let node = self.node_name(i);
+        let dir = self.agent_dir(i);
+        fs::create_dir_all(&dir)?;
+        let config = dir.join("config.toml");
+        fs::write(
+            &config,
+            format!(
+                "uplink = \"eth0\"\nnamespace = \"{NAMESPACE}\"\n{}\n",
+                self.opts.agent_config
+            ),
+        )?;
+        let api = self.rig.apiserver().context("API server")?;
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("agent.log"))?;
+        let mut cmd = self.rig.netns_cmd(self.rig.guest_ns(i), BIN);
+        cmd.arg("run")
+            .arg("--config")
+            .arg(&config)
+            .args(["--node-name", &node, "--credentials-retry", "1s"])
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--socket")
+            .arg(dir.join("agent.sock"))
+            .arg("--kubeconfig")
+            .arg(api.node_kubeconfig(&node))
+            .env("HNA_LOG_TARGET", "stderr")
+            .env("RUST_LOG", "info,harvester_node_agent=debug")
+            .stdout(Stdio::null())
+            .stderr(log);
+        let child = cmd.spawn().context("starting an agent")?;
+        self.agents[i] = Some(Proc { child });
+        Ok(())
+    }
+
+    /// Sends `signal` to guest `i`'s agent; for SIGKILL, also reaps it.
+    pub fn signal_agent(&mut self, i: usize, signal: nix::sys::signal::Signal) {
+        let proc = self.agents[i].as_mut().expect("agent running");
+        // `ip netns exec` execs the agent, so the child is the agent.
+        let pid = nix::unistd::Pid::from_raw(proc.child.id() as i32);
+        nix::sys::signal::kill(pid, signal).unwrap();
+        if signal == nix::sys::signal::Signal::SIGKILL {
+            let _ = proc.child.wait();
+            self.agents[i] = None;
+        }
+    }
+
+    /// SIGTERM and wait for the agent to exit.
+    pub fn stop_agent(&mut self, i: usize) -> std::process::ExitStatus {
+        self.signal_agent(i, nix::sys::signal::Signal::SIGTERM);
+        let mut proc = self.agents[i].take().expect("agent running");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(st) = proc.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(Instant::now() < deadline, "agent did not stop within 20 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn controller_log_path(&self, i: usize) -> PathBuf {
+        self.rig.dir().join(format!("controller-{i}.log"))
+    }
+
+    pub fn controller_log(&self, i: usize) -> String {
+        fs::read_to_string(self.controller_log_path(i)).unwrap_or_default()
+    }
+
+    pub fn controller_identity(i: usize) -> String {
+        format!("controller-{i}")
+    }
+
+    pub fn start_controller(&mut self, i: usize) -> Result<()> {
+        let api = self.rig.apiserver().context("API server")?;
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.controller_log_path(i))?;
+        let child = Command::new(BIN)
+            .args(["controller", "--credentials-retry", "1s", "--namespace", NAMESPACE])
+            .args(["--identity", &Self::controller_identity(i)])
+            .arg("--kubeconfig")
+            .arg(api.controller_kubeconfig())
+            .args(&self.opts.controller_args)
+            .env("HNA_LOG_TARGET", "stderr")
+            .env("RUST_LOG", "info,harvester_node_agent=debug")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting a controller")?;
+        self.controllers[i] = Some(Proc { child });
+        Ok(())
+    }
+
+    pub fn kill_controller(&mut self, i: usize) {
+        if let Some(mut p) = self.controllers[i].take() {
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+        }
+    }
+
+    /// The identity holding the controller Lease now.
+    pub fn leader(&self) -> Option<String> {
+        use k8s_openapi::api::coordination::v1::Lease;
+        let leases: Api<Lease> = Api::namespaced(self.admin.clone(), NAMESPACE);
+        self.block_on(leases.get_opt(contract::CONTROLLER_LEASE))
+            .ok()
+            .flatten()
+            .and_then(|l| l.spec?.holder_identity)
+            .filter(|h| !h.is_empty())
+    }
+
+    /// A TCP listener on [`LISTEN_PORT`] in guest `i` that answers every
+    /// connection with the node's name.
+    fn listen(&mut self, i: usize) -> Result<()> {
+        let node = self.node_name(i);
+        let mut cmd = self.rig.netns_cmd(self.rig.guest_ns(i), "socat");
+        cmd.arg(format!("TCP-LISTEN:{LISTEN_PORT},fork,reuseaddr"))
+            .arg(format!("SYSTEM:echo {node}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // Killed with everything else in the namespace at teardown.
+        cmd.spawn().context("socat listener")?;
+        Ok(())
+    }
+
+    /// Connects from the client namespace to `ip:port` and returns what the
+    /// far end said (the holder's node name), or the failure.
+    pub fn tcp_from_client(&self, ip: Ipv4Addr, port: u16) -> Result<String> {
+        let out = self
+            .rig
+            .netns_cmd(&self.client_ns, "socat")
+            .args(["-T", "3", "-"])
+            .arg(format!("TCP:{ip}:{port},connect-timeout=3"))
+            .stdin(Stdio::null())
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "socat to {ip}:{port}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
+    /// Our links in guest `i`: name, MAC, IPv4 addresses with prefix.
+    pub fn hlb_links(&self, i: usize) -> Vec<Link> {
+        let out = Command::new("ip")
+            .args(["-n", self.rig.guest_ns(i), "-j", "addr", "show"])
+            .output()
+            .expect("ip addr");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|l| {
+                let name = l["ifname"].as_str()?;
+                name.starts_with(contract::INTERFACE_PREFIX).then(|| Link {
+                    name: name.to_string(),
+                    mac: l["address"].as_str().unwrap_or_default().to_string(),
+                    addrs: l["addr_info"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter(|a| a["family"] == "inet")
+                        .map(|a| {
+                            format!(
+                                "{}/{}",
+                                a["local"].as_str().unwrap_or_default(),
+                                a["prefixlen"]
+                            )
+                        })
+                        .collect(),
+                })
+            })
+            .collect()
+    }
+
+    /// The guests that carry `ip` on one of our links, by node name.
+    pub fn carriers(&self, ip: Ipv4Addr) -> Vec<(String, Link)> {
+        (0..self.opts.guests)
+            .flat_map(|i| {
+                self.hlb_links(i)
+                    .into_iter()
+                    .filter(|l| l.addrs.iter().any(|a| a == &format!("{ip}/32")))
+                    .map(move |l| (i, l))
+            })
+            .map(|(i, l)| (self.node_name(i), l))
+            .collect()
+    }
+
+    pub fn create_service(
+        &self,
+        name: &str,
+        annotations: &[(&str, &str)],
+        ports: &[u16],
+    ) -> Result<Service> {
+        let annotations: BTreeMap<&str, &str> = annotations.iter().copied().collect();
+        let ports: Vec<serde_json::Value> = ports
+            .iter()
+            .map(|p| serde_json::json!({"name": format!("p{p}"), "port": p, "protocol": "TCP", "targetPort": LISTEN_PORT}))
+            .collect();
+        let svc: Service = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "annotations": annotations},
+            "spec": {"type": "LoadBalancer", "ports": ports, "selector": {"app": name}},
+        }))?;
+        Ok(self.block_on(self.services().create(&PostParams::default(), &svc))?)
+    }
+
+    pub fn service(&self, name: &str) -> Option<Service> {
+        self.block_on(self.services().get_opt(name)).unwrap()
+    }
+
+    pub fn annotate(&self, name: &str, key: &str, value: Option<&str>) -> Result<()> {
+        let patch = serde_json::json!({"metadata": {"annotations": {key: value}}});
+        self.block_on(
+            self.services()
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch)),
+        )?;
+        Ok(())
+    }
+
+    pub fn delete_service(&self, name: &str) -> Result<()> {
+        self.block_on(self.services().delete(name, &DeleteParams::default()))?;
+        Ok(())
+    }
+
+    /// The first `status.loadBalancer.ingress` IP of Service `name`.
+    pub fn ingress_ip(&self, name: &str) -> Option<Ipv4Addr> {
+        ingress_ip(&self.service(name)?)
+    }
+
+    pub fn wait_ingress(&self, name: &str, within: Duration) -> Ipv4Addr {
+        let mut last = None;
+        let got = wait_for(within, || {
+            last = self.service(name);
+            last.as_ref().and_then(ingress_ip)
+        });
+        got.unwrap_or_else(|| {
+            panic!(
+                "Service {name} got no address within {within:?}; last: {:#?}\ncontroller log:\n{}",
+                last.map(|s| (s.metadata.annotations, s.status)),
+                tail(&self.controller_log(0), 40)
+            )
+        })
+    }
+
+    /// Events about Service `name`: (type, reason, message).
+    pub fn events(&self, name: &str) -> Vec<(String, String, String)> {
+        let events: Api<Event> = Api::namespaced(self.admin.clone(), "default");
+        let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
+        self.block_on(events.list(&lp))
+            .map(|l| {
+                l.items
+                    .into_iter()
+                    .map(|e| {
+                        (
+                            e.type_.unwrap_or_default(),
+                            e.reason.unwrap_or_default(),
+                            e.message.unwrap_or_default(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Waits for a Warning Event about `name` whose reason is `reason`.
+    pub fn wait_warning(&self, name: &str, reason: &str, within: Duration) -> String {
+        wait_for(within, || {
+            self.events(name)
+                .into_iter()
+                .find(|(t, r, _)| t == "Warning" && r == reason)
+                .map(|(_, _, m)| m)
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no Warning {reason} about {name} within {within:?}; events: {:#?}",
+                self.events(name)
+            )
+        })
+    }
+
+    /// dnsmasq's log from byte `from` on.
+    pub fn dnsmasq_log_from(&self, from: usize) -> String {
+        let log = fs::read_to_string(self.rig.dnsmasq_log()).unwrap_or_default();
+        log.get(from..).unwrap_or_default().to_string()
+    }
+
+    pub fn dnsmasq_log_len(&self) -> usize {
+        fs::metadata(self.rig.dnsmasq_log())
+            .map(|m| m.len() as usize)
+            .unwrap_or(0)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    pub name: String,
+    pub mac: String,
+    pub addrs: Vec<String>,
+}
+
+pub fn ingress_ip(svc: &Service) -> Option<Ipv4Addr> {
+    svc.status
+        .as_ref()?
+        .load_balancer
+        .as_ref()?
+        .ingress
+        .as_ref()?
+        .first()?
+        .ip
+        .as_ref()?
+        .parse()
+        .ok()
+}
+
+pub fn annotation<'a>(svc: &'a Service, key: &str) -> Option<&'a str> {
+    svc.metadata
+        .annotations
+        .as_ref()?
+        .get(key)
+        .map(String::as_str)
+}
+
+pub fn manifests_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes")
+}
+
+/// Polls `f` every 50 ms until it returns `Some` or `within` has passed.
+pub fn wait_for<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

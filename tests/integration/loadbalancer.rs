@@ -1,0 +1,249 @@
+//! LoadBalancer addresses end to end (issue #9) on the rig: three guest
+//! namespaces with agents on node credentials, two controller replicas with
+//! the manifests' RBAC, dnsmasq on the LAN and a client namespace.
+
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use harvester_node_agent::contract::{harvester, kube_vip};
+use nix::sys::signal::Signal;
+
+use crate::harness::tests;
+use crate::lb_rig::{LISTEN_PORT, LbRig, Options, annotation, wait_for};
+
+tests! {
+    a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    share_ip_and_every_refusal_changes_nothing_else: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    kube_vips_record_keeps_the_address_and_the_mac: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_new_leader_changes_no_service: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+}
+
+const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
+const WITHIN: Duration = Duration::from_secs(30);
+
+/// Event reasons the controller uses for refusals (see `controller`).
+mod reason {
+    pub const PORTS_OVERLAP: &str = "SharedIPPortsOverlap";
+    pub const PRIMARY_IS_SECONDARY: &str = "SharedIPPrimaryInvalid";
+    pub const IPAM_CHANGE: &str = "IPAMChangeRefused";
+    pub const PRIMARY_IN_USE: &str = "ReleaseDeferred";
+}
+
+fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> Result<()> {
+    let mut lb = LbRig::start(Options::default())?;
+    let svc = lb.create_service("web", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
+    let uid = svc.metadata.uid.clone().unwrap();
+    let ip = lb.wait_ingress("web", ADDRESS_WITHIN);
+    let svc = lb.service("web").unwrap();
+
+    // The status carries the ports; the annotations are kube-vip's record.
+    let ingress = &svc.status.as_ref().unwrap().load_balancer.as_ref().unwrap().ingress.as_ref().unwrap()[0];
+    let ports = ingress.ports.as_ref().expect("ports in the ingress status");
+    ensure!(
+        ports.len() == 1 && ports[0].port == LISTEN_PORT as i32 && ports[0].protocol == "TCP",
+        "{ports:?}"
+    );
+    let holder = annotation(&svc, kube_vip::VIP_HOST).expect("vipHost").to_string();
+    let mac = annotation(&svc, kube_vip::HWADDR).expect("hwaddr").to_string();
+    ensure!(annotation(&svc, kube_vip::REQUESTED_IP) == Some(ip.to_string().as_str()));
+    ensure!(annotation(&svc, kube_vip::LOADBALANCER_IPS).is_none(), "never ours to write");
+
+    // Exactly one guest carries the address, on our link named after the
+    // UID, with the MAC the annotations name; dnsmasq leased it to that MAC.
+    let carriers = lb.carriers(ip);
+    ensure!(carriers.len() == 1, "carriers of {ip}: {carriers:?}");
+    let (node, link) = &carriers[0];
+    ensure!(node == &holder, "{ip} is on {node}, vipHost says {holder}");
+    ensure!(link.name == format!("hlb-{}", &uid[..8]), "{link:?}");
+    ensure!(link.mac == mac, "link MAC {} vs hwaddr {mac}", link.mac);
+    let leases = lb.rig.dnsmasq_leases()?;
+    ensure!(
+        leases.lines().any(|l| l.contains(&ip.to_string()) && l.contains(&mac)),
+        "dnsmasq leases:\n{leases}"
+    );
+    let obj = lb.block_on(lb.node_objects().get(&holder))?;
+    ensure!(
+        obj.spec.assignments.iter().any(|a| a.service == "default/web" && a.mac == mac),
+        "{:?}",
+        obj.spec
+    );
+
+    // A TCP client on the LAN reaches the listener on the holder.
+    let reply = wait_for(WITHIN, || lb.tcp_from_client(ip, LISTEN_PORT).ok());
+    ensure!(reply.as_deref() == Some(holder.as_str()), "reply {reply:?}, holder {holder}");
+
+    // kill -9 and restart: the same node keeps the same address, with no
+    // RELEASE and no new DISCOVER.
+    let i = lb.guest_of(&holder);
+    let before = lb.block_on(lb.node_objects().get(&holder))?.status.unwrap_or_default();
+    let mark = lb.dnsmasq_log_len();
+    lb.signal_agent(i, Signal::SIGKILL);
+    ensure!(lb.carriers(ip).len() == 1, "the kernel keeps the link while the agent is gone");
+    lb.start_agent(i)?;
+    // Handshake: the new agent has reported the lease again.
+    let adopted = wait_for(WITHIN, || {
+        let st = lb.block_on(lb.node_objects().get(&holder)).ok()?.status?;
+        (st.heartbeat != before.heartbeat
+            && st.leases.iter().any(|l| l.service == "default/web" && l.state == "BOUND"))
+        .then_some(st)
+    });
+    ensure!(adopted.is_some(), "the restarted agent never reported the lease; log:\n{}", lb.agent_log(i));
+    let carriers = lb.carriers(ip);
+    ensure!(carriers.len() == 1 && carriers[0].0 == holder, "{carriers:?}");
+    ensure!(lb.ingress_ip("web") == Some(ip));
+    let since = lb.dnsmasq_log_from(mark);
+    for msg in ["DHCPDISCOVER", "DHCPRELEASE"] {
+        ensure!(
+            !since.lines().any(|l| l.contains(msg) && l.contains(&mac)),
+            "{msg} after the restart:\n{since}"
+        );
+    }
+    ensure!(lb.tcp_from_client(ip, LISTEN_PORT)? == holder);
+
+    // Delete: DHCPRELEASE reaches the server, no link is left anywhere and
+    // the Service goes (our finalizer is removed).
+    let mark = lb.dnsmasq_log_len();
+    lb.delete_service("web")?;
+    let gone = wait_for(WITHIN, || lb.service("web").is_none().then_some(()));
+    ensure!(gone.is_some(), "Service still there: {:#?}", lb.service("web").map(|s| s.metadata));
+    let since = lb.dnsmasq_log_from(mark);
+    ensure!(
+        since.lines().any(|l| l.contains("DHCPRELEASE") && l.contains(&ip.to_string()) && l.contains(&mac)),
+        "no DHCPRELEASE for {ip} {mac}:\n{since}"
+    );
+    let unlinked = wait_for(Duration::from_secs(5), || {
+        (0..3).all(|g| lb.hlb_links(g).is_empty()).then_some(())
+    });
+    ensure!(unlinked.is_some(), "links left: {:?}", (0..3).map(|g| lb.hlb_links(g)).collect::<Vec<_>>());
+    let leases = lb.rig.dnsmasq_leases()?;
+    ensure!(!leases.contains(&mac), "dnsmasq still leases to {mac}:\n{leases}");
+    Ok(())
+}
+
+fn share_ip_and_every_refusal_changes_nothing_else() -> Result<()> {
+    let lb = LbRig::start(Options::default())?;
+    lb.create_service("web", &[(harvester::IPAM, "dhcp")], &[80])?;
+    let ip = lb.wait_ingress("web", ADDRESS_WITHIN);
+    let ip_text = ip.to_string();
+    // As the cloud provider writes a secondary: its primary's address.
+    let secondary = |name: &str, primary: &str, port: u16| {
+        lb.create_service(
+            name,
+            &[
+                (harvester::PRIMARY_SERVICE, primary),
+                (kube_vip::LOADBALANCER_IPS, ip_text.as_str()),
+            ],
+            &[port],
+        )
+    };
+    secondary("web-extra", "default/web", 81)?;
+    ensure!(lb.wait_ingress("web-extra", WITHIN) == ip);
+    ensure!(lb.carriers(ip).len() == 1, "a secondary adds no link");
+
+    secondary("web-clash", "default/web", 80)?;
+    lb.wait_warning("web-clash", reason::PORTS_OVERLAP, WITHIN);
+    secondary("web-chain", "default/web-extra", 82)?;
+    lb.wait_warning("web-chain", reason::PRIMARY_IS_SECONDARY, WITHIN);
+    for refused in ["web-clash", "web-chain"] {
+        ensure!(lb.ingress_ip(refused).is_none(), "{refused} got an address");
+    }
+
+    // IPAM change: refused, the running address kept.
+    let before = lb.service("web").unwrap();
+    lb.annotate("web", harvester::IPAM, Some("pool"))?;
+    lb.wait_warning("web", reason::IPAM_CHANGE, WITHIN);
+    let after = lb.service("web").unwrap();
+    ensure!(after.status == before.status, "status changed");
+    ensure!(lb.carriers(ip).len() == 1);
+    lb.annotate("web", harvester::IPAM, Some("dhcp"))?;
+
+    // A primary is not torn down under its secondaries.
+    for s in ["web-clash", "web-chain"] {
+        lb.delete_service(s)?;
+    }
+    let mark = lb.dnsmasq_log_len();
+    lb.delete_service("web")?;
+    lb.wait_warning("web", reason::PRIMARY_IN_USE, WITHIN);
+    ensure!(lb.carriers(ip).len() == 1, "released under a secondary");
+    ensure!(lb.ingress_ip("web-extra") == Some(ip));
+    ensure!(!lb.dnsmasq_log_from(mark).contains("DHCPRELEASE"));
+    lb.delete_service("web-extra")?;
+    let gone = wait_for(WITHIN, || lb.service("web").is_none().then_some(()));
+    ensure!(gone.is_some(), "the primary was not released after its secondary went");
+    ensure!(lb.dnsmasq_log_from(mark).contains("DHCPRELEASE"));
+    Ok(())
+}
+
+fn kube_vips_record_keeps_the_address_and_the_mac() -> Result<()> {
+    let lb = LbRig::start(Options::default())?;
+    // The lease kube-vip left on the server: its MAC, no client identifier
+    // (kube-vip sends none without loadbalancerHostname), not released.
+    let mac = "00:00:6c:4a:0b:01";
+    let out = lb
+        .rig
+        .netns_cmd(lb.rig.guest_ns(2), crate::BIN)
+        .args(["dhcp-probe", "--parent", "eth0", "--mac", mac, "--release=false", "--output", "json"])
+        .output()?;
+    ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let want = report["address"].as_str().expect("an address").to_string();
+    lb.create_service(
+        "migrated",
+        &[
+            (kube_vip::LOADBALANCER_IPS, "0.0.0.0"),
+            (kube_vip::HWADDR, mac),
+            (kube_vip::REQUESTED_IP, want.as_str()),
+        ],
+        &[LISTEN_PORT],
+    )?;
+    let ip = lb.wait_ingress("migrated", ADDRESS_WITHIN);
+    ensure!(ip.to_string() == want, "got {ip}, kube-vip had {want}");
+    let carriers = lb.carriers(ip);
+    ensure!(carriers.len() == 1 && carriers[0].1.mac == mac, "{carriers:?}");
+    let svc = lb.service("migrated").unwrap();
+    // What kube-vip reads back: the same MAC text, the address, the holder.
+    ensure!(annotation(&svc, kube_vip::HWADDR) == Some(mac));
+    ensure!(annotation(&svc, kube_vip::REQUESTED_IP) == Some(want.as_str()));
+    ensure!(annotation(&svc, kube_vip::VIP_HOST) == Some(carriers[0].0.as_str()));
+    ensure!(annotation(&svc, kube_vip::LOADBALANCER_IPS) == Some("0.0.0.0"));
+    let reply = wait_for(WITHIN, || lb.tcp_from_client(ip, LISTEN_PORT).ok());
+    ensure!(reply.as_deref() == Some(carriers[0].0.as_str()), "{reply:?}");
+    Ok(())
+}
+
+fn a_new_leader_changes_no_service() -> Result<()> {
+    let mut lb = LbRig::start(Options {
+        controller_args: ["--lease-duration", "4s", "--renew-deadline", "3s", "--retry-period", "500ms"]
+            .map(String::from)
+            .to_vec(),
+        ..Options::default()
+    })?;
+    for name in ["a", "b", "c"] {
+        lb.create_service(name, &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
+    }
+    for name in ["a", "b", "c"] {
+        lb.wait_ingress(name, ADDRESS_WITHIN);
+    }
+    let versions = |lb: &LbRig| -> Vec<(Option<String>, Option<String>)> {
+        ["a", "b", "c"]
+            .iter()
+            .map(|n| {
+                let s = lb.service(n).unwrap();
+                (s.metadata.resource_version, s.status.map(|st| format!("{st:?}")))
+            })
+            .collect()
+    };
+    let before = versions(&lb);
+    let leader = wait_for(WITHIN, || lb.leader()).expect("a leader");
+    let i = (0..2).find(|&i| LbRig::controller_identity(i) == leader).expect("a replica leads");
+    lb.kill_controller(i);
+    let other = LbRig::controller_identity(1 - i);
+    let took_over = wait_for(WITHIN, || (lb.leader().as_deref() == Some(other.as_str())).then_some(()));
+    ensure!(took_over.is_some(), "{other} never took the Lease; log:\n{}", lb.controller_log(1 - i));
+    // Handshake: the new leader serves a new Service, so it has reconciled
+    // the old ones too.
+    lb.create_service("d", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
+    lb.wait_ingress("d", ADDRESS_WITHIN);
+    ensure!(versions(&lb) == before, "a Service changed under the new leader");
+    Ok(())
+}
