@@ -4,18 +4,38 @@
 
 use std::time::Duration;
 
-use anyhow::{Result, ensure};
-use harvester_node_agent::contract::{harvester, kube_vip};
+use anyhow::{Context, Result, ensure};
+use harvester_node_agent::contract::{self, harvester, kube_vip, node_object};
+use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
 use nix::sys::signal::Signal;
 
 use crate::harness::tests;
-use crate::lb_rig::{LISTEN_PORT, LbRig, Options, annotation, wait_for};
 
 tests! {
+    the_test_kit_names_what_the_contract_names;
     a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     share_ip_and_every_refusal_changes_nothing_else: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     kube_vips_record_keeps_the_address_and_the_mac: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_new_leader_changes_no_service: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+}
+
+/// The rig with the checkout's binary and manifests.
+fn options() -> lb::Options {
+    lb::Options::new(
+        crate::BIN,
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes"),
+    )
+}
+
+fn node_object(lb: &LbRig, node: &str) -> Result<node_object::LoadBalancerNode> {
+    let v = lb.node_object(node).with_context(|| format!("no LoadBalancerNode {node}"))?;
+    Ok(serde_json::from_value(v)?)
+}
+
+fn the_test_kit_names_what_the_contract_names() {
+    assert_eq!(lb::NAMESPACE, contract::DEFAULT_NAMESPACE);
+    assert_eq!(lb::CONTROLLER_LEASE, contract::CONTROLLER_LEASE);
+    assert_eq!(lb::INTERFACE_PREFIX, contract::INTERFACE_PREFIX);
 }
 
 const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
@@ -30,7 +50,7 @@ mod reason {
 }
 
 fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> Result<()> {
-    let mut lb = LbRig::start(Options::default())?;
+    let mut lb = LbRig::start(options())?;
     let svc = lb.create_service("web", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
     let uid = svc.metadata.uid.clone().unwrap();
     let ip = lb.wait_ingress("web", ADDRESS_WITHIN);
@@ -61,7 +81,7 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
         leases.lines().any(|l| l.contains(&ip.to_string()) && l.contains(&mac)),
         "dnsmasq leases:\n{leases}"
     );
-    let obj = lb.block_on(lb.node_objects().get(&holder))?;
+    let obj = node_object(&lb, &holder)?;
     ensure!(
         obj.spec.assignments.iter().any(|a| a.service == "default/web" && a.mac == mac),
         "{:?}",
@@ -75,14 +95,14 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
     // kill -9 and restart: the same node keeps the same address, with no
     // RELEASE and no new DISCOVER.
     let i = lb.guest_of(&holder);
-    let before = lb.block_on(lb.node_objects().get(&holder))?.status.unwrap_or_default();
+    let before = node_object(&lb, &holder)?.status.unwrap_or_default();
     let mark = lb.dnsmasq_log_len();
     lb.signal_agent(i, Signal::SIGKILL);
     ensure!(lb.carriers(ip).len() == 1, "the kernel keeps the link while the agent is gone");
     lb.start_agent(i)?;
     // Handshake: the new agent has reported the lease again.
     let adopted = wait_for(WITHIN, || {
-        let st = lb.block_on(lb.node_objects().get(&holder)).ok()?.status?;
+        let st = node_object(&lb, &holder).ok()?.status?;
         (st.heartbeat != before.heartbeat
             && st.leases.iter().any(|l| l.service == "default/web" && l.state == "BOUND"))
         .then_some(st)
@@ -121,7 +141,7 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
 }
 
 fn share_ip_and_every_refusal_changes_nothing_else() -> Result<()> {
-    let lb = LbRig::start(Options::default())?;
+    let lb = LbRig::start(options())?;
     lb.create_service("web", &[(harvester::IPAM, "dhcp")], &[80])?;
     let ip = lb.wait_ingress("web", ADDRESS_WITHIN);
     let ip_text = ip.to_string();
@@ -175,7 +195,7 @@ fn share_ip_and_every_refusal_changes_nothing_else() -> Result<()> {
 }
 
 fn kube_vips_record_keeps_the_address_and_the_mac() -> Result<()> {
-    let lb = LbRig::start(Options::default())?;
+    let lb = LbRig::start(options())?;
     // The lease kube-vip left on the server: its MAC, no client identifier
     // (kube-vip sends none without loadbalancerHostname), not released.
     let mac = "00:00:6c:4a:0b:01";
@@ -212,11 +232,11 @@ fn kube_vips_record_keeps_the_address_and_the_mac() -> Result<()> {
 }
 
 fn a_new_leader_changes_no_service() -> Result<()> {
-    let mut lb = LbRig::start(Options {
+    let mut lb = LbRig::start(lb::Options {
         controller_args: ["--lease-duration", "4s", "--renew-deadline", "3s", "--retry-period", "500ms"]
             .map(String::from)
             .to_vec(),
-        ..Options::default()
+        ..options()
     })?;
     for name in ["a", "b", "c"] {
         lb.create_service(name, &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;

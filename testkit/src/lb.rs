@@ -8,28 +8,43 @@
 //! Everything a test asserts is read from the machine or the API server
 //! (links and addresses with `ip`, dnsmasq's log and lease file, objects),
 //! not from the agents' own reports.
+//!
+//! Shared by the integration tests, the LoadBalancer benchmark and the demo.
+//! Like the rest of the kit it knows the agent only from the outside: the
+//! binary, the object names of `packaging/kubernetes/`, JSON.
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::net::Ipv4Addr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use harvester_node_agent::contract::{self, node_object};
-use hna_testkit::rig::{self, Rig, RigOptions};
 use k8s_openapi::api::core::v1::{Event, Node, Service};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
+    PostParams,
+};
 
-use crate::BIN;
+use crate::rig::{self, Rig, RigOptions};
 
-pub const NAMESPACE: &str = contract::DEFAULT_NAMESPACE;
+/// The controller's namespace in `packaging/kubernetes/` (the agent's
+/// `contract::DEFAULT_NAMESPACE`; the integration tests check they agree).
+pub const NAMESPACE: &str = "harvester-node-agent";
+/// The controller replicas' Lease (`contract::CONTROLLER_LEASE`).
+pub const CONTROLLER_LEASE: &str = "harvester-node-agent-controller";
+/// Our links' prefix (`contract::INTERFACE_PREFIX`).
+pub const INTERFACE_PREFIX: &str = "hlb-";
 /// Where the test listeners answer in every guest.
 pub const LISTEN_PORT: u16 = 8080;
 
 pub struct Options {
+    /// The agent binary (`run` in guests, `controller` on the host).
+    pub bin: PathBuf,
+    /// `packaging/kubernetes/` of the checkout under test.
+    pub manifests: PathBuf,
     pub guests: usize,
     pub controllers: usize,
     /// Extra lines for every agent's configuration file.
@@ -38,9 +53,11 @@ pub struct Options {
     pub controller_args: Vec<String>,
 }
 
-impl Default for Options {
-    fn default() -> Self {
+impl Options {
+    pub fn new(bin: impl Into<PathBuf>, manifests: impl Into<PathBuf>) -> Options {
         Options {
+            bin: bin.into(),
+            manifests: manifests.into(),
             guests: 3,
             controllers: 2,
             agent_config: String::new(),
@@ -80,8 +97,7 @@ impl LbRig {
             ..RigOptions::default()
         })?;
         let client_ns = rig.add_lan_host("client").context("client namespace")?.0;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+        let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
         let api = rig.apiserver().context("API server")?;
@@ -89,7 +105,7 @@ impl LbRig {
         let admin = rt.block_on(rig::kube_client(&admin_kubeconfig))?;
         rt.block_on(rig::manifests::apply(
             &admin,
-            &manifests_dir(),
+            &opts.manifests,
             rig::manifests::Mode::Apply,
         ))
         .context("applying packaging/kubernetes")?;
@@ -128,8 +144,26 @@ impl LbRig {
         Api::namespaced(self.admin.clone(), "default")
     }
 
-    pub fn node_objects(&self) -> Api<node_object::LoadBalancerNode> {
-        Api::namespaced_with(self.admin.clone(), NAMESPACE, &node_object::api_resource())
+    /// The `LoadBalancerNode` objects, untyped (the caller deserializes
+    /// them into the agent's contract types).
+    pub fn node_objects(&self) -> Api<DynamicObject> {
+        let ar = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("lb.harvester-node-agent.io", "v1alpha1", "LoadBalancerNode"),
+            "loadbalancernodes",
+        );
+        Api::namespaced_with(self.admin.clone(), NAMESPACE, &ar)
+    }
+
+    /// Node `node`'s object as JSON, if it exists.
+    pub fn node_object(&self, node: &str) -> Option<serde_json::Value> {
+        let obj = self.block_on(self.node_objects().get_opt(node)).ok()??;
+        serde_json::to_value(obj).ok()
+    }
+
+    /// Changes what the next [`LbRig::start_agent`] writes into the agents'
+    /// configuration files.
+    pub fn set_agent_config(&mut self, extra: &str) {
+        self.opts.agent_config = extra.to_string();
     }
 
     pub fn node_name(&self, i: usize) -> String {
@@ -184,7 +218,7 @@ impl LbRig {
             .create(true)
             .append(true)
             .open(dir.join("agent.log"))?;
-        let mut cmd = self.rig.netns_cmd(self.rig.guest_ns(i), BIN);
+        let mut cmd = self.rig.netns_cmd(self.rig.guest_ns(i), &self.opts.bin);
         cmd.arg("run")
             .arg("--config")
             .arg(&config)
@@ -248,7 +282,7 @@ impl LbRig {
             .create(true)
             .append(true)
             .open(self.controller_log_path(i))?;
-        let child = Command::new(BIN)
+        let child = Command::new(&self.opts.bin)
             .args(["controller", "--credentials-retry", "1s", "--namespace", NAMESPACE])
             .args(["--identity", &Self::controller_identity(i)])
             .arg("--kubeconfig")
@@ -275,7 +309,7 @@ impl LbRig {
     pub fn leader(&self) -> Option<String> {
         use k8s_openapi::api::coordination::v1::Lease;
         let leases: Api<Lease> = Api::namespaced(self.admin.clone(), NAMESPACE);
-        self.block_on(leases.get_opt(contract::CONTROLLER_LEASE))
+        self.block_on(leases.get_opt(CONTROLLER_LEASE))
             .ok()
             .flatten()
             .and_then(|l| l.spec?.holder_identity)
@@ -327,7 +361,7 @@ impl LbRig {
             .flatten()
             .filter_map(|l| {
                 let name = l["ifname"].as_str()?;
-                name.starts_with(contract::INTERFACE_PREFIX).then(|| Link {
+                name.starts_with(INTERFACE_PREFIX).then(|| Link {
                     name: name.to_string(),
                     mac: l["address"].as_str().unwrap_or_default().to_string(),
                     addrs: l["addr_info"]
@@ -494,10 +528,6 @@ pub fn annotation<'a>(svc: &'a Service, key: &str) -> Option<&'a str> {
         .as_ref()?
         .get(key)
         .map(String::as_str)
-}
-
-pub fn manifests_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes")
 }
 
 /// Polls `f` every 50 ms until it returns `Some` or `within` has passed.
