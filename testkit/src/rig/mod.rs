@@ -10,8 +10,16 @@
 //!  │  ├─ vg1 ─────────── veth ────┼───────┼─ eth0 (up, no addr) │
 //!  │  └─ vg2 ─── …                │       │ 127.0.0.1:<port> ──►│ forwarded to the host's
 //!  │ dnsmasq (DHCP only)          │       └─────────────────────┘ kube-apiserver
-//!  └──────────────────────────────┘
+//!  │  └─ vh1 ─────────── veth ────┼─────── hna-<id>-h1 (LAN host, optional):
+//!  └──────────────────────────────┘        eth0 10.77.0.200/24, no agent
 //! ```
+//!
+//! LAN hosts ([`Rig::add_lan_host`]) are other machines on the LAN for TCP
+//! clients and probers: static addresses from 10.77.0.200, outside the
+//! DHCP range. With an API server, the controller's credentials
+//! authenticate as the ServiceAccount of `packaging/kubernetes/`
+//! ([`apiserver::CONTROLLER_USER`]), and [`manifests`] applies those
+//! manifests.
 //!
 //! Prerequisites ([`RigOptions::prerequisites`]; `sudo tests/rig/prereqs.sh`
 //! installs them): root, iproute2, dnsmasq (`/usr/sbin/dnsmasq`), and for
