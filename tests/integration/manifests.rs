@@ -350,9 +350,10 @@ fn apply_and_schema_roundtrip() -> Result<()> {
             );
         }
 
-        // The controller writes ports into the Service's ingress; 1.20
-        // drops them unless MixedProtocolLBService is on (the rig enables
-        // it; newer servers keep them by default).
+        // The controller writes ports into the Service's ingress. 1.20 keeps
+        // them on a status write whatever MixedProtocolLBService says (the
+        // gate only strips them from writes of the Service itself, and only
+        // while the stored status has none: see the RBAC test).
         create_service(&admin).await?;
         let services: Api<Service> = Api::namespaced(admin.clone(), "default");
         services
@@ -488,6 +489,20 @@ fn rbac_controller_and_nodes() -> Result<()> {
             )
             .await
             .context("controller patches Service metadata")?;
+        // 1.20 drops ingress ports on a write of the Service itself unless
+        // MixedProtocolLBService is on or the stored status already has
+        // ports; status first (as the controller does) keeps them.
+        let ingress = Api::<Service>::namespaced(admin.clone(), "default")
+            .get("web")
+            .await?
+            .status
+            .and_then(|s| s.load_balancer)
+            .and_then(|l| l.ingress)
+            .unwrap_or_default();
+        ensure!(
+            ingress.len() == 1 && ingress[0].ports.as_ref().is_some_and(|p| p.len() == 1),
+            "ingress after the metadata patch: {ingress:?}"
+        );
         let core_event: k8s_openapi::api::core::v1::Event = serde_json::from_value(json!({
             "metadata": { "name": "web.hna-1", "namespace": "default" },
             "involvedObject": { "kind": "Service", "namespace": "default", "name": "web", "apiVersion": "v1" },
