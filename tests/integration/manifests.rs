@@ -49,35 +49,28 @@ fn start_rig() -> Result<Rig> {
     })
 }
 
-/// `v1.20.2` -> 20.
-fn minor_version(git_version: &str) -> Result<u32> {
-    let minor = git_version
-        .trim_start_matches('v')
-        .split('.')
-        .nth(1)
-        .with_context(|| format!("version {git_version}"))?;
-    Ok(minor.parse()?)
-}
-
 /// The manifests as this server takes them. They ship the
 /// PodDisruptionBudget as policy/v1 (served from 1.21); on an older server
 /// (the rig's 1.20) the same object is applied as policy/v1beta1, as
 /// pdb.yaml documents. Anything else is applied exactly as written.
 fn manifests_for(api: &ApiServer) -> Result<Vec<Manifest>> {
     let mut all = manifests::load_kustomization(&manifests_dir())?;
-    let old_server = minor_version(api.version())? < 21;
-    let mut pdbs = 0;
-    for m in &mut all {
-        if m.kind() == "PodDisruptionBudget" {
-            let types = m.object.types.as_mut().expect("loaded with types");
-            ensure!(types.api_version == "policy/v1", "{}", m.describe());
-            pdbs += 1;
-            if old_server {
-                types.api_version = "policy/v1beta1".into();
-            }
-        }
-    }
-    ensure!(pdbs == 1, "expected one PodDisruptionBudget, found {pdbs}");
+    let pdbs: Vec<_> = all
+        .iter()
+        .filter(|m| m.kind() == "PodDisruptionBudget")
+        .map(|m| m.object.types.clone().map(|t| t.api_version))
+        .collect();
+    ensure!(
+        pdbs == [Some("policy/v1".to_string())],
+        "expected one policy/v1 PodDisruptionBudget, found {pdbs:?}"
+    );
+    let old_server = manifests::minor_version(api.version())? < 21;
+    let rewritten = manifests::adapt_to_server(&mut all, manifests::minor_version(api.version())?);
+    ensure!(
+        rewritten == usize::from(old_server),
+        "{rewritten} objects rewritten for {}",
+        api.version()
+    );
     Ok(all)
 }
 
@@ -419,7 +412,6 @@ fn node_role(node: &str) -> Result<(Role, RoleBinding)> {
 fn rbac_controller_and_nodes() -> Result<()> {
     let rig = start_rig()?;
     let api = rig.apiserver().expect("started with apiserver");
-    let all = manifests_for(api)?;
     on_runtime(|| async {
         let admin = rig::kube_client(api.admin_kubeconfig()).await?;
         let ctrl = rig::kube_client(api.controller_kubeconfig()).await?;
@@ -429,7 +421,8 @@ fn rbac_controller_and_nodes() -> Result<()> {
             403,
             "controller before the manifests",
         )?;
-        manifests::apply(&admin, &all, Mode::Apply).await?;
+        // The one-call form other tests use.
+        manifests::apply_kustomization(&admin, &manifests_dir(), Mode::Apply).await?;
         create_service(&admin).await?;
 
         // The controller creates each node's object, Role and RoleBinding:
