@@ -21,6 +21,7 @@ mod cluster;
 mod daemon;
 mod dhcp_probe;
 mod dhcp_rig;
+mod manifests;
 mod rig_selftest;
 mod topology;
 mod unit_file;
@@ -39,6 +40,7 @@ fn main() -> std::process::ExitCode {
         topology::tests(),
         dhcp_rig::tests(),
         dhcp_probe::tests(),
+        manifests::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),

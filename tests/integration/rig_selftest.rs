@@ -19,6 +19,7 @@ tests! {
     guest_namespace_reaches_apiserver: Root, Iproute2, ApiServer, Curl;
     teardown_leaves_nothing: Root, Iproute2, Dnsmasq, ApiServer;
     teardown_after_panic: Root, Iproute2, Dnsmasq;
+    lan_host_reaches_a_guest: Root, Iproute2;
 }
 
 /// The path of a tool the test needs (declared as its prerequisite).
@@ -309,5 +310,64 @@ fn teardown_after_panic() -> Result<()> {
         "{} not removed",
         dir.display()
     );
+    Ok(())
+}
+
+/// A LAN host (`Rig::add_lan_host`) is a separate machine on the bridge: a
+/// TCP connection from it reaches a guest and arrives from its address; its
+/// namespace goes with the rig.
+fn lan_host_reaches_a_guest() -> Result<()> {
+    let mut rig = Rig::start(RigOptions {
+        guests: 1,
+        dhcp: false,
+        ..Default::default()
+    })?;
+    let a = rig.add_lan_host("client")?;
+    let b = rig.add_lan_host("prober")?;
+    ensure!(
+        a.addr == rig::LAN_HOST_FIRST && b.addr == Ipv4Addr::new(10, 77, 0, 201),
+        "addresses {} and {}",
+        a.addr,
+        b.addr
+    );
+    ensure!(rig.lan_hosts() == [a.clone(), b.clone()]);
+    let guest = rig.guest_ns(0).to_string();
+    run(Command::new("ip").args(["-n", &guest, "addr", "add", "10.77.0.10/24", "dev", "eth0"]))?;
+    // A socket stays in the namespace it was made in.
+    let listener = rig::in_netns(&guest, async || {
+        std::net::TcpListener::bind((Ipv4Addr::new(10, 77, 0, 10), 0))
+    })??;
+    let port = listener.local_addr()?.port();
+    let accepted = std::thread::spawn(move || -> std::io::Result<Vec<Ipv4Addr>> {
+        (0..2)
+            .map(|_| match listener.accept()?.1.ip() {
+                std::net::IpAddr::V4(ip) => Ok(ip),
+                other => Err(std::io::Error::other(format!("peer {other}"))),
+            })
+            .collect()
+    });
+    for host in [&a, &b] {
+        // One after the other, so the guest accepts them in this order.
+        rig::in_netns(&host.ns, async || {
+            tokio::time::timeout(
+                Duration::from_secs(5),
+                tokio::net::TcpStream::connect((Ipv4Addr::new(10, 77, 0, 10), port)),
+            )
+            .await
+        })?
+        .with_context(|| format!("{} connecting", host.name))??;
+    }
+    let peers = accepted.join().expect("accept thread")?;
+    ensure!(peers == [a.addr, b.addr], "connections from {peers:?}");
+    drop(rig);
+    let listed = run(Command::new("ip").args(["netns", "list"]))?;
+    for ns in [&a.ns, &b.ns] {
+        ensure!(
+            !listed
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some(ns)),
+            "{ns} still listed"
+        );
+    }
     Ok(())
 }

@@ -16,6 +16,19 @@ use super::process::{ChildProc, random_hex, run, tail};
 /// How long kube-apiserver may take to report `/readyz` ok.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The user the controller's credentials authenticate as: the
+/// ServiceAccount `harvester-node-agent-controller` in namespace
+/// `harvester-node-agent`, as `packaging/kubernetes/rbac.yaml` creates it.
+pub const CONTROLLER_USER: &str =
+    "system:serviceaccount:harvester-node-agent:harvester-node-agent-controller";
+
+/// The groups of [`CONTROLLER_USER`], as the API server gives them to any
+/// token of that ServiceAccount.
+pub const CONTROLLER_GROUPS: [&str; 2] = [
+    "system:serviceaccounts",
+    "system:serviceaccounts:harvester-node-agent",
+];
+
 /// Namespaces that exist once [`ApiServer::start`] returns.
 pub const SYSTEM_NAMESPACES: [&str; 4] =
     ["default", "kube-system", "kube-public", "kube-node-lease"];
@@ -158,13 +171,16 @@ impl ApiServer {
         &self.node(node).token
     }
 
-    /// Kubeconfig of user `harvester-node-agent-controller` (only the
-    /// implicit group `system:authenticated`; grant it RBAC in the test).
+    /// Kubeconfig of the controller: user [`CONTROLLER_USER`], the
+    /// ServiceAccount of `packaging/kubernetes/`, with its groups
+    /// [`CONTROLLER_GROUPS`] (plus the implicit `system:authenticated`).
+    /// It may do nothing until RBAC grants it something: apply the
+    /// manifests ([`super::manifests`]) or bind a role in the test.
     pub fn controller_kubeconfig(&self) -> &Path {
         &self.controller.kubeconfig
     }
 
-    /// Bearer token of `harvester-node-agent-controller`.
+    /// Bearer token of the controller ([`CONTROLLER_USER`]).
     pub fn controller_token(&self) -> &str {
         &self.controller.token
     }
@@ -231,11 +247,20 @@ impl ApiServer {
             kubeconfig: PathBuf::new(),
         };
         let mut admin = creds("hna-rig-admin");
-        let mut controller = creds("harvester-node-agent-controller");
+        let mut controller = creds(CONTROLLER_USER);
         let mut nodes: Vec<Creds> = node_names.iter().map(|n| creds(n)).collect();
+        // A static token that authenticates exactly as the Pod's projected
+        // service-account token would: same user name, same groups. So
+        // packaging/kubernetes/rbac.yaml binds to it unchanged.
         let mut csv = format!(
-            "{},{},{},\"system:masters\"\n{},{},{}\n",
-            admin.token, admin.name, admin.name, controller.token, controller.name, controller.name
+            "{},{},{},\"system:masters\"\n{},{},{},\"{}\"\n",
+            admin.token,
+            admin.name,
+            admin.name,
+            controller.token,
+            controller.name,
+            controller.name,
+            CONTROLLER_GROUPS.join(","),
         );
         for n in &nodes {
             let user = format!("system:node:{}", n.name);

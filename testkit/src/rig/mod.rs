@@ -10,8 +10,16 @@
 //!  │  ├─ vg1 ─────────── veth ────┼───────┼─ eth0 (up, no addr) │
 //!  │  └─ vg2 ─── …                │       │ 127.0.0.1:<port> ──►│ forwarded to the host's
 //!  │ dnsmasq (DHCP only)          │       └─────────────────────┘ kube-apiserver
-//!  └──────────────────────────────┘
+//!  │  └─ vh1 ─────────── veth ────┼─────── hna-<id>-h1 (LAN host, optional):
+//!  └──────────────────────────────┘        eth0 10.77.0.200/24, no agent
 //! ```
+//!
+//! LAN hosts ([`Rig::add_lan_host`]) are other machines on the LAN for TCP
+//! clients and probers: static addresses from 10.77.0.200, outside the
+//! DHCP range. With an API server, the controller's credentials
+//! authenticate as the ServiceAccount of `packaging/kubernetes/`
+//! ([`apiserver::CONTROLLER_USER`]), and [`manifests`] applies those
+//! manifests.
 //!
 //! Prerequisites ([`RigOptions::prerequisites`]; `sudo tests/rig/prereqs.sh`
 //! installs them): root, iproute2, dnsmasq (`/usr/sbin/dnsmasq`), and for
@@ -24,10 +32,12 @@
 
 pub mod apiserver;
 pub mod forward;
+pub mod manifests;
 pub mod process;
 
 use std::ffi::OsStr;
 use std::fs;
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -54,6 +64,24 @@ pub const LAN_ADDR: &str = "10.77.0.1";
 pub const DHCP_FIRST: &str = "10.77.0.100";
 /// Last address dnsmasq hands out.
 pub const DHCP_LAST: &str = "10.77.0.199";
+/// First static address of a LAN host ([`Rig::add_lan_host`]), above the
+/// DHCP range; the n-th host gets `.200 + n`.
+pub const LAN_HOST_FIRST: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 200);
+/// How many LAN hosts fit (10.77.0.200–10.77.0.254).
+pub const MAX_LAN_HOSTS: usize = 55;
+
+/// A namespace on the LAN that is not a guest: a static address on its
+/// `eth0`, no agent, no API server forwarding. For TCP clients and probers
+/// that must reach a Service address from another machine on the LAN.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LanHost {
+    /// The label given to [`Rig::add_lan_host`], for messages.
+    pub name: String,
+    /// Its network namespace (`hna-<id>-h<n>`).
+    pub ns: String,
+    /// Its address on `eth0` (a /24 in [`SUBNET`]).
+    pub addr: Ipv4Addr,
+}
 
 /// Runs `f` on a new thread that has entered network namespace `ns`, with
 /// its own single-threaded runtime (setns changes only that thread).
@@ -130,6 +158,7 @@ pub struct Rig {
     lan_ns: String,
     guests: Vec<String>,
     node_names: Vec<String>,
+    lan_hosts: Vec<LanHost>,
     /// Every namespace created so far, deleted on teardown.
     namespaces: Vec<String>,
     dir: PathBuf,
@@ -305,6 +334,7 @@ impl Rig {
                 .collect(),
             id,
             node_names,
+            lan_hosts: Vec::new(),
             namespaces: Vec::new(),
             dir,
             keep,
@@ -371,17 +401,69 @@ impl Rig {
         for (i, g) in self.guests.clone().iter().enumerate() {
             self.add_netns(g)?;
             let peer = format!("vg{}", i + 1);
-            // Both ends are created directly in their namespaces: nothing
-            // ever appears in (or can clash with) the root namespace.
-            ip(&[
-                "link", "add", &peer, "netns", &lan, "type", "veth", "peer", "name", "eth0",
-                "netns", g,
-            ])?;
-            ip(&["-n", &lan, "link", "set", &peer, "master", "br0"])?;
-            ip(&["-n", &lan, "link", "set", &peer, "up"])?;
-            ip(&["-n", g, "link", "set", "eth0", "up"])?;
+            self.attach_to_bridge(g, &peer)?;
         }
         Ok(())
+    }
+
+    /// Creates veth `eth0` in `ns` whose peer `peer` (in the LAN namespace)
+    /// is a port of `br0`, both up. Both ends are created directly in their
+    /// namespaces: nothing ever appears in (or can clash with) the root
+    /// namespace.
+    fn attach_to_bridge(&self, ns: &str, peer: &str) -> Result<()> {
+        let lan = &self.lan_ns;
+        let ip = |args: &[&str]| run_args("ip", args).map(|_| ());
+        ip(&[
+            "link", "add", peer, "netns", lan, "type", "veth", "peer", "name", "eth0", "netns", ns,
+        ])?;
+        ip(&["-n", lan, "link", "set", peer, "master", "br0"])?;
+        ip(&["-n", lan, "link", "set", peer, "up"])?;
+        ip(&["-n", ns, "link", "set", "eth0", "up"])?;
+        Ok(())
+    }
+
+    /// Adds a host on the LAN that is neither a guest nor the DHCP server:
+    /// namespace `hna-<id>-h<n>` with `lo` up and `eth0` (peer `vh<n>` on
+    /// `br0`) holding the static address `10.77.0.(200+n-1)/24`, outside
+    /// the DHCP range. No agent runs there and it has no route to the API
+    /// server. `name` only labels it. Torn down with the rig.
+    pub fn add_lan_host(&mut self, name: &str) -> Result<LanHost> {
+        let n = self.lan_hosts.len() + 1;
+        if n > MAX_LAN_HOSTS {
+            bail!("rig: no address left for LAN host {name:?} ({MAX_LAN_HOSTS} at most)");
+        }
+        let addr = Ipv4Addr::from(u32::from(LAN_HOST_FIRST) + (n as u32 - 1));
+        let ns = format!("hna-{}-h{n}", self.id);
+        let mut setup = || -> Result<()> {
+            self.add_netns(&ns)?;
+            self.attach_to_bridge(&ns, &format!("vh{n}"))?;
+            run_args(
+                "ip",
+                [
+                    "-n",
+                    &ns,
+                    "addr",
+                    "add",
+                    &format!("{addr}/24"),
+                    "dev",
+                    "eth0",
+                ],
+            )?;
+            Ok(())
+        };
+        setup().with_context(|| format!("add LAN host {name:?} ({ns}, {addr})"))?;
+        let host = LanHost {
+            name: name.to_string(),
+            ns,
+            addr,
+        };
+        self.lan_hosts.push(host.clone());
+        Ok(host)
+    }
+
+    /// The hosts added with [`Rig::add_lan_host`], in order.
+    pub fn lan_hosts(&self) -> &[LanHost] {
+        &self.lan_hosts
     }
 
     fn start_dnsmasq(&mut self, extra: &[String]) -> Result<()> {

@@ -1,0 +1,747 @@
+//! `packaging/kubernetes/` against a real API server (the rig's): the
+//! manifests apply (dry run, then for real), the LoadBalancerNode schema
+//! round-trips `contract::node_object`'s types, and the RBAC holds: the
+//! controller (authenticated as the manifests' ServiceAccount) can do what
+//! the design needs, including granting each node its own object, and a
+//! node can read its object and write its status but nothing else.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use futures::{StreamExt, TryStreamExt};
+use harvester_node_agent::contract::{self, node_object};
+use hna_testkit::rig::apiserver::on_runtime;
+use hna_testkit::rig::manifests::{self, Manifest, Mode};
+use hna_testkit::rig::{self, ApiServer, Rig, RigOptions};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Secret, Service};
+use k8s_openapi::api::rbac::v1::{ClusterRole, Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{
+    Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams, WatchEvent,
+    WatchParams,
+};
+use serde_json::json;
+
+use crate::harness::tests;
+
+tests! {
+    apply_and_schema_roundtrip: Root, Iproute2, ApiServer;
+    rbac_controller_and_nodes: Root, Iproute2, ApiServer;
+}
+
+const NS: &str = contract::DEFAULT_NAMESPACE;
+const CRD: &str = "loadbalancernodes.lb.harvester-node-agent.io";
+const NODES: [&str; 2] = ["node-1", "node-2"];
+
+fn manifests_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes")
+}
+
+fn start_rig() -> Result<Rig> {
+    Rig::start(RigOptions {
+        guests: 2,
+        dhcp: false,
+        apiserver: true,
+        node_names: NODES.map(String::from).to_vec(),
+        ..Default::default()
+    })
+}
+
+/// The manifests as this server takes them. They ship the
+/// PodDisruptionBudget as policy/v1 (served from 1.21); on an older server
+/// (the rig's 1.20) the same object is applied as policy/v1beta1, as
+/// pdb.yaml documents. Anything else is applied exactly as written.
+fn manifests_for(api: &ApiServer) -> Result<Vec<Manifest>> {
+    let mut all = manifests::load_kustomization(&manifests_dir())?;
+    let pdbs: Vec<_> = all
+        .iter()
+        .filter(|m| m.kind() == "PodDisruptionBudget")
+        .map(|m| m.object.types.clone().map(|t| t.api_version))
+        .collect();
+    ensure!(
+        pdbs == [Some("policy/v1".to_string())],
+        "expected one policy/v1 PodDisruptionBudget, found {pdbs:?}"
+    );
+    let old_server = manifests::minor_version(api.version())? < 21;
+    let rewritten = manifests::adapt_to_server(&mut all, manifests::minor_version(api.version())?);
+    ensure!(
+        rewritten == usize::from(old_server),
+        "{rewritten} objects rewritten for {}",
+        api.version()
+    );
+    Ok(all)
+}
+
+/// `r` failed with HTTP status `code`.
+fn expect_code<T: std::fmt::Debug>(
+    r: std::result::Result<T, kube::Error>,
+    code: u16,
+    what: &str,
+) -> Result<()> {
+    match r {
+        Err(kube::Error::Api(s)) if s.code == code => Ok(()),
+        other => bail!("{what}: expected HTTP {code}, got {other:?}"),
+    }
+}
+
+fn lbn_api(client: &kube::Client) -> Api<node_object::LoadBalancerNode> {
+    Api::namespaced_with(client.clone(), NS, &node_object::api_resource())
+}
+
+fn full_spec() -> node_object::Spec {
+    node_object::Spec {
+        assignments: vec![
+            node_object::Assignment {
+                service: "default/web".into(),
+                uid: "3f2a9c1e-0000-4000-8000-000000000001".into(),
+                interface: "hlb-3f2a9c1e".into(),
+                mac: "02:11:22:33:44:55".into(),
+                client_id: "00686e612f33663261396331".into(),
+                hostname: Some("web-lb".into()),
+                requested_ip: Some("10.77.0.150".into()),
+                uplink: Some("eth1".into()),
+                release: true,
+            },
+            // Only the required fields: the optional ones stay absent.
+            node_object::Assignment {
+                service: "default/db".into(),
+                uid: "8b1d0c2e-0000-4000-8000-000000000002".into(),
+                interface: "hlb-8b1d0c2e".into(),
+                mac: "02:aa:bb:cc:dd:ee".into(),
+                client_id: "00686e612f3862".into(),
+                ..Default::default()
+            },
+        ],
+    }
+}
+
+fn full_status() -> node_object::Status {
+    node_object::Status {
+        heartbeat: Some("2026-11-22T17:00:00Z".into()),
+        ready: true,
+        reason: "Ready".into(),
+        macvlan_ready: true,
+        default_uplink: Some("eth0".into()),
+        held: 1,
+        addresses: "10.77.0.150 (default/web)".into(),
+        leases: vec![
+            node_object::LeaseReport {
+                service: "default/web".into(),
+                interface: "hlb-3f2a9c1e".into(),
+                state: "BOUND".into(),
+                address: Some("10.77.0.150".into()),
+                server: Some("10.77.0.1".into()),
+                expires: Some("2026-11-22T18:00:00Z".into()),
+                mac: "02:11:22:33:44:55".into(),
+                message: Some("renewed".into()),
+            },
+            node_object::LeaseReport {
+                service: "default/db".into(),
+                interface: "hlb-8b1d0c2e".into(),
+                state: "FAILED".into(),
+                mac: "02:aa:bb:cc:dd:ee".into(),
+                message: Some("no macvlan on eth1".into()),
+                ..Default::default()
+            },
+        ],
+        agent_version: "0.1.0".into(),
+    }
+}
+
+fn new_lbn(node: &str, spec: node_object::Spec) -> node_object::LoadBalancerNode {
+    let mut obj = node_object::LoadBalancerNode::new(node, &node_object::api_resource(), spec);
+    obj.metadata.namespace = Some(NS.into());
+    obj
+}
+
+/// A LoadBalancer Service `web` in `default` (as admin).
+async fn create_service(admin: &kube::Client) -> Result<()> {
+    let svc: Service = serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": { "name": "web", "namespace": "default" },
+        "spec": { "type": "LoadBalancer", "ports": [{ "port": 80, "protocol": "TCP" }] }
+    }))?;
+    Api::<Service>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &svc)
+        .await?;
+    Ok(())
+}
+
+fn ingress_status() -> serde_json::Value {
+    json!({ "status": { "loadBalancer": { "ingress": [
+        { "ip": "10.77.0.150", "ports": [{ "port": 80, "protocol": "TCP" }] }
+    ] } } })
+}
+
+fn apply_and_schema_roundtrip() -> Result<()> {
+    let rig = start_rig()?;
+    let api = rig.apiserver().expect("started with apiserver");
+    let all = manifests_for(api)?;
+    on_runtime(|| async {
+        let admin = rig::kube_client(api.admin_kubeconfig()).await?;
+
+        // Dry run. A server-side dry run of an object in a namespace that
+        // does not exist yet is refused (NamespaceLifecycle), as with
+        // `kubectl apply --dry-run=server`: the namespace goes first, for
+        // real, then every object (the namespace too) is dry-run.
+        ensure!(all[0].kind() == "Namespace" && all[0].name() == NS);
+        manifests::apply(&admin, &all[..1], Mode::Apply).await?;
+        let answers = manifests::apply(&admin, &all, Mode::DryRun).await?;
+        ensure!(answers.len() == all.len());
+        for (m, a) in all.iter().zip(&answers) {
+            ensure!(
+                a.metadata.name.as_deref() == Some(m.name()),
+                "dry run of {} answered {:?}",
+                m.describe(),
+                a.metadata.name
+            );
+        }
+        // ... and stored nothing.
+        let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+        expect_code(crds.get(CRD).await, 404, "CRD after dry run")?;
+        let roles: Api<ClusterRole> = Api::all(admin.clone());
+        expect_code(
+            roles.get("harvester-node-agent-controller").await,
+            404,
+            "ClusterRole after dry run",
+        )?;
+
+        // For real, in order; the CRD Established before the rest.
+        manifests::apply(&admin, &all, Mode::Apply).await?;
+        let crd = crds.get(CRD).await?;
+        let established = crd
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        ensure!(established, "CRD not Established after apply");
+        for m in &all {
+            let gvk = m.gvk()?;
+            let (ar, caps) = kube::discovery::pinned_kind(&admin, &gvk).await?;
+            let dyn_api: Api<DynamicObject> = match caps.scope {
+                kube::discovery::Scope::Cluster => Api::all_with(admin.clone(), &ar),
+                kube::discovery::Scope::Namespaced => Api::namespaced_with(admin.clone(), NS, &ar),
+            };
+            dyn_api
+                .get(m.name())
+                .await
+                .with_context(|| format!("{} after apply", m.describe()))?;
+        }
+        // Applying again changes nothing and fails nothing.
+        manifests::apply(&admin, &all, Mode::Apply).await?;
+
+        // A full object round-trips through the schema: a field the schema
+        // names differently from the Rust types would be pruned and come
+        // back missing.
+        let lbns = lbn_api(&admin);
+        let created = lbns
+            .create(&PostParams::default(), &new_lbn("node-1", full_spec()))
+            .await?;
+        ensure!(
+            created.status.is_none(),
+            "status set on create: {:?}",
+            created.status
+        );
+        let mut with_status = created.clone();
+        with_status.status = Some(full_status());
+        lbns.replace_status("node-1", &PostParams::default(), &with_status)
+            .await?;
+        let back = lbns.get("node-1").await?;
+        ensure!(
+            back.spec == full_spec(),
+            "spec came back as {:?}",
+            back.spec
+        );
+        ensure!(
+            back.status == Some(full_status()),
+            "status came back as {:?}",
+            back.status
+        );
+        // The raw JSON too: every key present, nothing renamed by serde on
+        // the way in and out of the same type.
+        let raw: Api<DynamicObject> =
+            Api::namespaced_with(admin.clone(), NS, &node_object::api_resource());
+        let raw = raw.get("node-1").await?;
+        ensure!(
+            raw.data["spec"] == serde_json::to_value(full_spec())?,
+            "raw spec {}",
+            raw.data["spec"]
+        );
+        ensure!(
+            raw.data["status"] == serde_json::to_value(full_status())?,
+            "raw status {}",
+            raw.data["status"]
+        );
+
+        // The schema refuses what the types could not read back: an
+        // assignment without its required clientId.
+        let bad: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "lb.harvester-node-agent.io/v1alpha1",
+            "kind": "LoadBalancerNode",
+            "metadata": { "name": "bad", "namespace": NS },
+            "spec": { "assignments": [
+                { "service": "a/b", "uid": "u", "interface": "hlb-00000000", "mac": "02:00:00:00:00:01" }
+            ] }
+        }))?;
+        let raw_api: Api<DynamicObject> =
+            Api::namespaced_with(admin.clone(), NS, &node_object::api_resource());
+        expect_code(
+            raw_api.create(&PostParams::default(), &bad).await,
+            422,
+            "assignment without clientId",
+        )?;
+
+        // Printer columns, as the server renders them for `kubectl get lbn`.
+        let collection = format!(
+            "/apis/{}/{}/namespaces/{NS}/{}",
+            node_object::GROUP,
+            node_object::VERSION,
+            node_object::PLURAL
+        );
+        let table = get_table(&admin, &collection, "node-1").await?;
+        let columns: Vec<&str> = table["columnDefinitions"]
+            .as_array()
+            .context("no columnDefinitions")?
+            .iter()
+            .filter_map(|c| c["name"].as_str())
+            .collect();
+        ensure!(
+            columns
+                == [
+                    "Name",
+                    "Ready",
+                    "Reason",
+                    "Held",
+                    "Addresses",
+                    "Heartbeat",
+                    "Age"
+                ],
+            "columns {columns:?}"
+        );
+        let cells = &table["rows"][0]["cells"];
+        ensure!(
+            cells[0] == "node-1"
+                && cells[1] == true
+                && cells[2] == "Ready"
+                && cells[3] == 1
+                && cells[4] == "10.77.0.150 (default/web)",
+            "row {cells}"
+        );
+        // Date columns come back as ages; `<unknown>` would mean the path
+        // found nothing or no RFC 3339 date there.
+        for (i, column) in [(5, "Heartbeat"), (6, "Age")] {
+            ensure!(
+                cells[i]
+                    .as_str()
+                    .is_some_and(|age| !age.is_empty() && age != "<unknown>"),
+                "{column} column {}",
+                cells[i]
+            );
+        }
+
+        // The controller writes ports into the Service's ingress. 1.20 keeps
+        // them on a status write whatever MixedProtocolLBService says (the
+        // gate only strips them from writes of the Service itself, and only
+        // while the stored status has none: see the RBAC test).
+        create_service(&admin).await?;
+        let services: Api<Service> = Api::namespaced(admin.clone(), "default");
+        services
+            .patch_status(
+                "web",
+                &PatchParams::default(),
+                &Patch::Merge(ingress_status()),
+            )
+            .await?;
+        let svc = services.get("web").await?;
+        let ingress = svc
+            .status
+            .and_then(|s| s.load_balancer)
+            .and_then(|l| l.ingress)
+            .unwrap_or_default();
+        ensure!(
+            ingress.len() == 1
+                && ingress[0].ip.as_deref() == Some("10.77.0.150")
+                && ingress[0]
+                    .ports
+                    .as_ref()
+                    .is_some_and(|p| p.len() == 1 && p[0].port == 80),
+            "ingress came back as {ingress:?}"
+        );
+        Ok(())
+    })
+}
+
+/// GET `collection/name` as a server-side Table (what `kubectl get` shows).
+async fn get_table(
+    client: &kube::Client,
+    collection: &str,
+    name: &str,
+) -> Result<serde_json::Value> {
+    let mut req = kube::core::Request::new(collection).get(name, &Default::default())?;
+    req.headers_mut().insert(
+        "accept",
+        "application/json;as=Table;v=v1;g=meta.k8s.io".parse()?,
+    );
+    Ok(serde_json::from_str(&client.request_text(req).await?)?)
+}
+
+/// The per-node Role and RoleBinding, as the controller creates them.
+fn node_role(node: &str) -> Result<(Role, RoleBinding)> {
+    let name = node_object::role_name(node);
+    let role: Role = serde_json::from_value(json!({
+        "metadata": { "name": name, "namespace": NS },
+        "rules": [
+            { "apiGroups": [node_object::GROUP], "resources": [node_object::PLURAL],
+              "resourceNames": [node], "verbs": ["get", "list", "watch"] },
+            { "apiGroups": [node_object::GROUP], "resources": [format!("{}/status", node_object::PLURAL)],
+              "resourceNames": [node], "verbs": ["get", "update", "patch"] },
+        ]
+    }))?;
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": { "name": name, "namespace": NS },
+        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name },
+        "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": node_object::node_user(node) }]
+    }))?;
+    Ok((role, binding))
+}
+
+fn rbac_controller_and_nodes() -> Result<()> {
+    let rig = start_rig()?;
+    let api = rig.apiserver().expect("started with apiserver");
+    on_runtime(|| async {
+        let admin = rig::kube_client(api.admin_kubeconfig()).await?;
+        let ctrl = rig::kube_client(api.controller_kubeconfig()).await?;
+        // Before the manifests the controller may do nothing.
+        expect_code(
+            lbn_api(&ctrl).list(&ListParams::default()).await,
+            403,
+            "controller before the manifests",
+        )?;
+        // The one-call form other tests use.
+        manifests::apply_kustomization(&admin, &manifests_dir(), Mode::Apply).await?;
+        create_service(&admin).await?;
+
+        // The controller creates each node's object, Role and RoleBinding:
+        // the escalation check passes because its own Role holds every
+        // verb it grants.
+        let lbns = lbn_api(&ctrl);
+        let roles: Api<Role> = Api::namespaced(ctrl.clone(), NS);
+        let bindings: Api<RoleBinding> = Api::namespaced(ctrl.clone(), NS);
+        for node in NODES {
+            lbns.create(&PostParams::default(), &new_lbn(node, full_spec()))
+                .await
+                .with_context(|| format!("controller creates LoadBalancerNode {node}"))?;
+            let (role, binding) = node_role(node)?;
+            roles
+                .create(&PostParams::default(), &role)
+                .await
+                .with_context(|| format!("controller creates Role for {node}"))?;
+            bindings
+                .create(&PostParams::default(), &binding)
+                .await
+                .with_context(|| format!("controller creates RoleBinding for {node}"))?;
+        }
+        // ... but cannot grant what it does not hold (here: Secrets).
+        let mut greedy = node_role("node-1")?.0;
+        greedy.metadata.name = Some("greedy".into());
+        greedy
+            .rules
+            .get_or_insert_default()
+            .push(serde_json::from_value(
+                json!({ "apiGroups": [""], "resources": ["secrets"], "verbs": ["get"] }),
+            )?);
+        expect_code(
+            roles.create(&PostParams::default(), &greedy).await,
+            403,
+            "controller granting Secrets",
+        )?;
+
+        // What the controller's work needs.
+        let ctrl_services: Api<Service> = Api::namespaced(ctrl.clone(), "default");
+        ctrl_services.list(&ListParams::default()).await?;
+        ctrl_services
+            .patch_status(
+                "web",
+                &PatchParams::default(),
+                &Patch::Merge(ingress_status()),
+            )
+            .await
+            .context("controller patches Service status")?;
+        ctrl_services
+            .patch(
+                "web",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "metadata": {
+                    "finalizers": [contract::FINALIZER],
+                    "annotations": { "kube-vip.io/hwaddr": "02:11:22:33:44:55" }
+                } })),
+            )
+            .await
+            .context("controller patches Service metadata")?;
+        // 1.20 drops ingress ports on a write of the Service itself unless
+        // MixedProtocolLBService is on or the stored status already has
+        // ports; status first (as the controller does) keeps them.
+        let ingress = Api::<Service>::namespaced(admin.clone(), "default")
+            .get("web")
+            .await?
+            .status
+            .and_then(|s| s.load_balancer)
+            .and_then(|l| l.ingress)
+            .unwrap_or_default();
+        ensure!(
+            ingress.len() == 1 && ingress[0].ports.as_ref().is_some_and(|p| p.len() == 1),
+            "ingress after the metadata patch: {ingress:?}"
+        );
+        let core_event: k8s_openapi::api::core::v1::Event = serde_json::from_value(json!({
+            "metadata": { "name": "web.hna-1", "namespace": "default" },
+            "involvedObject": { "kind": "Service", "namespace": "default", "name": "web", "apiVersion": "v1" },
+            "reason": "AddressAssigned", "message": "10.77.0.150 on node-1", "type": "Normal",
+            "source": { "component": "harvester-node-agent-controller" }
+        }))?;
+        Api::<k8s_openapi::api::core::v1::Event>::namespaced(ctrl.clone(), "default")
+            .create(&PostParams::default(), &core_event)
+            .await
+            .context("controller creates a core/v1 Event")?;
+        let new_event: k8s_openapi::api::events::v1::Event = serde_json::from_value(json!({
+            "metadata": { "name": "web.hna-2", "namespace": "default" },
+            "eventTime": "2026-11-22T17:00:00.000000Z",
+            "regarding": { "kind": "Service", "namespace": "default", "name": "web", "apiVersion": "v1" },
+            "reason": "AddressAssigned", "note": "10.77.0.150 on node-1", "type": "Normal",
+            "action": "Assign", "reportingController": "harvester-node-agent.io/controller",
+            "reportingInstance": "controller-0"
+        }))?;
+        Api::<k8s_openapi::api::events::v1::Event>::namespaced(ctrl.clone(), "default")
+            .create(&PostParams::default(), &new_event)
+            .await
+            .context("controller creates an events.k8s.io/v1 Event")?;
+        let leases: Api<Lease> = Api::namespaced(ctrl.clone(), NS);
+        let lease: Lease = serde_json::from_value(json!({
+            "metadata": { "name": contract::CONTROLLER_LEASE, "namespace": NS },
+            "spec": { "holderIdentity": "controller-0", "leaseDurationSeconds": 15 }
+        }))?;
+        leases.create(&PostParams::default(), &lease).await?;
+        leases
+            .patch(
+                contract::CONTROLLER_LEASE,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": { "holderIdentity": "controller-1" } })),
+            )
+            .await
+            .context("controller renews its Lease")?;
+        Api::<Node>::all(ctrl.clone())
+            .list(&ListParams::default())
+            .await
+            .context("controller lists Nodes")?;
+        Api::<k8s_openapi::api::core::v1::Endpoints>::all(ctrl.clone())
+            .list(&ListParams::default())
+            .await
+            .context("controller lists Endpoints")?;
+
+        // What an admin may do and the controller may not.
+        let node: Node = serde_json::from_value(json!({ "metadata": { "name": "node-1" } }))?;
+        Api::<Node>::all(admin.clone())
+            .create(&PostParams::default(), &node)
+            .await?;
+        expect_code(
+            Api::<Node>::all(ctrl.clone())
+                .delete("node-1", &DeleteParams::default())
+                .await,
+            403,
+            "controller deletes a Node",
+        )?;
+        expect_code(
+            Api::<Secret>::namespaced(ctrl.clone(), NS)
+                .list(&ListParams::default())
+                .await,
+            403,
+            "controller lists Secrets",
+        )?;
+        expect_code(
+            Api::<Lease>::namespaced(ctrl.clone(), "kube-system")
+                .create(&PostParams::default(), &{
+                    let mut l = lease.clone();
+                    l.metadata.namespace = Some("kube-system".into());
+                    l
+                })
+                .await,
+            403,
+            "controller creates a Lease outside its namespace",
+        )?;
+        expect_code(
+            ctrl_services.delete("web", &DeleteParams::default()).await,
+            403,
+            "controller deletes a Service",
+        )?;
+
+        // node-1 with its kubelet-like credentials.
+        let n1 = rig::kube_client(api.node_kubeconfig("node-1")).await?;
+        let own = lbn_api(&n1);
+        let obj = own.get("node-1").await.context("node-1 gets its object")?;
+        ensure!(obj.spec == full_spec());
+        let by_name = ListParams::default().fields("metadata.name=node-1");
+        let listed = own
+            .list(&by_name)
+            .await
+            .context("node-1 lists its object by metadata.name")?;
+        ensure!(
+            listed.items.len() == 1 && listed.items[0].metadata.name.as_deref() == Some("node-1"),
+            "list by name: {:?}",
+            listed
+                .items
+                .iter()
+                .map(|o| &o.metadata.name)
+                .collect::<Vec<_>>()
+        );
+        expect_code(
+            own.list(&ListParams::default()).await,
+            403,
+            "node-1 lists all objects",
+        )?;
+        expect_code(
+            own.list(&ListParams::default().fields("metadata.name=node-2"))
+                .await,
+            403,
+            "node-1 lists node-2's object by name",
+        )?;
+        // Watch by name: opened, and an event arrives when the controller
+        // changes the spec.
+        let rv = listed
+            .metadata
+            .resource_version
+            .clone()
+            .context("list without resourceVersion")?;
+        let watch = WatchParams::default().fields("metadata.name=node-1");
+        let mut events = own
+            .watch(&watch, &rv)
+            .await
+            .context("node-1 watches its object by metadata.name")?
+            .boxed();
+        expect_code(
+            own.watch(&WatchParams::default(), &rv).await.map(|_| ()),
+            403,
+            "node-1 watches all objects",
+        )?;
+        lbns.patch(
+            "node-1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "assignments": [] } })),
+        )
+        .await
+        .context("controller empties node-1's assignments")?;
+        let event = tokio::time::timeout(Duration::from_secs(20), events.try_next())
+            .await
+            .context("no watch event within 20 s")??;
+        match event {
+            Some(WatchEvent::Modified(o)) => ensure!(
+                o.metadata.name.as_deref() == Some("node-1") && o.spec.assignments.is_empty(),
+                "modified event {o:?}"
+            ),
+            other => bail!("node-1's watch: expected Modified, got {other:?}"),
+        }
+
+        // Its own status: patch and update.
+        let status_patch = json!({ "status": { "heartbeat": "2026-11-22T17:00:05Z", "ready": true, "reason": "Ready" } });
+        own.patch_status(
+            "node-1",
+            &PatchParams::default(),
+            &Patch::Merge(&status_patch),
+        )
+        .await
+        .context("node-1 patches its status")?;
+        let mut current = own.get_status("node-1").await?;
+        ensure!(
+            current.status.as_ref().and_then(|s| s.heartbeat.as_deref())
+                == Some("2026-11-22T17:00:05Z"),
+            "status after patch: {:?}",
+            current.status
+        );
+        current.status = Some(full_status());
+        own.replace_status("node-1", &PostParams::default(), &current)
+            .await
+            .context("node-1 updates (PUT) its status")?;
+
+        // Nothing else.
+        expect_code(
+            own.patch(
+                "node-1",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": { "assignments": [] } })),
+            )
+            .await,
+            403,
+            "node-1 patches its spec",
+        )?;
+        expect_code(own.get("node-2").await, 403, "node-1 gets node-2's object")?;
+        expect_code(
+            own.get_status("node-2").await,
+            403,
+            "node-1 gets node-2's status",
+        )?;
+        expect_code(
+            own.patch_status(
+                "node-2",
+                &PatchParams::default(),
+                &Patch::Merge(&status_patch),
+            )
+            .await,
+            403,
+            "node-1 patches node-2's status",
+        )?;
+        expect_code(
+            own.create(
+                &PostParams::default(),
+                &new_lbn("node-1b", Default::default()),
+            )
+            .await,
+            403,
+            "node-1 creates a LoadBalancerNode",
+        )?;
+        expect_code(
+            own.delete("node-1", &DeleteParams::default()).await,
+            403,
+            "node-1 deletes its object",
+        )?;
+        expect_code(
+            Api::<Service>::namespaced(n1.clone(), "default")
+                .patch_status(
+                    "web",
+                    &PatchParams::default(),
+                    &Patch::Merge(ingress_status()),
+                )
+                .await,
+            403,
+            "node-1 patches a Service's status",
+        )?;
+        expect_code(
+            Api::<Role>::namespaced(n1.clone(), NS)
+                .get(&node_object::role_name("node-1"))
+                .await,
+            403,
+            "node-1 reads its Role",
+        )?;
+
+        // node-2's Role works for node-2 (not only for node-1).
+        let n2 = rig::kube_client(api.node_kubeconfig("node-2")).await?;
+        lbn_api(&n2)
+            .patch_status(
+                "node-2",
+                &PatchParams::default(),
+                &Patch::Merge(&status_patch),
+            )
+            .await
+            .context("node-2 patches its status")?;
+        expect_code(
+            lbn_api(&n2).get("node-1").await,
+            403,
+            "node-2 gets node-1's object",
+        )?;
+        // The spec the controller wrote is untouched by all of the above.
+        let spec = lbns.get("node-2").await?.spec;
+        ensure!(spec == full_spec(), "node-2's spec changed: {spec:?}");
+        Ok(())
+    })
+}
