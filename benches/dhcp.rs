@@ -289,6 +289,7 @@ impl Bench {
                     interface: name.clone(),
                     parent: "eth0".into(),
                     identity: Identity::new(*mac),
+                    requested_ip: None,
                     timing: Timing {
                         arp_probe: arp,
                         ..Timing::default()

@@ -155,6 +155,30 @@ pub const KEYS: &[KeySpec] = &[
         doc: "Address and port of the HTTP endpoint serving Prometheus `/metrics` (DHCP leases, macvlan, qemu-guest-agent, cluster) and `/healthz`, such as `127.0.0.1:9477`. Off when unset or empty. A non-loopback address exposes it to the network: restrict it with a firewall.",
         kind: Kind::Text,
     },
+    KeySpec {
+        name: "namespace",
+        env: "HNA_NAMESPACE",
+        flag: "--namespace",
+        default: crate::contract::DEFAULT_NAMESPACE,
+        doc: "Namespace of the controller and of this node's LoadBalancerNode object (the LoadBalancer addresses assigned to this node). Must match the controller's.",
+        kind: Kind::Text,
+    },
+    KeySpec {
+        name: "lb_heartbeat",
+        env: "HNA_LB_HEARTBEAT",
+        flag: "--lb-heartbeat",
+        default: "5s",
+        doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status. The controller counts a node whose heartbeat has not changed for 20s as dead, so between 1s and 10s.",
+        kind: Kind::Duration,
+    },
+    KeySpec {
+        name: "uplink",
+        env: "HNA_UPLINK",
+        flag: "--uplink",
+        default: "(default route)",
+        doc: "Interface the LoadBalancer macvlans sit on when a Service names none (kube-vip.io/serviceInterface). Default: the interface of the IPv4 default route, looked at again on every change.",
+        kind: Kind::Text,
+    },
 ];
 
 pub fn key_spec(name: &str) -> Option<&'static KeySpec> {
@@ -190,6 +214,12 @@ pub struct Config {
     pub topology_labels: Vec<String>,
     /// Where `/metrics` and `/healthz` are served; `None` is off.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Namespace of this node's `LoadBalancerNode` object.
+    pub namespace: String,
+    /// How often the LoadBalancerNode status heartbeat is rewritten.
+    pub lb_heartbeat: Duration,
+    /// The LoadBalancer uplink; `None` follows the default route.
+    pub uplink: Option<String>,
 }
 
 /// Where a configuration value came from, for error messages.
@@ -357,6 +387,9 @@ pub fn resolve(
             .map(|k| k.to_string())
             .collect(),
         metrics_listen: None,
+        namespace: crate::contract::DEFAULT_NAMESPACE.to_string(),
+        lb_heartbeat: Duration::from_secs(5),
+        uplink: None,
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -441,6 +474,23 @@ pub fn resolve(
                 cfg.topology_labels = items;
             }
             "metrics_listen" => cfg.metrics_listen = listen_address(&text(raw)).map_err(fail)?,
+            "namespace" => {
+                let v = text(raw).trim().to_string();
+                validate_namespace(&v).map_err(fail)?;
+                cfg.namespace = v;
+            }
+            "lb_heartbeat" => {
+                cfg.lb_heartbeat = duration_between(&text(raw), 1, 10).map_err(fail)?
+            }
+            "uplink" => {
+                let v = text(raw).trim().to_string();
+                cfg.uplink = if v.is_empty() {
+                    None
+                } else {
+                    validate_interface_name(&v).map_err(fail)?;
+                    Some(v)
+                };
+            }
             _ => unreachable!("every key in KEYS is handled"),
         }
     }
@@ -622,6 +672,34 @@ pub fn validate_log_level(v: &str) -> Result<(), String> {
 }
 
 /// Node names are DNS-1123 subdomains.
+/// A namespace name is a DNS-1123 label.
+fn validate_namespace(v: &str) -> Result<(), String> {
+    if is_dns_subdomain(v) && v.len() <= 63 && !v.contains('.') {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{v}` is not a namespace name (at most 63 of a-z, 0-9 and '-', starting and ending with a letter or digit)"
+        ))
+    }
+}
+
+/// What the kernel accepts as an interface name (`dev_valid_name`).
+fn validate_interface_name(v: &str) -> Result<(), String> {
+    let ok = v.len() < 16
+        && v != "."
+        && v != ".."
+        && !v
+            .bytes()
+            .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace());
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{v}` is not an interface name (1 to 15 bytes, no '/', ':' or spaces)"
+        ))
+    }
+}
+
 fn validate_node_name(v: &str) -> Result<(), String> {
     if v.is_empty() {
         // Empty means "use the hostname".
@@ -880,6 +958,30 @@ mod tests {
             ("topology_labels = \"x\"", "topology_labels"),
             ("vm_name = \"Bad_Name\"", "vm_name"),
             ("cloud_config = \"rel\"", "cloud_config"),
+        ] {
+            assert_eq!(resolve_file(text).unwrap_err().key(), Some(key), "{text}");
+        }
+    }
+
+    #[test]
+    fn load_balancer_keys_have_defaults_and_are_validated() {
+        let cfg = resolve(None, &|_| None, &FlagValues::default(), &|| "n".into()).unwrap();
+        assert_eq!(cfg.namespace, "harvester-node-agent");
+        assert_eq!(cfg.lb_heartbeat, Duration::from_secs(5));
+        assert_eq!(cfg.uplink, None);
+        let cfg =
+            resolve_file("namespace = \"lb\"\nlb_heartbeat = 2\nuplink = \"eth1\"\n").unwrap();
+        assert_eq!(cfg.namespace, "lb");
+        assert_eq!(cfg.lb_heartbeat, Duration::from_secs(2));
+        assert_eq!(cfg.uplink.as_deref(), Some("eth1"));
+        assert_eq!(resolve_file("uplink = \"\"").unwrap().uplink, None);
+        for (text, key) in [
+            ("namespace = \"Not_A_Namespace\"", "namespace"),
+            ("namespace = \"a.b\"", "namespace"),
+            ("lb_heartbeat = \"20s\"", "lb_heartbeat"),
+            ("lb_heartbeat = \"500ms\"", "lb_heartbeat"),
+            ("uplink = \"a-name-too-long-for-linux\"", "uplink"),
+            ("uplink = \"eth0/x\"", "uplink"),
         ] {
             assert_eq!(resolve_file(text).unwrap_err().key(), Some(key), "{text}");
         }

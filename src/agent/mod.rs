@@ -11,10 +11,13 @@
 //! - the credentials watcher ([`crate::cluster::connection`]);
 //! - the topology relay ([`crate::topology`]);
 //! - [`conditions`]: this node's Node conditions;
+//! - [`lb`]: the LoadBalancer addresses this node's `LoadBalancerNode`
+//!   assigns, held through the DHCP engine, and that object's status;
 //! - [`publish`]: the `STATUS=` line;
 //! - the control socket and the optional metrics endpoint.
 
 mod conditions;
+pub mod lb;
 mod macvlan;
 mod publish;
 pub mod status;
@@ -36,7 +39,7 @@ use crate::guest::{self, GuestAgentState};
 use crate::kmod::MacvlanState;
 use crate::node_status::Reported;
 use crate::systemd::{self, Liveness, Notifier};
-use status::{AgentStatus, StateDirStatus};
+use status::{AgentStatus, LbStatus, StateDirStatus};
 
 /// How long the work before `READY=1` may take: the macvlan preflight and
 /// the first qemu-guest-agent assessment, which run side by side. What is
@@ -99,6 +102,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     let (conditions_tx, conditions_rx) = watch::channel(Reported::NotConnected);
     let (topology_tx, topology_rx) = watch::channel(topology_cfg.initial_state());
     let (recheck_tx, recheck_rx) = mpsc::channel::<()>(1);
+    let (lb_tx, lb_rx) = watch::channel(LbStatus::default());
     let snapshot = Snapshot {
         node: cfg.node_name.clone(),
         started,
@@ -114,6 +118,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         guest: guest_rx.clone(),
         topology: topology_rx.clone(),
         conditions: conditions_rx,
+        lb: lb_rx,
     };
 
     let mut tasks = tokio::task::JoinSet::new();
@@ -154,6 +159,15 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         topology_tx,
         shutdown_rx.clone(),
     ));
+    spawn_lb(
+        &mut tasks,
+        &ctx,
+        &cfg,
+        start.engine.clone(),
+        client_rx.clone(),
+        macvlan_rx.clone(),
+        lb_tx,
+    );
     tasks.spawn(conditions::report(
         ctx.clone(),
         cfg.credentials_retry,
@@ -340,6 +354,7 @@ struct Snapshot {
     guest: watch::Receiver<GuestAgentState>,
     topology: watch::Receiver<crate::topology::TopologyState>,
     conditions: watch::Receiver<Reported>,
+    lb: watch::Receiver<LbStatus>,
 }
 
 impl Snapshot {
@@ -348,6 +363,7 @@ impl Snapshot {
         let macvlan = self.macvlan.borrow().clone();
         let guest_agent = self.guest.borrow().clone();
         let topology = self.topology.borrow().clone();
+        let lb = self.lb.borrow().clone();
         AgentStatus {
             version: env!("CARGO_PKG_VERSION").to_string(),
             pid: std::process::id(),
@@ -355,7 +371,7 @@ impl Snapshot {
             started_at: humantime::format_rfc3339_seconds(self.started).to_string(),
             uptime_seconds: self.started.elapsed().map(|d| d.as_secs()).unwrap_or(0),
             summary: format!(
-                "{}; topology {}",
+                "{}; {}; topology {}",
                 status::summary(
                     &self.node,
                     &self.state_dir,
@@ -363,6 +379,7 @@ impl Snapshot {
                     &macvlan,
                     &guest_agent
                 ),
+                lb.short(),
                 topology.short()
             ),
             state_dir: self.state_dir.clone(),
@@ -375,6 +392,7 @@ impl Snapshot {
                 leases: self.engine.snapshot(),
                 ..self.dhcp_at_start.clone()
             },
+            lb,
         }
     }
 }
@@ -396,9 +414,65 @@ async fn within<T>(
     }
 }
 
-/// The DHCP engine that will hold this node's LoadBalancer addresses.
-/// Macvlans a crashed run left behind go first: the controller may have
-/// moved their addresses to another node meanwhile.
+/// The LoadBalancer task and the watch of this node's object it reads.
+fn spawn_lb(
+    tasks: &mut tokio::task::JoinSet<()>,
+    ctx: &Context,
+    cfg: &Config,
+    engine: Arc<crate::dhcp::engine::Engine>,
+    client: watch::Receiver<Option<kube::Client>>,
+    macvlan: watch::Receiver<MacvlanState>,
+    out: watch::Sender<LbStatus>,
+) {
+    let (tx, rx) = mpsc::channel(16);
+    tasks.spawn(lb::follow(
+        client.clone(),
+        cfg.namespace.clone(),
+        cfg.node_name.clone(),
+        tx,
+    ));
+    let uplink = cfg.uplink.clone();
+    let node = move || {
+        let m = macvlan.borrow();
+        lb::NodeView {
+            macvlan_ready: m.ready,
+            macvlan_reason: m.short(),
+            default_uplink: uplink.clone().or_else(|| {
+                std::fs::read_to_string("/proc/net/route")
+                    .ok()
+                    .and_then(|t| crate::dhcp::link::default_route_interface(&t))
+            }),
+        }
+    };
+    let settings = lb::LbSettings {
+        object: format!("{}/{}", cfg.namespace, cfg.node_name),
+        heartbeat: cfg.lb_heartbeat,
+        adoption_wait: lb::ADOPTION_WAIT,
+        settle: lb::SETTLE,
+        leases: crate::lb::apply::Settings::default(),
+    };
+    let writer = lb::KubeStatus {
+        client,
+        namespace: cfg.namespace.clone(),
+        node: cfg.node_name.clone(),
+    };
+    tasks.spawn(lb::run_loop(
+        engine,
+        writer,
+        settings,
+        node,
+        rx,
+        out,
+        ctx.liveness.register("loadbalancer"),
+        ctx.beat_every,
+        ctx.shutdown.clone(),
+    ));
+}
+
+/// The DHCP engine that will hold this node's LoadBalancer addresses. The
+/// macvlans an earlier run left stay for now: the LoadBalancer task adopts
+/// the assigned ones and removes the rest once it has read the assignments
+/// (see `agent::lb`).
 async fn start_dhcp(
     cfg: &Config,
     metrics: Option<&tokio::net::TcpListener>,
@@ -407,25 +481,16 @@ async fn start_dhcp(
         .context("opening the DHCP lease directory")?;
     let engine = Arc::new(
         crate::dhcp::engine::Engine::new(Some(store))
-            .context("connecting to rtnetlink for the DHCP engine")?,
+            .context("connecting to rtnetlink for the DHCP engine")?
+            .tuning_ipv4(),
     );
-    let (removed_at_start, sweep_problems) = engine.remove_leftovers().await;
-    if !removed_at_start.is_empty() {
-        tracing::warn!(
-            links = ?removed_at_start,
-            "removed macvlans an earlier run left behind (not released; lease files kept)"
-        );
-    }
-    for problem in &sweep_problems {
-        tracing::warn!(%problem, "could not check a stored DHCP lease for a left-behind macvlan");
-    }
     // What start-up decided; each snapshot adds the live lease table.
     let at_start = status::DhcpStatus {
         metrics_url: metrics
             .and_then(|l| l.local_addr().ok())
             .map(|a| format!("http://{a}/metrics")),
-        removed_at_start,
-        sweep_problems,
+        removed_at_start: Vec::new(),
+        sweep_problems: Vec::new(),
         leases: Vec::new(),
     };
     Ok((engine, at_start))

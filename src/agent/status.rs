@@ -33,6 +33,38 @@ pub struct DhcpStatus {
     pub leases: Vec<LeaseStatus>,
 }
 
+/// The LoadBalancer task's part of the daemon: the node's object as read,
+/// and the status as last reported (see `agent::lb`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct LbStatus {
+    /// `namespace/node` of this node's `LoadBalancerNode`.
+    pub object: String,
+    /// How reading the object goes (`watching`, or why not).
+    pub read: String,
+    /// Whether the start-up adoption is done.
+    pub adopted: bool,
+    /// Links an earlier run left that no assignment wanted, removed at
+    /// start-up without releasing.
+    pub removed_at_start: Vec<String>,
+    /// Assignments to hold (not being released).
+    pub wanted: u32,
+    /// Why the last status write failed, while it does.
+    pub write_error: Option<String>,
+    /// What is reported (heartbeat aside): `held`, `addresses`, `leases`.
+    pub status: crate::contract::node_object::Status,
+}
+
+impl LbStatus {
+    /// `lb 2/2 held` for `STATUS=`.
+    pub fn short(&self) -> String {
+        let mut s = format!("lb {}/{} held", self.status.held, self.wanted);
+        if !self.status.ready && !self.status.reason.is_empty() {
+            s.push_str(&format!(" ({})", self.status.reason));
+        }
+        s
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AgentStatus {
     pub version: String,
@@ -51,6 +83,9 @@ pub struct AgentStatus {
     pub node_conditions: Reported,
     /// DHCP leases of LoadBalancer addresses on this node.
     pub dhcp: DhcpStatus,
+    /// The LoadBalancer addresses assigned to this node.
+    #[serde(default)]
+    pub lb: LbStatus,
     /// The line systemd shows as `Status:`.
     pub summary: String,
 }
@@ -159,6 +194,34 @@ pub fn metrics(st: &AgentStatus) -> String {
         String::new(),
         st.dhcp.leases.len() as f64,
     );
+    gauge(
+        "hna_lb_assignments",
+        "LoadBalancer addresses assigned to this node (not being released).",
+        String::new(),
+        f64::from(st.lb.wanted),
+    );
+    gauge(
+        "hna_lb_ready",
+        "1 when this node can hold LoadBalancer addresses (macvlan ready, an uplink known).",
+        String::new(),
+        f64::from(u8::from(st.lb.status.ready)),
+    );
+    let _ = writeln!(
+        out,
+        "# HELP hna_lb_lease_bound 1 while the Service's address is held on this node.\n# TYPE hna_lb_lease_bound gauge"
+    );
+    for l in &st.lb.status.leases {
+        let held = matches!(l.state.as_str(), "BOUND" | "RENEWING" | "REBINDING");
+        let _ = writeln!(
+            out,
+            "hna_lb_lease_bound{{service=\"{}\",interface=\"{}\",state=\"{}\",address=\"{}\"}} {}",
+            l.service,
+            l.interface,
+            l.state,
+            l.address.as_deref().unwrap_or_default(),
+            u8::from(held)
+        );
+    }
     out.push_str(&crate::dhcp::engine::render_metrics(&st.dhcp.leases));
     out
 }

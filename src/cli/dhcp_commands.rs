@@ -176,6 +176,7 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
             interface: format!("vip-{:02x}{:06x}", args.set, i),
             parent: parent.clone(),
             identity: Identity::new(mac),
+            requested_ip: None,
             timing: Timing {
                 renew_floor: args.renew_floor,
                 arp_probe: !args.no_arp_probe,

@@ -126,12 +126,21 @@ pub struct ConfigArgs {
     /// Serve Prometheus /metrics and /healthz on ADDR:PORT, e.g. 127.0.0.1:9477 [default: off] [env: HNA_METRICS_LISTEN]
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<String>,
+    /// Namespace of this node's LoadBalancerNode object (the controller's) [default: harvester-node-agent] [env: HNA_NAMESPACE]
+    #[arg(long, value_name = "NAMESPACE")]
+    pub namespace: Option<String>,
+    /// How often the LoadBalancerNode status heartbeat is rewritten (1s to 10s) [default: 5s] [env: HNA_LB_HEARTBEAT]
+    #[arg(long, value_name = "DURATION")]
+    pub lb_heartbeat: Option<String>,
+    /// Uplink of the LoadBalancer macvlans when a Service names none [default: the default route's interface] [env: HNA_UPLINK]
+    #[arg(long, value_name = "IFACE")]
+    pub uplink: Option<String>,
 }
 
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 13] = [
+        let pairs: [(&'static str, &Option<String>); 16] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -145,6 +154,9 @@ impl ConfigArgs {
             ("vm_name", &self.vm_name),
             ("topology_labels", &self.topology_labels),
             ("metrics_listen", &self.metrics_listen),
+            ("namespace", &self.namespace),
+            ("lb_heartbeat", &self.lb_heartbeat),
+            ("uplink", &self.uplink),
         ];
         for (key, value) in pairs {
             if let Some(v) = value {

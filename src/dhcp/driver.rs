@@ -70,6 +70,25 @@ impl LeaseStatus {
     }
 }
 
+/// How a lease begins.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Begin {
+    /// No lease to go on: discovery, or INIT-REBOOT for a requested
+    /// address (see [`Machine::requesting`]).
+    Fresh,
+    /// From the lease file, in INIT-REBOOT.
+    Reboot(Lease),
+    /// The lease file's lease is still valid and its address still on the
+    /// interface: resume BOUND, nothing sent.
+    Adopt(Lease),
+}
+
+impl From<Option<Lease>> for Begin {
+    fn from(stored: Option<Lease>) -> Begin {
+        stored.map_or(Begin::Fresh, Begin::Reboot)
+    }
+}
+
 /// Requests to a running lease.
 #[derive(Debug)]
 pub enum Command {
@@ -134,9 +153,14 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
 
     /// Runs until stopped. A dropped command channel counts as a handover
     /// stop: without an explicit "no longer wanted", nothing is released.
-    pub async fn run(mut self, stored: Option<Lease>, mut cmds: mpsc::Receiver<Command>) {
+    pub async fn run(mut self, begin: Begin, mut cmds: mpsc::Receiver<Command>) {
         self.started = Instant::now();
-        self.step(Event::Start { stored }).await;
+        let first = match begin {
+            Begin::Fresh => Event::Start { stored: None },
+            Begin::Reboot(l) => Event::Start { stored: Some(l) },
+            Begin::Adopt(lease) => Event::Adopt { lease },
+        };
+        self.step(first).await;
         loop {
             let deadline = self.deadline;
             tokio::select! {
@@ -429,7 +453,7 @@ mod tests {
         let m = Machine::new(Identity::new(MAC), timing, 1);
         let (d, rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), store);
         let (tx, crx) = mpsc::channel(4);
-        let h = tokio::spawn(d.run(stored, crx));
+        let h = tokio::spawn(d.run(stored.into(), crx));
         (rx, tx, h)
     }
 

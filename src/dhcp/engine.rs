@@ -15,10 +15,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
-use super::driver::{Command, Driver, LeaseStatus};
+use std::net::Ipv4Addr;
+
+use super::driver::{Begin, Command, Driver, LeaseStatus};
 use super::io::ProbeConfig;
 use super::lease_engine::{LeaseEngine, SweepReport};
-use super::link::{Ensured, LinkError, Links, Netlink};
+use super::link::{Ensured, Ipv4Conf, LinkError, Links, Netlink};
 use super::machine::{Machine, StopMode, Timing};
 use super::packet::Identity;
 use super::store::{Store, StoreError, validate_name};
@@ -26,11 +28,14 @@ use super::store::{Store, StoreError, validate_name};
 /// One LB address to hold.
 #[derive(Debug, Clone)]
 pub struct LeaseConfig {
-    /// The macvlan's name (`vip-<8 hex>`), also the lease file's name.
+    /// The macvlan's name (`hlb-<8 hex>`), also the lease file's name.
     pub interface: String,
     /// The uplink the macvlan sits on.
     pub parent: String,
     pub identity: Identity,
+    /// Asked for in INIT-REBOOT when there is no lease file (kube-vip's
+    /// `requestedIP`, see [`Machine::requesting`]).
+    pub requested_ip: Option<Ipv4Addr>,
     pub timing: Timing,
     pub probe: ProbeConfig,
 }
@@ -150,7 +155,13 @@ pub struct Engine<L: Links = Netlink> {
     links: L,
     store: Option<Store>,
     table: Table,
+    /// `Some` when the engine sets the IPv4 settings of its links and
+    /// their uplinks ([`Engine::tuning_ipv4`]): the uplinks already logged.
+    tuned: Option<Tuned>,
 }
+
+/// The uplinks whose IPv4 settings were changed (logged once each).
+type Tuned = Arc<Mutex<BTreeSet<String>>>;
 
 impl Engine<Netlink> {
     /// `store`: where lease files live; `None` for throwaway leases
@@ -174,12 +185,25 @@ impl<L: Links> Engine<L> {
             links,
             store,
             table: Arc::new(Mutex::new(BTreeMap::new())),
+            tuned: None,
         }
     }
 
+    /// Every start also applies [`Ipv4Conf::VIP_LINK`] to the lease's
+    /// macvlan and [`Ipv4Conf::UPLINK`] to its uplink (only to those: no
+    /// other interface is touched). The daemon's engine does; `dhcp-probe`,
+    /// a throwaway lease, leaves the node's settings alone.
+    pub fn tuning_ipv4(mut self) -> Self {
+        self.tuned = Some(Arc::default());
+        self
+    }
+
     /// Makes (or reuses, see [`Netlink::ensure_macvlan`]) the macvlan,
-    /// opens its packet socket and starts the lease: in INIT-REBOOT when a
-    /// lease file for the same MAC exists. `Exists` while another start of
+    /// opens its packet socket and starts the lease: adopted (BOUND, no
+    /// message sent) when a lease file for the same MAC holds a lease that
+    /// is still valid and the reused link still carries its address (a
+    /// restart or `kill -9` of the daemon); in INIT-REBOOT when such a file
+    /// exists otherwise, or for `requested_ip` without one. `Exists` while another start of
     /// the name is under way or its lease runs; waits for a stop of it
     /// under way. When the start fails after making the link, the link is
     /// deleted again; a reused link is left as it was.
@@ -204,7 +228,13 @@ impl<L: Links> Engine<L> {
             };
             stopping.wait().await;
         };
-        let work = bring_up(self.links.clone(), self.store.clone(), cfg, claim);
+        let work = bring_up(
+            self.links.clone(),
+            self.store.clone(),
+            self.tuned.clone(),
+            cfg,
+            claim,
+        );
         finish(&name, tokio::spawn(work)).await?
     }
 
@@ -374,6 +404,7 @@ async fn finish<T>(name: &str, task: JoinHandle<T>) -> Result<T, EngineError> {
 async fn bring_up<L: Links>(
     links: L,
     store: Option<Store>,
+    tuned: Option<Tuned>,
     cfg: LeaseConfig,
     claim: Claim,
 ) -> Result<watch::Receiver<LeaseStatus>, EngineError> {
@@ -394,6 +425,13 @@ async fn bring_up<L: Links>(
             name: name.clone(),
             source,
         })?;
+    if let Some(tuned) = &tuned {
+        tune(&links, tuned, &name, &cfg.parent).await;
+    }
+    let begin = match stored {
+        Some(lease) if adoptable(&links, link, &lease).await => Begin::Adopt(lease),
+        other => Begin::from(other),
+    };
     let transport = match links.open(link.index(), cfg.identity.mac, cfg.probe) {
         Ok(t) => t,
         Err(source) => {
@@ -401,17 +439,60 @@ async fn bring_up<L: Links>(
             return Err(EngineError::Socket { name, source });
         }
     };
-    let machine = Machine::new(cfg.identity, cfg.timing, fastrand::u64(..));
+    let machine =
+        Machine::new(cfg.identity, cfg.timing, fastrand::u64(..)).requesting(cfg.requested_ip);
     let addrs = links.addrs(&name, link.index());
     let (driver, status) = Driver::new(&name, machine, transport, addrs, store);
     let (tx, rx) = mpsc::channel(4);
-    let task = tokio::spawn(driver.run(stored, rx));
+    let task = tokio::spawn(driver.run(begin, rx));
     claim.commit(Running {
         cmds: tx,
         status: status.clone(),
         task,
     });
     Ok(status)
+}
+
+/// A stored lease can be resumed without a DHCP exchange when the link was
+/// there before this start (a restart left it), the lease has not expired
+/// and the address is still on the link: nothing on the wire changed.
+async fn adoptable<L: Links>(links: &L, link: Ensured, lease: &super::machine::Lease) -> bool {
+    if link.created() || lease.expires_at() <= tokio::time::Instant::now() {
+        return false;
+    }
+    match links.addresses(link.index()).await {
+        Ok(addrs) => addrs.contains(&lease.address),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list the addresses of a reused macvlan; starting in INIT-REBOOT");
+            false
+        }
+    }
+}
+
+/// Applies the IPv4 settings to the lease's macvlan and its uplink. A
+/// failure is logged and the start goes on: the address still works, with
+/// the caveats the settings exist for.
+async fn tune<L: Links>(links: &L, tuned: &Tuned, name: &str, parent: &str) {
+    if let Err(e) = links.set_ipv4_conf(name, Ipv4Conf::VIP_LINK).await {
+        tracing::warn!(lease = %name, error = %e, "could not set rp_filter=2, arp_ignore=1, arp_announce=2 on the macvlan");
+    }
+    match links.set_ipv4_conf(parent, Ipv4Conf::UPLINK).await {
+        Ok(()) => {
+            if lock_tuned(tuned).insert(parent.to_string()) {
+                tracing::info!(
+                    uplink = %parent,
+                    "set arp_ignore=1 and arp_announce=2 on the uplink, so that it does not answer ARP for LoadBalancer addresses with its own MAC"
+                );
+            }
+        }
+        Err(e) => {
+            tracing::warn!(uplink = %parent, error = %e, "could not set arp_ignore=1, arp_announce=2 on the uplink: it may answer ARP for LoadBalancer addresses with its own MAC")
+        }
+    }
+}
+
+fn lock_tuned(t: &Tuned) -> MutexGuard<'_, BTreeSet<String>> {
+    t.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Deletes a link this start made; a reused one stays.

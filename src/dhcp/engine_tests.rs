@@ -13,7 +13,7 @@ use tokio::sync::{Semaphore, mpsc};
 
 use super::engine::{Engine, EngineError, LeaseConfig};
 use super::io::{Inbound, ProbeConfig, RecvError, Transport};
-use super::link::{AddressConfig, Ensured, LinkError, LinkInfo, Links};
+use super::link::{AddressConfig, Ensured, Ipv4Conf, LinkError, LinkInfo, Links};
 use super::machine::{Destination, StopMode, Timing};
 use super::packet::Identity;
 
@@ -29,6 +29,8 @@ struct Kernel {
     next_index: u32,
     ops: Vec<String>,
     fail_open: bool,
+    /// IPv4 addresses by interface index.
+    addrs: BTreeMap<u32, Vec<Ipv4Addr>>,
 }
 
 /// Holds an operation at its start until the test lets it go, and tells
@@ -110,6 +112,7 @@ impl FakeLinks {
                 next_index: 2,
                 ops: Vec::new(),
                 fail_open: false,
+                addrs: BTreeMap::new(),
             })),
             ensure_gate: None,
             delete_gate: None,
@@ -131,6 +134,11 @@ impl FakeLinks {
 
     fn get(&self, name: &str) -> Option<LinkInfo> {
         self.kernel.lock().unwrap().links.get(name).cloned()
+    }
+
+    fn add_address(&self, index: u32, addr: Ipv4Addr) {
+        let mut k = self.kernel.lock().unwrap();
+        k.addrs.entry(index).or_default().push(addr);
     }
 
     fn fail_open(&self, fail: bool) {
@@ -200,6 +208,20 @@ impl Links for FakeLinks {
         Ok(())
     }
 
+    async fn addresses(&self, index: u32) -> Result<Vec<Ipv4Addr>, LinkError> {
+        let k = self.kernel.lock().unwrap();
+        Ok(k.addrs.get(&index).cloned().unwrap_or_default())
+    }
+
+    async fn set_ipv4_conf(&self, name: &str, conf: Ipv4Conf) -> Result<(), LinkError> {
+        let mut k = self.kernel.lock().unwrap();
+        if !k.links.contains_key(name) {
+            return Err(LinkError::NotFound(name.into()));
+        }
+        k.ops.push(format!("ipv4 {name} {conf:?}"));
+        Ok(())
+    }
+
     fn open(&self, _index: u32, _mac: [u8; 6], _probe: ProbeConfig) -> io::Result<IdleTransport> {
         if self.kernel.lock().unwrap().fail_open {
             return Err(io::Error::from_raw_os_error(libc::EPERM));
@@ -246,6 +268,7 @@ fn cfg(name: &str, parent: &str) -> LeaseConfig {
         interface: name.into(),
         parent: parent.into(),
         identity: Identity::new(MAC),
+        requested_ip: None,
         timing: Timing::default(),
         probe: ProbeConfig::default(),
     }
@@ -255,6 +278,125 @@ async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
     tokio::time::timeout(DEADLINE, f)
         .await
         .unwrap_or_else(|_| panic!("{what} did not finish"))
+}
+
+/// A lease file whose lease has `left` to run (120 s lease, T1 60 s).
+fn store_with_lease(dir: &std::path::Path, left: Duration) -> super::store::Store {
+    let store = super::store::Store::open(dir).unwrap();
+    let lease = super::machine::Lease {
+        address: ADDR,
+        prefix_len: 24,
+        server_id: Ipv4Addr::new(10, 77, 0, 1),
+        server_mac: [2, 0, 0, 0, 0, 1],
+        routers: vec![],
+        lease_time: Duration::from_secs(120),
+        t1: Duration::from_secs(60),
+        t2: Duration::from_secs(105),
+        acquired: tokio::time::Instant::now() + left - Duration::from_secs(120),
+    };
+    let rec = super::store::LeaseRecord::from_lease(NAME, &Identity::new(MAC), &lease);
+    store.save(&rec).unwrap();
+    store
+}
+
+const ADDR: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 150);
+
+async fn first_state(
+    rx: &mut tokio::sync::watch::Receiver<super::driver::LeaseStatus>,
+) -> super::driver::LeaseStatus {
+    within(
+        "the first step",
+        rx.wait_for(|s| s.state != super::machine::State::Init),
+    )
+    .await
+    .unwrap()
+    .clone()
+}
+
+/// After a restart the link is still there with the address on it and the
+/// lease file is valid: the lease is adopted, BOUND with nothing sent.
+/// Without the address (or the link), the same file means INIT-REBOOT.
+#[tokio::test]
+async fn a_left_link_carrying_a_valid_lease_is_adopted_without_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_with_lease(dir.path(), Duration::from_secs(100));
+    let links = FakeLinks::new();
+    let index = links.add(NAME, MAC, Some(1), true);
+    links.add_address(index, ADDR);
+    let engine = Engine::with_links(links.clone(), Some(store.clone()));
+    let mut rx = engine.start(cfg(NAME, "eth0")).await.unwrap();
+    let st = first_state(&mut rx).await;
+    assert_eq!(st.state, super::machine::State::Bound);
+    assert_eq!(st.address, Some(ADDR));
+    assert_eq!(st.counters.sent, 0, "no DHCP message");
+    assert_eq!(links.ops(), vec![format!("reuse {NAME}")]);
+    engine.stop(NAME, StopMode::Handover).await.unwrap();
+    assert!(
+        store.load(NAME).unwrap().is_some(),
+        "a handover keeps the file"
+    );
+
+    // The link is gone now: made afresh, so INIT-REBOOT from the file.
+    let mut rx = engine.start(cfg(NAME, "eth0")).await.unwrap();
+    let st = first_state(&mut rx).await;
+    assert_eq!(st.state, super::machine::State::InitReboot);
+    assert_eq!(st.counters.sent, 1);
+    engine.stop(NAME, StopMode::Handover).await.unwrap();
+
+    // A link without the address: INIT-REBOOT too.
+    links.add(NAME, MAC, Some(1), true);
+    let mut rx = engine.start(cfg(NAME, "eth0")).await.unwrap();
+    assert_eq!(
+        first_state(&mut rx).await.state,
+        super::machine::State::InitReboot
+    );
+    engine.stop(NAME, StopMode::Handover).await.unwrap();
+
+    // An expired lease on a link that still carries it: INIT-REBOOT.
+    let store = store_with_lease(dir.path(), Duration::ZERO);
+    let engine = Engine::with_links(links.clone(), Some(store));
+    let index = links.add(NAME, MAC, Some(1), true);
+    links.add_address(index, ADDR);
+    let mut rx = engine.start(cfg(NAME, "eth0")).await.unwrap();
+    assert_eq!(
+        first_state(&mut rx).await.state,
+        super::machine::State::InitReboot
+    );
+}
+
+/// The daemon's engine sets the IPv4 settings of the lease's macvlan and
+/// its uplink, and of no other link; the probe's engine sets none.
+#[tokio::test]
+async fn ipv4_settings_go_to_the_macvlan_and_its_uplink_only() {
+    let links = FakeLinks::new();
+    links.add("eth1", [2, 0, 0, 0, 0, 2], None, false);
+    let engine = Engine::with_links(links.clone(), None).tuning_ipv4();
+    engine.start(cfg(NAME, "eth0")).await.unwrap();
+    let ipv4: Vec<String> = links
+        .ops()
+        .into_iter()
+        .filter(|o| o.starts_with("ipv4 "))
+        .collect();
+    assert_eq!(
+        ipv4,
+        vec![
+            format!("ipv4 {NAME} {:?}", Ipv4Conf::VIP_LINK),
+            format!("ipv4 eth0 {:?}", Ipv4Conf::UPLINK),
+        ]
+    );
+    assert_eq!(Ipv4Conf::UPLINK.arp_ignore, Some(1));
+    assert_eq!(Ipv4Conf::UPLINK.arp_announce, Some(2));
+    assert_eq!(
+        Ipv4Conf::UPLINK.rp_filter,
+        None,
+        "the uplink's own rp_filter stays"
+    );
+    assert_eq!(Ipv4Conf::VIP_LINK.rp_filter, Some(2));
+
+    let links = FakeLinks::new();
+    let engine = Engine::with_links(links.clone(), None);
+    engine.start(cfg(NAME, "eth0")).await.unwrap();
+    assert!(!links.ops().iter().any(|o| o.starts_with("ipv4 ")));
 }
 
 #[tokio::test]
@@ -530,6 +672,12 @@ mod real {
         async fn delete(&self, name: &str) -> Result<(), LinkError> {
             self.nl.delete(name).await
         }
+        async fn addresses(&self, index: u32) -> Result<Vec<Ipv4Addr>, LinkError> {
+            self.nl.addresses(index).await
+        }
+        async fn set_ipv4_conf(&self, name: &str, conf: Ipv4Conf) -> Result<(), LinkError> {
+            self.nl.set_ipv4_conf(name, conf).await
+        }
         fn open(&self, index: u32, mac: [u8; 6], probe: ProbeConfig) -> io::Result<AfPacket> {
             if self.fail.load(Ordering::SeqCst) {
                 return Err(io::Error::from_raw_os_error(libc::EPERM));
@@ -663,6 +811,110 @@ mod real {
             assert!(names.contains(present), "{present} in {names:?}");
         }
         assert!(!names.contains("hna-x-a"));
+    }
+
+    fn sysctl(iface: &str, key: &str) -> String {
+        let path = format!("/proc/sys/net/ipv4/conf/{iface}/{key}");
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+            .trim()
+            .to_string()
+    }
+
+    /// The IPv4 settings over netlink, read back through this namespace's
+    /// `/proc/sys`; then adoption of a left link on the real kernel.
+    async fn ipv4_and_adoption_scenario() {
+        let (conn, handle, _) = rtnetlink::new_connection().expect("netlink socket");
+        tokio::spawn(conn);
+        handle
+            .link()
+            .add(LinkVeth::new("hna-up0", "hna-up1").build())
+            .execute()
+            .await
+            .expect("veth pair");
+        let nl = Netlink::connect().expect("netlink");
+        for name in ["hna-up0", "hna-up1"] {
+            let index = nl.link(name).await.unwrap().unwrap().index;
+            handle
+                .link()
+                .set(LinkUnspec::new_with_index(index).up().build())
+                .execute()
+                .await
+                .expect("set up");
+        }
+        // Values a fresh namespace may inherit; ours must differ to show.
+        let uplink_rp_filter = sysctl("hna-up0", "rp_filter");
+        let other_arp_ignore = sysctl("hna-up1", "arp_ignore");
+        assert_ne!(sysctl("hna-up0", "arp_announce"), "2");
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with_lease(dir.path(), Duration::from_secs(100));
+        let engine = Engine::new(Some(store.clone())).unwrap().tuning_ipv4();
+        let mut rx = engine.start(cfg(NAME, "hna-up0")).await.unwrap();
+        assert_eq!(sysctl("hna-up0", "arp_ignore"), "1");
+        assert_eq!(sysctl("hna-up0", "arp_announce"), "2");
+        assert_eq!(
+            sysctl("hna-up0", "rp_filter"),
+            uplink_rp_filter,
+            "the uplink's rp_filter stays"
+        );
+        assert_eq!(sysctl(NAME, "rp_filter"), "2");
+        assert_eq!(sysctl(NAME, "arp_ignore"), "1");
+        assert_eq!(sysctl(NAME, "arp_announce"), "2");
+        assert_eq!(
+            sysctl("hna-up1", "arp_ignore"),
+            other_arp_ignore,
+            "other links untouched"
+        );
+        // A fresh link with a lease file: INIT-REBOOT (nobody answers).
+        assert_eq!(
+            first_state(&mut rx).await.state,
+            crate::dhcp::State::InitReboot
+        );
+        engine.stop(NAME, StopMode::Handover).await.unwrap();
+
+        // What a killed daemon leaves: the link with the address on it.
+        let link = nl.ensure_macvlan(NAME, "hna-up0", MAC).await.unwrap();
+        nl.on(NAME, link.index()).add(ADDR).await.unwrap();
+        assert_eq!(nl.addresses(link.index()).await.unwrap(), vec![ADDR]);
+        let mut rx = engine.start(cfg(NAME, "hna-up0")).await.unwrap();
+        let st = first_state(&mut rx).await;
+        assert_eq!(st.state, crate::dhcp::State::Bound);
+        assert_eq!(st.counters.sent, 0, "adopted: no DHCP message");
+        let now = nl.link(NAME).await.unwrap().unwrap();
+        assert_eq!(now.index, link.index(), "the same link");
+        assert_eq!(nl.addresses(now.index).await.unwrap(), vec![ADDR]);
+        // No prefix route through the VIP link: only the /32.
+        let routes = std::fs::read_to_string("/proc/net/route").unwrap();
+        assert!(!routes.lines().any(|l| l.starts_with(NAME)), "{routes}");
+        engine.stop(NAME, StopMode::Handover).await.unwrap();
+        assert_eq!(nl.link(NAME).await.unwrap(), None);
+    }
+
+    #[test]
+    #[ignore = "needs root (a private network namespace); tests/run.sh runs it"]
+    fn ipv4_settings_and_adoption_on_the_real_kernel() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "needs root for a private network namespace: run `sudo -E cargo test --lib -- --ignored`"
+        );
+        std::thread::Builder::new()
+            .name("engine-netns-ipv4".into())
+            .spawn(|| {
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                    .expect("unshare(CLONE_NEWNET)");
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(async {
+                        tokio::time::timeout(Duration::from_secs(60), ipv4_and_adoption_scenario())
+                            .await
+                            .expect("the scenario did not finish in 60 s")
+                    })
+            })
+            .unwrap()
+            .join()
+            .unwrap();
     }
 
     /// Root only, so ignored by a plain `cargo test` (and counted there as

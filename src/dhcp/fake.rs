@@ -276,6 +276,7 @@ mod tests {
             interface: name.into(),
             parent: "eth0".into(),
             identity: Identity::new(MAC),
+            requested_ip: None,
             timing: Timing::default(),
             probe: ProbeConfig::default(),
         }

@@ -6,9 +6,10 @@ use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
 
 use futures::TryStreamExt;
-use rtnetlink::packet_route::address::AddressAttribute;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
 use rtnetlink::packet_route::link::{
-    InfoKind, LinkAttribute, LinkInfo as NlLinkInfo, LinkMessage, MacVlanMode,
+    AfSpecInet, AfSpecUnspec, InetDevConf, InfoKind, LinkAttribute, LinkInfo as NlLinkInfo,
+    LinkMessage, MacVlanMode,
 };
 use rtnetlink::{Handle, LinkMacVlan, LinkUnspec};
 
@@ -19,6 +20,55 @@ use super::io::{AfPacket, ProbeConfig, Transport};
 /// using the node's own uplink, and CNIs that pick "the interface with a
 /// route to X" (Calico's VTEP, harvester #10784) are not misled.
 pub const VIP_PREFIX_LEN: u8 = 32;
+
+/// Per-interface IPv4 settings (`net.ipv4.conf.<if>.*`), set over
+/// rtnetlink (`RTM_SETLINK`, `IFLA_AF_SPEC`/`AF_INET`/`IFLA_INET_CONF`)
+/// rather than `/proc/sys`, which the unit keeps read-only
+/// (`ProtectKernelTunables`). `None` leaves a setting as it is; a value of
+/// 0 cannot be set this way (the crate's request form skips zeros), and
+/// none of ours is 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ipv4Conf {
+    pub rp_filter: Option<u32>,
+    pub arp_ignore: Option<u32>,
+    pub arp_announce: Option<u32>,
+}
+
+impl Ipv4Conf {
+    /// The uplink a LoadBalancer macvlan sits on: answer ARP only for
+    /// addresses configured on the interface the request came in on
+    /// (`arp_ignore=1`), so the uplink does not answer for a VIP with its
+    /// own MAC (Linux is a weak host and otherwise would), and use the
+    /// outgoing interface's own address as the ARP source
+    /// (`arp_announce=2`), never a VIP.
+    pub const UPLINK: Ipv4Conf = Ipv4Conf {
+        rp_filter: None,
+        arp_ignore: Some(1),
+        arp_announce: Some(2),
+    };
+
+    /// A LoadBalancer macvlan: the same ARP rules from its side (it hears
+    /// the uplink's broadcast ARP and must not answer for the node's own
+    /// address with the VIP's MAC), and loose reverse-path filtering
+    /// (`rp_filter=2`): the VIP is a /32 without a route, so the route back
+    /// to any client leaves through the uplink, and strict filtering
+    /// (`rp_filter=1`, the default of many distributions) would drop every
+    /// packet that arrives for the VIP on the macvlan.
+    pub const VIP_LINK: Ipv4Conf = Ipv4Conf {
+        rp_filter: Some(2),
+        arp_ignore: Some(1),
+        arp_announce: Some(2),
+    };
+
+    fn request(self) -> InetDevConf {
+        let mut c = InetDevConf::default();
+        let v = |x: Option<u32>| x.map_or(0, |x| x as i32);
+        c.rp_filter = v(self.rp_filter);
+        c.arp_ignore = v(self.arp_ignore);
+        c.arp_announce = v(self.arp_announce);
+        c
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
@@ -79,6 +129,17 @@ pub trait Links: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Ensured, LinkError>> + Send;
     /// Deletes link `name`; a missing link is not an error.
     fn delete(&self, name: &str) -> impl Future<Output = Result<(), LinkError>> + Send;
+    /// The IPv4 addresses on interface `index`.
+    fn addresses(
+        &self,
+        index: u32,
+    ) -> impl Future<Output = Result<Vec<Ipv4Addr>, LinkError>> + Send;
+    /// See [`Netlink::set_ipv4_conf`].
+    fn set_ipv4_conf(
+        &self,
+        name: &str,
+        conf: Ipv4Conf,
+    ) -> impl Future<Output = Result<(), LinkError>> + Send;
     /// The lease's packet sockets on interface `index`.
     fn open(
         &self,
@@ -271,6 +332,30 @@ impl Netlink {
             })
     }
 
+    /// Applies `conf` to interface `name` (`RTM_SETLINK` with
+    /// `IFLA_AF_SPEC`); the kernel validates every value.
+    pub async fn set_ipv4_conf(&self, name: &str, conf: Ipv4Conf) -> Result<(), LinkError> {
+        let info = self
+            .link(name)
+            .await?
+            .ok_or_else(|| LinkError::NotFound(name.into()))?;
+        let mut msg = LinkUnspec::new_with_index(info.index).build();
+        msg.attributes
+            .push(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet(vec![
+                AfSpecInet::DevConfRequest(conf.request()),
+            ])]));
+        self.handle
+            .link()
+            .set(msg)
+            .execute()
+            .await
+            .map_err(|e| LinkError::Netlink {
+                what: "set IPv4 settings of",
+                name: name.into(),
+                reason: reason(&e),
+            })
+    }
+
     /// Deletes link `name`; a missing link is not an error.
     pub async fn delete(&self, name: &str) -> Result<(), LinkError> {
         let Some(info) = self.link(name).await? else {
@@ -347,6 +432,21 @@ impl Links for Netlink {
         Netlink::delete(self, name)
     }
 
+    fn addresses(
+        &self,
+        index: u32,
+    ) -> impl Future<Output = Result<Vec<Ipv4Addr>, LinkError>> + Send {
+        Netlink::addresses(self, index)
+    }
+
+    fn set_ipv4_conf(
+        &self,
+        name: &str,
+        conf: Ipv4Conf,
+    ) -> impl Future<Output = Result<(), LinkError>> + Send {
+        Netlink::set_ipv4_conf(self, name, conf)
+    }
+
     fn open(&self, index: u32, mac: [u8; 6], probe: ProbeConfig) -> std::io::Result<AfPacket> {
         AfPacket::open(index, mac, probe)
     }
@@ -366,14 +466,17 @@ pub struct IfAddrs {
 
 impl AddressConfig for IfAddrs {
     async fn add(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
-        match self
+        let mut req = self
             .nl
             .handle
             .address()
-            .add(self.index, IpAddr::V4(addr), VIP_PREFIX_LEN)
-            .execute()
-            .await
-        {
+            .add(self.index, IpAddr::V4(addr), VIP_PREFIX_LEN);
+        // A /32 makes no prefix route anyway; the flag says so to every
+        // reader of the address (and keeps it so should the length change).
+        req.message_mut()
+            .attributes
+            .push(AddressAttribute::Flags(AddressFlags::Noprefixroute));
+        match req.execute().await {
             Ok(()) => Ok(()),
             Err(e) if errno(&e) == libc::EEXIST => Ok(()),
             Err(e) => Err(LinkError::Netlink {

@@ -178,9 +178,18 @@ pub enum StopMode {
 
 #[derive(Debug, Clone)]
 pub enum Event<'a> {
-    /// Begin; with the persisted lease, in INIT-REBOOT.
+    /// Begin; with the persisted lease, in INIT-REBOOT. Without one, in
+    /// INIT-REBOOT for the address of [`Machine::requesting`] when set,
+    /// else in SELECTING.
     Start {
         stored: Option<Lease>,
+    },
+    /// Resume a lease that an earlier run of this client left configured
+    /// on the interface (a restart, `kill -9`): BOUND at once, with the
+    /// renewal timers of the stored times, and no message sent. A lease
+    /// already expired starts over as [`Event::Start`] with it.
+    Adopt {
+        lease: Lease,
     },
     /// A UDP payload to port 68 on this interface, and the frame's source
     /// MAC.
@@ -236,6 +245,11 @@ pub struct Machine {
     lease: Option<Lease>,
     /// The persisted lease INIT-REBOOT started from.
     stored: Option<Lease>,
+    /// The address asked for in INIT-REBOOT (the stored lease's, or the
+    /// requested one).
+    rebooting: Option<Ipv4Addr>,
+    /// Asked for in INIT-REBOOT when there is no stored lease.
+    requested: Option<Ipv4Addr>,
     /// Address to ask for (option 50) in the next DISCOVER.
     hint: Option<Ipv4Addr>,
     consecutive_naks: u32,
@@ -261,11 +275,26 @@ impl Machine {
             candidate: None,
             lease: None,
             stored: None,
+            rebooting: None,
+            requested: None,
             hint: None,
             consecutive_naks: 0,
             counters: Counters::default(),
             last_drop: None,
         }
+    }
+
+    /// An address this client held before without a lease file to show
+    /// for it (kube-vip's `requestedIP` on a migrated Service): the start
+    /// asks for it in INIT-REBOOT. RFC 2131 §3.2 is for a client that
+    /// "remembers and wishes to reuse a previously allocated network
+    /// address", which this is, under the same MAC and client identifier;
+    /// a server that knows the binding ACKs it, one that does not stays
+    /// silent (then discovery asks for it with option 50) or NAKs (then
+    /// discovery asks for nothing in particular).
+    pub fn requesting(mut self, address: Option<Ipv4Addr>) -> Self {
+        self.requested = address;
+        self
     }
 
     pub fn state(&self) -> State {
@@ -304,6 +333,7 @@ impl Machine {
         let before = self.state;
         match event {
             Event::Start { stored } => self.start(now, stored, &mut out),
+            Event::Adopt { lease } => self.adopt(now, lease, &mut out),
             Event::Received { payload, src_mac } => self.received(now, payload, src_mac, &mut out),
             Event::Timer => self.timer(now, &mut out),
             Event::ProbeResult { address, conflict } => {
@@ -398,10 +428,12 @@ impl Machine {
     // ----- transitions ---------------------------------------------------
 
     fn start(&mut self, now: Instant, stored: Option<Lease>, out: &mut Vec<Action>) {
-        match stored {
-            Some(lease) => {
-                self.hint = Some(lease.address);
-                self.stored = Some(lease);
+        let reboot = stored.as_ref().map(|l| l.address).or(self.requested);
+        self.stored = stored;
+        match reboot {
+            Some(address) => {
+                self.hint = Some(address);
+                self.rebooting = Some(address);
                 self.state = State::InitReboot;
                 self.fresh_xid();
                 self.attempt = 0;
@@ -412,8 +444,30 @@ impl Machine {
         }
     }
 
+    fn adopt(&mut self, now: Instant, lease: Lease, out: &mut Vec<Action>) {
+        if lease.expires_at() <= now {
+            return self.start(now, Some(lease), out);
+        }
+        // Already on the interface; adding it again is a no-op there and
+        // repairs a link that lost it meanwhile.
+        out.push(Action::ConfigureAddress {
+            address: lease.address,
+            prefix_len: lease.prefix_len,
+        });
+        out.push(Action::ArpAnnounce(lease.address));
+        self.state = State::Bound;
+        self.attempt = 0;
+        self.hint = Some(lease.address);
+        // T1 past already: the timer fires at once and renews (unicast),
+        // and past T2 the renewal turns into rebinding, as after a
+        // BOUND that slept through its timers.
+        let t1 = lease.t1_at();
+        self.lease = Some(lease);
+        self.set_timer(t1.max(now), out);
+    }
+
     fn send_init_reboot(&mut self, now: Instant, out: &mut Vec<Action>) {
-        let requested = self.stored.as_ref().map(|l| l.address);
+        let requested = self.rebooting;
         self.last_request = now;
         let f = RequestFields {
             xid: self.xid,
@@ -544,6 +598,7 @@ impl Machine {
                     self.send_init_reboot(now, out);
                     return;
                 }
+                self.rebooting = None;
                 let stored = self.stored.take();
                 match stored {
                     // No answer: RFC 2131 §3.2 lets the client keep using
@@ -565,10 +620,17 @@ impl Machine {
             }
             State::Checking => {}
             State::Bound => {
-                self.state = State::Renewing;
+                // Past T2 already (a lease adopted or resumed late): RFC
+                // 2131 §4.4.5 has the client rebinding from T2 on.
+                let t2 = self.lease.as_ref().map(Lease::t2_at);
+                self.state = if t2.is_some_and(|t2| now >= t2) {
+                    State::Rebinding
+                } else {
+                    State::Renewing
+                };
                 self.fresh_xid();
                 self.exchange_started = now;
-                self.send_extend(now, out);
+                self.send_extend_or_expire(now, out);
             }
             State::Renewing => {
                 let t2 = self.lease.as_ref().map(Lease::t2_at);
@@ -636,7 +698,7 @@ impl Machine {
                 }
             }
             (State::InitReboot, MessageType::Ack) => {
-                let want = self.stored.as_ref().map(|l| l.address);
+                let want = self.rebooting;
                 if Some(reply.yiaddr) != want {
                     return self.drop_packet("INIT-REBOOT ACK for another address".into());
                 }
@@ -644,6 +706,7 @@ impl Machine {
                     return;
                 };
                 self.stored = None;
+                self.rebooting = None;
                 self.bind(now, lease, out);
             }
             (State::Renewing | State::Rebinding, MessageType::Ack) => {
@@ -758,6 +821,7 @@ impl Machine {
         out.push(Action::Forget);
         // The server refused this address: do not ask for it again.
         self.hint = None;
+        self.rebooting = None;
         self.offer = None;
         // RFC 2131: restart. When many leases start together (a failover)
         // a server that offers one free address to several of them NAKs all

@@ -648,11 +648,12 @@ async fn init_reboot_without_answer_keeps_a_valid_lease() {
         address: ADDR,
         prefix_len: 24
     }));
-    // T1 of the stored lease is past: renew right away.
+    // T1 and T2 of the stored lease (acquired about 58 s ago, T2 35 s)
+    // are past: rebind (broadcast) right away.
     assert_eq!(timer(&a), Instant::now());
     let a = fire(&mut m);
-    assert_eq!(m.state(), State::Renewing);
-    assert!(matches!(sent(&a).2, Destination::Unicast { .. }));
+    assert_eq!(m.state(), State::Rebinding);
+    assert_eq!(sent(&a).2, Destination::Broadcast);
 }
 
 #[tokio::test(start_paused = true)]
@@ -748,4 +749,155 @@ fn t1_t2_from_options_or_defaults() {
     assert_eq!(timers(l, Some(900), Some(800)), (s(500), s(800)));
     assert_eq!(timers(l, Some(100), Some(5000)), (s(100), s(875)));
     assert_eq!(timers(s(0), None, None), (s(0), s(0)));
+}
+
+/// kube-vip's `requestedIP` without a lease file: INIT-REBOOT asks for it
+/// (option 50, no server id, no ciaddr), and the server's ACK binds it.
+#[tokio::test(start_paused = true)]
+async fn a_requested_address_is_asked_for_in_init_reboot() {
+    let mut m = machine(no_probe()).requesting(Some(ADDR));
+    let a = m.handle(Instant::now(), Event::Start { stored: None });
+    assert_eq!(m.state(), State::InitReboot);
+    let (r, src, dst) = sent(&a);
+    assert_eq!(r.opts().msg_type(), Some(MessageType::Request));
+    assert_eq!((src, dst), (Ipv4Addr::UNSPECIFIED, Destination::Broadcast));
+    assert_eq!(r.ciaddr(), Ipv4Addr::UNSPECIFIED);
+    assert_eq!(
+        opt(&r, OptionCode::RequestedIpAddress),
+        Some(DhcpOption::RequestedIpAddress(ADDR))
+    );
+    assert!(opt(&r, OptionCode::ServerIdentifier).is_none());
+    let ack = reply(&m, MessageType::Ack, &lease_opts(120, None, None));
+    let a = feed(&mut m, &ack);
+    assert_eq!(m.state(), State::Bound);
+    assert_eq!(m.lease().unwrap().address, ADDR);
+    assert!(a.iter().any(|x| matches!(x, Action::Persist(_))));
+}
+
+/// A server that does not know the binding stays silent (RFC 2131
+/// §4.3.2): after the INIT-REBOOT tries, discovery still asks for the
+/// address with option 50, and nothing is configured meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_requested_address_without_answer_is_asked_for_in_discovery() {
+    let mut m = machine(no_probe()).requesting(Some(ADDR));
+    let a = m.handle(Instant::now(), Event::Start { stored: None });
+    let mut deadline = timer(&a);
+    let mut last = Vec::new();
+    for _ in 0..Timing::default().init_reboot_tries {
+        advance(deadline - Instant::now()).await;
+        last = fire(&mut m);
+        assert!(
+            !last
+                .iter()
+                .any(|x| matches!(x, Action::ConfigureAddress { .. })),
+            "{last:?}"
+        );
+        deadline = timer(&last);
+    }
+    assert_eq!(m.state(), State::Selecting);
+    let (d, _, _) = sent(&last);
+    assert_eq!(d.opts().msg_type(), Some(MessageType::Discover));
+    assert_eq!(
+        opt(&d, OptionCode::RequestedIpAddress),
+        Some(DhcpOption::RequestedIpAddress(ADDR))
+    );
+}
+
+/// A NAK for the requested address: discovery asks for nothing in
+/// particular, and there is nothing to remove.
+#[tokio::test(start_paused = true)]
+async fn a_refused_requested_address_is_not_asked_for_again() {
+    let mut m = machine(no_probe()).requesting(Some(ADDR));
+    m.handle(Instant::now(), Event::Start { stored: None });
+    let nak = reply(&m, MessageType::Nak, &[]);
+    let a = feed(&mut m, &nak);
+    assert!(!a.iter().any(|x| matches!(x, Action::RemoveAddress(_))));
+    restarts_after_nak(&mut m, &a).await;
+}
+
+/// A lease file takes precedence over the requested address.
+#[tokio::test(start_paused = true)]
+async fn a_stored_lease_wins_over_the_requested_address() {
+    advance(Duration::from_secs(1000)).await;
+    let other = Ipv4Addr::new(10, 77, 0, 99);
+    let mut m = machine(no_probe()).requesting(Some(other));
+    let a = m.handle(
+        Instant::now(),
+        Event::Start {
+            stored: Some(stored_lease(Duration::from_secs(60))),
+        },
+    );
+    let (r, _, _) = sent(&a);
+    assert_eq!(
+        opt(&r, OptionCode::RequestedIpAddress),
+        Some(DhcpOption::RequestedIpAddress(ADDR))
+    );
+}
+
+/// Adoption after a restart: BOUND at once, no message, renewal at the
+/// stored T1 (unicast to the stored server).
+#[tokio::test(start_paused = true)]
+async fn an_adopted_lease_is_bound_without_a_message_and_renews_at_its_t1() {
+    advance(Duration::from_secs(1000)).await;
+    // 120 s lease with 110 s left: acquired 10 s ago, T1 in 10 s.
+    let lease = stored_lease(Duration::from_secs(110));
+    let t1 = lease.t1_at();
+    let mut m = machine(no_probe());
+    let a = m.handle(Instant::now(), Event::Adopt { lease });
+    no_send(&a);
+    assert_eq!(m.state(), State::Bound);
+    assert_eq!(m.lease().unwrap().address, ADDR);
+    assert_eq!(timer(&a), t1);
+    assert_eq!(t1 - Instant::now(), Duration::from_secs(10));
+    assert!(
+        !a.iter()
+            .any(|x| matches!(x, Action::Persist(_) | Action::Forget))
+    );
+    advance(t1 - Instant::now()).await;
+    let a = fire(&mut m);
+    assert_eq!(m.state(), State::Renewing);
+    let (r, src, dst) = sent(&a);
+    assert_eq!(r.opts().msg_type(), Some(MessageType::Request));
+    assert_eq!(r.ciaddr(), ADDR);
+    assert_eq!(src, ADDR);
+    assert_eq!(
+        dst,
+        Destination::Unicast {
+            ip: SRV,
+            mac: SRV_MAC
+        }
+    );
+}
+
+/// Adopted past T2: the first timer goes straight to rebinding
+/// (broadcast), as for a BOUND lease that slept through its timers.
+#[tokio::test(start_paused = true)]
+async fn an_adopted_lease_past_t2_rebinds() {
+    advance(Duration::from_secs(1000)).await;
+    // 120 s lease with 50 s left: past T2 (35 s).
+    let mut m = machine(no_probe());
+    let a = m.handle(
+        Instant::now(),
+        Event::Adopt {
+            lease: stored_lease(Duration::from_secs(50)),
+        },
+    );
+    assert_eq!(timer(&a), Instant::now());
+    let a = fire(&mut m);
+    let (_, _, dst) = sent(&a);
+    assert_eq!(dst, Destination::Broadcast);
+    assert_eq!(m.state(), State::Rebinding);
+}
+
+/// An expired lease is not adopted: INIT-REBOOT for its address.
+#[tokio::test(start_paused = true)]
+async fn an_expired_lease_is_not_adopted() {
+    advance(Duration::from_secs(1000)).await;
+    let mut m = machine(no_probe());
+    let mut lease = stored_lease(Duration::ZERO);
+    lease.acquired -= Duration::from_secs(1);
+    let a = m.handle(Instant::now(), Event::Adopt { lease });
+    assert_eq!(m.state(), State::InitReboot);
+    let (r, _, _) = sent(&a);
+    assert_eq!(r.opts().msg_type(), Some(MessageType::Request));
 }

@@ -175,6 +175,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
             client_id: opts.client_id.clone(),
             hostname: opts.hostname.clone(),
         },
+        requested_ip: None,
         timing: Timing {
             arp_probe: opts.arp_probe,
             ..Timing::default()

@@ -43,6 +43,7 @@ pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, String
             client_id: Some(w.client_id.clone()),
             hostname: w.hostname.clone(),
         },
+        requested_ip: w.requested_ip,
         timing: settings.timing.clone(),
         probe: settings.probe,
     })

@@ -69,6 +69,7 @@ fn lease(i: u32) -> LeaseConfig {
         interface: format!("vip-{:08x}", 0xd000_0000u32 + i),
         parent: "eth0".into(),
         identity: Identity::new([0, 0, 0x6c, 0xd0, (i >> 8) as u8, i as u8]),
+        requested_ip: None,
         timing: timing(),
         probe: ProbeConfig::default(),
     }

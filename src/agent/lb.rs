@@ -1,0 +1,578 @@
+//! The node's LoadBalancer task: holds the addresses this node's
+//! `LoadBalancerNode` object assigns, through the DHCP engine, and reports
+//! what it holds in that object's status.
+//!
+//! - Input: the object, watched by name (list/watch with a `metadata.name`
+//!   field selector, all the node's Role allows), as [`Update`]s of its
+//!   spec. An unreadable object (cluster unreachable, forbidden) changes
+//!   nothing: every running lease stays.
+//! - Each round: the assignments are checked ([`lb::plan::want`]); an
+//!   invalid one is reported and its interface left exactly as it is; the
+//!   rest is planned against the running leases ([`lb::plan::plan`]) and
+//!   carried out ([`lb::apply::apply`]). A failed action makes another
+//!   round after a backoff (1 s doubling to 30 s), not at once.
+//! - Start-up adoption: links an earlier run left (`hlb-*`) are kept until
+//!   the assignments are first read, then [`LeaseEngine::sweep`] removes the
+//!   ones no assignment wants (no RELEASE, lease files kept) and the wanted
+//!   ones are started, which adopts them (same link, same lease, no DHCP
+//!   exchange while the lease is valid). The wait is bounded
+//!   ([`ADOPTION_WAIT`]): after it, the assignments are unknown and the
+//!   controller has counted this node as dead (20 s without a heartbeat) and
+//!   moved its addresses, so the left links go (handover, never released).
+//! - Output: the status subresource, merge-patched at every heartbeat
+//!   period (`lb_heartbeat`) and, within [`SETTLE`], after every change of
+//!   what is reported (a release shows as the lease leaving `leases`).
+//!
+//! The loop is generic over the engine ([`LeaseEngine`]) and the status
+//! writer ([`StatusWriter`]) so it is tested with the fake engine and paused
+//! time; [`run`] wires it to the API server.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use crate::cluster::watch_one::{Update, watch_one};
+use crate::contract::INTERFACE_PREFIX;
+use crate::contract::node_object::{self, Assignment, LeaseReport, LoadBalancerNode, Spec, Status};
+use crate::dhcp::LeaseEngine;
+use crate::dhcp::driver::LeaseStatus;
+use crate::lb::apply::{self, Settings};
+use crate::lb::plan::{self, Action, Running};
+use crate::systemd::{self, Heartbeat};
+
+use super::status::LbStatus;
+
+/// How long start-up keeps left links for the first read of the
+/// assignments. Longer than the 20 s after which the controller counts a
+/// silent node as dead: past it, the addresses may be held elsewhere.
+pub const ADOPTION_WAIT: Duration = Duration::from_secs(30);
+/// How soon a change of what is reported reaches the status.
+pub const SETTLE: Duration = Duration::from_secs(1);
+/// Retry backoff after a failed action.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+/// One status write at most this long.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Server-side bound of one watch request.
+const WATCH_TIMEOUT_SECS: u32 = 290;
+
+/// Writes the status subresource of this node's object.
+pub trait StatusWriter: Send + Sync + 'static {
+    fn write(&self, status: &Status) -> impl Future<Output = Result<(), String>> + Send;
+}
+
+/// What the task needs to know about the node each round.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeView {
+    pub macvlan_ready: bool,
+    /// Why macvlan is not ready.
+    pub macvlan_reason: String,
+    /// `uplink` from the configuration, else the default route's interface.
+    pub default_uplink: Option<String>,
+}
+
+/// The task's settings.
+#[derive(Debug, Clone)]
+pub struct LbSettings {
+    /// `namespace/node`, for logs and `status`.
+    pub object: String,
+    pub heartbeat: Duration,
+    pub adoption_wait: Duration,
+    pub settle: Duration,
+    /// What every lease shares; `default_uplink` is filled in each round.
+    pub leases: Settings,
+}
+
+/// The loop's state between events.
+struct Lb<E: LeaseEngine, W: StatusWriter> {
+    engine: Arc<E>,
+    writer: W,
+    settings: LbSettings,
+    node: Box<dyn Fn() -> NodeView + Send>,
+    out: watch::Sender<LbStatus>,
+    /// `None` until the object was first read.
+    assignments: Option<Vec<Assignment>>,
+    read: String,
+    /// `Some` once the start-up sweep ran: what it removed.
+    swept: Option<Vec<String>>,
+    /// The last round's failed actions, by interface.
+    failures: BTreeMap<String, String>,
+    /// Invalid assignments already logged (their message).
+    logged_invalid: BTreeSet<String>,
+    retry_at: Option<Instant>,
+    backoff: Duration,
+    /// The last status written, without its heartbeat.
+    written: Option<Status>,
+    write_error: Option<String>,
+    /// The last heartbeat's time: each one is later (see [`next_beat`]).
+    last_beat: Option<SystemTime>,
+    /// When the next write is due even if nothing changed: a heartbeat
+    /// period after the last write (or attempt).
+    beat_due: Instant,
+}
+
+/// Runs the loop on `updates` until `shutdown` changes.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
+    engine: Arc<E>,
+    writer: W,
+    settings: LbSettings,
+    node: impl Fn() -> NodeView + Send + 'static,
+    mut updates: mpsc::Receiver<Update<Spec>>,
+    out: watch::Sender<LbStatus>,
+    hb: Heartbeat,
+    beat_every: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let adoption_deadline = Instant::now() + settings.adoption_wait;
+    let mut settle = tokio::time::interval(settings.settle);
+    settle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beat = tokio::time::interval(beat_every);
+    let mut lb = Lb {
+        engine,
+        writer,
+        settings,
+        node: Box::new(node),
+        out,
+        assignments: None,
+        read: "waiting for the cluster connection".into(),
+        swept: None,
+        failures: BTreeMap::new(),
+        logged_invalid: BTreeSet::new(),
+        retry_at: None,
+        backoff: RETRY_MIN,
+        written: None,
+        write_error: None,
+        last_beat: None,
+        beat_due: Instant::now(),
+    };
+    let mut updates_open = true;
+    loop {
+        tokio::select! {
+            u = updates.recv(), if updates_open => match u {
+                Some(u) => {
+                    let changed = lb.observe(u);
+                    if changed {
+                        systemd::beating(&hb, beat_every, lb.reconcile()).await;
+                    }
+                    lb.report(false).await;
+                }
+                None => updates_open = false,
+            },
+            _ = tokio::time::sleep_until(adoption_deadline), if lb.swept.is_none() => {
+                tracing::warn!(
+                    object = %lb.settings.object,
+                    wait = ?lb.settings.adoption_wait,
+                    "the assignments could not be read in time: removing the links an earlier run left (not released; lease files kept)"
+                );
+                systemd::beating(&hb, beat_every, lb.sweep()).await;
+                lb.report(false).await;
+            }
+            _ = sleep_until_opt(lb.retry_at) => {
+                lb.retry_at = None;
+                systemd::beating(&hb, beat_every, lb.reconcile()).await;
+                lb.report(false).await;
+            }
+            _ = tokio::time::sleep_until(lb.beat_due) => lb.report(true).await,
+            _ = settle.tick() => lb.report(false).await,
+            _ = beat.tick() => hb.beat(),
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
+    /// Takes in an observation; `true` when the assignments changed (or
+    /// were read for the first time).
+    fn observe(&mut self, u: Update<Spec>) -> bool {
+        let next = match u {
+            Update::Present(spec) => {
+                self.read = "watching".into();
+                spec.assignments
+            }
+            Update::Absent => {
+                self.read = format!(
+                    "{} does not exist (the controller makes it)",
+                    self.settings.object
+                );
+                Vec::new()
+            }
+            Update::Failed(f) => {
+                // Nothing known changes: every running lease stays.
+                self.read = format!("cannot read {}: {}", self.settings.object, f.message);
+                return false;
+            }
+        };
+        let changed = self.assignments.as_ref() != Some(&next);
+        self.assignments = Some(next);
+        changed || self.swept.is_none()
+    }
+
+    /// The interfaces the assignments want held (valid, not released).
+    fn wanted_interfaces(&self) -> BTreeSet<String> {
+        self.assignments
+            .iter()
+            .flatten()
+            .filter_map(|a| plan::want(a).ok())
+            .filter(|w| !w.release)
+            .map(|w| w.interface)
+            .collect()
+    }
+
+    /// The start-up sweep: left links no assignment wants go.
+    async fn sweep(&mut self) {
+        let keep = self.wanted_interfaces();
+        let report = self.engine.sweep(INTERFACE_PREFIX, &keep).await;
+        if !report.removed.is_empty() {
+            tracing::warn!(links = ?report.removed, "removed LoadBalancer macvlans an earlier run left that no assignment wants (not released; lease files kept)");
+        }
+        for p in &report.problems {
+            tracing::warn!(problem = %p, "start-up sweep of LoadBalancer macvlans");
+        }
+        if !keep.is_empty() {
+            tracing::info!(links = ?keep, "adopting the assigned LoadBalancer addresses");
+        }
+        self.swept = Some(report.removed);
+    }
+
+    /// One round: plan over the assignments and the running leases, act,
+    /// note what failed and when to try again.
+    async fn reconcile(&mut self) {
+        let Some(assignments) = self.assignments.clone() else {
+            return;
+        };
+        if self.swept.is_none() {
+            self.sweep().await;
+        }
+        let node = (self.node)();
+        let mut wants = Vec::new();
+        let mut untouched = BTreeSet::new();
+        for a in &assignments {
+            match plan::want(a) {
+                Ok(w) => wants.push(w),
+                Err(e) => {
+                    if self.logged_invalid.insert(e.clone()) {
+                        tracing::warn!(error = %e, "invalid assignment: left as it is");
+                    }
+                    untouched.insert(a.interface.clone());
+                }
+            }
+        }
+        let running: Vec<Running> = self
+            .engine
+            .snapshot()
+            .into_iter()
+            .filter_map(|l| {
+                Some(Running {
+                    mac: crate::mac::parse(&l.mac)?,
+                    interface: l.name,
+                })
+            })
+            .collect();
+        let mut failures = BTreeMap::new();
+        let actions: Vec<Action> = plan::plan(&wants, &running)
+            .into_iter()
+            .filter(|a| !untouched.contains(action_interface(a)))
+            .filter(|a| match a {
+                Action::Start(w) if !node.macvlan_ready => {
+                    failures.insert(
+                        w.interface.clone(),
+                        format!("macvlan not ready: {}", node.macvlan_reason),
+                    );
+                    false
+                }
+                _ => true,
+            })
+            .collect();
+        let settings = Settings {
+            default_uplink: node.default_uplink.clone(),
+            ..self.settings.leases.clone()
+        };
+        for (a, o) in actions
+            .iter()
+            .map(describe)
+            .zip(apply::apply(&*self.engine, actions.clone(), &settings).await)
+        {
+            match o.result {
+                Ok(()) => tracing::info!(interface = %o.interface, "{a}"),
+                Err(e) => {
+                    tracing::warn!(interface = %o.interface, error = %e, "could not {a}; trying again");
+                    failures.insert(o.interface, e);
+                }
+            }
+        }
+        self.failures = failures;
+        if self.failures.is_empty() {
+            self.retry_at = None;
+            self.backoff = RETRY_MIN;
+        } else {
+            self.retry_at = Some(Instant::now() + self.backoff);
+            self.backoff = (self.backoff * 2).min(RETRY_MAX);
+        }
+    }
+
+    /// Publishes the state and writes the status: always when `heartbeat`,
+    /// else only when what is reported changed since the last write.
+    async fn report(&mut self, heartbeat: bool) {
+        let node = (self.node)();
+        let mut status = report(
+            self.assignments.as_deref().unwrap_or_default(),
+            &self.failures,
+            &self.engine.snapshot(),
+            &node,
+            self.swept.is_some(),
+        );
+        let due = heartbeat || self.written.as_ref() != Some(&status);
+        if due {
+            self.beat_due = Instant::now() + self.settings.heartbeat;
+            let beat = next_beat(self.last_beat, SystemTime::now());
+            self.last_beat = Some(beat);
+            status.heartbeat = Some(humantime::format_rfc3339_millis(beat).to_string());
+            let result = match tokio::time::timeout(WRITE_TIMEOUT, self.writer.write(&status)).await
+            {
+                Ok(r) => r,
+                Err(_) => Err(format!("no answer within {WRITE_TIMEOUT:?}")),
+            };
+            match result {
+                Ok(()) => {
+                    if self.write_error.take().is_some() {
+                        tracing::info!(object = %self.settings.object, "LoadBalancerNode status written again");
+                    }
+                    status.heartbeat = None;
+                    self.written = Some(status.clone());
+                }
+                Err(e) => {
+                    if self.write_error.as_ref() != Some(&e) {
+                        tracing::warn!(object = %self.settings.object, error = %e, "cannot write the LoadBalancerNode status; leases are kept");
+                    }
+                    self.write_error = Some(e);
+                    status.heartbeat = None;
+                    // Written again at the next heartbeat, not every settle
+                    // tick: `written` stays as it was.
+                    self.written = Some(status.clone());
+                }
+            }
+        }
+        let wanted = self
+            .assignments
+            .iter()
+            .flatten()
+            .filter(|a| !a.release)
+            .count() as u32;
+        self.out.send_replace(LbStatus {
+            object: self.settings.object.clone(),
+            read: self.read.clone(),
+            adopted: self.swept.is_some(),
+            removed_at_start: self.swept.clone().unwrap_or_default(),
+            wanted,
+            write_error: self.write_error.clone(),
+            status,
+        });
+    }
+}
+
+/// The controller only asks whether the heartbeat changed: a clock stepped
+/// back (or two writes within a millisecond) must not repeat one.
+/// Whole milliseconds, as written.
+fn next_beat(last: Option<SystemTime>, now: SystemTime) -> SystemTime {
+    let ms = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let now = SystemTime::UNIX_EPOCH + Duration::from_millis(ms);
+    match last {
+        Some(last) if now <= last => last + Duration::from_millis(1),
+        _ => now,
+    }
+}
+
+fn action_interface(a: &Action) -> &str {
+    match a {
+        Action::Start(w) => &w.interface,
+        Action::Stop { interface, .. } => interface,
+    }
+}
+
+fn describe(a: &Action) -> String {
+    match a {
+        Action::Start(w) => format!("start the lease of {}", w.service),
+        Action::Stop {
+            mode: crate::dhcp::StopMode::Release,
+            ..
+        } => "release the lease (DHCPRELEASE)".into(),
+        Action::Stop { .. } => "hand the lease over (no RELEASE)".into(),
+    }
+}
+
+fn rfc3339_ms(unix_ms: u64) -> String {
+    let t = SystemTime::UNIX_EPOCH + Duration::from_millis(unix_ms);
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// The status to report (without its heartbeat), as a pure function of
+/// the assignments, the last round's failures, the engine's leases and the
+/// node. A released assignment is reported only while its lease still
+/// runs: its absence is how the controller learns the release happened.
+pub fn report(
+    assignments: &[Assignment],
+    failures: &BTreeMap<String, String>,
+    leases: &[LeaseStatus],
+    node: &NodeView,
+    adopted: bool,
+) -> Status {
+    let mut reports = Vec::new();
+    for a in assignments {
+        let running = leases.iter().find(|l| l.name == a.interface);
+        let problem = plan::want(a)
+            .err()
+            .or_else(|| failures.get(&a.interface).cloned());
+        let report = match running {
+            Some(l) => LeaseReport {
+                service: a.service.clone(),
+                interface: a.interface.clone(),
+                state: l.state.as_str().to_string(),
+                address: l.address.map(|x| x.to_string()),
+                server: l.server.map(|x| x.to_string()),
+                expires: l.expires_at_unix_ms.map(rfc3339_ms),
+                mac: l.mac.clone(),
+                message: problem.or_else(|| l.last_error.clone()),
+            },
+            None if a.release => continue,
+            None => LeaseReport {
+                service: a.service.clone(),
+                interface: a.interface.clone(),
+                state: if problem.is_some() {
+                    "FAILED"
+                } else {
+                    "PENDING"
+                }
+                .to_string(),
+                address: None,
+                server: None,
+                expires: None,
+                mac: a.mac.clone(),
+                message: problem.or_else(|| {
+                    (!adopted).then(|| {
+                        "waiting for the start-up adoption of the links an earlier run left"
+                            .to_string()
+                    })
+                }),
+            },
+        };
+        reports.push(report);
+    }
+    let held: Vec<&LeaseReport> = reports
+        .iter()
+        .filter(|r| {
+            leases
+                .iter()
+                .any(|l| l.name == r.interface && l.state.holds_address())
+        })
+        .collect();
+    let addresses = held
+        .iter()
+        .filter_map(|r| Some(format!("{} ({})", r.address.as_ref()?, r.service)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (ready, reason) = match (&node.default_uplink, node.macvlan_ready) {
+        (_, false) => (false, format!("macvlan not ready: {}", node.macvlan_reason)),
+        (None, true) => (
+            false,
+            "no default uplink: no IPv4 default route and no `uplink` configured".to_string(),
+        ),
+        (Some(_), true) => (true, "Ready".to_string()),
+    };
+    Status {
+        heartbeat: None,
+        ready,
+        reason,
+        macvlan_ready: node.macvlan_ready,
+        default_uplink: node.default_uplink.clone(),
+        held: held.len() as u32,
+        addresses,
+        leases: reports,
+        agent_version: env!("CARGO_PKG_VERSION").to_string(),
+    }
+}
+
+/// Writes the status subresource with a merge patch, through whichever
+/// client the daemon has now.
+pub struct KubeStatus {
+    pub client: watch::Receiver<Option<kube::Client>>,
+    pub namespace: String,
+    pub node: String,
+}
+
+impl StatusWriter for KubeStatus {
+    async fn write(&self, status: &Status) -> Result<(), String> {
+        let client = self
+            .client
+            .borrow()
+            .clone()
+            .ok_or_else(|| "not connected to the cluster".to_string())?;
+        let api: Api<LoadBalancerNode> =
+            Api::namespaced_with(client, &self.namespace, &node_object::api_resource());
+        let mut body = serde_json::to_value(status).map_err(|e| e.to_string())?;
+        // A merge patch keeps what it does not mention: say "gone".
+        if status.default_uplink.is_none() {
+            body["defaultUplink"] = serde_json::Value::Null;
+        }
+        let patch = serde_json::json!({ "status": body });
+        api.patch_status(&self.node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(|_| ())
+            .map_err(|e| crate::cluster::watch_one::Failure::from_kube(&e).message)
+    }
+}
+
+/// Watches this node's object with whichever client the daemon has,
+/// starting over when the client changes; the spec goes to `tx`.
+pub async fn follow(
+    mut client: watch::Receiver<Option<kube::Client>>,
+    namespace: String,
+    node: String,
+    tx: mpsc::Sender<Update<Spec>>,
+) {
+    loop {
+        let current = client.borrow_and_update().clone();
+        let task = current.map(|c| {
+            let api: Api<LoadBalancerNode> =
+                Api::namespaced_with(c, &namespace, &node_object::api_resource());
+            tokio::spawn(watch_one(
+                api,
+                node.clone(),
+                WATCH_TIMEOUT_SECS,
+                tx.clone(),
+                |u| match u {
+                    Update::Present(o) => Update::Present(o.spec),
+                    Update::Absent => Update::Absent,
+                    Update::Failed(f) => Update::Failed(f),
+                },
+            ))
+        });
+        let changed = client.changed().await;
+        if let Some(t) = task {
+            t.abort();
+        }
+        if changed.is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "lb_tests.rs"]
+mod tests;

@@ -1,0 +1,445 @@
+//! The LoadBalancer task on the fake engine, with paused time: what it
+//! does to the engine and what it writes, told apart by the test's own
+//! record of calls and writes.
+
+use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::*;
+use crate::cluster::watch_one::{Failure, FailureKind};
+use crate::dhcp::StopMode;
+use crate::dhcp::fake::{Call, FakeEngine, link_error};
+use crate::systemd::Liveness;
+
+const SERVER: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
+
+#[derive(Clone, Default)]
+struct Writes {
+    log: Arc<Mutex<Vec<(Instant, Status)>>>,
+    fail: Arc<AtomicBool>,
+}
+
+impl StatusWriter for Writes {
+    async fn write(&self, status: &Status) -> Result<(), String> {
+        if self.fail.load(Ordering::SeqCst) {
+            return Err("connection refused".into());
+        }
+        self.log
+            .lock()
+            .unwrap()
+            .push((Instant::now(), status.clone()));
+        Ok(())
+    }
+}
+
+impl Writes {
+    fn all(&self) -> Vec<(Instant, Status)> {
+        self.log.lock().unwrap().clone()
+    }
+    fn last(&self) -> Option<Status> {
+        self.log.lock().unwrap().last().map(|(_, s)| s.clone())
+    }
+}
+
+struct Rig {
+    engine: FakeEngine,
+    writes: Writes,
+    tx: mpsc::Sender<Update<Spec>>,
+    out: watch::Receiver<LbStatus>,
+    _stop: watch::Sender<bool>,
+}
+
+fn assignment(uid8: &str) -> Assignment {
+    Assignment {
+        service: format!("default/svc-{uid8}"),
+        uid: format!("{uid8}-0000-4000-8000-000000000000"),
+        interface: format!("hlb-{uid8}"),
+        mac: "02:11:22:33:44:55".into(),
+        client_id: "00686e61".into(),
+        hostname: None,
+        requested_ip: Some("10.77.0.150".into()),
+        uplink: None,
+        release: false,
+    }
+}
+
+fn spec(a: &[Assignment]) -> Update<Spec> {
+    Update::Present(Spec {
+        assignments: a.to_vec(),
+    })
+}
+
+fn rig_with(engine: FakeEngine) -> Rig {
+    let writes = Writes::default();
+    let (tx, rx) = mpsc::channel(8);
+    let (out_tx, out) = watch::channel(LbStatus::default());
+    let (stop, shutdown) = watch::channel(false);
+    let settings = LbSettings {
+        object: "harvester-node-agent/node-1".into(),
+        heartbeat: Duration::from_secs(5),
+        adoption_wait: ADOPTION_WAIT,
+        settle: SETTLE,
+        leases: Settings::default(),
+    };
+    let node = || NodeView {
+        macvlan_ready: true,
+        macvlan_reason: String::new(),
+        default_uplink: Some("eth0".into()),
+    };
+    tokio::spawn(run_loop(
+        Arc::new(engine.clone()),
+        writes.clone(),
+        settings,
+        node,
+        rx,
+        out_tx,
+        Liveness::default().register("lb"),
+        Duration::from_secs(1),
+        shutdown,
+    ));
+    Rig {
+        engine,
+        writes,
+        tx,
+        out,
+        _stop: stop,
+    }
+}
+
+fn rig() -> Rig {
+    rig_with(FakeEngine::new())
+}
+
+/// Waits (in paused time, so instantly) until `cond` holds; a minute of
+/// virtual time without it is a failure.
+async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn leases_of(s: &Status) -> Vec<(String, String)> {
+    s.leases
+        .iter()
+        .map(|l| (l.interface.clone(), l.state.clone()))
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn assignments_are_held_and_a_release_leaves_the_status() {
+    let r = rig();
+    let a = assignment("aaaaaaaa");
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the lease to start", || {
+        r.engine.running() == vec!["hlb-aaaaaaaa"]
+    })
+    .await;
+    let cfg = r.engine.config("hlb-aaaaaaaa").unwrap();
+    assert_eq!(cfg.parent, "eth0", "the default uplink");
+    assert_eq!(cfg.requested_ip, Some(Ipv4Addr::new(10, 77, 0, 150)));
+
+    r.engine
+        .bind("hlb-aaaaaaaa", Ipv4Addr::new(10, 77, 0, 150), SERVER);
+    until("BOUND in the status", || {
+        r.writes.last().is_some_and(|s| s.held == 1)
+    })
+    .await;
+    let s = r.writes.last().unwrap();
+    assert_eq!(s.addresses, "10.77.0.150 (default/svc-aaaaaaaa)");
+    assert_eq!(s.leases[0].state, "BOUND");
+    assert_eq!(s.leases[0].address.as_deref(), Some("10.77.0.150"));
+    assert_eq!(s.leases[0].server.as_deref(), Some("10.77.0.1"));
+    assert!(s.ready, "{}", s.reason);
+    assert!(s.heartbeat.is_some());
+    assert_eq!(r.out.borrow().short(), "lb 1/1 held");
+
+    let released = Assignment {
+        release: true,
+        ..a.clone()
+    };
+    let before = r.writes.all().len();
+    r.tx.send(spec(&[released])).await.unwrap();
+    until("the lease to go from the status", || {
+        r.writes.all()[before..]
+            .iter()
+            .any(|(_, s)| s.leases.is_empty())
+    })
+    .await;
+    let calls = r.engine.take_calls();
+    assert!(
+        calls.contains(&Call::Stop {
+            name: "hlb-aaaaaaaa".into(),
+            mode: StopMode::Release
+        }),
+        "{calls:?}"
+    );
+    assert!(r.engine.running().is_empty());
+    assert_eq!(r.writes.last().unwrap().held, 0);
+    // Released stays released: no start again.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(
+        !r.engine
+            .take_calls()
+            .iter()
+            .any(|c| matches!(c, Call::Start { .. }))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_assignment_that_moves_away_is_handed_over_not_released() {
+    let r = rig();
+    r.tx.send(spec(&[assignment("aaaaaaaa"), assignment("bbbbbbbb")]))
+        .await
+        .unwrap();
+    until("two leases", || r.engine.running().len() == 2).await;
+    r.tx.send(spec(&[assignment("aaaaaaaa")])).await.unwrap();
+    until("one lease", || r.engine.running().len() == 1).await;
+    assert!(r.engine.calls().contains(&Call::Stop {
+        name: "hlb-bbbbbbbb".into(),
+        mode: StopMode::Handover
+    }));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_invalid_assignment_leaves_its_lease_untouched_and_is_reported() {
+    let r = rig();
+    let a = assignment("aaaaaaaa");
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the lease", || r.engine.running().len() == 1).await;
+    r.engine.take_calls();
+    let broken = Assignment {
+        mac: "not a mac".into(),
+        ..a
+    };
+    r.tx.send(spec(&[broken, assignment("bbbbbbbb")]))
+        .await
+        .unwrap();
+    until("the valid one to start", || r.engine.running().len() == 2).await;
+    until("the report", || {
+        r.writes.last().is_some_and(|s| {
+            s.leases
+                .iter()
+                .any(|l| l.message.as_deref().is_some_and(|m| m.contains("mac")))
+        })
+    })
+    .await;
+    let calls = r.engine.take_calls();
+    assert!(
+        !calls.iter().any(|c| matches!(c, Call::Stop { .. })),
+        "{calls:?}"
+    );
+    let s = r.writes.last().unwrap();
+    let reported = s
+        .leases
+        .iter()
+        .find(|l| l.interface == "hlb-aaaaaaaa")
+        .unwrap();
+    assert_eq!(reported.state, "INIT", "still running as it was");
+
+    // Invalid and not running: FAILED, and nothing tried.
+    let r = rig();
+    r.tx.send(spec(&[Assignment {
+        client_id: "xyz".into(),
+        ..assignment("cccccccc")
+    }]))
+    .await
+    .unwrap();
+    until("FAILED", || {
+        r.writes
+            .last()
+            .is_some_and(|s| leases_of(&s) == vec![("hlb-cccccccc".into(), "FAILED".into())])
+    })
+    .await;
+    assert!(
+        !r.engine
+            .calls()
+            .iter()
+            .any(|c| matches!(c, Call::Start { .. }))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_cluster_unreachable_keeps_every_lease() {
+    let r = rig();
+    r.tx.send(spec(&[assignment("aaaaaaaa")])).await.unwrap();
+    until("the lease", || r.engine.running().len() == 1).await;
+    r.writes.fail.store(true, Ordering::SeqCst);
+    r.tx.send(Update::Failed(Failure {
+        kind: FailureKind::Unreachable,
+        message: "connection refused".into(),
+    }))
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(r.engine.running(), vec!["hlb-aaaaaaaa"]);
+    assert!(
+        !r.engine
+            .calls()
+            .iter()
+            .any(|c| matches!(c, Call::Stop { .. }))
+    );
+    let st = r.out.borrow().clone();
+    assert!(st.read.contains("connection refused"), "{}", st.read);
+    assert!(st.write_error.is_some());
+    // Back: the next heartbeat writes again.
+    r.writes.fail.store(false, Ordering::SeqCst);
+    let n = r.writes.all().len();
+    until("a write", || r.writes.all().len() > n).await;
+    assert!(r.out.borrow().write_error.is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_heartbeat_is_written_every_period() {
+    let r = rig();
+    r.tx.send(spec(&[])).await.unwrap();
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    let times: Vec<Duration> = r.writes.all().iter().map(|(t, _)| *t - t0).collect();
+    // Nothing changes: one write per 5 s period, none in between.
+    assert!((6..=8).contains(&times.len()), "{times:?}");
+    for w in times.windows(2) {
+        assert!(w[1] - w[0] >= Duration::from_secs(4), "{times:?}");
+        assert!(w[1] - w[0] <= Duration::from_secs(5), "{times:?}");
+    }
+    let beats: BTreeSet<String> = r
+        .writes
+        .all()
+        .iter()
+        .filter_map(|(_, s)| s.heartbeat.clone())
+        .collect();
+    assert_eq!(beats.len(), r.writes.all().len(), "every heartbeat differs");
+}
+
+#[tokio::test(start_paused = true)]
+async fn start_up_adopts_wanted_links_and_sweeps_the_rest() {
+    let engine = FakeEngine::new();
+    let mac = [0x02, 0x11, 0x22, 0x33, 0x44, 0x55];
+    engine.add_link("hlb-aaaaaaaa", "eth0", mac);
+    engine.add_link("hlb-bbbbbbbb", "eth0", mac);
+    engine.add_link("vip-cccccccc", "eth0", mac);
+    let r = rig_with(engine);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(r.engine.calls().is_empty(), "nothing before the first read");
+    assert_eq!(r.engine.links().len(), 3);
+    r.tx.send(spec(&[assignment("aaaaaaaa")])).await.unwrap();
+    until("the lease", || r.engine.running().len() == 1).await;
+    let calls = r.engine.calls();
+    assert_eq!(
+        calls[0],
+        Call::Sweep {
+            prefix: "hlb-".into(),
+            keep: BTreeSet::from(["hlb-aaaaaaaa".to_string()]),
+        }
+    );
+    assert!(matches!(&calls[1], Call::Start { name, .. } if name == "hlb-aaaaaaaa"));
+    assert_eq!(
+        r.engine.links().keys().cloned().collect::<Vec<_>>(),
+        vec!["hlb-aaaaaaaa", "vip-cccccccc"],
+        "the wanted link adopted, the unwanted one gone, kube-vip's untouched"
+    );
+    assert_eq!(
+        r.out.borrow().removed_at_start,
+        vec!["hlb-bbbbbbbb".to_string()]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn start_up_without_a_read_sweeps_after_the_wait() {
+    let engine = FakeEngine::new();
+    engine.add_link("hlb-aaaaaaaa", "eth0", [2, 0, 0, 0, 0, 1]);
+    let r = rig_with(engine);
+    let t0 = Instant::now();
+    until("the sweep", || !r.engine.calls().is_empty()).await;
+    let waited = Instant::now() - t0;
+    assert!(
+        waited >= ADOPTION_WAIT && waited < ADOPTION_WAIT + Duration::from_secs(1),
+        "{waited:?}"
+    );
+    assert_eq!(
+        r.engine.calls(),
+        vec![Call::Sweep {
+            prefix: "hlb-".into(),
+            keep: BTreeSet::new()
+        }]
+    );
+    assert!(r.engine.links().is_empty());
+    // Assignments read later are started as usual, with no second sweep.
+    r.tx.send(spec(&[assignment("aaaaaaaa")])).await.unwrap();
+    until("the lease", || r.engine.running().len() == 1).await;
+    let sweeps = r
+        .engine
+        .calls()
+        .iter()
+        .filter(|c| matches!(c, Call::Sweep { .. }))
+        .count();
+    assert_eq!(sweeps, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_start_is_retried_with_backoff_and_reported() {
+    let engine = FakeEngine::new();
+    for _ in 0..3 {
+        engine.fail_next_start("hlb-aaaaaaaa", link_error("hlb-aaaaaaaa", "no such device"));
+    }
+    let r = rig_with(engine);
+    let t0 = Instant::now();
+    r.tx.send(spec(&[assignment("aaaaaaaa")])).await.unwrap();
+    until("FAILED reported", || {
+        r.writes.last().is_some_and(|s| {
+            s.leases.first().is_some_and(|l| {
+                l.state == "FAILED"
+                    && l.message
+                        .as_deref()
+                        .is_some_and(|m| m.contains("no such device"))
+            })
+        })
+    })
+    .await;
+    until("the lease", || r.engine.running().len() == 1).await;
+    let starts = r
+        .engine
+        .calls()
+        .iter()
+        .filter(|c| matches!(c, Call::Start { .. }))
+        .count();
+    assert_eq!(starts, 4, "three failures, then success");
+    // 1 s, 2 s, 4 s between the tries: about 7 s in all, not a hot loop.
+    let took = Instant::now() - t0;
+    assert!(
+        took >= Duration::from_secs(7) && took < Duration::from_secs(8),
+        "{took:?}"
+    );
+    until("INIT reported", || {
+        r.writes
+            .last()
+            .is_some_and(|s| leases_of(&s) == vec![("hlb-aaaaaaaa".into(), "INIT".into())])
+    })
+    .await;
+}
+
+#[test]
+fn the_report_without_macvlan_or_uplink_says_why() {
+    let node = NodeView {
+        macvlan_ready: false,
+        macvlan_reason: "macvlan ModuleNotFound".into(),
+        default_uplink: None,
+    };
+    let s = report(&[], &BTreeMap::new(), &[], &node, true);
+    assert!(!s.ready);
+    assert!(s.reason.contains("ModuleNotFound"), "{}", s.reason);
+    let node = NodeView {
+        macvlan_ready: true,
+        ..node
+    };
+    let s = report(&[], &BTreeMap::new(), &[], &node, true);
+    assert!(!s.ready);
+    assert!(s.reason.contains("no default uplink"), "{}", s.reason);
+    let mut a = assignment("aaaaaaaa");
+    a.release = true;
+    let s = report(&[a], &BTreeMap::new(), &[], &node, true);
+    assert!(s.leases.is_empty(), "a release not running is done");
+}
