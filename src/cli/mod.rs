@@ -59,6 +59,15 @@ pub enum Command {
     /// Runs in the guest cluster (a Deployment), with its own settings:
     /// none of the node daemon's apply. Credentials: --kubeconfig, else
     /// $KUBECONFIG, else the Pod's service account.
+    ///
+    /// It keeps one LoadBalancerNode per Node in --namespace, picks a
+    /// holder node for every DHCP-mode LoadBalancer Service (written to that
+    /// node's object; the node's agent gets the lease), and once the holder
+    /// reports the lease BOUND writes the Service's status, then kube-vip's
+    /// annotations (hwaddr, requestedIP, vipHost). Deleting a Service waits
+    /// (finalizer) until the holder has sent DHCPRELEASE. Replicas elect a
+    /// leader on a Lease; only the leader writes. Every decision and every
+    /// refusal is an Event on the Service: `kubectl describe service`.
     Controller(ControllerArgs),
     /// One-shot preflight of this node: configuration, credentials, API
     /// server, state directory, macvlan. Read-only unless --fix. Exit code 0
@@ -192,6 +201,47 @@ pub struct ControllerArgs {
     /// How often to look for credentials and re-check the API server (1s to 1h)
     #[arg(long, value_name = "DURATION", env = "HNA_CREDENTIALS_RETRY", default_value = "10s", value_parser = credentials_retry_arg)]
     pub credentials_retry: Duration,
+    /// Namespace of the controller's Lease and of the LoadBalancerNode
+    /// objects (one per Node) and their Roles; the node agents' `namespace`
+    /// must be the same
+    #[arg(long, value_name = "NAMESPACE", env = "HNA_NAMESPACE", default_value = crate::contract::DEFAULT_NAMESPACE)]
+    pub namespace: String,
+    /// This replica's name in the leader-election Lease (a Deployment sets
+    /// POD_NAME from metadata.name) [default: <hostname>-<pid>]
+    #[arg(long, value_name = "NAME", env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Leader election: how long a Lease not renewed (as seen on this
+    /// replica's clock) keeps others from taking over
+    #[arg(long, value_name = "DURATION", env = "HNA_LEASE_DURATION", default_value = "15s", value_parser = election_arg)]
+    pub lease_duration: Duration,
+    /// Leader election: a leader that could not renew for this long stops
+    /// writing at once (below --lease-duration)
+    #[arg(long, value_name = "DURATION", env = "HNA_RENEW_DEADLINE", default_value = "10s", value_parser = election_arg)]
+    pub renew_deadline: Duration,
+    /// Leader election: how often the Lease is renewed or tried (below
+    /// --renew-deadline)
+    #[arg(long, value_name = "DURATION", env = "HNA_RETRY_PERIOD", default_value = "2s", value_parser = election_arg)]
+    pub retry_period: Duration,
+    /// A node whose agent's heartbeat has not changed for this long, as
+    /// seen on the controller's clock, holds no address; its Services move
+    /// to other nodes. Keep it well above the agents' heartbeat period (5s)
+    #[arg(long, value_name = "DURATION", env = "HNA_NODE_STALE_AFTER", default_value = "20s", value_parser = stale_arg)]
+    pub node_stale_after: Duration,
+    /// Serve Prometheus /metrics and /healthz on ADDR:PORT, e.g. 0.0.0.0:9478 [default: off]
+    #[arg(long, value_name = "ADDR:PORT", env = "HNA_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
+}
+
+fn election_arg(v: &str) -> Result<Duration, String> {
+    let d = crate::duration::parse_duration(v)?;
+    if d < Duration::from_millis(100) || d > Duration::from_secs(3600) {
+        return Err(format!("`{v}` must be between 100ms and 1h"));
+    }
+    Ok(d)
+}
+
+fn stale_arg(v: &str) -> Result<Duration, String> {
+    config::duration_between(v, 1, 3600)
 }
 
 fn log_level_arg(v: &str) -> Result<String, String> {
@@ -264,9 +314,26 @@ pub fn main() -> ExitCode {
             })
         }
         Command::Controller(args) => {
+            let timing = crate::controller::election::Timing {
+                lease_duration: args.lease_duration,
+                renew_deadline: args.renew_deadline,
+                retry_period: args.retry_period,
+            };
+            if let Err(e) = timing.validate() {
+                eprintln!("harvester-node-agent: invalid leader election flags: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
             let opts = crate::controller::Options {
                 kubeconfig: args.kubeconfig,
                 credentials_retry: args.credentials_retry,
+                namespace: args.namespace,
+                identity: args
+                    .identity
+                    .filter(|i| !i.trim().is_empty())
+                    .unwrap_or_else(crate::controller::default_identity),
+                timing,
+                node_stale_after: args.node_stale_after,
+                metrics_listen: args.metrics_listen,
             };
             serve(&args.log_level, args.log_target, |n| {
                 Box::pin(crate::controller::run(opts, n))

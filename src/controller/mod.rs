@@ -1,28 +1,51 @@
-//! `harvester-node-agent controller`: the in-cluster controller.
+//! `harvester-node-agent controller`: the in-cluster controller that gives
+//! DHCP-mode LoadBalancer Services an address through the node agents
+//! (issue #9; `docs/loadbalancer-design.md`).
 //!
-//! Today it establishes what every reconciler needs — credentials, a
-//! verified connection that follows credential changes, systemd readiness
-//! and clean shutdown. The load-balancer placement and Service status
-//! reconcilers are added by the load-balancer work; until then the
-//! controller changes nothing in the cluster.
+//! Layers: [`reconcile`] decides (pure), [`liveness`] judges node agents on
+//! our clock (pure), [`election`] decides leadership (pure) and [`lease`]
+//! runs it, [`writer`] turns decisions into PATCHes and carries them out,
+//! [`kube_edge`] is the API (watch caches, requests, Events). Every replica
+//! watches and decides; only the leader writes.
 
 pub mod election;
+pub mod kube_edge;
+pub mod lease;
+pub mod liveness;
 pub mod placement;
+pub mod reconcile;
+pub mod stats;
+pub mod writer;
 
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
+use kube::api::Api;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
 
 use crate::cluster::connection::{self, ClusterState, WatchOptions};
 use crate::cluster::credentials::{self, HostEnv, Settings};
+use crate::contract;
 use crate::systemd::{self, Liveness, Notifier};
+
+use election::Timing;
+use stats::Stats;
 
 /// How long one API health request may take.
 const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the controller reconciles without a change (heartbeat
+/// staleness is only seen by looking again).
+const TICK: Duration = Duration::from_secs(1);
+/// A burst of watch events is decided once, this long after its first.
+const COALESCE: Duration = Duration::from_millis(100);
+/// The longest wait between passes after failed writes.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 /// The controller's own settings (its command line is `cli`'s
 /// `ControllerArgs`); none of the node daemon's keys apply to it.
@@ -33,13 +56,38 @@ pub struct Options {
     pub kubeconfig: Option<PathBuf>,
     /// How often to look for credentials and re-check the API server.
     pub credentials_retry: Duration,
+    /// The namespace of the controller Lease and the LoadBalancerNodes.
+    pub namespace: String,
+    /// This replica's name in the Lease.
+    pub identity: String,
+    pub timing: Timing,
+    /// A node whose heartbeat has not changed for this long (on our clock)
+    /// holds no address.
+    pub node_stale_after: Duration,
+    /// Serve `/metrics` and `/healthz` here.
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+/// `<hostname>-<pid>`: unique enough among replicas when no Pod name is
+/// given.
+pub fn default_identity() -> String {
+    let host = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "controller".into());
+    format!("{host}-{}", std::process::id())
 }
 
 pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<()> {
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
+        identity = %opts.identity,
+        namespace = %opts.namespace,
         "starting harvester-node-agent controller"
     );
+    opts.timing
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid election timing: {e}"))?;
     let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
     let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
     let watchdog = systemd::watchdog_period();
@@ -51,9 +99,13 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
     let (cluster_tx, mut cluster_rx) = watch::channel(ClusterState::initial(
         &credentials::discover(&settings, &HostEnv),
     ));
-    let (client_tx, _client_rx) = watch::channel::<Option<kube::Client>>(None);
+    let (client_tx, mut client_rx) = watch::channel::<Option<kube::Client>>(None);
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let liveness = Liveness::default();
+    let stats = Arc::new(Mutex::new(Stats {
+        identity: opts.identity.clone(),
+        ..Default::default()
+    }));
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(connection::watch(
         WatchOptions {
@@ -76,13 +128,40 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
             shutdown_rx.clone(),
         ));
     }
+    if let Some(addr) = opts.metrics_listen {
+        let listener = crate::metrics::bind(addr)
+            .await
+            .with_context(|| format!("listening for metrics on {addr}"))?;
+        let (m, h) = (stats.clone(), stats.clone());
+        let pages = crate::metrics::Pages {
+            metrics: Arc::new(move || m.lock().expect("stats lock").metrics()),
+            health: Arc::new(move || {
+                let s = h.lock().expect("stats lock");
+                if s.connected {
+                    Ok(())
+                } else {
+                    Err("not connected to the cluster".into())
+                }
+            }),
+        };
+        tasks.spawn(crate::metrics::serve(listener, pages));
+    }
     notifier.ready();
 
     let main_beat = liveness.register("main");
     let mut tick = tokio::time::interval(beat_every);
     let mut last_status = String::new();
+    let mut session: Option<Session> = None;
     loop {
-        let status = summary(&cluster_rx.borrow());
+        let status = {
+            let mut s = stats.lock().expect("stats lock");
+            s.connected = matches!(*cluster_rx.borrow(), ClusterState::Connected { .. });
+            if s.connected {
+                s.status_line()
+            } else {
+                summary(&cluster_rx.borrow())
+            }
+        };
         if status != last_status {
             tracing::info!("{status}");
             notifier.status(&status);
@@ -90,12 +169,23 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
         }
         tokio::select! {
             changed = cluster_rx.changed() => if changed.is_err() { break },
+            changed = client_rx.changed() => {
+                if changed.is_err() { break }
+                if let Some(old) = session.take() {
+                    old.stop().await;
+                }
+                let client = client_rx.borrow_and_update().clone();
+                session = client.map(|c| Session::start(c, &opts, stats.clone()));
+            }
             _ = tick.tick() => main_beat.beat(),
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
     }
     notifier.stopping();
+    if let Some(s) = session.take() {
+        s.stop().await;
+    }
     let _ = shutdown_tx.send(true);
     let drain = async { while tasks.join_next().await.is_some() {} };
     let _ = tokio::time::timeout(Duration::from_secs(10), drain).await;
@@ -103,16 +193,228 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
     Ok(())
 }
 
-/// The controller's `STATUS=` line.
+/// Everything that runs on one client: watches, election, reconcile.
+struct Session {
+    shutdown: watch::Sender<bool>,
+    election: tokio::task::JoinHandle<()>,
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl Session {
+    fn start(client: kube::Client, opts: &Options, stats: Arc<Mutex<Stats>>) -> Session {
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let leadership = Arc::new(lease::Leadership::default());
+        let election = tokio::spawn(lease::run(
+            Api::namespaced(client.clone(), &opts.namespace),
+            contract::CONTROLLER_LEASE.to_string(),
+            opts.identity.clone(),
+            opts.timing,
+            leadership.clone(),
+            shutdown_rx.clone(),
+        ));
+        let mut tasks = tokio::task::JoinSet::new();
+        let changed = Arc::new(Notify::new());
+        let errors = stats.clone();
+        let caches = kube_edge::watch_all(
+            &client,
+            &opts.namespace,
+            changed.clone(),
+            Arc::new(move |e: String| {
+                tracing::warn!("{e}");
+                errors.lock().expect("stats lock").watch_errors += 1;
+            }),
+            &mut tasks,
+        );
+        tasks.spawn(reconcile_loop(
+            kube_edge::KubeApi::new(client, &opts.identity),
+            caches,
+            changed,
+            leadership,
+            opts.clone(),
+            stats,
+            shutdown_rx,
+        ));
+        Session {
+            shutdown,
+            election,
+            tasks,
+        }
+    }
+
+    /// Stops writing at once, releases the Lease if held, stops watching.
+    async fn stop(mut self) {
+        let _ = self.shutdown.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(6), &mut self.election).await;
+        self.tasks.abort_all();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+async fn reconcile_loop(
+    api: kube_edge::KubeApi,
+    caches: kube_edge::Caches,
+    changed: Arc<Notify>,
+    leadership: Arc<lease::Leadership>,
+    opts: Options,
+    stats: Arc<Mutex<Stats>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    tokio::select! {
+        ready = caches.ready() => if !ready { return },
+        _ = shutdown.changed() => return,
+    }
+    stats.lock().expect("stats lock").synced = true;
+    tracing::info!("watch caches loaded: reconciling");
+    let mut alive = liveness::Liveness::new(opts.node_stale_after);
+    let mut writes = writer::WriteMemo::default();
+    let mut told = writer::EventMemo::default();
+    let mut access_ensured: BTreeSet<String> = BTreeSet::new();
+    let mut term = 0;
+    let mut backoff = Duration::ZERO;
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = changed.notified() => tokio::time::sleep(COALESCE).await,
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        if !backoff.is_zero() {
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+        let now = Instant::now();
+        let (services, nodes, objects, versions) = world_from(&caches, &mut alive, now);
+        let plan = reconcile::reconcile(reconcile::World {
+            services: &services,
+            nodes: &nodes,
+            node_objects: &objects,
+            access_ensured: &access_ensured,
+        });
+        let leading = leadership.leading();
+        {
+            let mut s = stats.lock().expect("stats lock");
+            s.reconciles += 1;
+            s.summary = plan.summary.clone();
+            s.leader = leading;
+            s.holder = leadership.holder();
+        }
+        if !leading {
+            backoff = Duration::ZERO;
+            continue;
+        }
+        if leadership.term() != term {
+            // A new term: what was sent or told before may have been
+            // undone by another leader since.
+            term = leadership.term();
+            writes.clear();
+            told.clear();
+            access_ensured.clear();
+        }
+        writes.prune(|t| versions.get(t).cloned());
+        told.retain(|k, uid| services.iter().any(|s| s.key == *k && s.uid == uid));
+        let version_of = |t: &str| versions.get(t).cloned();
+        let out = writer::execute(
+            &opts.namespace,
+            &plan,
+            &api,
+            &|| leadership.leading(),
+            &mut writes,
+            &mut told,
+            &version_of,
+        )
+        .await;
+        access_ensured.extend(out.access_ensured.iter().cloned());
+        for e in &out.errors {
+            tracing::warn!("{e}");
+        }
+        for (kind, n) in &out.writes {
+            tracing::debug!(kind, n, "writes");
+        }
+        {
+            let mut s = stats.lock().expect("stats lock");
+            for (kind, n) in &out.writes {
+                *s.writes.entry(kind).or_default() += n;
+            }
+            s.write_errors += out.errors.len() as u64;
+            if let Some(e) = out.errors.last() {
+                s.last_error = Some(e.clone());
+            } else if out.writes.values().sum::<u64>() > 0 {
+                s.last_error = None;
+            }
+            s.count_events(&out.published);
+        }
+        for e in &out.published {
+            tracing::info!(service = %e.service, reason = e.reason, "{}", e.message);
+        }
+        backoff = if out.errors.is_empty() {
+            Duration::ZERO
+        } else {
+            (backoff * 2).clamp(Duration::from_secs(1), MAX_BACKOFF)
+        };
+    }
+}
+/// The decision's input from the watch caches, and the resourceVersion of
+/// every write target (for the [`writer::WriteMemo`]).
+#[allow(clippy::type_complexity)]
+fn world_from(
+    caches: &kube_edge::Caches,
+    alive: &mut liveness::Liveness,
+    now: Instant,
+) -> (
+    Vec<reconcile::ServiceIn>,
+    Vec<String>,
+    Vec<reconcile::NodeIn>,
+    HashMap<String, String>,
+) {
+    let mut versions = HashMap::new();
+    let mut services = Vec::new();
+    for s in caches.services.state() {
+        let Some(view) = kube_edge::service_in(&s) else {
+            continue;
+        };
+        if let Some(rv) = &s.metadata.resource_version {
+            versions.insert(format!("service/{}", view.key), rv.clone());
+        }
+        services.push(view);
+    }
+    let nodes: Vec<String> = caches
+        .nodes
+        .state()
+        .iter()
+        .filter_map(|n| n.metadata.name.clone())
+        .collect();
+    let mut objects = Vec::new();
+    let mut names = BTreeSet::new();
+    for o in caches.node_objects.state() {
+        let Some(name) = o.metadata.name.clone() else {
+            continue;
+        };
+        let status = o.status.clone().unwrap_or_default();
+        alive.observe(&name, status.heartbeat.as_deref(), now);
+        let eligible = alive.eligible(&name, status.ready, now);
+        if let Some(rv) = &o.metadata.resource_version {
+            versions.insert(format!("node/{name}"), rv.clone());
+        }
+        if let Some(n) = kube_edge::node_in(&o, eligible) {
+            objects.push(n);
+        }
+        names.insert(name);
+    }
+    alive.retain(|n| names.contains(n));
+    (services, nodes, objects, versions)
+}
+
+/// The controller's `STATUS=` line before it is connected.
 pub fn summary(cluster: &ClusterState) -> String {
     match cluster {
         ClusterState::Connected {
             server,
             server_version,
             ..
-        } => format!(
-            "controller: connected to {server} ({server_version}); no reconcilers enabled yet"
-        ),
+        } => format!("controller: connected to {server} ({server_version})"),
         ClusterState::Connecting { .. } => "controller: connecting to the cluster".into(),
         ClusterState::Unreachable { error, .. } => {
             format!("controller: cluster unreachable: {error}")

@@ -18,6 +18,7 @@ mod facts;
 mod harness;
 
 mod cluster;
+mod controller;
 mod daemon;
 mod dhcp_probe;
 mod dhcp_rig;
@@ -37,6 +38,7 @@ fn main() -> std::process::ExitCode {
         daemon::tests(),
         unit_file::tests(),
         cluster::tests(),
+        controller::tests(),
         topology::tests(),
         dhcp_rig::tests(),
         dhcp_probe::tests(),

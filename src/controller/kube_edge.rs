@@ -1,0 +1,280 @@
+//! The API edge: Kubernetes objects to the reconcile core's plain data, the
+//! core's requests to API calls, and the watch caches.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Service};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event as KubeEvent, EventType as KubeEventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use tokio::sync::Notify;
+
+use crate::contract::ServiceKey;
+use crate::contract::node_object::{self, LoadBalancerNode};
+use crate::controller::reconcile::{EventOut, EventType, Ingress, NodeIn, Port, ServiceIn};
+use crate::controller::writer::{FIELD_MANAGER, Kind, PatchKind, Request, Requests, Verb};
+
+/// How long one write may take.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub fn service_in(s: &Service) -> Option<ServiceIn> {
+    let meta = &s.metadata;
+    let spec = s.spec.as_ref();
+    Some(ServiceIn {
+        key: ServiceKey {
+            namespace: meta.namespace.clone()?,
+            name: meta.name.clone()?,
+        },
+        uid: meta.uid.clone().unwrap_or_default(),
+        type_: spec
+            .and_then(|s| s.type_.clone())
+            .unwrap_or_else(|| "ClusterIP".into()),
+        load_balancer_class: spec.and_then(|s| s.load_balancer_class.clone()),
+        annotations: meta.annotations.clone().unwrap_or_default(),
+        ports: spec
+            .and_then(|s| s.ports.as_ref())
+            .map(|ports| {
+                ports
+                    .iter()
+                    .map(|p| Port {
+                        port: p.port,
+                        protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+        ingress: s
+            .status
+            .as_ref()
+            .and_then(|st| st.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.as_ref())
+            .map(|list| {
+                list.iter()
+                    .filter_map(|i| {
+                        Some(Ingress {
+                            ip: i.ip.clone()?,
+                            ports: i
+                                .ports
+                                .as_ref()
+                                .map(|ps| {
+                                    ps.iter()
+                                        .map(|p| Port {
+                                            port: p.port,
+                                            protocol: p.protocol.clone(),
+                                        })
+                                        .collect()
+                                })
+                                .unwrap_or_default(),
+                        })
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+        finalizers: meta.finalizers.clone().unwrap_or_default(),
+        deleting: meta.deletion_timestamp.is_some(),
+    })
+}
+
+pub fn node_in(o: &LoadBalancerNode, eligible: bool) -> Option<NodeIn> {
+    Some(NodeIn {
+        name: o.metadata.name.clone()?,
+        spec: o.spec.clone(),
+        status: o.status.clone().unwrap_or_default(),
+        eligible,
+    })
+}
+
+/// Writes through the API server, Events through the Events API.
+pub struct KubeApi {
+    client: kube::Client,
+    recorder: Recorder,
+}
+
+impl KubeApi {
+    pub fn new(client: kube::Client, identity: &str) -> KubeApi {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: Some(identity.to_string()),
+            },
+        );
+        KubeApi { client, recorder }
+    }
+
+    fn api(&self, kind: Kind, namespace: &str) -> Api<DynamicObject> {
+        let ar = match kind {
+            Kind::Service => ApiResource::erase::<Service>(&()),
+            Kind::Role => ApiResource::erase::<Role>(&()),
+            Kind::RoleBinding => ApiResource::erase::<RoleBinding>(&()),
+            Kind::LoadBalancerNode => node_object::api_resource(),
+        };
+        Api::namespaced_with(self.client.clone(), namespace, &ar)
+    }
+
+    async fn send_now(&self, r: &Request) -> Result<(), kube::Error> {
+        let api = self.api(r.kind, &r.namespace);
+        match &r.verb {
+            Verb::Create(body) => {
+                let obj: DynamicObject =
+                    serde_json::from_value(body.clone()).map_err(kube::Error::SerdeError)?;
+                match api.create(&PostParams::default(), &obj).await {
+                    Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+                    other => other.map(|_| ()),
+                }
+            }
+            Verb::Patch(kind, body) => {
+                let (pp, patch) = match kind {
+                    PatchKind::Merge => (PatchParams::default(), Patch::Merge(body)),
+                    PatchKind::Strategic => (PatchParams::default(), Patch::Strategic(body)),
+                    PatchKind::Apply => (
+                        PatchParams::apply(FIELD_MANAGER).force(),
+                        Patch::Apply(body),
+                    ),
+                };
+                match r.subresource {
+                    Some(sub) => api
+                        .patch_subresource(sub, &r.name, &pp, &patch)
+                        .await
+                        .map(|_| ()),
+                    None => api.patch(&r.name, &pp, &patch).await.map(|_| ()),
+                }
+            }
+            Verb::Delete => match api.delete(&r.name, &DeleteParams::default()).await {
+                Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+                other => other.map(|_| ()),
+            },
+        }
+    }
+}
+
+impl Requests for KubeApi {
+    async fn send(&self, r: &Request) -> Result<(), String> {
+        match tokio::time::timeout(WRITE_TIMEOUT, self.send_now(r)).await {
+            Ok(result) => result.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("timed out after {WRITE_TIMEOUT:?}")),
+        }
+    }
+
+    async fn event(&self, e: &EventOut) -> Result<(), String> {
+        let ev = KubeEvent {
+            type_: match e.type_ {
+                EventType::Normal => KubeEventType::Normal,
+                EventType::Warning => KubeEventType::Warning,
+            },
+            reason: e.reason.to_string(),
+            note: Some(e.message.chars().take(1000).collect()),
+            action: e.reason.to_string(),
+            secondary: None,
+        };
+        let regarding = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Service".into()),
+            namespace: Some(e.service.namespace.clone()),
+            name: Some(e.service.name.clone()),
+            uid: Some(e.uid.clone()),
+            ..Default::default()
+        };
+        match tokio::time::timeout(WRITE_TIMEOUT, self.recorder.publish(&ev, &regarding)).await {
+            Ok(result) => result.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("timed out after {WRITE_TIMEOUT:?}")),
+        }
+    }
+}
+
+/// The watch caches the controller decides from.
+#[derive(Clone)]
+pub struct Caches {
+    pub services: Store<Service>,
+    pub nodes: Store<Node>,
+    pub node_objects: Store<LoadBalancerNode>,
+}
+
+impl Caches {
+    /// Waits until every cache holds a complete first list: deciding from a
+    /// partial view would take addresses from Services not yet seen.
+    pub async fn ready(&self) -> bool {
+        self.services.wait_until_ready().await.is_ok()
+            && self.nodes.wait_until_ready().await.is_ok()
+            && self.node_objects.wait_until_ready().await.is_ok()
+    }
+}
+
+/// Starts the three watches in `tasks`; `changed` is notified on every
+/// change, `errors` counts watch errors (they are retried with backoff).
+pub fn watch_all(
+    client: &kube::Client,
+    namespace: &str,
+    changed: Arc<Notify>,
+    on_error: Arc<dyn Fn(String) + Send + Sync>,
+    tasks: &mut tokio::task::JoinSet<()>,
+) -> Caches {
+    let (services, w) = reflector::store::<Service>();
+    spawn_watch(
+        tasks,
+        "Services",
+        w,
+        Api::all(client.clone()),
+        changed.clone(),
+        on_error.clone(),
+    );
+    let (nodes, w) = reflector::store::<Node>();
+    spawn_watch(
+        tasks,
+        "Nodes",
+        w,
+        Api::all(client.clone()),
+        changed.clone(),
+        on_error.clone(),
+    );
+    let ar = node_object::api_resource();
+    let w = reflector::store::Writer::<LoadBalancerNode>::new(ar.clone());
+    let node_objects = w.as_reader();
+    spawn_watch(
+        tasks,
+        "LoadBalancerNodes",
+        w,
+        Api::namespaced_with(client.clone(), namespace, &ar),
+        changed,
+        on_error,
+    );
+    Caches {
+        services,
+        nodes,
+        node_objects,
+    }
+}
+
+fn spawn_watch<K>(
+    tasks: &mut tokio::task::JoinSet<()>,
+    what: &'static str,
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    changed: Arc<Notify>,
+    on_error: Arc<dyn Fn(String) + Send + Sync>,
+) where
+    K: kube::Resource
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Clone + Eq + std::hash::Hash + Send + Sync,
+{
+    let stream =
+        reflector::reflector(writer, watcher(api, watcher::Config::default())).default_backoff();
+    tasks.spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(_) => changed.notify_one(),
+                Err(e) => on_error(format!("watching {what}: {e}")),
+            }
+        }
+    });
+}

@@ -1,0 +1,1521 @@
+//! The controller's decisions as one pure function: Services, Nodes and the
+//! per-node objects in (plain data, already judged for eligibility), the
+//! writes and Events that bring the cluster to what they imply out.
+//!
+//! Idempotent: applied to its own outcome it asks for no write. What runs
+//! is never changed because of something the controller cannot make sense
+//! of (an invalid annotation, a refused IPAM change): such Services are
+//! left exactly as they are, with a Warning Event saying why.
+//!
+//! Order matters and is the order of [`Plan::writes`]: finalizers are added
+//! before anything is assigned (a Service is never given an address it
+//! could be deleted without releasing); node objects exist before their
+//! specs are written; a Service's status is written before its annotations
+//! (the Harvester cloud provider copies the address only on the resync an
+//! annotation change triggers); finalizers are removed last.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::contract::node_object::{Assignment, Spec, Status};
+use crate::contract::{
+    self, AddressIdentity, Annotations, FINALIZER, Selection, ServiceKey, ServiceView, harvester,
+    kube_vip,
+};
+use crate::controller::placement::{self, ServiceNeed};
+
+/// The annotations the controller writes on a Service it serves (kube-vip's
+/// record, so that moving back to kube-vip keeps the address).
+pub const OUR_ANNOTATIONS: [&str; 3] =
+    [kube_vip::HWADDR, kube_vip::REQUESTED_IP, kube_vip::VIP_HOST];
+
+/// The DHCP state of a lease that holds its address.
+pub const BOUND: &str = "BOUND";
+
+/// One port of a Service (`spec.ports[]`, as the ingress lists it).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Port {
+    pub port: i32,
+    pub protocol: String,
+}
+
+impl std::fmt::Display for Port {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.port, self.protocol)
+    }
+}
+
+/// One entry of `status.loadBalancer.ingress`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ingress {
+    pub ip: String,
+    pub ports: Vec<Port>,
+}
+
+/// A Service as the decision needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceIn {
+    pub key: ServiceKey,
+    pub uid: String,
+    /// `spec.type`.
+    pub type_: String,
+    pub load_balancer_class: Option<String>,
+    pub annotations: Annotations,
+    pub ports: Vec<Port>,
+    /// `status.loadBalancer.ingress` now.
+    pub ingress: Vec<Ingress>,
+    pub finalizers: Vec<String>,
+    /// `metadata.deletionTimestamp` is set.
+    pub deleting: bool,
+}
+
+impl ServiceIn {
+    fn view(&self) -> ServiceView {
+        ServiceView {
+            type_: self.type_.clone(),
+            load_balancer_class: self.load_balancer_class.clone(),
+            annotations: self.annotations.clone(),
+        }
+    }
+
+    fn has_our_finalizer(&self) -> bool {
+        self.finalizers.iter().any(|f| f == FINALIZER)
+    }
+
+    fn first_ip(&self) -> Option<&str> {
+        self.ingress.first().map(|i| i.ip.as_str())
+    }
+
+    /// A LoadBalancer that is not ours only because of its IPAM mode:
+    /// Harvester's pool allocates its address.
+    fn is_pool_mode(&self) -> bool {
+        self.type_ == "LoadBalancer"
+            && self.load_balancer_class.is_none()
+            && !self.annotations.contains_key(harvester::PRIMARY_SERVICE)
+            && self.annotations.get(contract::IGNORE).map(String::as_str) != Some("true")
+    }
+}
+
+/// A `LoadBalancerNode` as the decision needs it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeIn {
+    pub name: String,
+    pub spec: Spec,
+    pub status: Status,
+    /// Ready and heartbeating, judged on the controller's clock
+    /// (`controller::liveness`).
+    pub eligible: bool,
+}
+
+impl NodeIn {
+    /// The address of the lease for `service` on `interface`, if BOUND.
+    fn bound_address(&self, service: &str, interface: &str) -> Option<&str> {
+        self.status
+            .leases
+            .iter()
+            .find(|l| l.service == service && l.interface == interface && l.state == BOUND)
+            .and_then(|l| l.address.as_deref())
+    }
+
+    /// Whether the agent still reports a lease (in any state) there.
+    fn lists_lease(&self, service: &str, interface: &str) -> bool {
+        self.status
+            .leases
+            .iter()
+            .any(|l| l.service == service && l.interface == interface)
+    }
+}
+
+/// Everything one decision reads.
+#[derive(Debug, Clone, Copy)]
+pub struct World<'a> {
+    pub services: &'a [ServiceIn],
+    /// The names of the Kubernetes Nodes.
+    pub nodes: &'a [String],
+    pub node_objects: &'a [NodeIn],
+    /// The nodes whose Role and RoleBinding this process has applied.
+    pub access_ensured: &'a BTreeSet<String>,
+}
+
+/// One write, in the order of [`Plan::writes`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Write {
+    /// Strategic merge patch appending [`FINALIZER`].
+    AddFinalizer(ServiceKey),
+    /// A `LoadBalancerNode` with an empty spec, plus the node's Role and
+    /// RoleBinding.
+    CreateNodeObject(String),
+    /// The node's Role and RoleBinding (applied, so also repaired).
+    EnsureNodeAccess(String),
+    /// The whole `spec.assignments` of a node object (merge patch).
+    /// `services`: whose assignments changed; their later writes wait for
+    /// this one.
+    SetSpec {
+        node: String,
+        spec: Spec,
+        services: Vec<ServiceKey>,
+    },
+    /// `status.loadBalancer.ingress` (status subresource, merge patch);
+    /// empty clears it.
+    ServiceStatus {
+        service: ServiceKey,
+        ingress: Vec<Ingress>,
+    },
+    /// Merge patch of annotations; `None` removes the key.
+    ServiceAnnotations {
+        service: ServiceKey,
+        set: BTreeMap<String, Option<String>>,
+    },
+    /// Strategic merge patch `$deleteFromPrimitiveList` of [`FINALIZER`]
+    /// (other finalizers stay).
+    RemoveFinalizer(ServiceKey),
+    /// The node is gone: its object, Role and RoleBinding.
+    DeleteNodeObject(String),
+}
+
+impl Write {
+    /// The Services whose later writes depend on this one succeeding.
+    pub fn services(&self) -> Vec<&ServiceKey> {
+        match self {
+            Write::AddFinalizer(s) | Write::RemoveFinalizer(s) => vec![s],
+            Write::ServiceStatus { service, .. } | Write::ServiceAnnotations { service, .. } => {
+                vec![service]
+            }
+            Write::SetSpec { services, .. } => services.iter().collect(),
+            Write::CreateNodeObject(_)
+            | Write::EnsureNodeAccess(_)
+            | Write::DeleteNodeObject(_) => Vec::new(),
+        }
+    }
+
+    /// A short name for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Write::AddFinalizer(_) => "add_finalizer",
+            Write::CreateNodeObject(_) => "create_node_object",
+            Write::EnsureNodeAccess(_) => "node_access",
+            Write::SetSpec { .. } => "node_spec",
+            Write::ServiceStatus { .. } => "service_status",
+            Write::ServiceAnnotations { .. } => "service_annotations",
+            Write::RemoveFinalizer(_) => "remove_finalizer",
+            Write::DeleteNodeObject(_) => "delete_node_object",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+/// An Event on a Service.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventOut {
+    pub service: ServiceKey,
+    pub uid: String,
+    pub type_: EventType,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// Event reasons (the `reason` field: CamelCase, stable).
+pub mod reason {
+    pub const HOLDER_CHOSEN: &str = "HolderChosen";
+    pub const MOVED: &str = "HolderMoved";
+    pub const ADDRESS_ASSIGNED: &str = "AddressAssigned";
+    pub const ADDRESS_SHARED: &str = "AddressShared";
+    pub const NO_ELIGIBLE_NODE: &str = "NoEligibleNode";
+    pub const RELEASING: &str = "Releasing";
+    pub const RELEASED: &str = "Released";
+    pub const RELEASED_WITHOUT_DHCPRELEASE: &str = "ReleasedWithoutDHCPRelease";
+    pub const SECONDARIES_LIVE: &str = "SecondariesStillShareAddress";
+    pub const IPAM_CHANGE_REFUSED: &str = "IPAMChangeRefused";
+    pub const PORTS_OVERLAP: &str = "PortsOverlap";
+    pub const PRIMARY_IS_SECONDARY: &str = "PrimaryIsSecondary";
+    pub const PRIMARY_NOT_OURS: &str = "PrimaryNotOurs";
+    pub const INVALID: &str = "InvalidConfiguration";
+    pub const HANDED_OVER: &str = "HandedOver";
+}
+
+/// How the Services stand, for the `STATUS=` line and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Primaries whose status carries their holder's address.
+    pub served: usize,
+    /// Primaries waiting for a holder or a lease.
+    pub pending: usize,
+    /// Secondaries sharing their primary's address.
+    pub shared: usize,
+    /// Services being released (deleted, finalizer still ours).
+    pub releasing: usize,
+    /// Services refused or invalid (a Warning says why).
+    pub refused: usize,
+    pub nodes_eligible: usize,
+    pub nodes_total: usize,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub writes: Vec<Write>,
+    pub events: Vec<EventOut>,
+    pub summary: Summary,
+}
+
+/// What a Service's own holder should carry.
+fn assignment_of(s: &ServiceIn, id: &AddressIdentity) -> Assignment {
+    Assignment {
+        service: s.key.to_string(),
+        uid: s.uid.clone(),
+        interface: id.interface.clone(),
+        mac: crate::mac::format(&id.mac),
+        client_id: id.client_id.iter().map(|b| format!("{b:02x}")).collect(),
+        hostname: id.hostname.clone(),
+        requested_ip: id.requested_ip.map(|ip| ip.to_string()),
+        uplink: s
+            .annotations
+            .get(kube_vip::SERVICE_INTERFACE)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty() && v != "auto"),
+        release: false,
+    }
+}
+
+/// The desired specs, edited per Service, and which Services each edit
+/// touched.
+struct Specs {
+    current: BTreeMap<String, Vec<Assignment>>,
+    desired: BTreeMap<String, Vec<Assignment>>,
+    touched: BTreeMap<String, BTreeSet<ServiceKey>>,
+}
+
+impl Specs {
+    /// `(node, assignment)` for every assignment of `uid`, in node order.
+    fn holders_of(&self, uid: &str) -> Vec<(String, Assignment)> {
+        self.desired
+            .iter()
+            .flat_map(|(n, list)| {
+                list.iter()
+                    .filter(|a| a.uid == uid)
+                    .map(move |a| (n.clone(), a.clone()))
+            })
+            .collect()
+    }
+
+    fn remove(&mut self, node: &str, uid: &str, service: &ServiceKey) {
+        if let Some(list) = self.desired.get_mut(node) {
+            list.retain(|a| a.uid != uid);
+            self.touched
+                .entry(node.to_string())
+                .or_default()
+                .insert(service.clone());
+        }
+    }
+
+    fn put(&mut self, node: &str, a: Assignment, service: &ServiceKey) {
+        if let Some(list) = self.desired.get_mut(node) {
+            match list.iter_mut().find(|x| x.uid == a.uid) {
+                Some(x) => *x = a,
+                None => list.push(a),
+            }
+            self.touched
+                .entry(node.to_string())
+                .or_default()
+                .insert(service.clone());
+        }
+    }
+
+    fn writes(self) -> Vec<Write> {
+        let mut out = Vec::new();
+        for (node, mut list) in self.desired {
+            list.sort_by(|a, b| a.service.cmp(&b.service).then(a.uid.cmp(&b.uid)));
+            let mut current = self.current.get(&node).cloned().unwrap_or_default();
+            current.sort_by(|a, b| a.service.cmp(&b.service).then(a.uid.cmp(&b.uid)));
+            if list != current {
+                out.push(Write::SetSpec {
+                    services: self
+                        .touched
+                        .get(&node)
+                        .map(|s| s.iter().cloned().collect())
+                        .unwrap_or_default(),
+                    node,
+                    spec: Spec { assignments: list },
+                });
+            }
+        }
+        out
+    }
+}
+
+/// Everything to do now.
+pub fn reconcile(world: World<'_>) -> Plan {
+    let mut plan = Plan::default();
+    let node_names: BTreeSet<&str> = world.nodes.iter().map(String::as_str).collect();
+    let objects: BTreeMap<&str, &NodeIn> = world
+        .node_objects
+        .iter()
+        .map(|o| (o.name.as_str(), o))
+        .collect();
+
+    let mut creates = Vec::new();
+    let mut deletes = Vec::new();
+    for n in &node_names {
+        if !objects.contains_key(n) {
+            creates.push(Write::CreateNodeObject(n.to_string()));
+        }
+    }
+    for n in &node_names {
+        if !world.access_ensured.contains(*n) {
+            creates.push(Write::EnsureNodeAccess(n.to_string()));
+        }
+    }
+    for n in objects.keys() {
+        if !node_names.contains(n) {
+            deletes.push(Write::DeleteNodeObject(n.to_string()));
+        }
+    }
+    // Only the objects of existing Nodes may hold addresses.
+    let live: BTreeMap<&str, &NodeIn> = objects
+        .iter()
+        .filter(|(n, _)| node_names.contains(*n))
+        .map(|(n, o)| (*n, *o))
+        .collect();
+    let eligible: Vec<String> = live
+        .values()
+        .filter(|o| o.eligible)
+        .map(|o| o.name.clone())
+        .collect();
+    plan.summary.nodes_total = node_names.len();
+    plan.summary.nodes_eligible = eligible.len();
+    let is_eligible = |n: &str| live.get(n).is_some_and(|o| o.eligible);
+
+    let mut specs = Specs {
+        current: live
+            .iter()
+            .map(|(n, o)| (n.to_string(), o.spec.assignments.clone()))
+            .collect(),
+        desired: live
+            .iter()
+            .map(|(n, o)| (n.to_string(), o.spec.assignments.clone()))
+            .collect(),
+        touched: BTreeMap::new(),
+    };
+
+    let mut services: Vec<&ServiceIn> = world.services.iter().collect();
+    services.sort_by(|a, b| a.key.cmp(&b.key));
+    let by_key: BTreeMap<&ServiceKey, &ServiceIn> = services.iter().map(|s| (&s.key, *s)).collect();
+    let selections: BTreeMap<&ServiceKey, Selection> = services
+        .iter()
+        .map(|s| (&s.key, contract::select(&s.view())))
+        .collect();
+
+    let mut add_finalizers = Vec::new();
+    let mut statuses = Vec::new();
+    let mut annotations = Vec::new();
+    let mut remove_finalizers = Vec::new();
+    let mut event = |s: &ServiceIn, type_: EventType, reason: &'static str, message: String| {
+        plan.events.push(EventOut {
+            service: s.key.clone(),
+            uid: s.uid.clone(),
+            type_,
+            reason,
+            message,
+        })
+    };
+
+    // Primaries to place, with their identities.
+    let mut needs: Vec<(&ServiceIn, AddressIdentity)> = Vec::new();
+
+    for s in &services {
+        let selection = &selections[&s.key];
+        let ours = s.has_our_finalizer();
+        let holders = specs.holders_of(&s.uid);
+
+        if s.deleting {
+            if !ours {
+                continue;
+            }
+            plan.summary.releasing += 1;
+            let secondaries: Vec<String> = services
+                .iter()
+                .filter(|o| !o.deleting)
+                .filter(|o| {
+                    matches!(&selections[&o.key], Selection::Secondary { primary } if *primary == s.key)
+                })
+                .map(|o| o.key.to_string())
+                .collect();
+            if !secondaries.is_empty() {
+                event(
+                    s,
+                    EventType::Warning,
+                    reason::SECONDARIES_LIVE,
+                    format!(
+                        "not releasing the address while {} still share it; delete them first",
+                        secondaries.join(", ")
+                    ),
+                );
+                continue;
+            }
+            let service = s.key.to_string();
+            let mut waiting = false;
+            for (node, a) in &holders {
+                let holder = live.get(node.as_str());
+                let listed = holder.is_some_and(|o| o.lists_lease(&service, &a.interface));
+                if listed && is_eligible(node) {
+                    waiting = true;
+                    if !a.release {
+                        specs.put(
+                            node,
+                            Assignment {
+                                release: true,
+                                ..a.clone()
+                            },
+                            &s.key,
+                        );
+                        event(
+                            s,
+                            EventType::Normal,
+                            reason::RELEASING,
+                            format!(
+                                "{node} sends DHCPRELEASE for {}",
+                                s.first_ip().unwrap_or("the address")
+                            ),
+                        );
+                    }
+                } else {
+                    if listed {
+                        event(
+                            s,
+                            EventType::Warning,
+                            reason::RELEASED_WITHOUT_DHCPRELEASE,
+                            format!("released without DHCPRELEASE: holder {node} is down"),
+                        );
+                    }
+                    specs.remove(node, &s.uid, &s.key);
+                }
+            }
+            if !waiting {
+                clear_service(s, &mut statuses, &mut annotations);
+                remove_finalizers.push(Write::RemoveFinalizer(s.key.clone()));
+                event(
+                    s,
+                    EventType::Normal,
+                    reason::RELEASED,
+                    match s.first_ip() {
+                        Some(ip) => format!("address {ip} released"),
+                        None => "released".into(),
+                    },
+                );
+            }
+            continue;
+        }
+
+        match selection {
+            Selection::Primary if !ours => {
+                // A status address we did not record: Harvester's pool gave it.
+                let pool_address = s.first_ip().filter(|ip| {
+                    s.annotations.get(kube_vip::REQUESTED_IP).map(|v| v.trim()) != Some(*ip)
+                });
+                if let Some(ip) = pool_address {
+                    plan.summary.refused += 1;
+                    event(
+                        s,
+                        EventType::Warning,
+                        reason::IPAM_CHANGE_REFUSED,
+                        format!(
+                            "{ip} was allocated by Harvester's pool: changing the IPAM mode from pool to dhcp is not supported; recreate the Service to use DHCP"
+                        ),
+                    );
+                } else if let Err(e) = contract::address_identity(&s.uid, &s.annotations) {
+                    plan.summary.refused += 1;
+                    event(s, EventType::Warning, reason::INVALID, e);
+                } else {
+                    plan.summary.pending += 1;
+                    add_finalizers.push(Write::AddFinalizer(s.key.clone()));
+                }
+            }
+            Selection::Primary => match contract::address_identity(&s.uid, &s.annotations) {
+                Ok(id) => needs.push((s, id)),
+                Err(e) => {
+                    plan.summary.refused += 1;
+                    event(s, EventType::Warning, reason::INVALID, e);
+                }
+            },
+            Selection::Invalid(e) => {
+                plan.summary.refused += 1;
+                event(s, EventType::Warning, reason::INVALID, e.clone());
+            }
+            Selection::Secondary { .. } => {} // below, once primaries are decided
+            Selection::NotOurs(_) if ours && s.is_pool_mode() => {
+                plan.summary.refused += 1;
+                event(
+                    s,
+                    EventType::Warning,
+                    reason::IPAM_CHANGE_REFUSED,
+                    format!(
+                        "{} changed to pool mode: not supported; keeping the DHCP address{}",
+                        harvester::IPAM,
+                        s.first_ip().map(|ip| format!(" {ip}")).unwrap_or_default()
+                    ),
+                );
+            }
+            Selection::NotOurs(why) => {
+                if ours || !holders.is_empty() {
+                    for (node, _) in &holders {
+                        specs.remove(node, &s.uid, &s.key);
+                    }
+                    // An address on a Service that is no LoadBalancer is
+                    // false information; a LoadBalancer of another class
+                    // keeps what its new implementation may reuse.
+                    if s.type_ != "LoadBalancer" && !s.ingress.is_empty() {
+                        statuses.push(Write::ServiceStatus {
+                            service: s.key.clone(),
+                            ingress: Vec::new(),
+                        });
+                    }
+                    if ours {
+                        remove_finalizers.push(Write::RemoveFinalizer(s.key.clone()));
+                    }
+                    event(
+                        s,
+                        EventType::Normal,
+                        reason::HANDED_OVER,
+                        format!("{why}: address handed over without DHCPRELEASE"),
+                    );
+                }
+            }
+            Selection::OptedOut => {
+                if ours || !holders.is_empty() {
+                    for (node, _) in &holders {
+                        specs.remove(node, &s.uid, &s.key);
+                    }
+                    if ours {
+                        remove_finalizers.push(Write::RemoveFinalizer(s.key.clone()));
+                    }
+                    event(
+                        s,
+                        EventType::Normal,
+                        reason::HANDED_OVER,
+                        format!(
+                            "{}: address handed over without DHCPRELEASE; status and kube-vip.io annotations kept for the next implementation",
+                            contract::IGNORE
+                        ),
+                    );
+                }
+            }
+        }
+    }
+
+    // Holders: keep a healthy one, else place.
+    let current: BTreeMap<ServiceKey, String> = needs
+        .iter()
+        .filter_map(|(s, _)| {
+            specs
+                .holders_of(&s.uid)
+                .into_iter()
+                .find(|(_, a)| !a.release)
+                .map(|(n, _)| (s.key.clone(), n))
+        })
+        .collect();
+    let service_needs: Vec<ServiceNeed> = needs
+        .iter()
+        .map(|(s, _)| ServiceNeed {
+            key: s.key.clone(),
+            uid: s.uid.clone(),
+        })
+        .collect();
+    let placement = placement::place(&service_needs, &eligible, &current);
+    // The address each primary of ours stands for (for its secondaries).
+    let mut primary_ip: BTreeMap<ServiceKey, String> = BTreeMap::new();
+    for (s, id) in &needs {
+        let was = current.get(&s.key);
+        let holder = match placement.get(&s.key).cloned().flatten() {
+            Some(h) => {
+                for (node, _) in specs.holders_of(&s.uid) {
+                    if node != h {
+                        specs.remove(&node, &s.uid, &s.key);
+                    }
+                }
+                specs.put(&h, assignment_of(s, id), &s.key);
+                match was {
+                    None => event(
+                        s,
+                        EventType::Normal,
+                        reason::HOLDER_CHOSEN,
+                        format!("{h} holds the address"),
+                    ),
+                    Some(old) if *old != h => event(
+                        s,
+                        EventType::Normal,
+                        reason::MOVED,
+                        format!("holder moved from {old} (not eligible) to {h}"),
+                    ),
+                    Some(_) => {}
+                }
+                Some(h)
+            }
+            None => {
+                event(
+                    s,
+                    EventType::Warning,
+                    reason::NO_ELIGIBLE_NODE,
+                    format!(
+                        "no node can hold the address now ({} of {} eligible)",
+                        eligible.len(),
+                        node_names.len()
+                    ),
+                );
+                was.cloned()
+            }
+        };
+        let address = holder.as_deref().and_then(|h| {
+            live.get(h)
+                .and_then(|o| o.bound_address(&s.key.to_string(), &id.interface))
+                .map(|ip| (h, ip))
+        });
+        let Some((holder, ip)) = address else {
+            plan.summary.pending += 1;
+            if let Some(ip) = s.first_ip() {
+                primary_ip.insert(s.key.clone(), ip.to_string());
+            }
+            continue;
+        };
+        plan.summary.served += 1;
+        primary_ip.insert(s.key.clone(), ip.to_string());
+        let want = vec![Ingress {
+            ip: ip.to_string(),
+            ports: s.ports.clone(),
+        }];
+        if s.ingress != want {
+            statuses.push(Write::ServiceStatus {
+                service: s.key.clone(),
+                ingress: want,
+            });
+            event(
+                s,
+                EventType::Normal,
+                reason::ADDRESS_ASSIGNED,
+                format!("{ip} held by {holder}"),
+            );
+        }
+        let record = [
+            (kube_vip::HWADDR, crate::mac::format(&id.mac)),
+            (kube_vip::REQUESTED_IP, ip.to_string()),
+            (kube_vip::VIP_HOST, holder.to_string()),
+        ];
+        let set: BTreeMap<String, Option<String>> = record
+            .into_iter()
+            .filter(|(k, v)| s.annotations.get(*k) != Some(v))
+            .map(|(k, v)| (k.to_string(), Some(v)))
+            .collect();
+        if !set.is_empty() {
+            annotations.push(Write::ServiceAnnotations {
+                service: s.key.clone(),
+                set,
+            });
+        }
+    }
+
+    // Secondaries share their primary's address, ports apart.
+    let mut by_primary: BTreeMap<&ServiceKey, Vec<&ServiceIn>> = BTreeMap::new();
+    for s in &services {
+        if s.deleting {
+            continue;
+        }
+        let Selection::Secondary { primary } = &selections[&s.key] else {
+            continue;
+        };
+        let Some(p) = by_key.get(primary) else {
+            plan.summary.refused += 1;
+            event(
+                s,
+                EventType::Warning,
+                reason::PRIMARY_NOT_OURS,
+                format!("primary {primary} does not exist"),
+            );
+            continue;
+        };
+        match &selections[&p.key] {
+            Selection::Secondary { .. } => {
+                plan.summary.refused += 1;
+                event(
+                    s,
+                    EventType::Warning,
+                    reason::PRIMARY_IS_SECONDARY,
+                    format!("primary {primary} is itself a secondary; name its primary instead"),
+                );
+            }
+            Selection::Primary if p.has_our_finalizer() && !p.deleting => {
+                by_primary.entry(&p.key).or_default().push(s);
+            }
+            _ => {
+                plan.summary.refused += 1;
+                event(
+                    s,
+                    EventType::Warning,
+                    reason::PRIMARY_NOT_OURS,
+                    format!(
+                        "primary {primary} is not a DHCP Service served by harvester-node-agent"
+                    ),
+                );
+            }
+        }
+    }
+    for (primary, mut secondaries) in by_primary {
+        let Some(ip) = primary_ip.get(primary) else {
+            continue; // no address yet: nothing to share
+        };
+        // Those already sharing keep their ports; the rest by name.
+        secondaries.sort_by_key(|s| (s.first_ip() != Some(ip.as_str()), s.key.clone()));
+        let mut used: BTreeMap<Port, String> = by_key[primary]
+            .ports
+            .iter()
+            .map(|p| (p.clone(), primary.to_string()))
+            .collect();
+        for s in secondaries {
+            let clash: Vec<String> = s
+                .ports
+                .iter()
+                .filter_map(|p| used.get(p).map(|who| format!("{p} (used by {who})")))
+                .collect();
+            if !clash.is_empty() {
+                plan.summary.refused += 1;
+                event(
+                    s,
+                    EventType::Warning,
+                    reason::PORTS_OVERLAP,
+                    format!("cannot share {ip}: port {}", clash.join(", ")),
+                );
+                continue;
+            }
+            for p in &s.ports {
+                used.insert(p.clone(), s.key.to_string());
+            }
+            plan.summary.shared += 1;
+            let want = vec![Ingress {
+                ip: ip.clone(),
+                ports: s.ports.clone(),
+            }];
+            if s.ingress != want {
+                statuses.push(Write::ServiceStatus {
+                    service: s.key.clone(),
+                    ingress: want,
+                });
+                event(
+                    s,
+                    EventType::Normal,
+                    reason::ADDRESS_SHARED,
+                    format!("shares {ip} with {primary}"),
+                );
+            }
+        }
+    }
+
+    // Assignments of Services that are gone (their finalizer removed by
+    // someone else): release where a live holder still runs the lease.
+    let uids: BTreeSet<&str> = services.iter().map(|s| s.uid.as_str()).collect();
+    let orphans: Vec<(String, Assignment)> = specs
+        .desired
+        .iter()
+        .flat_map(|(n, l)| l.iter().map(move |a| (n.clone(), a.clone())))
+        .filter(|(_, a)| !uids.contains(a.uid.as_str()))
+        .collect();
+    for (node, a) in orphans {
+        let key = contract::parse_service_key(&a.service).unwrap_or_else(|| ServiceKey {
+            namespace: String::new(),
+            name: a.service.clone(),
+        });
+        let running = live
+            .get(node.as_str())
+            .is_some_and(|o| o.eligible && o.lists_lease(&a.service, &a.interface));
+        if running {
+            if !a.release {
+                specs.put(&node, Assignment { release: true, ..a }, &key);
+            }
+        } else {
+            specs.remove(&node, &a.uid, &key);
+        }
+    }
+
+    plan.writes = add_finalizers;
+    plan.writes.extend(creates);
+    plan.writes.extend(specs.writes());
+    plan.writes.extend(statuses);
+    plan.writes.extend(annotations);
+    plan.writes.extend(remove_finalizers);
+    plan.writes.extend(deletes);
+    plan
+}
+
+/// Our record off a Service: status and the annotations we wrote.
+fn clear_service(s: &ServiceIn, statuses: &mut Vec<Write>, annotations: &mut Vec<Write>) {
+    if !s.ingress.is_empty() {
+        statuses.push(Write::ServiceStatus {
+            service: s.key.clone(),
+            ingress: Vec::new(),
+        });
+    }
+    let set: BTreeMap<String, Option<String>> = OUR_ANNOTATIONS
+        .iter()
+        .filter(|k| s.annotations.contains_key(**k))
+        .map(|k| (k.to_string(), None))
+        .collect();
+    if !set.is_empty() {
+        annotations.push(Write::ServiceAnnotations {
+            service: s.key.clone(),
+            set,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::node_object::LeaseReport;
+
+    const NS: &str = "default";
+
+    fn key(name: &str) -> ServiceKey {
+        ServiceKey {
+            namespace: NS.into(),
+            name: name.into(),
+        }
+    }
+
+    fn uid(name: &str) -> String {
+        let h = contract::fnv1a(&[name.as_bytes()]);
+        format!("{:08x}-0000-4000-8000-{:012x}", h as u32, h >> 16)
+    }
+
+    fn port(p: i32) -> Port {
+        Port {
+            port: p,
+            protocol: "TCP".into(),
+        }
+    }
+
+    /// A DHCP-mode LoadBalancer as the cloud provider leaves it.
+    fn dhcp(name: &str, ports: &[i32]) -> ServiceIn {
+        ServiceIn {
+            key: key(name),
+            uid: uid(name),
+            type_: "LoadBalancer".into(),
+            load_balancer_class: None,
+            annotations: [(harvester::IPAM.to_string(), "dhcp".to_string())].into(),
+            ports: ports.iter().map(|p| port(*p)).collect(),
+            ingress: Vec::new(),
+            finalizers: Vec::new(),
+            deleting: false,
+        }
+    }
+
+    fn secondary(name: &str, primary: &str, ports: &[i32]) -> ServiceIn {
+        let mut s = dhcp(name, ports);
+        s.annotations = [(
+            harvester::PRIMARY_SERVICE.to_string(),
+            format!("{NS}/{primary}"),
+        )]
+        .into();
+        s
+    }
+
+    /// The cluster, the API server and the node agents, as far as the
+    /// controller's writes go.
+    #[derive(Debug, Clone)]
+    struct Sim {
+        services: Vec<ServiceIn>,
+        nodes: Vec<String>,
+        objects: Vec<NodeIn>,
+        access: BTreeSet<String>,
+        /// Nodes whose agents run (they are eligible and report leases).
+        up: BTreeSet<String>,
+        /// Addresses the DHCP server hands out, by client.
+        next_ip: u8,
+        given: BTreeMap<String, String>,
+    }
+
+    impl Sim {
+        fn new(nodes: &[&str]) -> Sim {
+            let mut sim = Sim {
+                services: Vec::new(),
+                nodes: nodes.iter().map(|n| n.to_string()).collect(),
+                objects: Vec::new(),
+                access: BTreeSet::new(),
+                up: nodes.iter().map(|n| n.to_string()).collect(),
+                next_ip: 150,
+                given: BTreeMap::new(),
+            };
+            sim.settle();
+            sim
+        }
+
+        fn plan(&self) -> Plan {
+            reconcile(World {
+                services: &self.services,
+                nodes: &self.nodes,
+                node_objects: &self.objects,
+                access_ensured: &self.access,
+            })
+        }
+
+        fn svc(&self, name: &str) -> &ServiceIn {
+            self.services.iter().find(|s| s.key == key(name)).unwrap()
+        }
+
+        fn svc_mut(&mut self, name: &str) -> &mut ServiceIn {
+            self.services
+                .iter_mut()
+                .find(|s| s.key == key(name))
+                .unwrap()
+        }
+
+        fn holders(&self, name: &str) -> Vec<(String, Assignment)> {
+            self.objects
+                .iter()
+                .flat_map(|o| {
+                    o.spec
+                        .assignments
+                        .iter()
+                        .filter(|a| a.service == format!("{NS}/{name}"))
+                        .map(|a| (o.name.clone(), a.clone()))
+                })
+                .collect()
+        }
+
+        fn apply(&mut self, plan: &Plan) {
+            for w in &plan.writes {
+                match w {
+                    Write::AddFinalizer(k) => {
+                        let s = self.services.iter_mut().find(|s| s.key == *k).unwrap();
+                        if !s.finalizers.iter().any(|f| f == FINALIZER) {
+                            s.finalizers.push(FINALIZER.into());
+                        }
+                    }
+                    Write::RemoveFinalizer(k) => {
+                        let s = self.services.iter_mut().find(|s| s.key == *k).unwrap();
+                        s.finalizers.retain(|f| f != FINALIZER);
+                    }
+                    Write::ServiceStatus { service, ingress } => {
+                        self.services
+                            .iter_mut()
+                            .find(|s| s.key == *service)
+                            .unwrap()
+                            .ingress = ingress.clone();
+                    }
+                    Write::ServiceAnnotations { service, set } => {
+                        let s = self
+                            .services
+                            .iter_mut()
+                            .find(|s| s.key == *service)
+                            .unwrap();
+                        for (k, v) in set {
+                            for forbidden in
+                                [kube_vip::LOADBALANCER_IPS, "cloudprovider.harvesterhci.io/"]
+                            {
+                                assert!(!k.starts_with(forbidden), "never ours to write: {k}");
+                            }
+                            match v {
+                                Some(v) => s.annotations.insert(k.clone(), v.clone()),
+                                None => s.annotations.remove(k),
+                            };
+                        }
+                    }
+                    Write::CreateNodeObject(n) => self.objects.push(NodeIn {
+                        name: n.clone(),
+                        ..Default::default()
+                    }),
+                    Write::EnsureNodeAccess(n) => {
+                        self.access.insert(n.clone());
+                    }
+                    Write::SetSpec { node, spec, .. } => {
+                        self.objects
+                            .iter_mut()
+                            .find(|o| o.name == *node)
+                            .unwrap()
+                            .spec = spec.clone();
+                    }
+                    Write::DeleteNodeObject(n) => self.objects.retain(|o| o.name != *n),
+                }
+            }
+            // The API server deletes a deleted object once no finalizer is left.
+            self.services
+                .retain(|s| !(s.deleting && s.finalizers.is_empty()));
+        }
+
+        /// The agents act on their specs and report.
+        fn agents(&mut self) {
+            for o in &mut self.objects {
+                o.eligible = self.up.contains(&o.name);
+                if !o.eligible {
+                    continue; // a dead agent reports nothing new
+                }
+                let mut leases = Vec::new();
+                for a in &o.spec.assignments {
+                    if a.release {
+                        self.given.remove(&a.uid); // DHCPRELEASE
+                        continue;
+                    }
+                    let ip = self.given.entry(a.uid.clone()).or_insert_with(|| {
+                        let ip = a
+                            .requested_ip
+                            .clone()
+                            .unwrap_or(format!("10.77.0.{}", self.next_ip));
+                        self.next_ip += 1;
+                        ip
+                    });
+                    leases.push(LeaseReport {
+                        service: a.service.clone(),
+                        interface: a.interface.clone(),
+                        state: BOUND.into(),
+                        address: Some(ip.clone()),
+                        mac: a.mac.clone(),
+                        ..Default::default()
+                    });
+                }
+                o.status.leases = leases;
+                o.status.ready = true;
+            }
+        }
+
+        /// Reconcile and let the world answer until nothing is written;
+        /// returns every plan on the way.
+        fn settle(&mut self) -> Vec<Plan> {
+            let mut plans = Vec::new();
+            for _ in 0..10 {
+                self.agents();
+                let p = self.plan();
+                if p.writes.is_empty() {
+                    plans.push(p);
+                    return plans;
+                }
+                self.apply(&p);
+                plans.push(p);
+            }
+            panic!("no fixed point after 10 rounds: {:#?}", plans.last());
+        }
+    }
+
+    fn events(plans: &[Plan]) -> Vec<(&'static str, String)> {
+        plans
+            .iter()
+            .flat_map(|p| p.events.iter().map(|e| (e.reason, e.message.clone())))
+            .collect()
+    }
+
+    fn reasons(plans: &[Plan]) -> Vec<&'static str> {
+        events(plans).into_iter().map(|(r, _)| r).collect()
+    }
+
+    #[test]
+    fn nodes_get_an_object_and_access_and_lose_them_with_the_node() {
+        let mut sim = Sim::new(&[]);
+        sim.nodes = vec!["n1".into(), "n2".into()];
+        let p = sim.plan();
+        assert_eq!(
+            p.writes,
+            vec![
+                Write::CreateNodeObject("n1".into()),
+                Write::CreateNodeObject("n2".into()),
+                Write::EnsureNodeAccess("n1".into()),
+                Write::EnsureNodeAccess("n2".into()),
+            ]
+        );
+        sim.settle();
+        assert_eq!(sim.objects.len(), 2);
+        sim.nodes.retain(|n| n != "n2");
+        assert_eq!(
+            sim.plan().writes,
+            vec![Write::DeleteNodeObject("n2".into())]
+        );
+    }
+
+    #[test]
+    fn a_primary_gets_finalizer_then_holder_then_status_then_annotations() {
+        let mut sim = Sim::new(&["n1", "n2", "n3"]);
+        sim.services.push(dhcp("web", &[80, 443]));
+        let first = sim.plan();
+        assert_eq!(
+            first.writes,
+            vec![Write::AddFinalizer(key("web"))],
+            "the finalizer before anything is assigned"
+        );
+        let plans = sim.settle();
+        let holders = sim.holders("web");
+        assert_eq!(holders.len(), 1, "one holder");
+        let (holder, a) = &holders[0];
+        let id = contract::address_identity(&uid("web"), &Annotations::new()).unwrap();
+        assert_eq!(a.interface, id.interface);
+        assert_eq!(a.mac, crate::mac::format(&id.mac));
+        assert_eq!(a.client_id, hex(&id.client_id));
+        assert!(!a.release);
+        let ip = "10.77.0.150";
+        assert_eq!(
+            a.requested_ip.as_deref(),
+            Some(ip),
+            "written back, so a later holder INIT-REBOOTs to it"
+        );
+        let s = sim.svc("web");
+        assert_eq!(
+            s.ingress,
+            vec![Ingress {
+                ip: ip.into(),
+                ports: vec![port(80), port(443)]
+            }]
+        );
+        assert_eq!(s.annotations[kube_vip::REQUESTED_IP], ip);
+        assert_eq!(s.annotations[kube_vip::VIP_HOST], *holder);
+        assert_eq!(s.annotations[kube_vip::HWADDR], a.mac);
+        // Status strictly before the annotations, in the same plan.
+        let p = plans
+            .iter()
+            .find(|p| {
+                p.writes
+                    .iter()
+                    .any(|w| matches!(w, Write::ServiceStatus { .. }))
+            })
+            .unwrap();
+        let pos = |f: &dyn Fn(&Write) -> bool| p.writes.iter().position(f).unwrap();
+        assert!(
+            pos(&|w| matches!(w, Write::ServiceStatus { .. }))
+                < pos(&|w| matches!(w, Write::ServiceAnnotations { .. }))
+        );
+        assert_eq!(
+            reasons(&plans),
+            vec![reason::HOLDER_CHOSEN, reason::ADDRESS_ASSIGNED]
+        );
+        // Idempotent: over its own outcome, nothing to write and no Event.
+        let again = sim.plan();
+        assert!(
+            again.writes.is_empty() && again.events.is_empty(),
+            "{again:?}"
+        );
+        assert_eq!(again.summary.served, 1);
+    }
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    #[test]
+    fn a_healthy_holder_is_kept_a_dead_ones_services_move_and_keep_their_address() {
+        let mut sim = Sim::new(&["n1", "n2", "n3"]);
+        for i in 0..6 {
+            sim.services.push(dhcp(&format!("s{i}"), &[80]));
+        }
+        sim.settle();
+        let before: BTreeMap<String, String> = (0..6)
+            .map(|i| (format!("s{i}"), sim.holders(&format!("s{i}"))[0].0.clone()))
+            .collect();
+        let ips: Vec<String> = sim
+            .services
+            .iter()
+            .map(|s| s.ingress[0].ip.clone())
+            .collect();
+        // A node that comes back or a new one changes nothing.
+        sim.nodes.push("n4".into());
+        sim.up.insert("n4".into());
+        sim.settle();
+        let dead = before["s0"].clone();
+        sim.up.remove(&dead);
+        let plans = sim.settle();
+        for (name, was) in &before {
+            let now = sim.holders(name);
+            assert_eq!(now.len(), 1, "{name}: {now:?}");
+            if *was == dead {
+                assert_ne!(now[0].0, dead, "{name} moved");
+                assert_eq!(sim.svc(name).annotations[kube_vip::VIP_HOST], now[0].0);
+            } else {
+                assert_eq!(now[0].0, *was, "{name} stays on its healthy holder");
+            }
+        }
+        let ips_after: Vec<String> = sim
+            .services
+            .iter()
+            .map(|s| s.ingress[0].ip.clone())
+            .collect();
+        assert_eq!(ips, ips_after, "the same address after the move");
+        assert!(reasons(&plans).contains(&reason::MOVED));
+        assert!(
+            !reasons(&plans).contains(&reason::ADDRESS_ASSIGNED),
+            "same address: no new status"
+        );
+    }
+
+    #[test]
+    fn without_an_eligible_node_nothing_moves_and_a_warning_says_so() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        sim.up.clear();
+        let p = sim.settle();
+        assert_eq!(p.len(), 1, "no writes");
+        assert_eq!(sim.holders("web")[0].0, "n1");
+        assert_eq!(sim.svc("web").ingress[0].ip, "10.77.0.150", "status kept");
+        assert_eq!(reasons(&p), vec![reason::NO_ELIGIBLE_NODE]);
+    }
+
+    #[test]
+    fn delete_releases_first_then_clears_and_removes_the_finalizer() {
+        let mut sim = Sim::new(&["n1"]);
+        let mut web = dhcp("web", &[80]);
+        web.finalizers
+            .push("service.kubernetes.io/load-balancer-cleanup".into());
+        sim.services.push(web);
+        sim.settle();
+        sim.svc_mut("web").deleting = true;
+        let p = sim.plan();
+        assert_eq!(p.writes.len(), 1, "{p:?}");
+        let Write::SetSpec { spec, .. } = &p.writes[0] else {
+            panic!("{p:?}")
+        };
+        assert!(spec.assignments[0].release, "release: true first");
+        sim.apply(&p);
+        // Until the holder reports the lease gone, nothing else happens.
+        assert!(sim.plan().writes.is_empty());
+        let plans = sim.settle();
+        assert!(sim.holders("web").is_empty());
+        let s = sim.svc("web");
+        assert!(s.ingress.is_empty(), "status cleared");
+        for k in OUR_ANNOTATIONS {
+            assert!(!s.annotations.contains_key(k), "{k} cleared");
+        }
+        assert_eq!(
+            s.finalizers,
+            vec!["service.kubernetes.io/load-balancer-cleanup".to_string()],
+            "only our finalizer removed"
+        );
+        assert_eq!(reasons(&plans), vec![reason::RELEASED]);
+        assert!(sim.given.is_empty(), "DHCPRELEASE sent");
+    }
+
+    #[test]
+    fn delete_with_a_dead_holder_finishes_with_a_warning() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        sim.up.clear();
+        sim.svc_mut("web").deleting = true;
+        let plans = sim.settle();
+        assert!(sim.services.is_empty(), "deleted");
+        assert!(sim.holders("web").is_empty());
+        assert_eq!(
+            events(&plans)[0],
+            (
+                reason::RELEASED_WITHOUT_DHCPRELEASE,
+                "released without DHCPRELEASE: holder n1 is down".to_string()
+            )
+        );
+    }
+
+    #[test]
+    fn secondaries_share_the_primarys_address_unless_refused() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.services.push(secondary("api", "web", &[8080]));
+        sim.services.push(secondary("clash", "web", &[80]));
+        sim.services.push(secondary("chain", "api", &[9000]));
+        let mut pool = dhcp("pool", &[80]);
+        pool.annotations = [(harvester::IPAM.to_string(), "pool".to_string())].into();
+        pool.ingress = vec![Ingress {
+            ip: "10.0.0.9".into(),
+            ports: vec![port(80)],
+        }];
+        sim.services.push(pool);
+        sim.services.push(secondary("onpool", "pool", &[81]));
+        let plans = sim.settle();
+        let ip = sim.svc("web").ingress[0].ip.clone();
+        assert_eq!(
+            sim.svc("api").ingress,
+            vec![Ingress {
+                ip: ip.clone(),
+                ports: vec![port(8080)]
+            }]
+        );
+        assert!(sim.holders("api").is_empty(), "no assignment of its own");
+        assert!(sim.svc("api").finalizers.is_empty());
+        for refused in ["clash", "chain", "onpool"] {
+            assert!(sim.svc(refused).ingress.is_empty(), "{refused} untouched");
+        }
+        let ev = events(&plans);
+        for r in [
+            reason::PORTS_OVERLAP,
+            reason::PRIMARY_IS_SECONDARY,
+            reason::PRIMARY_NOT_OURS,
+        ] {
+            assert!(ev.iter().any(|(x, _)| *x == r), "{r} in {ev:?}");
+        }
+        assert!(
+            ev.iter()
+                .any(|(r, m)| *r == reason::PORTS_OVERLAP
+                    && m.contains("80/TCP (used by default/web)")),
+            "{ev:?}"
+        );
+        assert_eq!(sim.plan().summary.shared, 1);
+        assert_eq!(
+            sim.svc("pool").ingress[0].ip,
+            "10.0.0.9",
+            "pool Service untouched"
+        );
+
+        // The primary is deleted while a secondary still shares: refused.
+        sim.svc_mut("web").deleting = true;
+        let plans = sim.settle();
+        assert_eq!(plans.len(), 1, "no writes");
+        assert!(reasons(&plans).contains(&reason::SECONDARIES_LIVE));
+        assert_eq!(sim.svc("web").ingress[0].ip, ip);
+        // The secondaries go: now it is released.
+        sim.services
+            .retain(|s| !matches!(s.key.name.as_str(), "api" | "clash" | "chain"));
+        sim.settle();
+        assert!(sim.services.iter().all(|s| s.key.name != "web"));
+    }
+
+    #[test]
+    fn ipam_mode_changes_are_refused_and_change_nothing() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let before = sim.clone();
+        // dhcp -> pool: the running address stays.
+        sim.svc_mut("web")
+            .annotations
+            .insert(harvester::IPAM.into(), "pool".into());
+        let p = sim.plan();
+        assert!(p.writes.is_empty(), "{p:?}");
+        assert_eq!(
+            reasons(std::slice::from_ref(&p)),
+            vec![reason::IPAM_CHANGE_REFUSED]
+        );
+        assert_eq!(sim.holders("web"), before.holders("web"));
+
+        // pool -> dhcp: an address from Harvester's pool, never recorded by us.
+        let mut old = dhcp("old", &[80]);
+        old.ingress = vec![Ingress {
+            ip: "10.0.0.9".into(),
+            ports: vec![port(80)],
+        }];
+        sim.services.push(old);
+        sim.svc_mut("web")
+            .annotations
+            .insert(harvester::IPAM.into(), "dhcp".into());
+        let p = sim.plan();
+        assert!(p.writes.is_empty(), "{p:?}");
+        assert!(
+            p.events
+                .iter()
+                .any(|e| e.service == key("old") && e.reason == reason::IPAM_CHANGE_REFUSED),
+            "{p:?}"
+        );
+
+        // But a Service kube-vip served (status == its requestedIP) moves to us.
+        let mut migrated = dhcp("migrated", &[80]);
+        migrated.ingress = vec![Ingress {
+            ip: "10.77.0.200".into(),
+            ports: vec![port(80)],
+        }];
+        migrated
+            .annotations
+            .insert(kube_vip::REQUESTED_IP.into(), "10.77.0.200".into());
+        migrated
+            .annotations
+            .insert(kube_vip::HWADDR.into(), "00:00:6c:ab:cd:ef".into());
+        sim.services.push(migrated);
+        sim.settle();
+        let (_, a) = &sim.holders("migrated")[0];
+        assert_eq!(a.requested_ip.as_deref(), Some("10.77.0.200"));
+        assert_eq!(a.mac, "00:00:6c:ab:cd:ef", "kube-vip's MAC kept");
+        assert_eq!(sim.svc("migrated").ingress[0].ip, "10.77.0.200");
+    }
+
+    #[test]
+    fn opting_out_hands_over_and_keeps_the_record_leaving_lb_clears_status() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.services.push(dhcp("gone", &[80]));
+        sim.settle();
+        sim.svc_mut("web")
+            .annotations
+            .insert(contract::IGNORE.into(), "true".into());
+        sim.svc_mut("gone").type_ = "ClusterIP".into();
+        let plans = sim.settle();
+        for name in ["web", "gone"] {
+            assert!(sim.holders(name).is_empty(), "{name}: assignment removed");
+            assert!(
+                sim.svc(name).finalizers.is_empty(),
+                "{name}: finalizer removed"
+            );
+        }
+        assert!(!sim.given.is_empty(), "handover: no DHCPRELEASE");
+        let web = sim.svc("web");
+        assert_eq!(
+            web.ingress[0].ip.as_str(),
+            web.annotations[kube_vip::REQUESTED_IP].as_str(),
+            "opt-out keeps status and record"
+        );
+        assert!(
+            sim.svc("gone").ingress.is_empty(),
+            "not a LoadBalancer: no ingress"
+        );
+        assert_eq!(
+            reasons(&plans),
+            vec![reason::HANDED_OVER, reason::HANDED_OVER]
+        );
+    }
+
+    #[test]
+    fn invalid_annotations_leave_the_running_state_alone() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let before = sim.holders("web");
+        sim.svc_mut("web")
+            .annotations
+            .insert(kube_vip::HWADDR.into(), "not-a-mac".into());
+        sim.up.remove(&before[0].0); // even its holder dying moves nothing
+        let plans = sim.settle();
+        assert_eq!(plans.len(), 1, "{plans:?}");
+        assert_eq!(sim.holders("web"), before);
+        assert_eq!(reasons(&plans), vec![reason::INVALID]);
+        let mut bad = secondary("bad", "web", &[81]);
+        bad.annotations
+            .insert(harvester::PRIMARY_SERVICE.into(), "no-slash".into());
+        sim.services.push(bad);
+        let p = sim.plan();
+        assert!(p.writes.is_empty());
+        assert!(
+            p.events
+                .iter()
+                .any(|e| e.service == key("bad") && e.reason == reason::INVALID)
+        );
+    }
+
+    #[test]
+    fn assignments_of_vanished_services_are_released() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        // Someone removed our finalizer and the Service is gone.
+        sim.services.clear();
+        let p = sim.plan();
+        let Write::SetSpec { spec, .. } = &p.writes[0] else {
+            panic!("{p:?}")
+        };
+        assert!(spec.assignments[0].release);
+        sim.settle();
+        assert!(sim.holders("web").is_empty());
+        assert!(sim.given.is_empty(), "released");
+    }
+
+    #[test]
+    fn a_deleted_nodes_services_move() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let (was, _) = sim.holders("web")[0].clone();
+        sim.nodes.retain(|n| *n != was);
+        sim.settle();
+        let now = sim.holders("web");
+        assert_eq!(now.len(), 1);
+        assert_ne!(now[0].0, was);
+        assert!(sim.objects.iter().all(|o| o.name != was));
+    }
+}

@@ -1,0 +1,605 @@
+//! From a plan's writes to API requests, and carrying them out in order.
+//!
+//! [`requests`] is pure: which object, which subresource and which kind of
+//! PATCH each write is (Services are only ever PATCHed, never replaced;
+//! finalizers are appended and removed by strategic merge, so other
+//! controllers' finalizers stay). [`execute`] sends them through
+//! [`Requests`] (the API edge, or a recording fake in tests), stops writing
+//! the moment leadership lapses, and skips a Service's later writes when
+//! an earlier one for it failed (its status before its annotations, its
+//! release before its finalizer).
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use serde_json::{Value, json};
+
+use crate::contract::node_object::{self, Spec};
+use crate::contract::{FINALIZER, ServiceKey};
+use crate::controller::reconcile::{EventOut, Ingress, Plan, Write};
+
+/// The kinds of object the controller writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Service,
+    LoadBalancerNode,
+    Role,
+    RoleBinding,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PatchKind {
+    /// `application/merge-patch+json`
+    Merge,
+    /// `application/strategic-merge-patch+json`
+    Strategic,
+    /// Server-side apply (force, our field manager).
+    Apply,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verb {
+    /// 409 AlreadyExists counts as done.
+    Create(Value),
+    Patch(PatchKind, Value),
+    /// 404 NotFound counts as done.
+    Delete,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub kind: Kind,
+    pub namespace: String,
+    pub name: String,
+    pub subresource: Option<&'static str>,
+    pub verb: Verb,
+}
+
+/// The API edge.
+pub trait Requests: Sync {
+    fn send(&self, r: &Request) -> impl Future<Output = Result<(), String>> + Send;
+    fn event(&self, e: &EventOut) -> impl Future<Output = Result<(), String>> + Send;
+}
+
+/// The field manager of our server-side applies.
+pub const FIELD_MANAGER: &str = "harvester-node-agent-controller";
+
+fn ingress_json(ingress: &[Ingress]) -> Value {
+    if ingress.is_empty() {
+        return Value::Null;
+    }
+    ingress
+        .iter()
+        .map(|i| {
+            json!({
+                "ip": i.ip,
+                "ports": i.ports.iter().map(|p| json!({"port": p.port, "protocol": p.protocol})).collect::<Vec<_>>(),
+            })
+        })
+        .collect()
+}
+
+fn service(key: &ServiceKey, subresource: Option<&'static str>, verb: Verb) -> Request {
+    Request {
+        kind: Kind::Service,
+        namespace: key.namespace.clone(),
+        name: key.name.clone(),
+        subresource,
+        verb,
+    }
+}
+
+/// The Role that lets `system:node:<node>` read its own object and write
+/// its status, and nothing else; and the RoleBinding granting it.
+pub fn node_access(namespace: &str, node: &str) -> [Request; 2] {
+    let name = node_object::role_name(node);
+    let labels = json!({"app.kubernetes.io/managed-by": FIELD_MANAGER});
+    let role = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "rules": [
+            {
+                "apiGroups": [node_object::GROUP],
+                "resources": [node_object::PLURAL],
+                "resourceNames": [node],
+                "verbs": ["get", "list", "watch"],
+            },
+            {
+                "apiGroups": [node_object::GROUP],
+                "resources": [format!("{}/status", node_object::PLURAL)],
+                "resourceNames": [node],
+                "verbs": ["get", "update", "patch"],
+            },
+        ],
+    });
+    let binding = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{
+            "kind": "User",
+            "apiGroup": "rbac.authorization.k8s.io",
+            "name": node_object::node_user(node),
+        }],
+    });
+    let req = |kind, body| Request {
+        kind,
+        namespace: namespace.to_string(),
+        name: name.clone(),
+        subresource: None,
+        verb: Verb::Patch(PatchKind::Apply, body),
+    };
+    [req(Kind::Role, role), req(Kind::RoleBinding, binding)]
+}
+
+fn node_object_body(namespace: &str, node: &str, spec: &Spec) -> Value {
+    json!({
+        "apiVersion": format!("{}/{}", node_object::GROUP, node_object::VERSION),
+        "kind": node_object::KIND,
+        "metadata": {
+            "name": node,
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/managed-by": FIELD_MANAGER},
+        },
+        "spec": spec,
+    })
+}
+
+/// The requests that carry out `w`, in order.
+pub fn requests(namespace: &str, w: &Write) -> Vec<Request> {
+    let node_req = |kind, name: &str, subresource, verb| Request {
+        kind,
+        namespace: namespace.to_string(),
+        name: name.to_string(),
+        subresource,
+        verb,
+    };
+    match w {
+        Write::AddFinalizer(key) => vec![service(
+            key,
+            None,
+            // `finalizers` merges by value: this appends.
+            Verb::Patch(
+                PatchKind::Strategic,
+                json!({"metadata": {"finalizers": [FINALIZER]}}),
+            ),
+        )],
+        Write::RemoveFinalizer(key) => vec![service(
+            key,
+            None,
+            Verb::Patch(
+                PatchKind::Strategic,
+                json!({"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}}),
+            ),
+        )],
+        Write::ServiceStatus {
+            service: key,
+            ingress,
+        } => vec![service(
+            key,
+            Some("status"),
+            Verb::Patch(
+                PatchKind::Merge,
+                json!({"status": {"loadBalancer": {"ingress": ingress_json(ingress)}}}),
+            ),
+        )],
+        Write::ServiceAnnotations { service: key, set } => vec![service(
+            key,
+            None,
+            Verb::Patch(PatchKind::Merge, json!({"metadata": {"annotations": set}})),
+        )],
+        Write::CreateNodeObject(node) => vec![node_req(
+            Kind::LoadBalancerNode,
+            node,
+            None,
+            Verb::Create(node_object_body(namespace, node, &Spec::default())),
+        )],
+        Write::EnsureNodeAccess(node) => node_access(namespace, node).into(),
+        Write::SetSpec { node, spec, .. } => vec![node_req(
+            Kind::LoadBalancerNode,
+            node,
+            None,
+            Verb::Patch(
+                PatchKind::Merge,
+                json!({"spec": {"assignments": spec.assignments}}),
+            ),
+        )],
+        Write::DeleteNodeObject(node) => {
+            let role = node_object::role_name(node);
+            vec![
+                node_req(Kind::RoleBinding, &role, None, Verb::Delete),
+                node_req(Kind::Role, &role, None, Verb::Delete),
+                node_req(Kind::LoadBalancerNode, node, None, Verb::Delete),
+            ]
+        }
+    }
+}
+
+/// Identifies what a write changes, for [`WriteMemo`].
+pub fn target(w: &Write) -> String {
+    match w {
+        Write::AddFinalizer(k) | Write::RemoveFinalizer(k) => format!("service/{k}"),
+        Write::ServiceAnnotations { service, .. } => format!("service/{service}"),
+        Write::ServiceStatus { service, .. } => format!("service/{service}"),
+        Write::CreateNodeObject(n)
+        | Write::EnsureNodeAccess(n)
+        | Write::SetSpec { node: n, .. }
+        | Write::DeleteNodeObject(n) => format!("node/{n}"),
+    }
+}
+
+/// Writes made and not yet seen in the watch caches: a reconcile that
+/// runs before the watch event of its last write arrives would otherwise
+/// send the same write again. An entry holds only while the target's
+/// resourceVersion is the one the write was decided on; any change to the
+/// object (ours arriving, or someone else's) makes the write count again.
+#[derive(Debug, Default)]
+pub struct WriteMemo {
+    sent: BTreeMap<String, (String, String)>,
+}
+
+impl WriteMemo {
+    fn key(w: &Write) -> (String, String) {
+        (target(w), format!("{w:?}"))
+    }
+
+    /// Whether `w` was sent while the target was at `version`.
+    pub fn already_sent(&self, w: &Write, version: &str) -> bool {
+        let (t, payload) = Self::key(w);
+        self.sent
+            .get(&format!("{t}#{payload}"))
+            .is_some_and(|(v, _)| v == version)
+    }
+
+    pub fn record(&mut self, w: &Write, version: &str) {
+        let (t, payload) = Self::key(w);
+        self.sent
+            .insert(format!("{t}#{payload}"), (version.to_string(), t));
+    }
+
+    /// Forgets entries whose target is at another version now.
+    pub fn prune(&mut self, version_of: impl Fn(&str) -> Option<String>) {
+        self.sent
+            .retain(|_, (v, t)| version_of(t).as_deref() == Some(v.as_str()));
+    }
+
+    pub fn clear(&mut self) {
+        self.sent.clear();
+    }
+}
+
+/// Events already published in this leader term: an Event says what
+/// changed, so the same (object, reason, message) is told once.
+#[derive(Debug, Default)]
+pub struct EventMemo {
+    seen: HashSet<(ServiceKey, String, &'static str, String)>,
+}
+
+impl EventMemo {
+    /// True the first time (and records it).
+    pub fn first_time(&mut self, e: &EventOut) -> bool {
+        self.seen.insert((
+            e.service.clone(),
+            e.uid.clone(),
+            e.reason,
+            e.message.clone(),
+        ))
+    }
+
+    /// Forgets the Services that are gone.
+    pub fn retain(&mut self, exists: impl Fn(&ServiceKey, &str) -> bool) {
+        self.seen.retain(|(k, uid, _, _)| exists(k, uid));
+    }
+
+    pub fn clear(&mut self) {
+        self.seen.clear();
+    }
+}
+
+/// What [`execute`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    /// Successful writes by [`Write::kind`].
+    pub writes: BTreeMap<&'static str, u64>,
+    /// Events published.
+    pub published: Vec<EventOut>,
+    /// Failures, in words.
+    pub errors: Vec<String>,
+    /// Writes skipped: an earlier write for the same Service failed.
+    pub skipped: u64,
+    /// Leadership lapsed before everything was written.
+    pub stopped: bool,
+    /// The nodes whose Role and RoleBinding were applied.
+    pub access_ensured: BTreeSet<String>,
+}
+
+/// Carries out `plan` in order. `leading` is asked before every request:
+/// a leader that lost its Lease stops at once. `version_of(target)` is the
+/// resourceVersion the plan was decided on (for the [`WriteMemo`]).
+pub async fn execute<R: Requests>(
+    namespace: &str,
+    plan: &Plan,
+    api: &R,
+    leading: &(dyn Fn() -> bool + Sync),
+    memo: &mut WriteMemo,
+    events: &mut EventMemo,
+    version_of: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Outcome {
+    let mut out = Outcome::default();
+    let mut failed: BTreeSet<ServiceKey> = BTreeSet::new();
+    'writes: for w in &plan.writes {
+        if w.services().iter().any(|s| failed.contains(*s)) {
+            out.skipped += 1;
+            continue;
+        }
+        let version = version_of(&target(w)).unwrap_or_default();
+        if memo.already_sent(w, &version) {
+            continue;
+        }
+        for r in requests(namespace, w) {
+            if !leading() {
+                out.stopped = true;
+                return out;
+            }
+            if let Err(e) = api.send(&r).await {
+                out.errors
+                    .push(format!("{} {}/{}: {e}", w.kind(), r.namespace, r.name));
+                failed.extend(w.services().into_iter().cloned());
+                continue 'writes;
+            }
+        }
+        memo.record(w, &version);
+        *out.writes.entry(w.kind()).or_default() += 1;
+        if let Write::EnsureNodeAccess(n) = w {
+            out.access_ensured.insert(n.clone());
+        }
+    }
+    for e in &plan.events {
+        if !leading() {
+            out.stopped = true;
+            return out;
+        }
+        if !events.first_time(e) {
+            continue;
+        }
+        match api.event(e).await {
+            Ok(()) => out.published.push(e.clone()),
+            Err(err) => out
+                .errors
+                .push(format!("event {} on {}: {err}", e.reason, e.service)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+    use crate::controller::reconcile::{EventType, Port};
+
+    #[derive(Default)]
+    struct Recording {
+        sent: Mutex<Vec<Request>>,
+        events: Mutex<Vec<EventOut>>,
+        fail: Mutex<Option<(Kind, Option<&'static str>)>>,
+    }
+
+    impl Requests for Recording {
+        async fn send(&self, r: &Request) -> Result<(), String> {
+            if *self.fail.lock().unwrap() == Some((r.kind, r.subresource)) {
+                return Err("injected".into());
+            }
+            self.sent.lock().unwrap().push(r.clone());
+            Ok(())
+        }
+        async fn event(&self, e: &EventOut) -> Result<(), String> {
+            self.events.lock().unwrap().push(e.clone());
+            Ok(())
+        }
+    }
+
+    fn key(name: &str) -> ServiceKey {
+        ServiceKey {
+            namespace: "default".into(),
+            name: name.into(),
+        }
+    }
+
+    fn served(name: &str) -> Plan {
+        let k = key(name);
+        Plan {
+            writes: vec![
+                Write::ServiceStatus {
+                    service: k.clone(),
+                    ingress: vec![Ingress {
+                        ip: "10.77.0.150".into(),
+                        ports: vec![Port {
+                            port: 80,
+                            protocol: "TCP".into(),
+                        }],
+                    }],
+                },
+                Write::ServiceAnnotations {
+                    service: k.clone(),
+                    set: [("kube-vip.io/vipHost".to_string(), Some("n1".to_string()))].into(),
+                },
+                Write::RemoveFinalizer(k.clone()),
+            ],
+            events: vec![EventOut {
+                service: k,
+                uid: "u".into(),
+                type_: EventType::Normal,
+                reason: "AddressAssigned",
+                message: "10.77.0.150 held by n1".into(),
+            }],
+            summary: Default::default(),
+        }
+    }
+
+    async fn run(
+        api: &Recording,
+        plan: &Plan,
+        memo: &mut WriteMemo,
+        ev: &mut EventMemo,
+    ) -> Outcome {
+        execute("hna", plan, api, &|| true, memo, ev, &|_| Some("1".into())).await
+    }
+
+    #[tokio::test]
+    async fn status_then_annotations_all_by_patch() {
+        let api = Recording::default();
+        let (mut memo, mut ev) = Default::default();
+        let out = run(&api, &served("web"), &mut memo, &mut ev).await;
+        assert!(out.errors.is_empty(), "{out:?}");
+        let sent = api.sent.lock().unwrap().clone();
+        assert_eq!(sent.len(), 3);
+        assert_eq!(
+            (sent[0].kind, sent[0].subresource),
+            (Kind::Service, Some("status"))
+        );
+        assert_eq!(
+            sent[0].verb,
+            Verb::Patch(
+                PatchKind::Merge,
+                json!({"status": {"loadBalancer": {"ingress": [
+                    {"ip": "10.77.0.150", "ports": [{"port": 80, "protocol": "TCP"}]}
+                ]}}})
+            )
+        );
+        assert_eq!(sent[1].subresource, None);
+        assert_eq!(
+            sent[1].verb,
+            Verb::Patch(
+                PatchKind::Merge,
+                json!({"metadata": {"annotations": {"kube-vip.io/vipHost": "n1"}}})
+            )
+        );
+        assert_eq!(
+            sent[2].verb,
+            Verb::Patch(
+                PatchKind::Strategic,
+                json!({"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}})
+            )
+        );
+        for r in &sent {
+            assert!(
+                !matches!(r.verb, Verb::Create(_) | Verb::Delete),
+                "a Service is only patched: {r:?}"
+            );
+        }
+        assert_eq!(api.events.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_failed_status_holds_back_that_services_annotations() {
+        let api = Recording::default();
+        *api.fail.lock().unwrap() = Some((Kind::Service, Some("status")));
+        let (mut memo, mut ev) = Default::default();
+        let out = run(&api, &served("web"), &mut memo, &mut ev).await;
+        assert_eq!(out.errors.len(), 1, "{out:?}");
+        assert_eq!(out.skipped, 2, "annotations and finalizer wait");
+        assert!(api.sent.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn writes_not_yet_seen_and_events_told_are_not_repeated() {
+        let api = Recording::default();
+        let (mut memo, mut ev) = Default::default();
+        let plan = served("web");
+        run(&api, &plan, &mut memo, &mut ev).await;
+        let out = run(&api, &plan, &mut memo, &mut ev).await;
+        assert_eq!(out, Outcome::default(), "same versions: nothing again");
+        assert_eq!(api.sent.lock().unwrap().len(), 3);
+        assert_eq!(api.events.lock().unwrap().len(), 1);
+        // The object changed since: the write counts again, the Event not.
+        memo.prune(|_| Some("2".into()));
+        let out = execute("hna", &plan, &api, &|| true, &mut memo, &mut ev, &|_| {
+            Some("2".into())
+        })
+        .await;
+        assert_eq!(out.writes.values().sum::<u64>(), 3);
+        assert_eq!(api.events.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_lapsed_leader_stops_at_once() {
+        let api = Recording::default();
+        let leading = AtomicBool::new(true);
+        struct Lapsing<'a>(&'a Recording, &'a AtomicBool);
+        impl Requests for Lapsing<'_> {
+            async fn send(&self, r: &Request) -> Result<(), String> {
+                self.1.store(false, Ordering::SeqCst);
+                self.0.send(r).await
+            }
+            async fn event(&self, e: &EventOut) -> Result<(), String> {
+                self.0.event(e).await
+            }
+        }
+        let (mut memo, mut ev) = Default::default();
+        let out = execute(
+            "hna",
+            &served("web"),
+            &Lapsing(&api, &leading),
+            &|| leading.load(Ordering::SeqCst),
+            &mut memo,
+            &mut ev,
+            &|_| None,
+        )
+        .await;
+        assert!(out.stopped);
+        assert_eq!(api.sent.lock().unwrap().len(), 1);
+        assert!(api.events.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn node_access_is_limited_to_the_nodes_own_object() {
+        let [role, binding] = node_access("hna", "n1");
+        let Verb::Patch(PatchKind::Apply, role) = role.verb else {
+            panic!("{role:?}")
+        };
+        assert_eq!(role["rules"][0]["resourceNames"], json!(["n1"]));
+        assert_eq!(role["rules"][0]["verbs"], json!(["get", "list", "watch"]));
+        assert_eq!(
+            role["rules"][1]["resources"],
+            json!(["loadbalancernodes/status"])
+        );
+        assert_eq!(role["rules"][1]["verbs"], json!(["get", "update", "patch"]));
+        let Verb::Patch(PatchKind::Apply, binding) = binding.verb else {
+            panic!("{binding:?}")
+        };
+        assert_eq!(
+            binding["subjects"],
+            json!([{"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": "system:node:n1"}])
+        );
+        let spec_write = requests(
+            "hna",
+            &Write::SetSpec {
+                node: "n1".into(),
+                spec: Spec::default(),
+                services: vec![],
+            },
+        );
+        assert_eq!(
+            spec_write[0].verb,
+            Verb::Patch(PatchKind::Merge, json!({"spec": {"assignments": []}}))
+        );
+        let clear = requests(
+            "hna",
+            &Write::ServiceStatus {
+                service: key("web"),
+                ingress: vec![],
+            },
+        );
+        assert_eq!(
+            clear[0].verb,
+            Verb::Patch(
+                PatchKind::Merge,
+                json!({"status": {"loadBalancer": {"ingress": null}}})
+            )
+        );
+    }
+}

@@ -1,0 +1,458 @@
+//! The controller binary against the rig's real kube-apiserver (1.20, Node
+//! and RBAC authorization, NodeRestriction): it creates a LoadBalancerNode
+//! and a Role for each Node, gives a DHCP Service a holder, writes the
+//! Service's status and kube-vip's annotations once the holder reports the
+//! lease BOUND, and on delete waits for the release before letting the
+//! Service go. The node agents are played by the test with the nodes' own
+//! credentials, so the per-node Roles the controller creates are proven
+//! too: a node writes its own object's status, and nothing else.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use harvester_node_agent::contract::{self, node_object};
+use hna_testkit::rig::{self, Rig, RigOptions};
+use k8s_openapi::api::core::v1::{Namespace, Node, Service};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+
+use crate::BIN;
+use crate::harness::tests;
+
+tests! {
+    a_dhcp_service_gets_its_holders_address_and_is_released_on_delete: Root, Iproute2, ApiServer;
+}
+
+const NS: &str = contract::DEFAULT_NAMESPACE;
+
+struct Controller(Child);
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(v: Value) -> T {
+    serde_json::from_value(v).expect("test object")
+}
+
+/// Polls `probe` until it returns `Some`, failing after `within` with the
+/// last thing it saw.
+async fn wait_for<T, F, Fut>(what: &str, within: Duration, mut probe: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + within;
+    let mut last = String::from("nothing yet");
+    loop {
+        match probe().await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last = format!("{e:#}"),
+        }
+        if Instant::now() > deadline {
+            bail!("{what}: not within {within:?} (last error: {last})");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A minimal stand-in for the manifests' CRD: the controller only needs
+/// the resource, the status subresource and the fields kept.
+async fn install_crd(admin: &Client) -> Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
+    let name = format!("{}.{}", node_object::PLURAL, node_object::GROUP);
+    crds.create(
+        &PostParams::default(),
+        &from_json(json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": name},
+            "spec": {
+                "group": node_object::GROUP,
+                "names": {"kind": node_object::KIND, "plural": node_object::PLURAL, "singular": "loadbalancernode"},
+                "scope": "Namespaced",
+                "versions": [{
+                    "name": node_object::VERSION, "served": true, "storage": true,
+                    "subresources": {"status": {}},
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
+                }],
+            },
+        })),
+    )
+    .await
+    .context("create CRD")?;
+    wait_for("CRD established", Duration::from_secs(30), || async {
+        let crd = crds.get(&name).await?;
+        let established = crd
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        Ok(established.then_some(()))
+    })
+    .await
+}
+
+fn start_controller(kubeconfig: &Path, log: &Path) -> Result<Controller> {
+    let child = Command::new(BIN)
+        .args(["controller", "--kubeconfig"])
+        .arg(kubeconfig)
+        .args([
+            "--namespace",
+            NS,
+            "--identity",
+            "controller-test-1",
+            "--credentials-retry",
+            "1s",
+            "--lease-duration",
+            "3s",
+            "--renew-deadline",
+            "2s",
+            "--retry-period",
+            "500ms",
+            "--node-stale-after",
+            "5s",
+            "--log-target",
+            "stderr",
+            "--log-level",
+            "debug,kube=info,hyper=info,tower=info,rustls=info",
+        ])
+        .env_remove("NOTIFY_SOCKET")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log)?)
+        .spawn()
+        .context("start controller")?;
+    Ok(Controller(child))
+}
+
+/// The agent of `node`, as far as the controller sees it: a status written
+/// with the node's own credentials.
+#[derive(Clone)]
+struct FakeAgent {
+    api: Api<DynamicObject>,
+    node: String,
+    beats: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl FakeAgent {
+    async fn new(rig_api: &rig::ApiServer, node: &str) -> Result<FakeAgent> {
+        let client = rig::kube_client(rig_api.node_kubeconfig(node)).await?;
+        Ok(FakeAgent {
+            api: Api::namespaced_with(client, NS, &node_object::api_resource()),
+            node: node.to_string(),
+            beats: Default::default(),
+        })
+    }
+
+    /// Writes a fresh heartbeat with `leases`.
+    async fn report(&self, leases: Value) -> Result<()> {
+        let beat = self.beats.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let heartbeat = format!("2026-01-01T00:{:02}:{:02}Z", beat / 60 % 60, beat % 60);
+        self.api
+            .patch_status(
+                &self.node,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {
+                    "heartbeat": heartbeat, "ready": true, "reason": "Ready",
+                    "macvlanReady": true, "leases": leases,
+                }})),
+            )
+            .await
+            .with_context(|| format!("{} writes its own status", self.node))?;
+        Ok(())
+    }
+}
+
+fn a_dhcp_service_gets_its_holders_address_and_is_released_on_delete() -> Result<()> {
+    let rig = Rig::start(RigOptions {
+        guests: 2,
+        dhcp: false,
+        apiserver: true,
+        ..Default::default()
+    })?;
+    let api = rig.apiserver().expect("rig with API server");
+    let nodes: Vec<String> = rig.node_names().to_vec();
+    let log = rig.dir().join("controller.log");
+    let result = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(scenario(api, &nodes, &log));
+    if result.is_err() {
+        eprintln!(
+            "controller log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    }
+    result
+}
+
+async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<()> {
+    let admin = rig::kube_client(api.admin_kubeconfig()).await?;
+    Api::<Namespace>::all(admin.clone())
+        .create(
+            &PostParams::default(),
+            &from_json(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})),
+        )
+        .await?;
+    install_crd(&admin).await?;
+    let node_api: Api<Node> = Api::all(admin.clone());
+    for n in nodes {
+        node_api
+            .create(
+                &PostParams::default(),
+                &from_json(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": n}})),
+            )
+            .await?;
+    }
+    let _controller = start_controller(api.admin_kubeconfig(), log)?;
+    let lbns: Api<DynamicObject> =
+        Api::namespaced_with(admin.clone(), NS, &node_object::api_resource());
+
+    // One object per Node, and a Role that lets the node write its status.
+    for n in nodes {
+        wait_for(
+            &format!("LoadBalancerNode {n}"),
+            Duration::from_secs(30),
+            || async { Ok(lbns.get_opt(n).await?) },
+        )
+        .await?;
+    }
+    let mut agents = Vec::new();
+    for n in nodes {
+        let agent = FakeAgent::new(api, n).await?;
+        wait_for(
+            &format!("{n} may write its status"),
+            Duration::from_secs(30),
+            || {
+                let a = agent.clone();
+                async move { Ok(a.report(json!([])).await.ok()) }
+            },
+        )
+        .await?;
+        agents.push(agent);
+    }
+    // A node may not write another node's object, nor its own spec.
+    let other = &agents[1];
+    let denied = other
+        .api
+        .patch_status(
+            &nodes[0],
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"ready": false}})),
+        )
+        .await;
+    assert!(
+        matches!(&denied, Err(kube::Error::Api(e)) if e.code == 403),
+        "{denied:?}"
+    );
+    let denied = other
+        .api
+        .patch(
+            &nodes[1],
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"assignments": []}})),
+        )
+        .await;
+    assert!(
+        matches!(&denied, Err(kube::Error::Api(e)) if e.code == 403),
+        "{denied:?}"
+    );
+
+    // A DHCP Service as the cloud provider leaves it.
+    let services: Api<Service> = Api::namespaced(admin.clone(), "default");
+    services
+        .create(
+            &PostParams::default(),
+            &from_json(json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "web", "annotations": {"cloudprovider.harvesterhci.io/ipam": "dhcp"}},
+                "spec": {"type": "LoadBalancer", "selector": {"app": "web"},
+                         "ports": [{"port": 80, "protocol": "TCP", "targetPort": 8080}]},
+            })),
+        )
+        .await?;
+    let find_assignment = |lbns: Api<DynamicObject>| async move {
+        for o in lbns.list(&Default::default()).await? {
+            if let Some(a) = o.data["spec"]["assignments"]
+                .as_array()
+                .and_then(|l| l.iter().find(|a| a["service"] == "default/web"))
+            {
+                return Ok(Some((
+                    o.metadata.name.clone().unwrap_or_default(),
+                    a.clone(),
+                )));
+            }
+        }
+        Ok(None)
+    };
+    // Keep the agents beating while waiting.
+    let (holder, assignment) = wait_for("an assignment", Duration::from_secs(30), || {
+        let lbns = lbns.clone();
+        let agents = agents.clone();
+        async move {
+            for a in agents.iter() {
+                a.report(json!([])).await?;
+            }
+            find_assignment(lbns).await
+        }
+    })
+    .await?;
+    let svc = services.get("web").await?;
+    let uid = svc.metadata.uid.clone().unwrap();
+    assert!(
+        svc.metadata
+            .finalizers
+            .unwrap_or_default()
+            .contains(&contract::FINALIZER.to_string()),
+        "finalizer before the assignment"
+    );
+    let id = contract::address_identity(&uid, &Default::default()).unwrap();
+    assert_eq!(assignment["interface"], id.interface.as_str());
+    assert_eq!(
+        assignment["mac"],
+        harvester_node_agent::mac::format(&id.mac).as_str()
+    );
+    assert_eq!(assignment["uid"], uid.as_str());
+    assert!(
+        svc.status
+            .and_then(|s| s.load_balancer)
+            .and_then(|l| l.ingress)
+            .is_none(),
+        "no status before a lease"
+    );
+
+    // The holder reports the lease BOUND.
+    let ip = "10.77.0.150";
+    let bound = json!([{
+        "service": "default/web", "interface": id.interface, "state": "BOUND",
+        "address": ip, "server": "10.77.0.1", "mac": assignment["mac"],
+    }]);
+    let holder_idx = nodes.iter().position(|n| *n == holder).unwrap();
+    let svc = wait_for(
+        "the Service's status and annotations",
+        Duration::from_secs(30),
+        || {
+            let agents = agents.clone();
+            let services = services.clone();
+            let bound = bound.clone();
+            async move {
+                for (i, a) in agents.iter().enumerate() {
+                    a.report(if i == holder_idx {
+                        bound.clone()
+                    } else {
+                        json!([])
+                    })
+                    .await?;
+                }
+                let s = services.get("web").await?;
+                let done = s
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .is_some_and(|a| a.contains_key(contract::kube_vip::VIP_HOST));
+                Ok(done.then_some(s))
+            }
+        },
+    )
+    .await?;
+    let status = serde_json::to_value(&svc.status)?;
+    assert_eq!(status["loadBalancer"]["ingress"][0]["ip"], ip, "{status}");
+    let ann = svc.metadata.annotations.unwrap();
+    assert_eq!(ann[contract::kube_vip::REQUESTED_IP], ip);
+    assert_eq!(ann[contract::kube_vip::VIP_HOST], holder);
+    assert_eq!(
+        ann[contract::kube_vip::HWADDR],
+        assignment["mac"].as_str().unwrap()
+    );
+    assert!(
+        !ann.contains_key(contract::kube_vip::LOADBALANCER_IPS),
+        "never ours to write"
+    );
+
+    let events: Api<Event> = Api::namespaced(admin.clone(), "default");
+    let reasons: Vec<String> = events
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("web"))
+        .filter_map(|e| e.reason)
+        .collect();
+    for r in ["HolderChosen", "AddressAssigned"] {
+        assert!(reasons.iter().any(|x| x == r), "{r} in {reasons:?}");
+    }
+
+    // Delete: release first, the Service goes once the lease is gone.
+    services.delete("web", &DeleteParams::default()).await?;
+    wait_for(
+        "release: true on the holder",
+        Duration::from_secs(30),
+        || {
+            let agents = agents.clone();
+            let lbns = lbns.clone();
+            let bound = bound.clone();
+            let holder = holder.clone();
+            async move {
+                for (i, a) in agents.iter().enumerate() {
+                    a.report(if i == holder_idx {
+                        bound.clone()
+                    } else {
+                        json!([])
+                    })
+                    .await?;
+                }
+                let o = lbns.get(&holder).await?;
+                let release = o.data["spec"]["assignments"]
+                    .as_array()
+                    .and_then(|l| l.iter().find(|a| a["service"] == "default/web"))
+                    .is_some_and(|a| a["release"] == true);
+                Ok(release.then_some(()))
+            }
+        },
+    )
+    .await?;
+    assert!(
+        services.get_opt("web").await?.is_some(),
+        "kept until released"
+    );
+    wait_for(
+        "the Service gone after the release",
+        Duration::from_secs(30),
+        || {
+            let agents = agents.clone();
+            let services = services.clone();
+            async move {
+                for a in agents.iter() {
+                    a.report(json!([])).await?;
+                }
+                Ok(services.get_opt("web").await?.is_none().then_some(()))
+            }
+        },
+    )
+    .await?;
+    let o = lbns.get(&holder).await?;
+    assert_eq!(
+        o.data["spec"]["assignments"],
+        json!([]),
+        "assignment dropped"
+    );
+
+    // A Node that goes takes its object and Role with it.
+    node_api.delete(&nodes[1], &DeleteParams::default()).await?;
+    wait_for(
+        "the deleted node's object gone",
+        Duration::from_secs(30),
+        || async { Ok(lbns.get_opt(&nodes[1]).await?.is_none().then_some(())) },
+    )
+    .await?;
+    Ok(())
+}
