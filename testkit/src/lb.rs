@@ -96,19 +96,19 @@ impl LbRig {
             apiserver: true,
             ..RigOptions::default()
         })?;
-        let client_ns = rig.add_lan_host("client").context("client namespace")?.0;
+        let client_ns = rig.add_lan_host("client").context("client namespace")?.ns;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
         let api = rig.apiserver().context("API server")?;
         let admin_kubeconfig = api.admin_kubeconfig().to_path_buf();
         let admin = rt.block_on(rig::kube_client(&admin_kubeconfig))?;
-        rt.block_on(rig::manifests::apply(
+        rt.block_on(rig::manifests::apply_kustomization(
             &admin,
             &opts.manifests,
             rig::manifests::Mode::Apply,
         ))
-        .context("applying packaging/kubernetes")?;
+        .with_context(|| format!("applying {}", opts.manifests.display()))?;
         let mut lb = LbRig {
             rig,
             client_ns,

@@ -5,12 +5,15 @@
 //!   real etcd + kube-apiserver, torn down on drop;
 //! - [`vm`]: Debian's stock kernel booted under qemu with a small initramfs
 //!   that runs a test's shell script;
+//! - [`lb`]: the LoadBalancer rig (the rig with the manifests applied,
+//!   agents, controller replicas, a client on the LAN);
 //! - [`prereq`]: what those need from the machine, how to tell whether it is
 //!   there, and the command that installs it.
 //!
 //! It does not depend on the agent's crate: it drives the agent binary (or
 //! the agent's library, in the caller) from the outside.
 
+pub mod lb;
 pub mod prereq;
 pub mod rig;
 pub mod vm;

@@ -22,6 +22,7 @@ mod controller;
 mod daemon;
 mod dhcp_probe;
 mod dhcp_rig;
+mod loadbalancer;
 mod manifests;
 mod rig_selftest;
 mod topology;
@@ -43,6 +44,7 @@ fn main() -> std::process::ExitCode {
         dhcp_rig::tests(),
         dhcp_probe::tests(),
         manifests::tests(),
+        loadbalancer::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),
