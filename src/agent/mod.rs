@@ -46,8 +46,8 @@ use status::{AgentStatus, LbStatus, StateDirStatus};
 /// unfinished by then is reported as `Checking` (in `STATUS=`, `status` and
 /// the Node conditions) and completes after READY. Well below the unit's
 /// `TimeoutStartSec=60`, so a slow modprobe never gets the daemon killed.
-/// The rest of start-up (state directory, control socket, the left-behind
-/// macvlan sweep) is local and takes milliseconds.
+/// The rest of start-up (state directory, control socket, the DHCP
+/// engine) is local and takes milliseconds.
 pub const READY_BUDGET: Duration = Duration::from_secs(20);
 
 /// How long one API health request may take before the cluster counts as

@@ -614,10 +614,49 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
                 format!("MacvlanReady, GuestAgentReady reported at {at}"),
             crate::node_status::Reported::Failed { error } => format!("failed: {error}"),
         }
-    ) + &human_dhcp(&st.dhcp)
+    ) + &human_lb(&st.lb)
+        + &human_dhcp(&st.dhcp)
 }
 
 /// The lease table: one line per lease, then the endpoint.
+/// The LoadBalancer addresses assigned to this node, one line each.
+fn human_lb(lb: &crate::agent::status::LbStatus) -> String {
+    use std::fmt::Write;
+    let mut out = format!(
+        "  lb:        {} ({}: {}){}\n",
+        lb.short(),
+        lb.object,
+        lb.read,
+        lb.write_error
+            .as_ref()
+            .map(|e| format!("; cannot write status: {e}"))
+            .unwrap_or_default()
+    );
+    if !lb.removed_at_start.is_empty() {
+        let _ = writeln!(
+            out,
+            "             removed at start (left by an earlier run, not assigned): {}",
+            lb.removed_at_start.join(", ")
+        );
+    }
+    for l in &lb.status.leases {
+        let _ = writeln!(
+            out,
+            "    {} {} {:<10} {:<15} expires {}{}",
+            l.service,
+            l.interface,
+            l.state,
+            l.address.as_deref().unwrap_or("-"),
+            l.expires.as_deref().unwrap_or("-"),
+            l.message
+                .as_ref()
+                .map(|m| format!("; {m}"))
+                .unwrap_or_default()
+        );
+    }
+    out
+}
+
 fn human_dhcp(d: &crate::agent::status::DhcpStatus) -> String {
     use std::fmt::Write;
     let now_ms = std::time::SystemTime::now()
@@ -739,6 +778,56 @@ mod tests {
     use crate::agent::status::DhcpStatus;
     use crate::dhcp::State;
     use crate::dhcp::driver::LeaseStatus;
+
+    #[test]
+    fn lb_lines_name_each_service_and_its_lease() {
+        use crate::contract::node_object::{LeaseReport, Status};
+        let lb = crate::agent::status::LbStatus {
+            object: "harvester-node-agent/n1".into(),
+            read: "watching".into(),
+            wanted: 2,
+            status: Status {
+                held: 1,
+                ready: true,
+                leases: vec![
+                    LeaseReport {
+                        service: "default/web".into(),
+                        interface: "hlb-3f2a9c1e".into(),
+                        state: "BOUND".into(),
+                        address: Some("10.77.0.150".into()),
+                        expires: Some("2026-11-22T18:00:00Z".into()),
+                        ..LeaseReport::default()
+                    },
+                    LeaseReport {
+                        service: "default/db".into(),
+                        interface: "hlb-0000abcd".into(),
+                        state: "FAILED".into(),
+                        message: Some("no uplink".into()),
+                        ..LeaseReport::default()
+                    },
+                ],
+                ..Status::default()
+            },
+            ..Default::default()
+        };
+        let text = human_lb(&lb);
+        assert!(
+            text.starts_with("  lb:        lb 1/2 held (harvester-node-agent/n1: watching)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "default/web hlb-3f2a9c1e BOUND      10.77.0.150     expires 2026-11-22T18:00:00Z\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "default/db hlb-0000abcd FAILED     -               expires -; no uplink\n"
+            ),
+            "{text}"
+        );
+    }
 
     #[test]
     fn lease_table_has_a_line_per_lease_and_the_sweep() {
