@@ -91,19 +91,16 @@ pub fn node_in(o: &LoadBalancerNode, eligible: bool) -> Option<NodeIn> {
 /// Writes through the API server, Events through the Events API.
 pub struct KubeApi {
     client: kube::Client,
-    recorder: Recorder,
+    reporter: Reporter,
 }
 
 impl KubeApi {
     pub fn new(client: kube::Client, identity: &str) -> KubeApi {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: FIELD_MANAGER.into(),
-                instance: Some(identity.to_string()),
-            },
-        );
-        KubeApi { client, recorder }
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: Some(identity.to_string()),
+        };
+        KubeApi { client, reporter }
     }
 
     fn api(&self, kind: Kind, namespace: &str) -> Api<DynamicObject> {
@@ -179,7 +176,11 @@ impl Requests for KubeApi {
             uid: Some(e.uid.clone()),
             ..Default::default()
         };
-        match tokio::time::timeout(WRITE_TIMEOUT, self.recorder.publish(&ev, &regarding)).await {
+        // A fresh recorder per Event: kube's recorder folds Events with the
+        // same reason into one series and keeps the first message, and
+        // ours differ in the message (deduplication is the writer's).
+        let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        match tokio::time::timeout(WRITE_TIMEOUT, recorder.publish(&ev, &regarding)).await {
             Ok(result) => result.map_err(|e| e.to_string()),
             Err(_) => Err(format!("timed out after {WRITE_TIMEOUT:?}")),
         }

@@ -744,7 +744,8 @@ pub fn reconcile(world: World<'_>) -> Plan {
                     format!("primary {primary} is itself a secondary; name its primary instead"),
                 );
             }
-            Selection::Primary if p.has_our_finalizer() && !p.deleting => {
+            // A deleting primary keeps its address while secondaries share it.
+            Selection::Primary if p.has_our_finalizer() => {
                 by_primary.entry(&p.key).or_default().push(s);
             }
             _ => {
@@ -1361,6 +1362,14 @@ mod tests {
         let plans = sim.settle();
         assert_eq!(plans.len(), 1, "no writes");
         assert!(reasons(&plans).contains(&reason::SECONDARIES_LIVE));
+        assert!(
+            !plans[0]
+                .events
+                .iter()
+                .any(|e| e.service == key("api") && e.reason == reason::PRIMARY_NOT_OURS),
+            "still its primary: {plans:?}"
+        );
+        assert_eq!(sim.svc("api").ingress[0].ip, ip, "still shared");
         assert_eq!(sim.svc("web").ingress[0].ip, ip);
         // The secondaries go: now it is released.
         sim.services

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use harvester_node_agent::contract::{self, node_object};
 use hna_testkit::rig::{self, Rig, RigOptions};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Service};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -64,6 +65,17 @@ where
     }
 }
 
+/// GET /metrics.
+async fn get_metrics(addr: &str) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut c = tokio::net::TcpStream::connect(addr).await?;
+    c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await?;
+    let mut out = String::new();
+    c.read_to_string(&mut out).await?;
+    Ok(out)
+}
+
 /// A minimal stand-in for the manifests' CRD: the controller only needs
 /// the resource, the status subresource and the fields kept.
 async fn install_crd(admin: &Client) -> Result<()> {
@@ -102,10 +114,11 @@ async fn install_crd(admin: &Client) -> Result<()> {
     .await
 }
 
-fn start_controller(kubeconfig: &Path, log: &Path) -> Result<Controller> {
+fn start_controller(kubeconfig: &Path, log: &Path, metrics: &str) -> Result<Controller> {
     let child = Command::new(BIN)
         .args(["controller", "--kubeconfig"])
         .arg(kubeconfig)
+        .args(["--metrics-listen", metrics])
         .args([
             "--namespace",
             NS,
@@ -213,7 +226,8 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
             )
             .await?;
     }
-    let _controller = start_controller(api.admin_kubeconfig(), log)?;
+    let metrics = format!("127.0.0.1:{}", rig::apiserver::free_port()?);
+    let mut controller = start_controller(api.admin_kubeconfig(), log, &metrics)?;
     let lbns: Api<DynamicObject> =
         Api::namespaced_with(admin.clone(), NS, &node_object::api_resource());
 
@@ -378,6 +392,40 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
         "never ours to write"
     );
 
+    // Settled: the agents keep beating, the controller writes nothing more
+    // (its own output gives it nothing to do).
+    let writes = |m: &str| -> u64 {
+        m.lines()
+            .filter(|l| l.starts_with("hna_controller_writes_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let beat_for = |d: Duration| {
+        let agents = agents.clone();
+        let bound = bound.clone();
+        async move {
+            let until = Instant::now() + d;
+            while Instant::now() < until {
+                for (j, a) in agents.iter().enumerate() {
+                    a.report(if j == holder_idx {
+                        bound.clone()
+                    } else {
+                        json!([])
+                    })
+                    .await?;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            anyhow::Ok(())
+        }
+    };
+    beat_for(Duration::from_secs(2)).await?;
+    let first = writes(&get_metrics(&metrics).await?);
+    beat_for(Duration::from_secs(3)).await?;
+    let second = writes(&get_metrics(&metrics).await?);
+    assert!(first > 0, "the metrics count the writes made");
+    assert_eq!(first, second, "writes while nothing changed");
+
     let events: Api<Event> = Api::namespaced(admin.clone(), "default");
     let reasons: Vec<String> = events
         .list(&Default::default())
@@ -445,6 +493,32 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
         json!([]),
         "assignment dropped"
     );
+
+    // A graceful stop hands the Lease over: the holder is cleared.
+    let pid = nix::unistd::Pid::from_raw(controller.0.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
+    wait_for(
+        "the Lease released on SIGTERM",
+        Duration::from_secs(15),
+        || async {
+            let l = leases.get(contract::CONTROLLER_LEASE).await?;
+            let holder = l.spec.and_then(|s| s.holder_identity);
+            Ok(holder.is_none().then_some(()))
+        },
+    )
+    .await?;
+    let exited = wait_for("the controller exits", Duration::from_secs(15), || {
+        let status = controller.0.try_wait();
+        async move { Ok(status?) }
+    })
+    .await?;
+    assert!(exited.success(), "{exited:?}");
+    let _restarted = start_controller(
+        api.admin_kubeconfig(),
+        &log.with_extension("2.log"),
+        &metrics,
+    )?;
 
     // A Node that goes takes its object and Role with it.
     node_api.delete(&nodes[1], &DeleteParams::default()).await?;
