@@ -96,8 +96,12 @@ fn main() -> Result<()> {
         let st = status_json(&agent, &lb.agent_socket(i))?;
         println!("  {node:<10} {}", st["summary"].as_str().unwrap_or("?"));
     }
-    let leader = wait_for(Duration::from_secs(30), || lb.leader()).context("no controller leads")?;
-    println!("  controller leader (Lease {}): {leader}", lb::CONTROLLER_LEASE);
+    let leader =
+        wait_for(Duration::from_secs(30), || lb.leader()).context("no controller leads")?;
+    println!(
+        "  controller leader (Lease {}): {leader}",
+        lb::CONTROLLER_LEASE
+    );
 
     println!(
         "\n`harvester-node-agent dhcp-probe` in {}: the VM network's DHCP checked before any Service exists",
@@ -112,7 +116,10 @@ fn main() -> Result<()> {
         println!("  {line}");
     }
     if !out.status.success() {
-        bail!("dhcp-probe failed: {}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "dhcp-probe failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     println!(
@@ -126,22 +133,35 @@ fn main() -> Result<()> {
     )?;
     let ip = lb.wait_ingress("web", Duration::from_secs(60));
     let svc = lb.service("web").context("Service web")?;
-    let holder = annotation(&svc, "kube-vip.io/vipHost").unwrap_or("?").to_string();
+    let holder = annotation(&svc, "kube-vip.io/vipHost")
+        .unwrap_or("?")
+        .to_string();
     println!(
         "  status.loadBalancer.ingress: {ip} after {} ms, held by {holder}",
         created.elapsed().as_millis()
     );
-    for key in ["kube-vip.io/hwaddr", "kube-vip.io/requestedIP", "kube-vip.io/vipHost"] {
+    for key in [
+        "kube-vip.io/hwaddr",
+        "kube-vip.io/requestedIP",
+        "kube-vip.io/vipHost",
+    ] {
         println!("  {key}: {}", annotation(&svc, key).unwrap_or("-"));
     }
 
-    println!("\nTCP from the client namespace to {ip}:{LISTEN_PORT} (each guest's listener answers with its node name):");
-    let reply = wait_for(Duration::from_secs(10), || lb.tcp_from_client(ip, LISTEN_PORT).ok())
-        .context("no TCP answer through the LoadBalancer address")?;
+    println!(
+        "\nTCP from the client namespace to {ip}:{LISTEN_PORT} (each guest's listener answers with its node name):"
+    );
+    let reply = wait_for(Duration::from_secs(10), || {
+        lb.tcp_from_client(ip, LISTEN_PORT).ok()
+    })
+    .context("no TCP answer through the LoadBalancer address")?;
     println!("  answered by: {reply}");
 
     println!("\nkubectl -n {} get loadbalancernodes:", lb::NAMESPACE);
-    println!("  {:<10} {:<6} {:<5} {:<32} HEARTBEAT", "NAME", "READY", "HELD", "ADDRESSES");
+    println!(
+        "  {:<10} {:<6} {:<5} {:<32} HEARTBEAT",
+        "NAME", "READY", "HELD", "ADDRESSES"
+    );
     for i in 0..lb.rig.guest_count() {
         let node = lb.node_name(i);
         let v = lb.node_object(&node).unwrap_or_default();
@@ -156,7 +176,12 @@ fn main() -> Result<()> {
     }
     println!("  links carrying {ip} (read with `ip addr` in each guest):");
     for (node, link) in lb.carriers(ip) {
-        println!("    {node}: {} {} {}", link.name, link.mac, link.addrs.join(" "));
+        println!(
+            "    {node}: {} {} {}",
+            link.name,
+            link.mac,
+            link.addrs.join(" ")
+        );
     }
 
     if hold {
@@ -171,15 +196,25 @@ fn main() -> Result<()> {
     println!("\nkubectl delete service web:");
     let mark = lb.dnsmasq_log_len();
     lb.delete_service("web")?;
-    wait_for(Duration::from_secs(30), || lb.service("web").is_none().then_some(()))
-        .context("Service web was not released")?;
-    for line in lb.dnsmasq_log_from(mark).lines().filter(|l| l.contains("DHCPRELEASE")) {
+    wait_for(Duration::from_secs(30), || {
+        lb.service("web").is_none().then_some(())
+    })
+    .context("Service web was not released")?;
+    for line in lb
+        .dnsmasq_log_from(mark)
+        .lines()
+        .filter(|l| l.contains("DHCPRELEASE"))
+    {
         println!("  dnsmasq: {}", line.trim());
     }
-    let left: usize = (0..lb.rig.guest_count()).map(|i| lb.hlb_links(i).len()).sum();
+    let left: usize = (0..lb.rig.guest_count())
+        .map(|i| lb.hlb_links(i).len())
+        .sum();
     println!("  links left on the guests: {left}");
 
     drop(lb);
-    println!("\nrig torn down: namespaces, dnsmasq, etcd, kube-apiserver, agents, controllers gone.");
+    println!(
+        "\nrig torn down: namespaces, dnsmasq, etcd, kube-apiserver, agents, controllers gone."
+    );
     Ok(())
 }

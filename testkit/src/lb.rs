@@ -189,7 +189,9 @@ impl LbRig {
     }
 
     fn agent_dir(&self, i: usize) -> PathBuf {
-        self.rig.dir().join(format!("agent-{}", self.rig.node_name(i)))
+        self.rig
+            .dir()
+            .join(format!("agent-{}", self.rig.node_name(i)))
     }
 
     pub fn agent_socket(&self, i: usize) -> PathBuf {
@@ -283,7 +285,13 @@ impl LbRig {
             .append(true)
             .open(self.controller_log_path(i))?;
         let child = Command::new(&self.opts.bin)
-            .args(["controller", "--credentials-retry", "1s", "--namespace", NAMESPACE])
+            .args([
+                "controller",
+                "--credentials-retry",
+                "1s",
+                "--namespace",
+                NAMESPACE,
+            ])
             .args(["--identity", &Self::controller_identity(i)])
             .arg("--kubeconfig")
             .arg(api.controller_kubeconfig())

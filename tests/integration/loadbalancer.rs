@@ -28,7 +28,9 @@ fn options() -> lb::Options {
 }
 
 fn node_object(lb: &LbRig, node: &str) -> Result<node_object::LoadBalancerNode> {
-    let v = lb.node_object(node).with_context(|| format!("no LoadBalancerNode {node}"))?;
+    let v = lb
+        .node_object(node)
+        .with_context(|| format!("no LoadBalancerNode {node}"))?;
     Ok(serde_json::from_value(v)?)
 }
 
@@ -41,12 +43,13 @@ fn the_test_kit_names_what_the_contract_names() {
 const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
 const WITHIN: Duration = Duration::from_secs(30);
 
-/// Event reasons the controller uses for refusals (see `controller`).
+/// Event reasons the controller uses for refusals, as an operator reads
+/// them with `kubectl get events` (`controller::reconcile::reason`).
 mod reason {
-    pub const PORTS_OVERLAP: &str = "SharedIPPortsOverlap";
-    pub const PRIMARY_IS_SECONDARY: &str = "SharedIPPrimaryInvalid";
+    pub const PORTS_OVERLAP: &str = "PortsOverlap";
+    pub const PRIMARY_IS_SECONDARY: &str = "PrimaryIsSecondary";
     pub const IPAM_CHANGE: &str = "IPAMChangeRefused";
-    pub const PRIMARY_IN_USE: &str = "ReleaseDeferred";
+    pub const PRIMARY_IN_USE: &str = "SecondariesStillShareAddress";
 }
 
 fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> Result<()> {
@@ -57,16 +60,32 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
     let svc = lb.service("web").unwrap();
 
     // The status carries the ports; the annotations are kube-vip's record.
-    let ingress = &svc.status.as_ref().unwrap().load_balancer.as_ref().unwrap().ingress.as_ref().unwrap()[0];
+    let ingress = &svc
+        .status
+        .as_ref()
+        .unwrap()
+        .load_balancer
+        .as_ref()
+        .unwrap()
+        .ingress
+        .as_ref()
+        .unwrap()[0];
     let ports = ingress.ports.as_ref().expect("ports in the ingress status");
     ensure!(
         ports.len() == 1 && ports[0].port == LISTEN_PORT as i32 && ports[0].protocol == "TCP",
         "{ports:?}"
     );
-    let holder = annotation(&svc, kube_vip::VIP_HOST).expect("vipHost").to_string();
-    let mac = annotation(&svc, kube_vip::HWADDR).expect("hwaddr").to_string();
+    let holder = annotation(&svc, kube_vip::VIP_HOST)
+        .expect("vipHost")
+        .to_string();
+    let mac = annotation(&svc, kube_vip::HWADDR)
+        .expect("hwaddr")
+        .to_string();
     ensure!(annotation(&svc, kube_vip::REQUESTED_IP) == Some(ip.to_string().as_str()));
-    ensure!(annotation(&svc, kube_vip::LOADBALANCER_IPS).is_none(), "never ours to write");
+    ensure!(
+        annotation(&svc, kube_vip::LOADBALANCER_IPS).is_none(),
+        "never ours to write"
+    );
 
     // Exactly one guest carries the address, on our link named after the
     // UID, with the MAC the annotations name; dnsmasq leased it to that MAC.
@@ -78,19 +97,27 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
     ensure!(link.mac == mac, "link MAC {} vs hwaddr {mac}", link.mac);
     let leases = lb.rig.dnsmasq_leases()?;
     ensure!(
-        leases.lines().any(|l| l.contains(&ip.to_string()) && l.contains(&mac)),
+        leases
+            .lines()
+            .any(|l| l.contains(&ip.to_string()) && l.contains(&mac)),
         "dnsmasq leases:\n{leases}"
     );
     let obj = node_object(&lb, &holder)?;
     ensure!(
-        obj.spec.assignments.iter().any(|a| a.service == "default/web" && a.mac == mac),
+        obj.spec
+            .assignments
+            .iter()
+            .any(|a| a.service == "default/web" && a.mac == mac),
         "{:?}",
         obj.spec
     );
 
     // A TCP client on the LAN reaches the listener on the holder.
     let reply = wait_for(WITHIN, || lb.tcp_from_client(ip, LISTEN_PORT).ok());
-    ensure!(reply.as_deref() == Some(holder.as_str()), "reply {reply:?}, holder {holder}");
+    ensure!(
+        reply.as_deref() == Some(holder.as_str()),
+        "reply {reply:?}, holder {holder}"
+    );
 
     // kill -9 and restart: the same node keeps the same address, with no
     // RELEASE and no new DISCOVER.
@@ -98,18 +125,31 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
     let before = node_object(&lb, &holder)?.status.unwrap_or_default();
     let mark = lb.dnsmasq_log_len();
     lb.signal_agent(i, Signal::SIGKILL);
-    ensure!(lb.carriers(ip).len() == 1, "the kernel keeps the link while the agent is gone");
+    ensure!(
+        lb.carriers(ip).len() == 1,
+        "the kernel keeps the link while the agent is gone"
+    );
     lb.start_agent(i)?;
     // Handshake: the new agent has reported the lease again.
     let adopted = wait_for(WITHIN, || {
         let st = node_object(&lb, &holder).ok()?.status?;
         (st.heartbeat != before.heartbeat
-            && st.leases.iter().any(|l| l.service == "default/web" && l.state == "BOUND"))
+            && st
+                .leases
+                .iter()
+                .any(|l| l.service == "default/web" && l.state == "BOUND"))
         .then_some(st)
     });
-    ensure!(adopted.is_some(), "the restarted agent never reported the lease; log:\n{}", lb.agent_log(i));
+    ensure!(
+        adopted.is_some(),
+        "the restarted agent never reported the lease; log:\n{}",
+        lb.agent_log(i)
+    );
     let carriers = lb.carriers(ip);
-    ensure!(carriers.len() == 1 && carriers[0].0 == holder, "{carriers:?}");
+    ensure!(
+        carriers.len() == 1 && carriers[0].0 == holder,
+        "{carriers:?}"
+    );
     ensure!(lb.ingress_ip("web") == Some(ip));
     let since = lb.dnsmasq_log_from(mark);
     for msg in ["DHCPDISCOVER", "DHCPRELEASE"] {
@@ -125,18 +165,31 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
     let mark = lb.dnsmasq_log_len();
     lb.delete_service("web")?;
     let gone = wait_for(WITHIN, || lb.service("web").is_none().then_some(()));
-    ensure!(gone.is_some(), "Service still there: {:#?}", lb.service("web").map(|s| s.metadata));
+    ensure!(
+        gone.is_some(),
+        "Service still there: {:#?}",
+        lb.service("web").map(|s| s.metadata)
+    );
     let since = lb.dnsmasq_log_from(mark);
     ensure!(
-        since.lines().any(|l| l.contains("DHCPRELEASE") && l.contains(&ip.to_string()) && l.contains(&mac)),
+        since
+            .lines()
+            .any(|l| l.contains("DHCPRELEASE") && l.contains(&ip.to_string()) && l.contains(&mac)),
         "no DHCPRELEASE for {ip} {mac}:\n{since}"
     );
     let unlinked = wait_for(Duration::from_secs(5), || {
         (0..3).all(|g| lb.hlb_links(g).is_empty()).then_some(())
     });
-    ensure!(unlinked.is_some(), "links left: {:?}", (0..3).map(|g| lb.hlb_links(g)).collect::<Vec<_>>());
+    ensure!(
+        unlinked.is_some(),
+        "links left: {:?}",
+        (0..3).map(|g| lb.hlb_links(g)).collect::<Vec<_>>()
+    );
     let leases = lb.rig.dnsmasq_leases()?;
-    ensure!(!leases.contains(&mac), "dnsmasq still leases to {mac}:\n{leases}");
+    ensure!(
+        !leases.contains(&mac),
+        "dnsmasq still leases to {mac}:\n{leases}"
+    );
     Ok(())
 }
 
@@ -189,7 +242,10 @@ fn share_ip_and_every_refusal_changes_nothing_else() -> Result<()> {
     ensure!(!lb.dnsmasq_log_from(mark).contains("DHCPRELEASE"));
     lb.delete_service("web-extra")?;
     let gone = wait_for(WITHIN, || lb.service("web").is_none().then_some(()));
-    ensure!(gone.is_some(), "the primary was not released after its secondary went");
+    ensure!(
+        gone.is_some(),
+        "the primary was not released after its secondary went"
+    );
     ensure!(lb.dnsmasq_log_from(mark).contains("DHCPRELEASE"));
     Ok(())
 }
@@ -202,9 +258,22 @@ fn kube_vips_record_keeps_the_address_and_the_mac() -> Result<()> {
     let out = lb
         .rig
         .netns_cmd(lb.rig.guest_ns(2), crate::BIN)
-        .args(["dhcp-probe", "--parent", "eth0", "--mac", mac, "--release=false", "--output", "json"])
+        .args([
+            "dhcp-probe",
+            "--parent",
+            "eth0",
+            "--mac",
+            mac,
+            "--release=false",
+            "--output",
+            "json",
+        ])
         .output()?;
-    ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     let want = report["address"].as_str().expect("an address").to_string();
     lb.create_service(
@@ -219,7 +288,10 @@ fn kube_vips_record_keeps_the_address_and_the_mac() -> Result<()> {
     let ip = lb.wait_ingress("migrated", ADDRESS_WITHIN);
     ensure!(ip.to_string() == want, "got {ip}, kube-vip had {want}");
     let carriers = lb.carriers(ip);
-    ensure!(carriers.len() == 1 && carriers[0].1.mac == mac, "{carriers:?}");
+    ensure!(
+        carriers.len() == 1 && carriers[0].1.mac == mac,
+        "{carriers:?}"
+    );
     let svc = lb.service("migrated").unwrap();
     // What kube-vip reads back: the same MAC text, the address, the holder.
     ensure!(annotation(&svc, kube_vip::HWADDR) == Some(mac));
@@ -227,15 +299,25 @@ fn kube_vips_record_keeps_the_address_and_the_mac() -> Result<()> {
     ensure!(annotation(&svc, kube_vip::VIP_HOST) == Some(carriers[0].0.as_str()));
     ensure!(annotation(&svc, kube_vip::LOADBALANCER_IPS) == Some("0.0.0.0"));
     let reply = wait_for(WITHIN, || lb.tcp_from_client(ip, LISTEN_PORT).ok());
-    ensure!(reply.as_deref() == Some(carriers[0].0.as_str()), "{reply:?}");
+    ensure!(
+        reply.as_deref() == Some(carriers[0].0.as_str()),
+        "{reply:?}"
+    );
     Ok(())
 }
 
 fn a_new_leader_changes_no_service() -> Result<()> {
     let mut lb = LbRig::start(lb::Options {
-        controller_args: ["--lease-duration", "4s", "--renew-deadline", "3s", "--retry-period", "500ms"]
-            .map(String::from)
-            .to_vec(),
+        controller_args: [
+            "--lease-duration",
+            "4s",
+            "--renew-deadline",
+            "3s",
+            "--retry-period",
+            "500ms",
+        ]
+        .map(String::from)
+        .to_vec(),
         ..options()
     })?;
     for name in ["a", "b", "c"] {
@@ -249,21 +331,35 @@ fn a_new_leader_changes_no_service() -> Result<()> {
             .iter()
             .map(|n| {
                 let s = lb.service(n).unwrap();
-                (s.metadata.resource_version, s.status.map(|st| format!("{st:?}")))
+                (
+                    s.metadata.resource_version,
+                    s.status.map(|st| format!("{st:?}")),
+                )
             })
             .collect()
     };
     let before = versions(&lb);
     let leader = wait_for(WITHIN, || lb.leader()).expect("a leader");
-    let i = (0..2).find(|&i| LbRig::controller_identity(i) == leader).expect("a replica leads");
+    let i = (0..2)
+        .find(|&i| LbRig::controller_identity(i) == leader)
+        .expect("a replica leads");
     lb.kill_controller(i);
     let other = LbRig::controller_identity(1 - i);
-    let took_over = wait_for(WITHIN, || (lb.leader().as_deref() == Some(other.as_str())).then_some(()));
-    ensure!(took_over.is_some(), "{other} never took the Lease; log:\n{}", lb.controller_log(1 - i));
+    let took_over = wait_for(WITHIN, || {
+        (lb.leader().as_deref() == Some(other.as_str())).then_some(())
+    });
+    ensure!(
+        took_over.is_some(),
+        "{other} never took the Lease; log:\n{}",
+        lb.controller_log(1 - i)
+    );
     // Handshake: the new leader serves a new Service, so it has reconciled
     // the old ones too.
     lb.create_service("d", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
     lb.wait_ingress("d", ADDRESS_WITHIN);
-    ensure!(versions(&lb) == before, "a Service changed under the new leader");
+    ensure!(
+        versions(&lb) == before,
+        "a Service changed under the new leader"
+    );
     Ok(())
 }
