@@ -156,6 +156,13 @@ fn new_lbn(node: &str, spec: node_object::Spec) -> node_object::LoadBalancerNode
     obj
 }
 
+/// `obj` with [`full_status`] (for the printer-column checks).
+fn with_status_again(obj: &node_object::LoadBalancerNode) -> node_object::LoadBalancerNode {
+    let mut obj = obj.clone();
+    obj.status = Some(full_status());
+    obj
+}
+
 /// A LoadBalancer Service `web` in `default` (as admin).
 async fn create_service(admin: &kube::Client) -> Result<()> {
     let svc: Service = serde_json::from_value(json!({
@@ -276,6 +283,30 @@ fn apply_and_schema_roundtrip() -> Result<()> {
             "raw status {}",
             raw.data["status"]
         );
+
+        // Empty strings are values, not null: an agent that has nothing to
+        // report yet writes the defaults (reason "", addresses "", a lease's
+        // mac ""), and the server must take them as written.
+        let mut empty = lbns.get("node-1").await?;
+        let mut defaults = node_object::Status::default();
+        defaults.leases.push(node_object::LeaseReport {
+            service: "default/web".into(),
+            interface: "hlb-3f2a9c1e".into(),
+            state: "SELECTING".into(),
+            ..Default::default()
+        });
+        empty.status = Some(defaults.clone());
+        lbns.replace_status("node-1", &PostParams::default(), &empty)
+            .await
+            .map_err(|e| anyhow::anyhow!("status with empty strings: {e:?}"))?;
+        let back = lbns.get("node-1").await?;
+        ensure!(
+            back.status == Some(defaults),
+            "status came back as {:?}",
+            back.status
+        );
+        lbns.replace_status("node-1", &PostParams::default(), &with_status_again(&back))
+            .await?;
 
         // The schema refuses what the types could not read back: an
         // assignment without its required clientId.

@@ -129,9 +129,10 @@ if ! apt-cache showsrc kubernetes >/dev/null 2>&1 || ! apt-cache showsrc kuberne
 fi
 VERSION=$(apt-cache showsrc kubernetes | sed -n 's/^Version: //p' | sort -V | tail -1)
 [[ -n "$VERSION" ]] || { log "no 'kubernetes' source package found in the apt sources"; exit 1; }
-# "+reflect2": built with the reflect2 fix below; older cached builds crash
-# on custom-resource writes and are not reused.
-OUT="$CACHE_DIR/kube-apiserver/$VERSION+reflect2"
+# "+reflect2+zerostr": built with the two fixes below; older cached builds
+# crash on custom-resource writes (reflect2) or refuse "" in them (zerostr)
+# and are not reused.
+OUT="$CACHE_DIR/kube-apiserver/$VERSION+reflect2+zerostr"
 if [[ -x "$OUT/kube-apiserver" ]]; then
   log "kube-apiserver $VERSION cached at $OUT"
   echo "$OUT"
@@ -161,6 +162,17 @@ R2="$TREE/vendor/github.com/modern-go/reflect2"
 rm -rf "$R2" && mkdir -p "$R2"
 cp -r /usr/share/gocode/src/github.com/modern-go/reflect2/. "$R2/"
 rm -f "$R2"/*_test.go
+# The custom-resource validator (kube-openapi's copy of go-openapi, and
+# go-openapi itself) takes a value that is DeepEqual to its type's
+# reflect.Zero for null. With the Go 1.15 Kubernetes 1.20 was built with
+# that held only for nil; from Go 1.19 an empty string and reflect.Zero
+# share one zero buffer, so every "" in a custom resource is refused
+# ("must be of type string: \"null\""). Restore the original meaning.
+for f in "$TREE/vendor/k8s.io/kube-openapi/pkg/validation/validate/type.go" \
+         "$TREE/vendor/github.com/go-openapi/validate/type.go"; do
+  sed -i 's/if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {/if data == nil {/' "$f"
+  grep -q '^	if data == nil {$' "$f" || { log "zero-value fix did not apply to $f"; exit 1; }
+done
 export GOPATH="$WORK/gopath"
 mkdir -p "$GOPATH/src/k8s.io"
 ln -sfn "$TREE" "$GOPATH/src/k8s.io/kubernetes"
