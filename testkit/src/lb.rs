@@ -453,11 +453,30 @@ impl LbRig {
         });
         got.unwrap_or_else(|| {
             panic!(
-                "Service {name} got no address within {within:?}; last: {:#?}\ncontroller log:\n{}",
+                "Service {name} got no address within {within:?}; last: {:#?}\n{}",
                 last.map(|s| (s.metadata.annotations, s.status)),
-                tail(&self.controller_log(0), 40)
+                self.diagnostics()
             )
         })
+    }
+
+    /// The logs' tails and every node object, for failure messages.
+    pub fn diagnostics(&self) -> String {
+        let mut out = String::new();
+        for i in 0..self.controllers.len() {
+            out += &format!("--- controller {i} log:\n{}\n", tail(&self.controller_log(i), 30));
+        }
+        for i in 0..self.agents.len() {
+            let node = self.node_name(i);
+            out += &format!(
+                "--- agent {node} log:\n{}\n--- LoadBalancerNode {node}: {}\n",
+                tail(&self.agent_log(i), 30),
+                self.node_object(&node)
+                    .map(|v| v.to_string())
+                    .unwrap_or_else(|| "absent".into())
+            );
+        }
+        out
     }
 
     /// Events about Service `name`: (type, reason, message).
