@@ -114,7 +114,7 @@ pub mod node_object {
         pub interface: String,
         /// kube-vip's format, `02:..`.
         pub mac: String,
-        /// Option 61 as hex bytes.
+        /// Option 61 as hex bytes; empty: send none.
         pub client_id: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub hostname: Option<String>,
@@ -277,7 +277,8 @@ pub struct AddressIdentity {
     /// The macvlan's name.
     pub interface: String,
     pub mac: [u8; 6],
-    /// Option 61.
+    /// Option 61; empty: none is sent (a Service kube-vip served without a
+    /// hostname, which the server knows by its MAC).
     pub client_id: Vec<u8>,
     /// Option 12.
     pub hostname: Option<String>,
@@ -326,10 +327,16 @@ pub fn address_identity(uid: &str, annotations: &Annotations) -> Result<AddressI
         }
         None => None,
     };
-    // kube-vip sends the hostname itself as option 61 (no type byte); doing
-    // the same keeps the server's view of the client across a migration.
+    // The server must see the client kube-vip was: kube-vip sends the
+    // hostname itself as option 61 (no type byte), and without a hostname
+    // no option 61 at all, so the server knows the lease by its MAC. A
+    // `hwaddr` that is not our own derived MAC is kube-vip's (we write back
+    // the derived one), and a client identifier of ours would make the
+    // server treat the Service as a new client with a new address.
+    let kube_vips_mac = annotations.contains_key(kube_vip::HWADDR) && mac != derived_mac(uid);
     let client_id = match &hostname {
         Some(h) => h.as_bytes().to_vec(),
+        None if kube_vips_mac => Vec::new(),
         // RFC 2132 type 0: an identifier that is not a hardware address.
         None => [&[0u8][..], b"hna/", uid.as_bytes()].concat(),
     };
@@ -486,6 +493,18 @@ mod tests {
         assert_eq!(id.requested_ip, Some(Ipv4Addr::new(10, 77, 0, 150)));
         assert_eq!(id.hostname.as_deref(), Some("web-lb"));
         assert_eq!(id.client_id, b"web-lb", "as kube-vip sends it");
+    }
+
+    /// kube-vip without a hostname sends no client identifier; the server
+    /// knows its lease by the MAC, so we must not send one either. Our own
+    /// written-back MAC keeps our identifier.
+    #[test]
+    fn kube_vips_mac_without_a_hostname_means_no_client_identifier() {
+        let with = |mac: String| -> Annotations { [(kube_vip::HWADDR.to_string(), mac)].into() };
+        let theirs = address_identity(UID, &with("00:00:6c:ab:cd:ef".into())).unwrap();
+        assert!(theirs.client_id.is_empty());
+        let ours = address_identity(UID, &with(crate::mac::format(&derived_mac(UID)))).unwrap();
+        assert_eq!(ours, address_identity(UID, &Annotations::new()).unwrap());
     }
 
     #[test]

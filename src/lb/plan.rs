@@ -15,6 +15,7 @@ pub struct Want {
     pub service: String,
     pub interface: String,
     pub mac: [u8; 6],
+    /// Empty: send none.
     pub client_id: Vec<u8>,
     pub hostname: Option<String>,
     pub requested_ip: Option<Ipv4Addr>,
@@ -36,7 +37,11 @@ pub fn want(a: &Assignment) -> Result<Want, String> {
         return Err(what("interface", &a.interface));
     }
     let mac = crate::mac::parse_unicast(&a.mac).ok_or_else(|| what("mac", &a.mac))?;
-    let client_id = hex_bytes(&a.client_id).ok_or_else(|| what("clientId", &a.client_id))?;
+    // Empty: no option 61 (a Service kube-vip served without a hostname).
+    let client_id = match a.client_id.as_str() {
+        "" => Vec::new(),
+        hex => hex_bytes(hex).ok_or_else(|| what("clientId", hex))?,
+    };
     let requested_ip = match &a.requested_ip {
         Some(ip) => Some(ip.parse().map_err(|_| what("requestedIP", ip))?),
         None => None,

@@ -119,6 +119,16 @@ impl LbRig {
             opts,
         };
         for i in 0..lb.opts.guests {
+            // A node's own address on its uplink, as a VM has from its
+            // network: replies from a LoadBalancer address (a /32 without a
+            // route) leave through it.
+            let ns = lb.rig.guest_ns(i).to_string();
+            let addr = format!("{}/24", node_address(i));
+            rig::process::run_args("ip", ["-n", &ns, "addr", "add", &addr, "dev", "eth0"])?;
+            rig::process::run_args(
+                "ip",
+                ["-n", &ns, "route", "add", "default", "via", rig::LAN_ADDR],
+            )?;
             let node = lb.rig.node_name(i).to_string();
             lb.register_node(&node)?;
             lb.agents.push(None);
@@ -464,7 +474,10 @@ impl LbRig {
     pub fn diagnostics(&self) -> String {
         let mut out = String::new();
         for i in 0..self.controllers.len() {
-            out += &format!("--- controller {i} log:\n{}\n", tail(&self.controller_log(i), 30));
+            out += &format!(
+                "--- controller {i} log:\n{}\n",
+                tail(&self.controller_log(i), 30)
+            );
         }
         for i in 0..self.agents.len() {
             let node = self.node_name(i);
@@ -526,6 +539,11 @@ impl LbRig {
             .map(|m| m.len() as usize)
             .unwrap_or(0)
     }
+}
+
+/// Guest `i`'s own address (outside the DHCP range and the LAN hosts').
+pub fn node_address(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 77, 0, 10 + i as u8)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

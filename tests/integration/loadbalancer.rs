@@ -57,7 +57,12 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
     let svc = lb.create_service("web", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
     let uid = svc.metadata.uid.clone().unwrap();
     let ip = lb.wait_ingress("web", ADDRESS_WITHIN);
-    let svc = lb.service("web").unwrap();
+    // Status first, then the annotations: wait for those too.
+    let svc = wait_for(WITHIN, || {
+        lb.service("web")
+            .filter(|s| annotation(s, kube_vip::VIP_HOST).is_some())
+    })
+    .context("no kube-vip.io/vipHost after the address")?;
 
     // The status carries the ports; the annotations are kube-vip's record.
     let ingress = &svc
@@ -292,7 +297,11 @@ fn kube_vips_record_keeps_the_address_and_the_mac() -> Result<()> {
         carriers.len() == 1 && carriers[0].1.mac == mac,
         "{carriers:?}"
     );
-    let svc = lb.service("migrated").unwrap();
+    let svc = wait_for(WITHIN, || {
+        lb.service("migrated")
+            .filter(|s| annotation(s, kube_vip::VIP_HOST).is_some())
+    })
+    .context("no kube-vip.io/vipHost after the address")?;
     // What kube-vip reads back: the same MAC text, the address, the holder.
     ensure!(annotation(&svc, kube_vip::HWADDR) == Some(mac));
     ensure!(annotation(&svc, kube_vip::REQUESTED_IP) == Some(want.as_str()));
