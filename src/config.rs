@@ -35,6 +35,8 @@ enum Kind {
     /// A list of strings (TOML array; comma-separated in environment and flag).
     TextList,
     Duration,
+    /// `true` or `false` (also `1`/`0`, `yes`/`no` in environment and flag).
+    Bool,
 }
 
 /// One configuration key: its name in the file, its environment variable,
@@ -172,6 +174,14 @@ pub const KEYS: &[KeySpec] = &[
         kind: Kind::Duration,
     },
     KeySpec {
+        name: "lb_arp_probe",
+        env: "HNA_LB_ARP_PROBE",
+        flag: "--lb-arp-probe",
+        default: "true",
+        doc: "Probe a LoadBalancer address with ARP (RFC 5227) before using it, and decline it when another host answers. Turning it off saves about 300 ms per new lease on networks where the DHCP server is the only authority.",
+        kind: Kind::Bool,
+    },
+    KeySpec {
         name: "uplink",
         env: "HNA_UPLINK",
         flag: "--uplink",
@@ -220,6 +230,8 @@ pub struct Config {
     pub lb_heartbeat: Duration,
     /// The LoadBalancer uplink; `None` follows the default route.
     pub uplink: Option<String>,
+    /// RFC 5227 ARP check of a LoadBalancer address before use.
+    pub lb_arp_probe: bool,
 }
 
 /// Where a configuration value came from, for error messages.
@@ -390,6 +402,7 @@ pub fn resolve(
         namespace: crate::contract::DEFAULT_NAMESPACE.to_string(),
         lb_heartbeat: Duration::from_secs(5),
         uplink: None,
+        lb_arp_probe: true,
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -479,6 +492,7 @@ pub fn resolve(
                 validate_namespace(&v).map_err(fail)?;
                 cfg.namespace = v;
             }
+            "lb_arp_probe" => cfg.lb_arp_probe = boolean(&text(raw)).map_err(fail)?,
             "lb_heartbeat" => {
                 cfg.lb_heartbeat = duration_between(&text(raw), 1, 10).map_err(fail)?
             }
@@ -501,6 +515,14 @@ pub fn resolve(
         cfg.vm_name = hostname();
     }
     Ok(cfg)
+}
+
+fn boolean(v: &str) -> Result<bool, String> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        other => Err(format!("`{other}` is not true or false")),
+    }
 }
 
 fn text(raw: Raw) -> String {
@@ -567,6 +589,8 @@ fn raw_from_toml(spec: &KeySpec, value: toml::Value) -> Result<Raw, String> {
         )),
         (_, toml::Value::String(s)) => Ok(Raw::Text(s)),
         // A bare number is seconds, in the file as in flags and environment.
+        (Kind::Bool, toml::Value::Boolean(b)) => Ok(Raw::Text(b.to_string())),
+        (Kind::Bool, other) => Err(format!("expected true or false, {}", found(&other))),
         (Kind::Duration, toml::Value::Integer(i)) => Ok(Raw::Text(i.to_string())),
         (Kind::Duration, toml::Value::Float(f)) => Ok(Raw::Text(f.to_string())),
         (Kind::Duration, other) => Err(format!(
@@ -968,6 +992,10 @@ mod tests {
         let cfg = resolve(None, &|_| None, &FlagValues::default(), &|| "n".into()).unwrap();
         assert_eq!(cfg.namespace, "harvester-node-agent");
         assert_eq!(cfg.lb_heartbeat, Duration::from_secs(5));
+        assert!(cfg.lb_arp_probe);
+        assert!(!resolve_file("lb_arp_probe = false\n").unwrap().lb_arp_probe);
+        assert!(resolve_file("lb_arp_probe = \"maybe\"\n").is_err());
+        assert!(resolve_file("lb_arp_probe = 1\n").is_err());
         assert_eq!(cfg.uplink, None);
         let cfg =
             resolve_file("namespace = \"lb\"\nlb_heartbeat = 2\nuplink = \"eth1\"\n").unwrap();

@@ -449,7 +449,13 @@ fn spawn_lb(
         heartbeat: cfg.lb_heartbeat,
         adoption_wait: lb::ADOPTION_WAIT,
         settle: lb::SETTLE,
-        leases: crate::lb::apply::Settings::default(),
+        leases: crate::lb::apply::Settings {
+            timing: crate::dhcp::Timing {
+                arp_probe: cfg.lb_arp_probe,
+                ..crate::dhcp::Timing::default()
+            },
+            ..crate::lb::apply::Settings::default()
+        },
     };
     let writer = lb::KubeStatus {
         client,

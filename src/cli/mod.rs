@@ -141,6 +141,9 @@ pub struct ConfigArgs {
     /// How often the LoadBalancerNode status heartbeat is rewritten (1s to 10s) [default: 5s] [env: HNA_LB_HEARTBEAT]
     #[arg(long, value_name = "DURATION")]
     pub lb_heartbeat: Option<String>,
+    /// ARP-probe a LoadBalancer address before use (true/false) [default: true] [env: HNA_LB_ARP_PROBE]
+    #[arg(long, value_name = "BOOL")]
+    pub lb_arp_probe: Option<String>,
     /// Uplink of the LoadBalancer macvlans when a Service names none [default: the default route's interface] [env: HNA_UPLINK]
     #[arg(long, value_name = "IFACE")]
     pub uplink: Option<String>,
@@ -149,7 +152,7 @@ pub struct ConfigArgs {
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 16] = [
+        let pairs: [(&'static str, &Option<String>); 17] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -165,6 +168,7 @@ impl ConfigArgs {
             ("metrics_listen", &self.metrics_listen),
             ("namespace", &self.namespace),
             ("lb_heartbeat", &self.lb_heartbeat),
+            ("lb_arp_probe", &self.lb_arp_probe),
             ("uplink", &self.uplink),
         ];
         for (key, value) in pairs {
