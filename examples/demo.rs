@@ -168,8 +168,8 @@ fn main() -> Result<()> {
         let st = &v["status"];
         println!(
             "  {node:<10} {:<6} {:<5} {:<32} {}",
-            st["ready"],
-            st["held"],
+            st["ready"].to_string(),
+            st["held"].to_string(),
             st["addresses"].as_str().unwrap_or(""),
             st["heartbeat"].as_str().unwrap_or("")
         );

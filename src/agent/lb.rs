@@ -54,6 +54,9 @@ use super::status::LbStatus;
 pub const ADOPTION_WAIT: Duration = Duration::from_secs(30);
 /// How soon a change of what is reported reaches the status.
 pub const SETTLE: Duration = Duration::from_secs(1);
+/// How often the leases are looked at while one is on its way to an
+/// address (the engine's snapshot is an in-memory copy).
+pub const FAST_SETTLE: Duration = Duration::from_millis(10);
 /// Retry backoff after a failed action.
 const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -131,8 +134,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let adoption_deadline = Instant::now() + settings.adoption_wait;
-    let mut settle = tokio::time::interval(settings.settle);
-    settle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next_settle = Instant::now() + settings.settle;
     let mut beat = tokio::time::interval(beat_every);
     let mut lb = Lb {
         engine,
@@ -162,6 +164,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                         systemd::beating(&hb, beat_every, lb.reconcile()).await;
                     }
                     lb.report(false).await;
+                    next_settle = Instant::now() + lb.settle_period();
                 }
                 None => updates_open = false,
             },
@@ -178,9 +181,13 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 lb.retry_at = None;
                 systemd::beating(&hb, beat_every, lb.reconcile()).await;
                 lb.report(false).await;
+                next_settle = Instant::now() + lb.settle_period();
             }
             _ = tokio::time::sleep_until(lb.beat_due) => lb.report(true).await,
-            _ = settle.tick() => lb.report(false).await,
+            _ = tokio::time::sleep_until(next_settle) => {
+                lb.report(false).await;
+                next_settle = Instant::now() + lb.settle_period();
+            }
             _ = beat.tick() => hb.beat(),
             _ = shutdown.changed() => return,
         }
@@ -195,6 +202,23 @@ async fn sleep_until_opt(at: Option<Instant>) {
 }
 
 impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
+    /// How soon to look at the leases again: at once (every
+    /// [`FAST_SETTLE`]) while one is on its way to an address, so the
+    /// controller hears of a new lease within milliseconds; else every
+    /// `settle`.
+    fn settle_period(&self) -> Duration {
+        let moving = self
+            .engine
+            .snapshot()
+            .iter()
+            .any(|l| !l.state.holds_address());
+        if moving {
+            FAST_SETTLE.min(self.settings.settle)
+        } else {
+            self.settings.settle
+        }
+    }
+
     /// Takes in an observation; `true` when the assignments changed (or
     /// were read for the first time).
     fn observe(&mut self, u: Update<Spec>) -> bool {

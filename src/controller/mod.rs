@@ -42,8 +42,10 @@ const API_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the controller reconciles without a change (heartbeat
 /// staleness is only seen by looking again).
 const TICK: Duration = Duration::from_secs(1);
-/// A burst of watch events is decided once, this long after its first.
-const COALESCE: Duration = Duration::from_millis(100);
+/// A burst of watch events is decided once, this long after its first:
+/// short, since it is paid twice on the way from a new Service to its
+/// address (Service to assignment, lease to status).
+const COALESCE: Duration = Duration::from_millis(20);
 /// The longest wait between passes after failed writes.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
