@@ -359,7 +359,8 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             &node,
             self.swept.is_some(),
         );
-        let due = heartbeat || self.written.as_ref() != Some(&status);
+        let due =
+            heartbeat || self.written.as_ref().map(settled_view) != Some(settled_view(&status));
         if due {
             self.beat_due = Instant::now() + self.settings.heartbeat;
             let beat = next_beat(self.last_beat, SystemTime::now());
@@ -562,6 +563,18 @@ impl StatusWriter for KubeStatus {
     }
 }
 
+/// What a change-driven write compares: the status without the leases on
+/// their way to an address (INIT, SELECTING, REQUESTING, CHECKING,
+/// INIT-REBOOT). Nobody acts on those, and writing each step would cost the
+/// controller a round trip before the write that matters (BOUND); they are
+/// reported with the next heartbeat.
+fn settled_view(status: &Status) -> Status {
+    const MOVING: [&str; 5] = ["INIT", "SELECTING", "REQUESTING", "CHECKING", "INIT-REBOOT"];
+    let mut s = status.clone();
+    s.leases.retain(|l| !MOVING.contains(&l.state.as_str()));
+    s
+}
+
 /// Watches this node's object with whichever client the daemon has,
 /// starting over when the client changes; the spec goes to `tx`.
 pub async fn follow(
@@ -600,3 +613,36 @@ pub async fn follow(
 #[cfg(test)]
 #[path = "lb_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+mod settled_view_tests {
+    use super::*;
+
+    fn lease(state: &str) -> LeaseReport {
+        LeaseReport {
+            service: "default/web".into(),
+            interface: "hlb-3f2a9c1e".into(),
+            state: state.into(),
+            ..LeaseReport::default()
+        }
+    }
+
+    #[test]
+    fn only_leases_on_their_way_are_left_out() {
+        let none = Status::default();
+        let with = |state: &str| Status {
+            leases: vec![lease(state)],
+            ..Status::default()
+        };
+        for moving in ["INIT", "SELECTING", "REQUESTING", "CHECKING", "INIT-REBOOT"] {
+            assert_eq!(settled_view(&with(moving)), settled_view(&none), "{moving}");
+        }
+        for settled in ["BOUND", "RENEWING", "REBINDING", "FAILED"] {
+            assert_ne!(
+                settled_view(&with(settled)),
+                settled_view(&none),
+                "{settled}"
+            );
+        }
+    }
+}

@@ -525,12 +525,23 @@ pub fn reconcile(world: World<'_>) -> Plan {
                             "{ip} was allocated by Harvester's pool: changing the IPAM mode from pool to dhcp is not supported; recreate the Service to use DHCP"
                         ),
                     );
-                } else if let Err(e) = contract::address_identity(&s.uid, &s.annotations) {
-                    plan.summary.refused += 1;
-                    event(s, EventType::Warning, reason::INVALID, e);
                 } else {
-                    plan.summary.pending += 1;
-                    add_finalizers.push(Write::AddFinalizer(s.key.clone()));
+                    match contract::address_identity(&s.uid, &s.annotations) {
+                        Err(e) => {
+                            plan.summary.refused += 1;
+                            event(s, EventType::Warning, reason::INVALID, e);
+                        }
+                        // The finalizer and the holder in one pass: the
+                        // finalizer is written first, and a failure there
+                        // holds back every later write naming the Service
+                        // (the writer's rule), so nothing is ever assigned
+                        // without it. Not waiting for its echo saves a
+                        // round trip on the way to an address.
+                        Ok(id) => {
+                            add_finalizers.push(Write::AddFinalizer(s.key.clone()));
+                            needs.push((s, id));
+                        }
+                    }
                 }
             }
             Selection::Primary => match contract::address_identity(&s.uid, &s.annotations) {
@@ -1135,9 +1146,16 @@ mod tests {
         sim.services.push(dhcp("web", &[80, 443]));
         let first = sim.plan();
         assert_eq!(
-            first.writes,
-            vec![Write::AddFinalizer(key("web"))],
+            first.writes.first(),
+            Some(&Write::AddFinalizer(key("web"))),
             "the finalizer before anything is assigned"
+        );
+        assert!(
+            first.writes.iter().any(
+                |w| matches!(w, Write::SetSpec { services, .. } if services.contains(&key("web")))
+            ),
+            "the holder in the same pass: {:?}",
+            first.writes
         );
         let plans = sim.settle();
         let holders = sim.holders("web");
