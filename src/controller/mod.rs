@@ -42,10 +42,18 @@ const API_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the controller reconciles without a change (heartbeat
 /// staleness is only seen by looking again).
 const TICK: Duration = Duration::from_secs(1);
-/// A burst of watch events is decided once, this long after its first:
-/// short, since it is paid twice on the way from a new Service to its
-/// address (Service to assignment, lease to status).
-const COALESCE: Duration = Duration::from_millis(20);
+/// A burst of watch events is decided once, a window after its first:
+/// twice as long as the last pass took to decide (the pure part), within
+/// these bounds. Short for a small cluster, since the window is paid twice
+/// on the way from a new Service to its address (Service to assignment,
+/// lease to status); longer for a large one, so a storm of events cannot
+/// keep the controller deciding all the time.
+const COALESCE_MIN: Duration = Duration::from_millis(5);
+const COALESCE_MAX: Duration = Duration::from_millis(200);
+
+fn coalesce_window(last_pass: Duration) -> Duration {
+    (last_pass * 2).clamp(COALESCE_MIN, COALESCE_MAX)
+}
 /// The longest wait between passes after failed writes.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -275,9 +283,10 @@ async fn reconcile_loop(
     let mut backoff = Duration::ZERO;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut coalesce = COALESCE_MIN;
     loop {
         tokio::select! {
-            _ = changed.notified() => tokio::time::sleep(COALESCE).await,
+            _ = changed.notified() => tokio::time::sleep(coalesce).await,
             _ = tick.tick() => {}
             _ = shutdown.changed() => return,
         }
@@ -295,6 +304,7 @@ async fn reconcile_loop(
             node_objects: &objects,
             access_ensured: &access_ensured,
         });
+        coalesce = coalesce_window(now.elapsed());
         let leading = leadership.leading();
         {
             let mut s = stats.lock().expect("stats lock");
@@ -429,5 +439,20 @@ pub fn summary(cluster: &ClusterState) -> String {
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_coalescing_window_follows_the_cost_of_a_pass_within_bounds() {
+        assert_eq!(coalesce_window(Duration::ZERO), COALESCE_MIN);
+        assert_eq!(
+            coalesce_window(Duration::from_millis(30)),
+            Duration::from_millis(60)
+        );
+        assert_eq!(coalesce_window(Duration::from_secs(1)), COALESCE_MAX);
     }
 }
