@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The demo: installs what is needed, builds, brings up the local rig (a DHCP
-# LAN, two guest-VM network namespaces, a real kube-apiserver + etcd), runs the
-# node agent in each guest namespace and the controller, and prints what
-# happened. Pass --hold to keep everything running until Ctrl-C.
+# LAN, three guest-VM network namespaces and a client on it, a real
+# kube-apiserver + etcd with packaging/kubernetes applied), runs the node
+# agent in each guest namespace and two controller replicas, and tells the
+# story of a DHCP LoadBalancer Service: its address, a TCP request through
+# it, which node holds it, and its release. Pass --hold to keep everything running until Ctrl-C.
 # Needs root (network namespaces). Everything stays inside the rig's
 # namespaces and loopback, and is torn down at the end.
 set -euo pipefail
