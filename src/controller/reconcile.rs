@@ -261,6 +261,19 @@ pub struct Plan {
     pub summary: Summary,
 }
 
+/// The status write that gives `s` the address `ip` with its own ports,
+/// unless its status says so already.
+fn status_write(s: &ServiceIn, ip: &str) -> Option<Write> {
+    let want = vec![Ingress {
+        ip: ip.to_string(),
+        ports: s.ports.clone(),
+    }];
+    (s.ingress != want).then(|| Write::ServiceStatus {
+        service: s.key.clone(),
+        ingress: want,
+    })
+}
+
 /// What a Service's own holder should carry.
 fn assignment_of(s: &ServiceIn, id: &AddressIdentity) -> Assignment {
     Assignment {
@@ -692,15 +705,8 @@ pub fn reconcile(world: World<'_>) -> Plan {
         };
         plan.summary.served += 1;
         primary_ip.insert(s.key.clone(), ip.to_string());
-        let want = vec![Ingress {
-            ip: ip.to_string(),
-            ports: s.ports.clone(),
-        }];
-        if s.ingress != want {
-            statuses.push(Write::ServiceStatus {
-                service: s.key.clone(),
-                ingress: want,
-            });
+        if let Some(w) = status_write(s, ip) {
+            statuses.push(w);
             event(
                 s,
                 EventType::Normal,
@@ -803,15 +809,8 @@ pub fn reconcile(world: World<'_>) -> Plan {
                 used.insert(p.clone(), s.key.to_string());
             }
             plan.summary.shared += 1;
-            let want = vec![Ingress {
-                ip: ip.clone(),
-                ports: s.ports.clone(),
-            }];
-            if s.ingress != want {
-                statuses.push(Write::ServiceStatus {
-                    service: s.key.clone(),
-                    ingress: want,
-                });
+            if let Some(w) = status_write(s, ip) {
+                statuses.push(w);
                 event(
                     s,
                     EventType::Normal,
