@@ -30,8 +30,20 @@ fn parse_mac_arg(s: &str) -> Result<[u8; 6], String> {
     crate::mac::parse(s).ok_or_else(|| format!("`{s}` is not a MAC address like 00:00:6c:12:34:56"))
 }
 
-/// `01:02:0a` (hex bytes) or plain text.
+/// Option 61 as given on the command line. A newtype, because clap reads
+/// a field of type `Option<Vec<u8>>` as a list of bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientIdArg(pub Vec<u8>);
+
+fn parse_client_id_arg(s: &str) -> Result<ClientIdArg, String> {
+    parse_client_id(s).map(ClientIdArg)
+}
+
+/// `01:02:0a` (hex bytes), plain text, or `none` (no option 61: empty).
 fn parse_client_id(s: &str) -> Result<Vec<u8>, String> {
+    if s == "none" {
+        return Ok(Vec::new());
+    }
     let hex: Option<Vec<u8>> = s
         .split(':')
         .map(|p| {
@@ -55,12 +67,15 @@ pub struct ProbeArgs {
     /// MAC of the temporary macvlan [default: random 00:00:6c:xx:xx:xx]
     #[arg(long, value_name = "MAC", value_parser = parse_mac_arg)]
     pub mac: Option<[u8; 6]>,
-    /// Client identifier (option 61): hex bytes `01:00:00:6c:..` or text [default: 01 + MAC]
-    #[arg(long, value_name = "ID", value_parser = parse_client_id)]
-    pub client_id: Option<Vec<u8>>,
+    /// Client identifier (option 61): hex bytes `01:00:00:6c:..`, text, or `none` to send no option 61 (as kube-vip without a hostname) [default: 01 + MAC]
+    #[arg(long, value_name = "ID", value_parser = parse_client_id_arg)]
+    pub client_id: Option<ClientIdArg>,
     /// Hostname to send (option 12)
     #[arg(long)]
     pub hostname: Option<String>,
+    /// Ask for this address first (INIT-REBOOT, then option 50 in DISCOVER), as an agent or kube-vip does with `kube-vip.io/requestedIP`
+    #[arg(long, value_name = "IPV4")]
+    pub requested_ip: Option<std::net::Ipv4Addr>,
     /// Release the lease at the end (`--release=false` keeps it on the server)
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub release: bool,
@@ -83,8 +98,9 @@ pub fn probe_main(args: ProbeArgs) -> ExitCode {
     let report = rt.block_on(probe::run(ProbeOptions {
         parent: args.parent,
         mac: args.mac,
-        client_id: args.client_id,
+        client_id: args.client_id.map(|c| c.0),
         hostname: args.hostname,
+        requested_ip: args.requested_ip,
         release: args.release,
         timeout: args.timeout,
         arp_probe: !args.no_arp_probe,
@@ -240,6 +256,27 @@ mod tests {
         );
         assert_eq!(parse_client_id("lb-web").unwrap(), b"lb-web".to_vec());
         assert!(parse_client_id("").is_err());
+        assert!(
+            parse_client_id("none").unwrap().is_empty(),
+            "none: no option 61"
+        );
+    }
+
+    #[test]
+    fn probe_flags_parse() {
+        use clap::Parser;
+        let cli = crate::cli::Cli::try_parse_from([
+            "harvester-node-agent",
+            "dhcp-probe",
+            "--client-id",
+            "none",
+            "--requested-ip",
+            "10.77.0.150",
+        ])
+        .unwrap();
+        let text = format!("{cli:?}");
+        assert!(text.contains("ClientIdArg([])"), "{text}");
+        assert!(text.contains("10.77.0.150"), "{text}");
         assert!(parse_mac_arg("00:00:6c:01:02").is_err());
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::{Node, ObjectReference, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Service};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event as KubeEvent, EventType as KubeEventType, Recorder, Reporter};
@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 
 use crate::contract::ServiceKey;
 use crate::contract::node_object::{self, LoadBalancerNode};
+use crate::controller::networks::{self, NetworkMap};
 use crate::controller::reconcile::{EventOut, EventType, Ingress, NodeIn, Port, ServiceIn};
 use crate::controller::writer::{FIELD_MANAGER, Kind, PatchKind, Request, Requests, Verb};
 
@@ -193,6 +194,9 @@ pub struct Caches {
     pub services: Store<Service>,
     pub nodes: Store<Node>,
     pub node_objects: Store<LoadBalancerNode>,
+    /// Not part of [`Caches::ready`]: a cluster without the ConfigMap, or
+    /// manifests without the right to read it, must not stop the rest.
+    pub networks: Arc<std::sync::Mutex<NetworkMap>>,
 }
 
 impl Caches {
@@ -240,14 +244,86 @@ pub fn watch_all(
         "LoadBalancerNodes",
         w,
         Api::namespaced_with(client.clone(), namespace, &ar),
-        changed,
-        on_error,
+        changed.clone(),
+        on_error.clone(),
     );
+    let networks = Arc::new(std::sync::Mutex::new(NetworkMap::Unknown));
+    spawn_network_map_watch(tasks, client, networks.clone(), changed, on_error);
     Caches {
         services,
         nodes,
         node_objects,
+        networks,
     }
+}
+
+/// Keeps `state` at what `kube-system/harvester-nad-mapping` says.
+fn spawn_network_map_watch(
+    tasks: &mut tokio::task::JoinSet<()>,
+    client: &kube::Client,
+    state: Arc<std::sync::Mutex<NetworkMap>>,
+    changed: Arc<Notify>,
+    on_error: Arc<dyn Fn(String) + Send + Sync>,
+) {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), networks::CONFIG_MAP_NAMESPACE);
+    // By name, so that the Role may name the one ConfigMap it grants.
+    let config =
+        watcher::Config::default().fields(&format!("metadata.name={}", networks::CONFIG_MAP_NAME));
+    let stream = watcher(api, config).default_backoff();
+    let of = |cm: &ConfigMap| {
+        NetworkMap::parse(
+            cm.data
+                .as_ref()
+                .and_then(|d| d.get(networks::CONFIG_MAP_KEY))
+                .map(String::as_str),
+        )
+    };
+    tasks.spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        let mut listed_one = false;
+        while let Some(event) = stream.next().await {
+            let next = match event {
+                Ok(watcher::Event::Init) => {
+                    listed_one = false;
+                    continue;
+                }
+                Ok(watcher::Event::InitApply(cm) | watcher::Event::Apply(cm)) => {
+                    listed_one = true;
+                    of(&cm)
+                }
+                Ok(watcher::Event::InitDone) if listed_one => continue,
+                Ok(watcher::Event::InitDone | watcher::Event::Delete(_)) => NetworkMap::Missing,
+                Err(e) => {
+                    let what = format!(
+                        "watching {}/{}: {e}",
+                        networks::CONFIG_MAP_NAMESPACE,
+                        networks::CONFIG_MAP_NAME
+                    );
+                    on_error(what.clone());
+                    // The API's answer (403, ...) is worth a refusal; a
+                    // connection error before the first list is waited out.
+                    let refused = matches!(
+                        &e,
+                        watcher::Error::InitialListFailed(kube::Error::Api(_))
+                            | watcher::Error::WatchStartFailed(kube::Error::Api(_))
+                    );
+                    let never_read = matches!(
+                        *state.lock().expect("network map lock"),
+                        NetworkMap::Unknown | NetworkMap::Unreadable(_)
+                    );
+                    if !refused || !never_read {
+                        continue;
+                    }
+                    NetworkMap::Unreadable(what)
+                }
+            };
+            let mut s = state.lock().expect("network map lock");
+            if *s != next {
+                *s = next;
+                changed.notify_one();
+            }
+        }
+    });
 }
 
 fn spawn_watch<K>(

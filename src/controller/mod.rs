@@ -12,6 +12,7 @@ pub mod election;
 pub mod kube_edge;
 pub mod lease;
 pub mod liveness;
+pub mod networks;
 pub mod placement;
 pub mod reconcile;
 pub mod stats;
@@ -298,11 +299,13 @@ async fn reconcile_loop(
         }
         let now = Instant::now();
         let (services, nodes, objects, versions) = world_from(&caches, &mut alive, now);
+        let network_map = caches.networks.lock().expect("network map lock").clone();
         let plan = reconcile::reconcile(reconcile::World {
             services: &services,
             nodes: &nodes,
             node_objects: &objects,
             access_ensured: &access_ensured,
+            networks: &network_map,
         });
         coalesce = coalesce_window(now.elapsed());
         let leading = leadership.leading();

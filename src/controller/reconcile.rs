@@ -21,6 +21,7 @@ use crate::contract::{
     self, AddressIdentity, Annotations, FINALIZER, Selection, ServiceKey, ServiceView, harvester,
     kube_vip,
 };
+use crate::controller::networks::{self, NetworkMap, NoUplink};
 use crate::controller::placement::{self, ServiceNeed};
 
 /// The annotations the controller writes on a Service it serves (kube-vip's
@@ -134,6 +135,8 @@ pub struct World<'a> {
     pub node_objects: &'a [NodeIn],
     /// The nodes whose Role and RoleBinding this process has applied.
     pub access_ensured: &'a BTreeSet<String>,
+    /// VM network → interface (`cloudprovider.harvesterhci.io/network`).
+    pub networks: &'a NetworkMap,
 }
 
 /// One write, in the order of [`Plan::writes`].
@@ -235,6 +238,7 @@ pub mod reason {
     pub const PRIMARY_NOT_OURS: &str = "PrimaryNotOurs";
     pub const INVALID: &str = "InvalidConfiguration";
     pub const HANDED_OVER: &str = "HandedOver";
+    pub const NETWORK_UNRESOLVED: &str = "NetworkNotResolved";
 }
 
 /// How the Services stand, for the `STATUS=` line and metrics.
@@ -275,7 +279,7 @@ fn status_write(s: &ServiceIn, ip: &str) -> Option<Write> {
 }
 
 /// What a Service's own holder should carry.
-fn assignment_of(s: &ServiceIn, id: &AddressIdentity) -> Assignment {
+fn assignment_of(s: &ServiceIn, id: &AddressIdentity, uplink: Option<String>) -> Assignment {
     Assignment {
         service: s.key.to_string(),
         uid: s.uid.clone(),
@@ -284,11 +288,7 @@ fn assignment_of(s: &ServiceIn, id: &AddressIdentity) -> Assignment {
         client_id: id.client_id.iter().map(|b| format!("{b:02x}")).collect(),
         hostname: id.hostname.clone(),
         requested_ip: id.requested_ip.map(|ip| ip.to_string()),
-        uplink: s
-            .annotations
-            .get(kube_vip::SERVICE_INTERFACE)
-            .map(|v| v.trim().to_string())
-            .filter(|v| !v.is_empty() && v != "auto"),
+        uplink,
         release: false,
     }
 }
@@ -399,7 +399,6 @@ pub fn reconcile(world: World<'_>) -> Plan {
         .collect();
     plan.summary.nodes_total = node_names.len();
     plan.summary.nodes_eligible = eligible.len();
-    let is_eligible = |n: &str| live.get(n).is_some_and(|o| o.eligible);
 
     let mut specs = Specs {
         current: live
@@ -436,7 +435,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
     };
 
     // Primaries to place, with their identities.
-    let mut needs: Vec<(&ServiceIn, AddressIdentity)> = Vec::new();
+    let mut needs: Vec<(&ServiceIn, AddressIdentity, Option<String>)> = Vec::new();
 
     for s in &services {
         let selection = &selections[&s.key];
@@ -468,44 +467,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
                 );
                 continue;
             }
-            let service = s.key.to_string();
-            let mut waiting = false;
-            for (node, a) in &holders {
-                let holder = live.get(node.as_str());
-                let listed = holder.is_some_and(|o| o.lists_lease(&service, &a.interface));
-                if listed && is_eligible(node) {
-                    waiting = true;
-                    if !a.release {
-                        specs.put(
-                            node,
-                            Assignment {
-                                release: true,
-                                ..a.clone()
-                            },
-                            &s.key,
-                        );
-                        event(
-                            s,
-                            EventType::Normal,
-                            reason::RELEASING,
-                            format!(
-                                "{node} sends DHCPRELEASE for {}",
-                                s.first_ip().unwrap_or("the address")
-                            ),
-                        );
-                    }
-                } else {
-                    if listed {
-                        event(
-                            s,
-                            EventType::Warning,
-                            reason::RELEASED_WITHOUT_DHCPRELEASE,
-                            format!("released without DHCPRELEASE: holder {node} is down"),
-                        );
-                    }
-                    specs.remove(node, &s.uid, &s.key);
-                }
-            }
+            let waiting = release_holders(s, &holders, &live, &mut specs, &mut event);
             if !waiting {
                 clear_service(s, &mut statuses, &mut annotations);
                 remove_finalizers.push(Write::RemoveFinalizer(s.key.clone()));
@@ -539,10 +501,18 @@ pub fn reconcile(world: World<'_>) -> Plan {
                         ),
                     );
                 } else {
-                    match contract::address_identity(&s.uid, &s.annotations) {
+                    let identity = contract::address_identity(&s.uid, &s.annotations);
+                    match identity
+                        .map(|id| (id, networks::uplink_of(&s.annotations, world.networks)))
+                    {
                         Err(e) => {
                             plan.summary.refused += 1;
                             event(s, EventType::Warning, reason::INVALID, e);
+                        }
+                        Ok((_, Err(NoUplink::Wait))) => plan.summary.pending += 1,
+                        Ok((_, Err(NoUplink::Refused(why)))) => {
+                            plan.summary.refused += 1;
+                            event(s, EventType::Warning, reason::NETWORK_UNRESOLVED, why);
                         }
                         // The finalizer and the holder in one pass: the
                         // finalizer is written first, and a failure there
@@ -550,15 +520,23 @@ pub fn reconcile(world: World<'_>) -> Plan {
                         // (the writer's rule), so nothing is ever assigned
                         // without it. Not waiting for its echo saves a
                         // round trip on the way to an address.
-                        Ok(id) => {
+                        Ok((id, Ok(uplink))) => {
                             add_finalizers.push(Write::AddFinalizer(s.key.clone()));
-                            needs.push((s, id));
+                            needs.push((s, id, uplink));
                         }
                     }
                 }
             }
+            // What runs is kept while the Service cannot be made sense of.
             Selection::Primary => match contract::address_identity(&s.uid, &s.annotations) {
-                Ok(id) => needs.push((s, id)),
+                Ok(id) => match networks::uplink_of(&s.annotations, world.networks) {
+                    Ok(uplink) => needs.push((s, id, uplink)),
+                    Err(NoUplink::Wait) => plan.summary.pending += 1,
+                    Err(NoUplink::Refused(why)) => {
+                        plan.summary.refused += 1;
+                        event(s, EventType::Warning, reason::NETWORK_UNRESOLVED, why);
+                    }
+                },
                 Err(e) => {
                     plan.summary.refused += 1;
                     event(s, EventType::Warning, reason::INVALID, e);
@@ -584,8 +562,11 @@ pub fn reconcile(world: World<'_>) -> Plan {
             }
             Selection::NotOurs(why) => {
                 if ours || !holders.is_empty() {
-                    for (node, _) in &holders {
-                        specs.remove(node, &s.uid, &s.key);
+                    // Released, not just dropped: whoever serves the Service
+                    // next (kube-vip with its option 50, or another class)
+                    // finds the address free at the server.
+                    if release_holders(s, &holders, &live, &mut specs, &mut event) {
+                        continue;
                     }
                     // An address on a Service that is no LoadBalancer is
                     // false information; a LoadBalancer of another class
@@ -603,14 +584,14 @@ pub fn reconcile(world: World<'_>) -> Plan {
                         s,
                         EventType::Normal,
                         reason::HANDED_OVER,
-                        format!("{why}: address handed over without DHCPRELEASE"),
+                        format!("{why}: address released and handed over"),
                     );
                 }
             }
             Selection::OptedOut => {
                 if ours || !holders.is_empty() {
-                    for (node, _) in &holders {
-                        specs.remove(node, &s.uid, &s.key);
+                    if release_holders(s, &holders, &live, &mut specs, &mut event) {
+                        continue;
                     }
                     if ours {
                         remove_finalizers.push(Write::RemoveFinalizer(s.key.clone()));
@@ -620,7 +601,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
                         EventType::Normal,
                         reason::HANDED_OVER,
                         format!(
-                            "{}: address handed over without DHCPRELEASE; status and kube-vip.io annotations kept for the next implementation",
+                            "{}: address released and handed over; status and kube-vip.io annotations kept, so kube-vip asks for the same address",
                             contract::IGNORE
                         ),
                     );
@@ -632,7 +613,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
     // Holders: keep a healthy one, else place.
     let current: BTreeMap<ServiceKey, String> = needs
         .iter()
-        .filter_map(|(s, _)| {
+        .filter_map(|(s, _, _)| {
             specs
                 .holders_of(&s.uid)
                 .into_iter()
@@ -642,7 +623,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
         .collect();
     let service_needs: Vec<ServiceNeed> = needs
         .iter()
-        .map(|(s, _)| ServiceNeed {
+        .map(|(s, _, _)| ServiceNeed {
             key: s.key.clone(),
             uid: s.uid.clone(),
         })
@@ -650,7 +631,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
     let placement = placement::place(&service_needs, &eligible, &current);
     // The address each primary of ours stands for (for its secondaries).
     let mut primary_ip: BTreeMap<ServiceKey, String> = BTreeMap::new();
-    for (s, id) in &needs {
+    for (s, id, uplink) in &needs {
         let was = current.get(&s.key);
         let holder = match placement.get(&s.key).cloned().flatten() {
             Some(h) => {
@@ -659,7 +640,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
                         specs.remove(&node, &s.uid, &s.key);
                     }
                 }
-                specs.put(&h, assignment_of(s, id), &s.key);
+                specs.put(&h, assignment_of(s, id, uplink.clone()), &s.key);
                 match was {
                     None => event(
                         s,
@@ -857,6 +838,57 @@ pub fn reconcile(world: World<'_>) -> Plan {
     plan
 }
 
+/// Asks every live holder of `s` that still runs its lease to send
+/// DHCPRELEASE, and drops the assignments of holders that do not (down, or
+/// done releasing). True while some holder is still releasing.
+fn release_holders(
+    s: &ServiceIn,
+    holders: &[(String, Assignment)],
+    live: &BTreeMap<&str, &NodeIn>,
+    specs: &mut Specs,
+    event: &mut impl FnMut(&ServiceIn, EventType, &'static str, String),
+) -> bool {
+    let service = s.key.to_string();
+    let mut waiting = false;
+    for (node, a) in holders {
+        let holder = live.get(node.as_str());
+        let listed = holder.is_some_and(|o| o.lists_lease(&service, &a.interface));
+        if listed && holder.is_some_and(|o| o.eligible) {
+            waiting = true;
+            if !a.release {
+                specs.put(
+                    node,
+                    Assignment {
+                        release: true,
+                        ..a.clone()
+                    },
+                    &s.key,
+                );
+                event(
+                    s,
+                    EventType::Normal,
+                    reason::RELEASING,
+                    format!(
+                        "{node} sends DHCPRELEASE for {}",
+                        s.first_ip().unwrap_or("the address")
+                    ),
+                );
+            }
+        } else {
+            if listed {
+                event(
+                    s,
+                    EventType::Warning,
+                    reason::RELEASED_WITHOUT_DHCPRELEASE,
+                    format!("released without DHCPRELEASE: holder {node} is down"),
+                );
+            }
+            specs.remove(node, &s.uid, &s.key);
+        }
+    }
+    waiting
+}
+
 /// Our record off a Service: status and the annotations we wrote.
 fn clear_service(s: &ServiceIn, statuses: &mut Vec<Write>, annotations: &mut Vec<Write>) {
     if !s.ingress.is_empty() {
@@ -942,6 +974,7 @@ mod tests {
         /// Addresses the DHCP server hands out, by client.
         next_ip: u8,
         given: BTreeMap<String, String>,
+        networks: NetworkMap,
     }
 
     impl Sim {
@@ -954,6 +987,7 @@ mod tests {
                 up: nodes.iter().map(|n| n.to_string()).collect(),
                 next_ip: 150,
                 given: BTreeMap::new(),
+                networks: NetworkMap::parse(Some(r#"{"default/net123":"enp2s0"}"#)),
             };
             sim.settle();
             sim
@@ -965,6 +999,7 @@ mod tests {
                 nodes: &self.nodes,
                 node_objects: &self.objects,
                 access_ensured: &self.access,
+                networks: &self.networks,
             })
         }
 
@@ -1453,7 +1488,7 @@ mod tests {
     }
 
     #[test]
-    fn opting_out_hands_over_and_keeps_the_record_leaving_lb_clears_status() {
+    fn opting_out_releases_and_keeps_the_record_leaving_lb_clears_status() {
         let mut sim = Sim::new(&["n1"]);
         sim.services.push(dhcp("web", &[80]));
         sim.services.push(dhcp("gone", &[80]));
@@ -1470,7 +1505,10 @@ mod tests {
                 "{name}: finalizer removed"
             );
         }
-        assert!(!sim.given.is_empty(), "handover: no DHCPRELEASE");
+        assert!(
+            sim.given.is_empty(),
+            "handover releases, so the next implementation finds the address free"
+        );
         let web = sim.svc("web");
         assert_eq!(
             web.ingress[0].ip.as_str(),
@@ -1483,8 +1521,76 @@ mod tests {
         );
         assert_eq!(
             reasons(&plans),
-            vec![reason::HANDED_OVER, reason::HANDED_OVER]
+            vec![
+                reason::RELEASING,
+                reason::RELEASING,
+                reason::HANDED_OVER,
+                reason::HANDED_OVER
+            ]
         );
+    }
+
+    #[test]
+    fn handing_over_from_a_down_holder_drops_without_waiting() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        sim.up.remove("n1");
+        sim.svc_mut("web")
+            .annotations
+            .insert(contract::IGNORE.into(), "true".into());
+        let plans = sim.settle();
+        assert!(sim.holders("web").is_empty());
+        assert!(sim.svc("web").finalizers.is_empty());
+        assert_eq!(
+            reasons(&plans),
+            vec![reason::RELEASED_WITHOUT_DHCPRELEASE, reason::HANDED_OVER]
+        );
+    }
+
+    #[test]
+    fn a_named_network_chooses_the_uplink_through_the_cloud_providers_map() {
+        let mut sim = Sim::new(&["n1"]);
+        let mut web = dhcp("web", &[80]);
+        web.annotations
+            .insert(harvester::NETWORK.into(), "default/net123".into());
+        sim.services.push(web);
+        let mut lost = dhcp("lost", &[80]);
+        lost.annotations
+            .insert(harvester::NETWORK.into(), "default/nowhere".into());
+        sim.services.push(lost);
+        let plans = sim.settle();
+        assert_eq!(sim.holders("web")[0].1.uplink.as_deref(), Some("enp2s0"));
+        // Refused: no finalizer, no holder, a Warning that says the fix.
+        assert!(sim.holders("lost").is_empty());
+        assert!(sim.svc("lost").finalizers.is_empty());
+        let told = events(&plans);
+        assert!(
+            told.iter().any(|(r, m)| *r == reason::NETWORK_UNRESOLVED
+                && m.contains("default/nowhere")
+                && m.contains(kube_vip::SERVICE_INTERFACE)),
+            "{told:?}"
+        );
+
+        // The map gone or not yet read: what runs stays as it is.
+        let before = sim.holders("web");
+        for map in [NetworkMap::Unknown, NetworkMap::Missing] {
+            sim.networks = map;
+            let p = sim.plan();
+            assert!(p.writes.is_empty(), "{p:?}");
+            sim.settle();
+            assert_eq!(sim.holders("web"), before);
+        }
+        // Before the map is read, a new Service naming a network waits
+        // without a refusal.
+        sim.networks = NetworkMap::Unknown;
+        let mut new = dhcp("new", &[80]);
+        new.annotations
+            .insert(harvester::NETWORK.into(), "default/net123".into());
+        sim.services.push(new);
+        let p = sim.plan();
+        assert!(p.writes.is_empty() && p.events.is_empty(), "{p:?}");
+        assert!(p.summary.pending >= 1);
     }
 
     #[test]

@@ -273,6 +273,8 @@ pub fn parse_reply(buf: &[u8]) -> Result<Reply, ParseError> {
 pub struct Identity {
     pub mac: [u8; 6],
     /// Option 61. `None` means RFC 2132's default: hardware type 1 + MAC.
+    /// Empty means no option 61 at all, as kube-vip sends without a
+    /// hostname: the server then knows the client by its MAC alone.
     pub client_id: Option<Vec<u8>>,
     /// Option 12.
     pub hostname: Option<String>,
@@ -287,14 +289,15 @@ impl Identity {
         }
     }
 
-    /// The client identifier actually sent.
-    pub fn client_id_bytes(&self) -> Vec<u8> {
+    /// The client identifier actually sent, if any.
+    pub fn client_id_bytes(&self) -> Option<Vec<u8>> {
         match &self.client_id {
-            Some(id) => id.clone(),
+            Some(id) if id.is_empty() => None,
+            Some(id) => Some(id.clone()),
             None => {
                 let mut id = vec![1];
                 id.extend_from_slice(&self.mac);
-                id
+                Some(id)
             }
         }
     }
@@ -327,7 +330,9 @@ pub fn build(ty: MessageType, id: &Identity, f: &RequestFields) -> Vec<u8> {
     }
     let opts = msg.opts_mut();
     opts.insert(DhcpOption::MessageType(ty));
-    opts.insert(DhcpOption::ClientIdentifier(id.client_id_bytes()));
+    if let Some(client_id) = id.client_id_bytes() {
+        opts.insert(DhcpOption::ClientIdentifier(client_id));
+    }
     if let Some(r) = f.requested {
         opts.insert(DhcpOption::RequestedIpAddress(r));
     }
@@ -593,6 +598,16 @@ mod tests {
             Some(&DhcpOption::RequestedIpAddress(Ipv4Addr::new(
                 10, 77, 0, 150
             )))
+        );
+        let bare = Identity {
+            client_id: Some(Vec::new()),
+            ..id.clone()
+        };
+        let m =
+            Message::decode(&mut Decoder::new(&build(MessageType::Request, &bare, &f))).unwrap();
+        assert!(
+            m.opts().get(OptionCode::ClientIdentifier).is_none(),
+            "empty: no option 61, as kube-vip without a hostname"
         );
         // A RELEASE carries no parameter request list.
         let rel = build(MessageType::Release, &id, &f);

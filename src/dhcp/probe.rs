@@ -23,6 +23,7 @@ pub struct ProbeOptions {
     pub mac: Option<[u8; 6]>,
     pub client_id: Option<Vec<u8>>,
     pub hostname: Option<String>,
+    pub requested_ip: Option<Ipv4Addr>,
     pub release: bool,
     pub timeout: Duration,
     pub arp_probe: bool,
@@ -175,7 +176,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
             client_id: opts.client_id.clone(),
             hostname: opts.hostname.clone(),
         },
-        requested_ip: None,
+        requested_ip: opts.requested_ip,
         timing: Timing {
             arp_probe: opts.arp_probe,
             ..Timing::default()

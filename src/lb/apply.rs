@@ -40,7 +40,8 @@ pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, String
         parent,
         identity: Identity {
             mac: w.mac,
-            client_id: (!w.client_id.is_empty()).then(|| w.client_id.clone()),
+            // Empty stays empty: no option 61 (`Identity::client_id`).
+            client_id: Some(w.client_id.clone()),
             hostname: w.hostname.clone(),
         },
         requested_ip: w.requested_ip,

@@ -16,6 +16,8 @@ tests! {
     a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     share_ip_and_every_refusal_changes_nothing_else: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     kube_vips_record_keeps_the_address_and_the_mac: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    going_back_to_kube_vip_keeps_the_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_named_network_is_resolved_through_the_cloud_providers_map: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_new_leader_changes_no_service: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
@@ -269,6 +271,8 @@ fn kube_vips_record_keeps_the_address_and_the_mac() -> Result<()> {
             "eth0",
             "--mac",
             mac,
+            "--client-id",
+            "none",
             "--release=false",
             "--output",
             "json",
@@ -312,6 +316,126 @@ fn kube_vips_record_keeps_the_address_and_the_mac() -> Result<()> {
         reply.as_deref() == Some(carriers[0].0.as_str()),
         "{reply:?}"
     );
+    Ok(())
+}
+
+/// A Service born under this agent (our client identifier, no hostname)
+/// handed back with our opt-out: kube-vip, asking with the written-back MAC,
+/// no client identifier and option 50, gets the same address.
+fn going_back_to_kube_vip_keeps_the_address() -> Result<()> {
+    let lb = LbRig::start(options())?;
+    lb.create_service("web", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
+    let ip = lb.wait_ingress("web", ADDRESS_WITHIN);
+    let svc = wait_for(WITHIN, || {
+        lb.service("web")
+            .filter(|s| annotation(s, kube_vip::HWADDR).is_some())
+    })
+    .context("no kube-vip.io/hwaddr written back")?;
+    let mac = annotation(&svc, kube_vip::HWADDR).unwrap().to_string();
+    ensure!(annotation(&svc, kube_vip::REQUESTED_IP) == Some(ip.to_string().as_str()));
+    let mark = lb.dnsmasq_log_len();
+
+    lb.annotate("web", contract::IGNORE, Some("true"))?;
+    let handed = wait_for(WITHIN, || {
+        lb.service("web").filter(|s| {
+            !s.metadata
+                .finalizers
+                .iter()
+                .flatten()
+                .any(|f| f == contract::FINALIZER)
+        })
+    })
+    .with_context(|| format!("finalizer kept after the opt-out\n{}", lb.diagnostics()))?;
+    ensure!(lb.carriers(ip).is_empty(), "{:?}", lb.carriers(ip));
+    ensure!(
+        lb.dnsmasq_log_from(mark).contains("DHCPRELEASE"),
+        "no DHCPRELEASE on hand-back:\n{}",
+        lb.dnsmasq_log_from(mark)
+    );
+    // The record kube-vip reads stays.
+    ensure!(lb::ingress_ip(&handed) == Some(ip));
+    ensure!(annotation(&handed, kube_vip::HWADDR) == Some(mac.as_str()));
+    ensure!(annotation(&handed, kube_vip::REQUESTED_IP) == Some(ip.to_string().as_str()));
+    wait_for(WITHIN, || {
+        lb.events("web")
+            .iter()
+            .any(|(_, r, _)| r == "HandedOver")
+            .then_some(())
+    })
+    .with_context(|| format!("no HandedOver Event: {:?}", lb.events("web")))?;
+
+    // kube-vip as it asks: that MAC, no option 61, option 50.
+    let out = lb
+        .rig
+        .netns_cmd(lb.rig.guest_ns(1), crate::BIN)
+        .args(["dhcp-probe", "--parent", "eth0", "--mac", &mac])
+        .args(["--client-id", "none", "--requested-ip", &ip.to_string()])
+        .args(["--output", "json"])
+        .output()?;
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .with_context(|| String::from_utf8_lossy(&out.stderr).into_owned())?;
+    ensure!(
+        report["address"].as_str() == Some(ip.to_string().as_str()),
+        "kube-vip would get {} instead of {ip}: {report}",
+        report["address"]
+    );
+    Ok(())
+}
+
+/// `cloudprovider.harvesterhci.io/network` through the ConfigMap the
+/// Harvester cloud provider keeps, read with the manifests' RBAC (a Role on
+/// that one ConfigMap): refused while the map lacks the network, served on
+/// the mapped uplink once it has it.
+fn a_named_network_is_resolved_through_the_cloud_providers_map() -> Result<()> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{Api, PostParams};
+    let lb = LbRig::start(options())?;
+    lb.create_service(
+        "web",
+        &[
+            (harvester::IPAM, "dhcp"),
+            (harvester::NETWORK, "default/lan"),
+        ],
+        &[LISTEN_PORT],
+    )?;
+    let why = lb.wait_warning("web", "NetworkNotResolved", WITHIN);
+    ensure!(why.contains("does not exist"), "{why}");
+    ensure!(lb.ingress_ip("web").is_none());
+
+    let maps: Api<ConfigMap> = Api::namespaced(lb.admin(), "kube-system");
+    let map: ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "harvester-nad-mapping"},
+        "data": {"interface-nad-mapping": r#"{"default/lan":"eth0","default/mgmt":"eth9"}"#},
+    }))?;
+    lb.block_on(maps.create(&PostParams::default(), &map))?;
+    let ip = lb.wait_ingress("web", ADDRESS_WITHIN);
+    let carriers = lb.carriers(ip);
+    ensure!(carriers.len() == 1, "{carriers:?}");
+    let holder = node_object(&lb, &carriers[0].0)?;
+    let uplinks: Vec<Option<String>> = holder
+        .spec
+        .assignments
+        .iter()
+        .map(|a| a.uplink.clone())
+        .collect();
+    ensure!(uplinks == [Some("eth0".to_string())], "{uplinks:?}");
+    let reply = wait_for(WITHIN, || lb.tcp_from_client(ip, LISTEN_PORT).ok());
+    ensure!(
+        reply.as_deref() == Some(carriers[0].0.as_str()),
+        "{reply:?}"
+    );
+
+    lb.create_service(
+        "lost",
+        &[
+            (harvester::IPAM, "dhcp"),
+            (harvester::NETWORK, "default/other"),
+        ],
+        &[LISTEN_PORT],
+    )?;
+    let why = lb.wait_warning("lost", "NetworkNotResolved", WITHIN);
+    ensure!(why.contains("default/lan, default/mgmt"), "{why}");
+    ensure!(lb.ingress_ip("lost").is_none());
     Ok(())
 }
 

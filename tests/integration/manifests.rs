@@ -231,7 +231,11 @@ fn apply_and_schema_roundtrip() -> Result<()> {
             let (ar, caps) = kube::discovery::pinned_kind(&admin, &gvk).await?;
             let dyn_api: Api<DynamicObject> = match caps.scope {
                 kube::discovery::Scope::Cluster => Api::all_with(admin.clone(), &ar),
-                kube::discovery::Scope::Namespaced => Api::namespaced_with(admin.clone(), NS, &ar),
+                kube::discovery::Scope::Namespaced => Api::namespaced_with(
+                    admin.clone(),
+                    m.object.metadata.namespace.as_deref().unwrap_or(NS),
+                    &ar,
+                ),
             };
             dyn_api
                 .get(m.name())
@@ -455,6 +459,21 @@ fn rbac_controller_and_nodes() -> Result<()> {
         // The one-call form other tests use.
         manifests::apply_kustomization(&admin, &manifests_dir(), Mode::Apply).await?;
         create_service(&admin).await?;
+
+        // In kube-system it reads the cloud provider's network map, by
+        // name (404: not created here), and no other ConfigMap.
+        let system_maps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+            Api::namespaced(ctrl.clone(), "kube-system");
+        expect_code(
+            system_maps.get("harvester-nad-mapping").await,
+            404,
+            "controller reads harvester-nad-mapping",
+        )?;
+        expect_code(
+            system_maps.get("extension-apiserver-authentication").await,
+            403,
+            "controller reads another kube-system ConfigMap",
+        )?;
 
         // The controller creates each node's object, Role and RoleBinding:
         // the escalation check passes because its own Role holds every
