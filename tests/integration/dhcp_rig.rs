@@ -530,9 +530,14 @@ fn two_hundred_leases_bound_and_renewing() -> Result<()> {
         addrs.sort();
         addrs.dedup();
         ensure!(addrs.len() == 200, "{} distinct addresses", addrs.len());
-        // All renew at T1 (15 s) and are BOUND again, none rebinding.
+        // All renew at T1 (15 s) and are BOUND again before T2 (100 s),
+        // none rebinding. Not "within a second of T1": a REQUEST or ACK
+        // lost on a loaded machine is retransmitted half-way to T2
+        // (RFC 2131 4.4.5), about 57 s in, and that still counts.
+        let before_t2 = Duration::from_secs(95);
         for rx in &mut rxs {
-            until(rx, Duration::from_secs(30), "renewed", |s| {
+            let left = before_t2.saturating_sub(t0.elapsed());
+            until(rx, left, "renewed", |s| {
                 s.state == State::Bound && s.transitions.iter().any(|t| t.state == State::Renewing)
             })
             .await?;
