@@ -118,7 +118,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         guest: guest_rx.clone(),
         topology: topology_rx.clone(),
         conditions: conditions_rx,
-        lb: lb_rx,
+        lb: lb_rx.clone(),
     };
 
     let mut tasks = tokio::task::JoinSet::new();
@@ -187,6 +187,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
             macvlan: macvlan_rx,
             guest: guest_rx,
             topology: topology_rx,
+            lb: lb_rx,
         },
         move || snapshot.take(),
         shutdown_rx.clone(),
@@ -370,18 +371,15 @@ impl Snapshot {
             node_name: self.node.clone(),
             started_at: humantime::format_rfc3339_seconds(self.started).to_string(),
             uptime_seconds: self.started.elapsed().map(|d| d.as_secs()).unwrap_or(0),
-            summary: format!(
-                "{}; {}; topology {}",
-                status::summary(
-                    &self.node,
-                    &self.state_dir,
-                    &cluster,
-                    &macvlan,
-                    &guest_agent
-                ),
-                lb.short(),
-                topology.short()
-            ),
+            summary: publish::summary(&publish::Summary {
+                node: &self.node,
+                state_dir: &self.state_dir,
+                cluster: &cluster,
+                macvlan: &macvlan,
+                guest: &guest_agent,
+                topology: &topology,
+                lb: &lb,
+            }),
             state_dir: self.state_dir.clone(),
             cluster,
             macvlan,
