@@ -13,7 +13,8 @@ set -euo pipefail
 
 CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
 PACKAGES=(dnsmasq-base etcd-server iproute2 busybox isc-dhcp-client dhcpcd-base
-          procps psmisc jq rsync curl ca-certificates openssl)
+          procps psmisc jq rsync curl ca-certificates openssl
+          man-db systemd)
 BUILD_PACKAGES=(golang-go make dpkg-dev rsync jq golang-github-modern-go-reflect2-dev)
 
 log() { echo "prereqs: $*" >&2; }
