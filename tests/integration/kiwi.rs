@@ -121,10 +121,10 @@ fn packages(xml: &str, kind: &str) -> Vec<String> {
         let section = &rest[start..];
         let end = section.find("</packages>").unwrap_or(section.len());
         for line in section[..end].lines() {
-            if let Some(tail) = line.trim().strip_prefix("<package name=\"") {
-                if let Some(name) = tail.split('"').next() {
-                    names.push(name.to_string());
-                }
+            if let Some(tail) = line.trim().strip_prefix("<package name=\"")
+                && let Some(name) = tail.split('"').next()
+            {
+                names.push(name.to_string());
             }
         }
         rest = &section[end..];

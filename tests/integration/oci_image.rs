@@ -10,6 +10,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -55,11 +56,18 @@ impl Bundle {
     fn build() -> Result<Bundle> {
         let dir = tempfile::Builder::new().prefix("hna-oci-").tempdir()?;
         let archive = dir.path().join("harvester-node-agent.tar");
-        // Unique per run: buildah's storage is shared with anything else on
-        // the machine.
+        // Unique per build: buildah's storage is shared with anything else
+        // on the machine. The builds of this process take turns: two
+        // images built from the same binary can share their layers, and
+        // build.sh's closing `buildah rmi` of one must not pull them from
+        // under the other's push.
+        static BUILDS: Mutex<usize> = Mutex::new(0);
+        let mut builds = BUILDS.lock().unwrap_or_else(|e| e.into_inner());
+        *builds += 1;
         let tag = format!(
-            "localhost/hna-test-{}:{}",
+            "localhost/hna-test-{}-{}:{}",
             std::process::id(),
+            *builds,
             env!("CARGO_PKG_VERSION")
         );
         let started = Instant::now();
@@ -74,6 +82,7 @@ impl Bundle {
             "build.sh failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        drop(builds);
         eprintln!(
             "oci: built in {:?}: {}",
             started.elapsed(),
