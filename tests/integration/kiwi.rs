@@ -20,6 +20,7 @@ tests! {
     kiwi_refuses_an_invalid_description: Kiwi;
     opensuse_installs_kernel_default_not_base;
     config_sh_enables_the_services;
+    config_sh_enables_units_without_a_running_systemd: Root, SystemdAnalyze;
 }
 
 /// (description folder under `kiwi/`, profile, image name in its XML).
@@ -212,4 +213,83 @@ fn enabled_units(script: &str) -> Vec<String> {
         .filter_map(|l| l.trim().strip_prefix("enable_if_present "))
         .flat_map(|args| args.split_whitespace().map(str::to_owned))
         .collect()
+}
+
+/// `config.sh` as kiwi runs it: no systemd manager to ask (kiwi's chroot;
+/// here a private mount namespace, whose fresh /etc and unit folder hide
+/// the host's). The real `systemctl` enables whatever unit files are
+/// there, and the test reads the symlinks it made. Run once with
+/// Leap/Debian's cloud-init units and the agent, once with Tumbleweed's
+/// cloud-init 24.3+ units and no agent (kiwi/debian).
+fn config_sh_enables_units_without_a_running_systemd() -> Result<()> {
+    let script = kiwi_dir().join("opensuse/config.sh");
+    for units in [
+        &[
+            "qemu-guest-agent.service",
+            "cloud-init-local.service",
+            "cloud-init.service",
+            "cloud-config.service",
+            "cloud-final.service",
+            "harvester-node-agent.service",
+        ][..],
+        &[
+            "qemu-guest-agent.service",
+            "cloud-init-main.service",
+            "cloud-init-network.service",
+            "cloud-config.service",
+            "cloud-final.service",
+        ][..],
+    ] {
+        let setup = format!(
+            r#"set -eu
+mount -t tmpfs hna-etc /etc
+mount -t tmpfs hna-units /usr/lib/systemd/system
+mount -t tmpfs hna-dbus /var/lib/dbus
+mkdir -p /etc/systemd/system
+echo 0123456789abcdef0123456789abcdef > /etc/machine-id
+for u in {units}; do
+  printf '[Unit]\nDescription=%s\n[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=multi-user.target\n' "$u" \
+    > /usr/lib/systemd/system/$u
+done
+bash {script} >&2
+echo "enabled: $(cd /etc/systemd/system/multi-user.target.wants && echo *)"
+echo "modules: $(cat /etc/modules-load.d/harvester-node-agent.conf)"
+echo "machine-id: $(wc -c < /etc/machine-id)"
+"#,
+            units = units.join(" "),
+            script = script.display(),
+        );
+        let out = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "bash", "-c", &setup])
+            .output()
+            .context("unshare")?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        ensure!(
+            out.status.success(),
+            "config.sh with {units:?} failed: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let field = |name: &str| {
+            stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(str::trim)
+                .unwrap_or_default()
+                .to_string()
+        };
+        let mut enabled: Vec<String> = field("enabled:")
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        enabled.sort();
+        let mut want: Vec<String> = units.iter().map(|u| u.to_string()).collect();
+        want.sort();
+        ensure!(enabled == want, "enabled {enabled:?}, want {want:?}");
+        ensure!(field("modules:") == "macvlan", "modules-load.d: {stdout}");
+        ensure!(
+            field("machine-id:") == "0",
+            "machine-id not emptied: {stdout}"
+        );
+    }
+    Ok(())
 }
