@@ -18,6 +18,10 @@ pub mod prereq;
 pub mod rig;
 pub mod vm;
 
+/// The YAML parser of the manifests, for tests that read other YAML the
+/// project ships (cloud-config) without a dependency of their own.
+pub use serde_norway;
+
 use std::path::PathBuf;
 
 /// Finds the executable `name` in `$PATH` and the usual system folders

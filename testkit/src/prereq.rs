@@ -7,7 +7,7 @@
 //! kube-apiserver once); [`Missing::install`] names the single package too.
 
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::find_program;
 use crate::rig::DNSMASQ;
@@ -47,6 +47,15 @@ pub enum Prereq {
     QemuGuestAgent,
     /// `systemd-analyze`.
     SystemdAnalyze,
+    /// `buildah` (the controller's OCI image, `packaging/oci/build.sh`).
+    Buildah,
+    /// `runc` and `umoci`: unpack an OCI image into a bundle and run it.
+    Runc,
+    /// kiwi's `kiwi-ng` at version [`KIWI_VERSION`] in its cached venv
+    /// ([`kiwi_ng`]), from PyPI.
+    Kiwi,
+    /// `cloud-init` (its `schema` subcommand validates user data).
+    CloudInit,
 }
 
 /// A prerequisite that is not there.
@@ -84,6 +93,10 @@ impl Prereq {
             Prereq::VmKernel => "the VM kernel",
             Prereq::QemuGuestAgent => "qemu-guest-agent",
             Prereq::SystemdAnalyze => "systemd",
+            Prereq::Buildah => "buildah",
+            Prereq::Runc => "runc",
+            Prereq::Kiwi => "kiwi",
+            Prereq::CloudInit => "cloud-init",
         }
     }
 
@@ -166,8 +179,46 @@ impl Prereq {
                 }
             }
             Prereq::SystemdAnalyze => program("systemd-analyze", "systemd"),
+            Prereq::Buildah => program("buildah", "buildah"),
+            Prereq::Runc => {
+                program("runc", "runc")?;
+                program("umoci", "umoci")
+            }
+            Prereq::Kiwi => {
+                let kiwi = kiwi_ng();
+                if is_executable(&kiwi) {
+                    Ok(())
+                } else {
+                    missing(
+                        format!("`{}` (kiwi {KIWI_VERSION})", kiwi.display()),
+                        format!(
+                            "install it with `{INSTALL_ALL}` (or `python3 -m venv {venv} && \
+                             {venv}/bin/pip install kiwi=={KIWI_VERSION}`)",
+                            venv = kiwi_venv().display()
+                        ),
+                    )
+                }
+            }
+            Prereq::CloudInit => program("cloud-init", "cloud-init"),
         }
     }
+}
+
+/// The kiwi release the image descriptions (`kiwi/`) are checked with; keep
+/// in step with `tests/rig/prereqs.sh`.
+pub const KIWI_VERSION: &str = "11.1.6";
+
+/// kiwi's venv: `${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}/kiwi-venv-<KIWI_VERSION>`.
+pub fn kiwi_venv() -> PathBuf {
+    let cache = std::env::var_os("HNA_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/harvester-node-agent"));
+    cache.join(format!("kiwi-venv-{KIWI_VERSION}"))
+}
+
+/// `kiwi-ng` in [`kiwi_venv`].
+pub fn kiwi_ng() -> PathBuf {
+    kiwi_venv().join("bin/kiwi-ng")
 }
 
 /// Where Debian's qemu-guest-agent puts `qemu-ga`.

@@ -17,13 +17,16 @@
 mod facts;
 mod harness;
 
+mod cloud_init;
 mod cluster;
 mod controller;
 mod daemon;
 mod dhcp_probe;
 mod dhcp_rig;
+mod kiwi;
 mod loadbalancer;
 mod manifests;
+mod oci_image;
 mod rig_selftest;
 mod topology;
 mod unit_file;
@@ -49,6 +52,9 @@ fn main() -> std::process::ExitCode {
         vm_selftest::tests(),
         vm_macvlan::tests(),
         vm_guest_agent::tests(),
+        kiwi::tests(),
+        cloud_init::tests(),
+        oci_image::tests(),
     ]
     .into_iter()
     .flatten()

@@ -110,6 +110,36 @@ else
 fi
 # --- end of VM tests section -----------------------------------------------
 
+# --- Shipping: kiwi, OCI image, cloud-init (tests/integration/{kiwi,oci_image,cloud_init}.rs)
+# buildah builds the controller image (packaging/oci/build.sh), umoci unpacks
+# it into a bundle, runc runs it; cloud-init's `schema` checks the shipped
+# user data. kiwi comes from PyPI into a venv cached by version (keep
+# KIWI_VERSION in step with testkit/src/prereq.rs):
+#   $CACHE_DIR/kiwi-venv-<version>/bin/kiwi-ng
+SHIP_PACKAGES=(buildah runc umoci cloud-init python3-venv)
+missing=()
+for p in "${SHIP_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  apt_update
+  log "installing ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+KIWI_VERSION=11.1.6
+KIWI_VENV="$CACHE_DIR/kiwi-venv-$KIWI_VERSION"
+# Built in place: a venv's scripts name its absolute path, so it cannot be
+# moved; a half-made one fails the version check and is made again.
+if "$KIWI_VENV/bin/kiwi-ng" --version 2>/dev/null | grep -q "version $KIWI_VERSION\$"; then
+  log "kiwi $KIWI_VERSION cached at $KIWI_VENV"
+else
+  log "installing kiwi $KIWI_VERSION from PyPI into $KIWI_VENV (one-time, ~1 minute)"
+  rm -rf "$KIWI_VENV"
+  /usr/bin/python3 -m venv "$KIWI_VENV"
+  "$KIWI_VENV/bin/pip" install -q "kiwi==$KIWI_VERSION" >&2
+fi
+# --- end of shipping section ------------------------------------------------
+
 if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" ]]; then
   log "using kube-apiserver from KUBEBUILDER_ASSETS=${KUBEBUILDER_ASSETS}"
   echo "${KUBEBUILDER_ASSETS}"
