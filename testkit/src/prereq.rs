@@ -47,6 +47,12 @@ pub enum Prereq {
     QemuGuestAgent,
     /// `systemd-analyze`.
     SystemdAnalyze,
+    /// The image test's tools: `mmdebstrap`, `mkfs.ext4` (with `-d`),
+    /// `qemu-img`, `genisoimage`, `dpkg-deb`.
+    ImageTools,
+    /// The Debian image `tests/rig/image.sh` builds and caches
+    /// ([`vm::image::cached`]).
+    VmImage,
 }
 
 /// A prerequisite that is not there.
@@ -84,6 +90,8 @@ impl Prereq {
             Prereq::VmKernel => "the VM kernel",
             Prereq::QemuGuestAgent => "qemu-guest-agent",
             Prereq::SystemdAnalyze => "systemd",
+            Prereq::ImageTools => "mmdebstrap",
+            Prereq::VmImage => "the VM image",
         }
     }
 
@@ -166,6 +174,27 @@ impl Prereq {
                 }
             }
             Prereq::SystemdAnalyze => program("systemd-analyze", "systemd"),
+            Prereq::ImageTools => {
+                for (name, package) in [
+                    ("mmdebstrap", "mmdebstrap"),
+                    ("mkfs.ext4", "e2fsprogs"),
+                    ("qemu-img", "qemu-utils"),
+                    ("genisoimage", "genisoimage"),
+                    ("dpkg-deb", "dpkg"),
+                ] {
+                    program(name, package)?;
+                }
+                Ok(())
+            }
+            Prereq::VmImage => match vm::image::cached() {
+                Ok(_) => Ok(()),
+                Err(e) => missing(
+                    format!("the VM image ({e:#})"),
+                    format!(
+                        "build it with `{INSTALL_ALL}` (or `sudo tests/rig/image.sh`, 3-10 minutes once)"
+                    ),
+                ),
+            },
         }
     }
 }

@@ -28,6 +28,7 @@ mod rig_selftest;
 mod topology;
 mod unit_file;
 mod vm_guest_agent;
+mod vm_image;
 mod vm_macvlan;
 mod vm_selftest;
 
@@ -49,6 +50,7 @@ fn main() -> std::process::ExitCode {
         vm_selftest::tests(),
         vm_macvlan::tests(),
         vm_guest_agent::tests(),
+        vm_image::tests(),
     ]
     .into_iter()
     .flatten()
