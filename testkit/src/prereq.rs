@@ -47,8 +47,9 @@ pub enum Prereq {
     QemuGuestAgent,
     /// `systemd-analyze`.
     SystemdAnalyze,
-    /// The image test's tools: `mmdebstrap`, `mkfs.ext4` (with `-d`),
-    /// `qemu-img`, `genisoimage`, `dpkg-deb`.
+    /// The image test's tools: `mkfs.ext4` (with `-d`), `qemu-img`,
+    /// `genisoimage`, `dpkg-deb`, `depmod` (`mmdebstrap` builds the image:
+    /// [`Prereq::VmImage`]).
     ImageTools,
     /// The Debian image `tests/rig/image.sh` builds and caches
     /// ([`vm::image::cached`]).
@@ -90,7 +91,7 @@ impl Prereq {
             Prereq::VmKernel => "the VM kernel",
             Prereq::QemuGuestAgent => "qemu-guest-agent",
             Prereq::SystemdAnalyze => "systemd",
-            Prereq::ImageTools => "mmdebstrap",
+            Prereq::ImageTools => "qemu-utils",
             Prereq::VmImage => "the VM image",
         }
     }
@@ -176,11 +177,11 @@ impl Prereq {
             Prereq::SystemdAnalyze => program("systemd-analyze", "systemd"),
             Prereq::ImageTools => {
                 for (name, package) in [
-                    ("mmdebstrap", "mmdebstrap"),
                     ("mkfs.ext4", "e2fsprogs"),
                     ("qemu-img", "qemu-utils"),
                     ("genisoimage", "genisoimage"),
                     ("dpkg-deb", "dpkg"),
+                    ("depmod", "kmod"),
                 ] {
                     program(name, package)?;
                 }

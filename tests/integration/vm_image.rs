@@ -18,7 +18,6 @@
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -53,7 +52,7 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(420);
 /// cloud-init's runcmd (installs the package) after qemu-ga answers.
 const CLOUD_INIT_TIMEOUT: Duration = Duration::from_secs(420);
 
-/// The agent's `.deb`, built once per test run.
+/// The agent's `.deb`, in `dir` when built here.
 ///
 /// SWITCH: with `packaging/build.sh` (the packaging branch), the package is
 /// the one users get: `HNA_PACKAGE_PROFILE=dev bash packaging/build.sh`,
@@ -61,18 +60,12 @@ const CLOUD_INIT_TIMEOUT: Duration = Duration::from_secs(420);
 /// Without it (this branch alone), [`throwaway_deb`] packs the debug binary
 /// and the unit by hand; drop that fallback once packaging/build.sh is
 /// merged.
-fn agent_deb() -> Result<PathBuf> {
-    static DEB: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
-    DEB.get_or_init(|| {
-        let built = if repo().join("packaging/build.sh").is_file() {
-            packaged_deb()
-        } else {
-            throwaway_deb()
-        };
-        built.map_err(|e| format!("{e:#}"))
-    })
-    .clone()
-    .map_err(anyhow::Error::msg)
+fn agent_deb(dir: &Path) -> Result<PathBuf> {
+    if repo().join("packaging/build.sh").is_file() {
+        packaged_deb()
+    } else {
+        throwaway_deb(dir)
+    }
 }
 
 /// The package from `packaging/build.sh` (dev profile).
@@ -112,10 +105,9 @@ fn packaged_deb() -> Result<PathBuf> {
 /// TEMPORARY (see [`agent_deb`]): the debug binary (stripped) and the unit,
 /// packed with `dpkg-deb`, without configuration or preset; cloud-init's
 /// runcmd enables the service.
-fn throwaway_deb() -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("hna-image-deb-{}", std::process::id()));
+fn throwaway_deb(dir: &Path) -> Result<PathBuf> {
+    let dir = dir.join("deb");
     let root = dir.join("root");
-    let _ = std::fs::remove_dir_all(&dir);
     for d in ["DEBIAN", "usr/bin", "usr/lib/systemd/system"] {
         std::fs::create_dir_all(root.join(d))?;
     }
@@ -174,7 +166,7 @@ impl Guest {
     /// Boots `disk` (made into a fresh overlay) with a seed for `name` and a
     /// NIC on the rig's LAN, waits for qemu-ga, then for cloud-init.
     fn boot(image: &Image, rig: &Rig, dir: &Path, disk: &Path, name: &str) -> Result<Guest> {
-        let deb = agent_deb()?;
+        let deb = agent_deb(dir)?;
         let seed = vm::image::nocloud_seed(
             dir,
             &format!("{name}-seed"),
