@@ -56,6 +56,13 @@ pub enum Prereq {
     Kiwi,
     /// `cloud-init` (its `schema` subcommand validates user data).
     CloudInit,
+    /// The image test's tools: `mkfs.ext4` (with `-d`), `qemu-img`,
+    /// `genisoimage`, `dpkg-deb`, `depmod` (`mmdebstrap` builds the image:
+    /// [`Prereq::VmImage`]).
+    ImageTools,
+    /// The Debian image `tests/rig/image.sh` builds and caches
+    /// ([`vm::image::cached`]).
+    VmImage,
 }
 
 /// A prerequisite that is not there.
@@ -97,6 +104,8 @@ impl Prereq {
             Prereq::Runc => "runc",
             Prereq::Kiwi => "kiwi",
             Prereq::CloudInit => "cloud-init",
+            Prereq::ImageTools => "qemu-utils",
+            Prereq::VmImage => "the VM image",
         }
     }
 
@@ -200,6 +209,27 @@ impl Prereq {
                 }
             }
             Prereq::CloudInit => program("cloud-init", "cloud-init"),
+            Prereq::ImageTools => {
+                for (name, package) in [
+                    ("mkfs.ext4", "e2fsprogs"),
+                    ("qemu-img", "qemu-utils"),
+                    ("genisoimage", "genisoimage"),
+                    ("dpkg-deb", "dpkg"),
+                    ("depmod", "kmod"),
+                ] {
+                    program(name, package)?;
+                }
+                Ok(())
+            }
+            Prereq::VmImage => match vm::image::cached() {
+                Ok(_) => Ok(()),
+                Err(e) => missing(
+                    format!("the VM image ({e:#})"),
+                    format!(
+                        "build it with `{INSTALL_ALL}` (or `sudo tests/rig/image.sh`, 3-10 minutes once)"
+                    ),
+                ),
+            },
         }
     }
 }

@@ -31,6 +31,7 @@ mod rig_selftest;
 mod topology;
 mod unit_file;
 mod vm_guest_agent;
+mod vm_image;
 mod vm_macvlan;
 mod vm_selftest;
 
@@ -55,6 +56,7 @@ fn main() -> std::process::ExitCode {
         kiwi::tests(),
         cloud_init::tests(),
         oci_image::tests(),
+        vm_image::tests(),
     ]
     .into_iter()
     .flatten()

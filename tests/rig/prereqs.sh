@@ -140,6 +140,22 @@ else
 fi
 # --- end of shipping section ------------------------------------------------
 
+# --- image test (tests/integration/vm_image.rs) ----------------------------
+# A Debian bookworm image with systemd, cloud-init and qemu-guest-agent,
+# built once by tests/rig/image.sh and cached by its package list.
+IMAGE_PACKAGES=(mmdebstrap e2fsprogs qemu-utils genisoimage)
+missing=()
+for p in "${IMAGE_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  apt_update
+  log "installing ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+bash "$(dirname "$0")/image.sh" >&2
+# --- end of image test section ---------------------------------------------
+
 if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" ]]; then
   log "using kube-apiserver from KUBEBUILDER_ASSETS=${KUBEBUILDER_ASSETS}"
   echo "${KUBEBUILDER_ASSETS}"

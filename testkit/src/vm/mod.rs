@@ -46,8 +46,10 @@
 //! used, or the folder named by `HNA_VM_KERNEL_DIR`. When one is missing,
 //! [`kernel`] fails naming it and its install command.
 
+pub mod image;
 mod initramfs;
 mod qemu;
+pub mod qga;
 
 use std::cmp::Ordering;
 use std::fs;

@@ -1,0 +1,632 @@
+//! The shipped agent in a real Debian bookworm cloud image: systemd,
+//! cloud-init and qemu-guest-agent from Debian's repositories
+//! (`tests/rig/image.sh`, cached by its package list), booted under qemu
+//! (TCG) with a NoCloud seed that carries the user data
+//! (`tests/rig/image-user-data.yaml`) and the agent's `.deb`, a
+//! virtio-serial `org.qemu.guest_agent.0` channel whose host end the test
+//! speaks QGA on (as Harvester's virt-launcher does), and a NIC on the rig's
+//! LAN with dnsmasq.
+//!
+//! Everything is observed from outside, through qemu-guest-agent's
+//! `guest-exec`: what dpkg, systemd, /proc and dnsmasq say, not only the
+//! agent's own report.
+//!
+//! Two boots: the image as built, and a variant disk without `macvlan.ko`
+//! (made on the host from the cached rootfs; nothing runs in the guest to
+//! remove it).
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use hna_testkit::rig::{self, Rig, RigOptions};
+use hna_testkit::vm;
+use hna_testkit::vm::image::{Image, Machine, MachineOptions};
+use hna_testkit::vm::qga::{ExecOutput, Qga};
+
+use crate::BIN;
+use crate::harness::tests;
+
+tests! {
+    cloud_init_installs_a_running_agent_in_a_debian_image:
+        Root, Qemu, ImageTools, VmImage, Iproute2, Dnsmasq;
+    check_fails_with_the_remedy_in_an_image_without_macvlan:
+        Root, Qemu, ImageTools, VmImage, Iproute2, Dnsmasq;
+}
+
+/// The repository root (the integration tests run from the main crate).
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The unit the package ships.
+const UNIT_SOURCE: &str = "systemd/harvester-node-agent.service";
+/// The package's file name on the seed.
+const DEB_ON_SEED: &str = "harvester-node-agent.deb";
+const SERVICE: &str = "harvester-node-agent";
+
+/// Boot to qemu-ga answering, under TCG on a loaded 2-core machine.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(420);
+/// cloud-init's runcmd (installs the package) after qemu-ga answers.
+const CLOUD_INIT_TIMEOUT: Duration = Duration::from_secs(420);
+
+/// The agent's `.deb`, in `dir` when built here.
+///
+/// SWITCH: with `packaging/build.sh` (the packaging branch), the package is
+/// the one users get: `HNA_PACKAGE_PROFILE=dev bash packaging/build.sh`,
+/// which writes `target/packages/harvester-node-agent_<ver>_amd64.deb`.
+/// Without it (this branch alone), [`throwaway_deb`] packs the debug binary
+/// and the unit by hand; drop that fallback once packaging/build.sh is
+/// merged.
+fn agent_deb(dir: &Path) -> Result<PathBuf> {
+    if repo().join("packaging/build.sh").is_file() {
+        packaged_deb()
+    } else {
+        throwaway_deb(dir)
+    }
+}
+
+/// The package from `packaging/build.sh` (dev profile).
+fn packaged_deb() -> Result<PathBuf> {
+    let out = Command::new("bash")
+        .arg("packaging/build.sh")
+        .env("HNA_PACKAGE_PROFILE", "dev")
+        .current_dir(repo())
+        .output()
+        .context("running packaging/build.sh")?;
+    ensure!(
+        out.status.success(),
+        "packaging/build.sh failed ({}): {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target"));
+    let mut debs: Vec<PathBuf> = [target.join("packages"), repo().join("target/packages")]
+        .iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            name.starts_with("harvester-node-agent_") && name.ends_with("_amd64.deb")
+        })
+        .collect();
+    debs.sort_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
+    debs.pop()
+        .context("packaging/build.sh wrote no target/packages/harvester-node-agent_*_amd64.deb")
+}
+
+/// TEMPORARY (see [`agent_deb`]): the debug binary (stripped) and the unit,
+/// packed with `dpkg-deb`, without configuration or preset; cloud-init's
+/// runcmd enables the service.
+fn throwaway_deb(dir: &Path) -> Result<PathBuf> {
+    let dir = dir.join("deb");
+    let root = dir.join("root");
+    for d in ["DEBIAN", "usr/bin", "usr/lib/systemd/system"] {
+        std::fs::create_dir_all(root.join(d))?;
+    }
+    let bin = vm::stripped_binary(Path::new(BIN), &dir)?;
+    std::fs::copy(&bin, root.join("usr/bin/harvester-node-agent"))?;
+    std::fs::copy(
+        repo().join(UNIT_SOURCE),
+        root.join("usr/lib/systemd/system/harvester-node-agent.service"),
+    )?;
+    let modules_load = repo().join("packaging/modules-load.d");
+    if let Ok(entries) = std::fs::read_dir(&modules_load) {
+        std::fs::create_dir_all(root.join("usr/lib/modules-load.d"))?;
+        for e in entries.flatten() {
+            std::fs::copy(
+                e.path(),
+                root.join("usr/lib/modules-load.d").join(e.file_name()),
+            )?;
+        }
+    }
+    std::fs::write(
+        root.join("DEBIAN/control"),
+        "Package: harvester-node-agent\nVersion: 0.0.0~imagetest\nArchitecture: amd64\n\
+         Maintainer: harvester-node-agent tests <noreply@example.invalid>\n\
+         Depends: libc6, libgcc-s1\nDescription: harvester-node-agent (image test build)\n",
+    )?;
+    let deb = dir.join("harvester-node-agent_0.0.0~imagetest_amd64.deb");
+    let out = Command::new("dpkg-deb")
+        .args(["--root-owner-group", "-Zgzip", "--build"])
+        .arg(&root)
+        .arg(&deb)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "dpkg-deb: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(deb)
+}
+
+/// The user data with the package's name on the seed filled in.
+fn user_data() -> Result<String> {
+    let template = std::fs::read_to_string(repo().join("tests/rig/image-user-data.yaml"))?;
+    ensure!(template.contains("@DEB@"), "the template lost its @DEB@");
+    Ok(template.replace("@DEB@", DEB_ON_SEED))
+}
+
+/// A booted guest with its QGA connection.
+struct Guest {
+    machine: Machine,
+    qga: Qga,
+    /// Boot to qemu-ga answering.
+    qga_after: Duration,
+}
+
+impl Guest {
+    /// Boots `disk` (made into a fresh overlay) with a seed for `name` and a
+    /// NIC on the rig's LAN, waits for qemu-ga, then for cloud-init.
+    fn boot(image: &Image, rig: &Rig, dir: &Path, disk: &Path, name: &str) -> Result<Guest> {
+        let deb = agent_deb(dir)?;
+        let seed = vm::image::nocloud_seed(
+            dir,
+            &format!("{name}-seed"),
+            &user_data()?,
+            &format!("instance-id: {name}\nlocal-hostname: {name}\n"),
+            &[(DEB_ON_SEED, deb.as_path())],
+        )?;
+        let overlay = Image::overlay(disk, dir, name)?;
+        let boot_dir = dir.join(name);
+        std::fs::create_dir_all(&boot_dir)?;
+        let mut machine = Machine::boot(
+            image,
+            &boot_dir,
+            &MachineOptions {
+                memory_mb: 1024,
+                disk: overlay,
+                seed: Some(seed),
+                nic: Some((
+                    rig.lan_ns().to_string(),
+                    format!("tap-{name}"),
+                    GUEST_MAC.into(),
+                )),
+            },
+        )?;
+        let qga = machine.qga(BOOT_TIMEOUT)?;
+        let qga_after = machine.started.elapsed();
+        eprintln!(
+            "{name}: qemu-ga answered {:.1}s after qemu started",
+            qga_after.as_secs_f64()
+        );
+        let mut guest = Guest {
+            machine,
+            qga,
+            qga_after,
+        };
+        let waited = guest.exec(&["cloud-init", "status", "--wait"], CLOUD_INIT_TIMEOUT);
+        let done_after = guest.machine.started.elapsed();
+        match waited {
+            Ok(out) if out.success() => {
+                eprintln!(
+                    "{name}: cloud-init done {:.1}s after qemu started",
+                    done_after.as_secs_f64()
+                );
+                Ok(guest)
+            }
+            other => {
+                let long = guest
+                    .sh("cloud-init status --long; tail -n 40 /var/log/cloud-init-output.log")
+                    .map(|o| o.to_string())
+                    .unwrap_or_else(|e| format!("{e:#}"));
+                Err(anyhow::anyhow!(
+                    "cloud-init did not finish cleanly: {}\n{long}\n{}",
+                    match other {
+                        Ok(o) => o.to_string(),
+                        Err(e) => format!("{e:#}"),
+                    },
+                    guest.diagnostics()
+                ))
+            }
+        }
+    }
+
+    fn exec(&mut self, argv: &[&str], timeout: Duration) -> Result<ExecOutput> {
+        self.qga.exec(argv, timeout)
+    }
+
+    fn sh(&mut self, script: &str) -> Result<ExecOutput> {
+        self.qga.sh(script, Duration::from_secs(120))
+    }
+
+    /// `systemctl show -p` of the service, as a map.
+    fn show(&mut self, props: &str) -> Result<std::collections::BTreeMap<String, String>> {
+        let out = self.exec(
+            &["systemctl", "show", "-p", props, SERVICE],
+            Duration::from_secs(60),
+        )?;
+        ensure!(out.success(), "systemctl show: {out}");
+        Ok(out
+            .stdout
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect())
+    }
+
+    /// The `Status:` line of `systemctl status`, once `done` accepts it
+    /// (polled until `timeout`).
+    fn status_line_when(
+        &mut self,
+        timeout: Duration,
+        done: impl Fn(&str) -> bool,
+    ) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let out = self.exec(
+                &["systemctl", "status", "--no-pager", "--lines=0", SERVICE],
+                Duration::from_secs(60),
+            )?;
+            let line = out
+                .stdout
+                .lines()
+                .map(str::trim)
+                .find(|l| l.starts_with("Status:"))
+                .unwrap_or_default()
+                .to_string();
+            if done(&line) {
+                return Ok(line);
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "systemctl status never showed the expected Status: line within {timeout:?}:\n{}",
+                out.stdout
+            );
+            std::thread::sleep(Duration::from_secs(2));
+        }
+    }
+
+    /// The serial console's tail and the agent's journal, for failures.
+    fn diagnostics(&mut self) -> String {
+        let journal = self
+            .qga
+            .sh(
+                "journalctl -u harvester-node-agent --no-pager -n 80; systemctl --failed --no-pager",
+                Duration::from_secs(60),
+            )
+            .map(|o| o.to_string())
+            .unwrap_or_else(|e| format!("(no journal: {e:#})"));
+        format!(
+            "--- serial console (tail)\n{}\n--- journalctl -u harvester-node-agent\n{journal}\n--- qemu\n{}",
+            self.machine.console_tail(60),
+            self.machine.qemu_log().trim()
+        )
+    }
+
+    /// Runs `checks`; on failure adds the diagnostics.
+    fn prove(&mut self, checks: impl FnOnce(&mut Guest) -> Result<()>) -> Result<()> {
+        match checks(self) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let diag = self.diagnostics();
+                Err(e.context(diag))
+            }
+        }
+    }
+}
+
+/// The guest NIC's MAC (the probe's parent is found by it).
+const GUEST_MAC: &str = "52:54:00:6c:00:01";
+/// The MAC `dhcp-probe` uses for its temporary macvlan.
+const PROBE_MAC: &str = "00:00:6c:69:6d:01";
+
+fn rig() -> Result<Rig> {
+    Rig::start(RigOptions {
+        guests: 0,
+        ..Default::default()
+    })
+}
+
+fn print_image_timings(image: &Image) {
+    let timings = std::fs::read_to_string(image.dir.join("timings")).unwrap_or_default();
+    eprintln!(
+        "image {} (kernel {}): {}",
+        image.dir.display(),
+        image.release,
+        timings.split_whitespace().collect::<Vec<_>>().join(" ")
+    );
+}
+
+/// The package is installed by cloud-init's runcmd.
+fn installed_by_runcmd(g: &mut Guest) -> Result<()> {
+    let out = g.exec(&["dpkg", "-s", SERVICE], Duration::from_secs(60))?;
+    ensure!(
+        out.success() && out.stdout.contains("Status: install ok installed"),
+        "dpkg -s: {out}"
+    );
+    let log = g.exec(
+        &["cat", "/var/log/cloud-init-output.log"],
+        Duration::from_secs(60),
+    )?;
+    ensure!(
+        log.stdout.contains("Setting up harvester-node-agent"),
+        "cloud-init's output has no dpkg install of the agent:\n{}",
+        log.stdout
+    );
+    Ok(())
+}
+
+/// Active (running) from the shipped unit file.
+fn running_under_the_shipped_unit(g: &mut Guest) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let show = loop {
+        let show = g.show("ActiveState,SubState,FragmentPath,UnitFileState")?;
+        if show.get("SubState").map(String::as_str) == Some("running") || Instant::now() > deadline
+        {
+            break show;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    };
+    ensure!(
+        show.get("ActiveState").map(String::as_str) == Some("active")
+            && show.get("SubState").map(String::as_str) == Some("running"),
+        "{show:?}"
+    );
+    ensure!(
+        show.get("UnitFileState").map(String::as_str) == Some("enabled"),
+        "{show:?}"
+    );
+    let fragment = show.get("FragmentPath").cloned().unwrap_or_default();
+    ensure!(
+        fragment.ends_with("/systemd/system/harvester-node-agent.service")
+            && !fragment.starts_with("/etc/"),
+        "not the packaged unit: {show:?}"
+    );
+    let in_guest = g.exec(&["cat", &fragment], Duration::from_secs(60))?;
+    let shipped = std::fs::read_to_string(repo().join(UNIT_SOURCE))?;
+    ensure!(
+        in_guest.stdout == shipped,
+        "{fragment} in the guest is not {UNIT_SOURCE}:\n{}",
+        in_guest.stdout
+    );
+    Ok(())
+}
+
+fn cloud_init_installs_a_running_agent_in_a_debian_image() -> Result<()> {
+    let total = Instant::now();
+    let image = vm::image::cached()?;
+    print_image_timings(&image);
+    let rig = rig()?;
+    let dir = tempfile::Builder::new().prefix("hna-image-").tempdir()?;
+    let mut g = Guest::boot(&image, &rig, dir.path(), &image.disk, "hna-image-1")?;
+    g.prove(|g| {
+        installed_by_runcmd(g)?;
+        running_under_the_shipped_unit(g)?;
+
+        // macvlan: loaded, from a module file (not built in), as /proc says.
+        let modules = g.sh("grep -c '^macvlan ' /proc/modules; modinfo -n macvlan")?;
+        let mut lines = modules.stdout.lines();
+        ensure!(lines.next() == Some("1"), "macvlan not loaded: {modules}");
+        ensure!(
+            lines
+                .next()
+                .is_some_and(|p| p.contains("/kernel/drivers/net/macvlan.ko")),
+            "macvlan is not a module file: {modules}"
+        );
+
+        // STATUS=: macvlan ready and qemu-ga Ready, the latter found through
+        // systemd's D-Bus (qemu-guest-agent.service) with this test's QGA
+        // connection open on the host side.
+        let line = g.status_line_when(Duration::from_secs(120), |l| {
+            l.contains("qemu-ga Ready") && l.contains("macvlan Loaded")
+        })?;
+        ensure!(!line.contains("disabled"), "{line}");
+        eprintln!("systemctl status: {line}");
+
+        let check = g.exec(
+            &[SERVICE, "check", "--output", "json"],
+            Duration::from_secs(120),
+        )?;
+        ensure!(check.success(), "check failed in the guest: {check}");
+        let v: serde_json::Value = serde_json::from_str(&check.stdout)
+            .with_context(|| format!("check output: {check}"))?;
+        let named = |name: &str| -> Result<serde_json::Value> {
+            v["checks"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["name"] == name).cloned())
+                .with_context(|| format!("no {name} check: {v}"))
+        };
+        let mv = named("macvlan")?;
+        ensure!(mv["status"] == "ok", "{mv}");
+        let ga = named("qemu-guest-agent")?;
+        ensure!(ga["status"] == "ok" && ga["reason"] == "Ready", "{ga}");
+        let msg = ga["message"].as_str().unwrap_or_default();
+        ensure!(
+            msg.starts_with("qemu-guest-agent.service active")
+                && msg.contains("guest and host connected"),
+            "the guest-agent check did not go through systemd's D-Bus and the port flags: {ga}"
+        );
+        g.ping()?;
+
+        dhcp_probe_through_the_nic(g, &rig)?;
+        watchdog_restarts_a_frozen_agent(g)?;
+        Ok(())
+    })?;
+    eprintln!(
+        "image test (boot to qemu-ga {:.1}s) took {:.1}s in all",
+        g.qga_after.as_secs_f64(),
+        total.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+impl Guest {
+    fn ping(&mut self) -> Result<()> {
+        self.qga.ping()
+    }
+}
+
+/// `dhcp-probe` in the guest gets a lease from the rig's dnsmasq, through
+/// the VM's NIC (found by its MAC), and dnsmasq saw the probe's MAC.
+fn dhcp_probe_through_the_nic(g: &mut Guest, rig: &Rig) -> Result<()> {
+    let nic = g.sh(&format!(
+        "for d in /sys/class/net/*; do [ \"$(cat $d/address)\" = {GUEST_MAC} ] && basename $d; done"
+    ))?;
+    let parent = nic.stdout.trim().to_string();
+    ensure!(!parent.is_empty(), "no NIC with {GUEST_MAC}: {nic}");
+    let out = g.exec(
+        &[
+            SERVICE,
+            "dhcp-probe",
+            "--parent",
+            &parent,
+            "--mac",
+            PROBE_MAC,
+            "--timeout",
+            "60s",
+            "--output",
+            "json",
+        ],
+        Duration::from_secs(120),
+    )?;
+    ensure!(out.success(), "dhcp-probe: {out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&out.stdout).with_context(|| format!("dhcp-probe: {out}"))?;
+    ensure!(v["ok"] == true && v["reason"] == "Bound", "{v}");
+    ensure!(v["server"] == rig::LAN_ADDR, "{v}");
+    let addr: Ipv4Addr = v["address"].as_str().context("address")?.parse()?;
+    ensure!(
+        (Ipv4Addr::new(10, 77, 0, 100)..=Ipv4Addr::new(10, 77, 0, 199)).contains(&addr),
+        "{addr}"
+    );
+    let log = std::fs::read_to_string(rig.dnsmasq_log())?;
+    ensure!(
+        log.lines().any(|l| l.contains("DHCPACK")
+            && l.contains(&addr.to_string())
+            && l.contains(PROBE_MAC)),
+        "dnsmasq never acknowledged {addr} to {PROBE_MAC}:\n{log}"
+    );
+    eprintln!("dhcp-probe in the guest: {addr} from {}", rig::LAN_ADDR);
+    Ok(())
+}
+
+/// SIGSTOP the daemon: systemd's watchdog (the shipped `WatchdogSec=`)
+/// kills and restarts it.
+fn watchdog_restarts_a_frozen_agent(g: &mut Guest) -> Result<()> {
+    let before = g.show("MainPID,NRestarts,WatchdogUSec")?;
+    let pid = before.get("MainPID").cloned().unwrap_or_default();
+    let restarts: u64 = before.get("NRestarts").context("NRestarts")?.parse()?;
+    ensure!(pid != "0" && !pid.is_empty(), "{before:?}");
+    let watchdog = before.get("WatchdogUSec").cloned().unwrap_or_default();
+    let stop = g.exec(&["kill", "-STOP", &pid], Duration::from_secs(30))?;
+    ensure!(stop.success(), "kill -STOP {pid}: {stop}");
+    let frozen = Instant::now();
+    // The watchdog interval, the kill, RestartSec and a start under TCG.
+    let deadline = frozen + Duration::from_secs(240);
+    let after = loop {
+        let now = g.show("MainPID,NRestarts,ActiveState,SubState")?;
+        let new_pid = now.get("MainPID").map(String::as_str).unwrap_or("0");
+        if new_pid != pid
+            && new_pid != "0"
+            && now.get("SubState").map(String::as_str) == Some("running")
+        {
+            break now;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no restart within {:?} of SIGSTOP (WatchdogUSec={watchdog}): {now:?}",
+            deadline - frozen
+        );
+        std::thread::sleep(Duration::from_secs(3));
+    };
+    let n: u64 = after.get("NRestarts").context("NRestarts")?.parse()?;
+    ensure!(n == restarts + 1, "NRestarts {restarts} -> {n}: {after:?}");
+    let journal = g.sh("journalctl -u harvester-node-agent --no-pager")?;
+    ensure!(
+        journal.stdout.contains("Watchdog timeout"),
+        "the restart was not the watchdog's:\n{}",
+        journal.stdout
+    );
+    eprintln!(
+        "watchdog (WatchdogUSec={watchdog}) restarted the frozen agent (pid {pid} -> {}) {:.1}s after SIGSTOP",
+        after["MainPID"],
+        frozen.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn check_fails_with_the_remedy_in_an_image_without_macvlan() -> Result<()> {
+    let total = Instant::now();
+    let image = vm::image::cached()?;
+    let module = find_module(&image, "macvlan")?;
+    let rig = rig()?;
+    let dir = tempfile::Builder::new().prefix("hna-image-").tempdir()?;
+    let made = Instant::now();
+    let disk = image.variant_without(&[&module], dir.path(), "no-macvlan")?;
+    eprintln!(
+        "variant disk without {module}: {:.1}s",
+        made.elapsed().as_secs_f64()
+    );
+    let mut g = Guest::boot(&image, &rig, dir.path(), &disk, "hna-image-2")?;
+    g.prove(|g| {
+        installed_by_runcmd(g)?;
+        let gone = g.sh(
+            "find /usr/lib/modules -name 'macvlan.ko*' | wc -l; grep -c '^macvlan ' /proc/modules",
+        )?;
+        let counts: Vec<&str> = gone.stdout.lines().collect();
+        ensure!(counts == ["0", "0"], "macvlan is still there: {gone}");
+        // The daemon stays up without the module and says so.
+        running_under_the_shipped_unit(g)?;
+        let line = g.status_line_when(Duration::from_secs(120), |l| {
+            l.contains("macvlan ModuleNotFound")
+        })?;
+        ensure!(line.contains("(DHCP LoadBalancers disabled)"), "{line}");
+        eprintln!("systemctl status: {line}");
+
+        let remedy = format!("apt-get install --reinstall linux-image-{}", image.release);
+        let check = g.exec(&[SERVICE, "check"], Duration::from_secs(120))?;
+        ensure!(check.exit_code == Some(1), "check did not fail: {check}");
+        ensure!(
+            check.stdout.contains(&remedy) || check.stderr.contains(&remedy),
+            "check does not name the remedy `{remedy}`: {check}"
+        );
+        let json = g.exec(
+            &[SERVICE, "check", "macvlan", "--output", "json"],
+            Duration::from_secs(120),
+        )?;
+        let v: serde_json::Value =
+            serde_json::from_str(&json.stdout).with_context(|| format!("check: {json}"))?;
+        let c = &v["checks"][0];
+        ensure!(
+            c["status"] == "fail" && c["reason"] == "ModuleNotFound",
+            "{c}"
+        );
+        ensure!(
+            c["remediation"]
+                .as_str()
+                .unwrap_or_default()
+                .contains(&remedy),
+            "{c}"
+        );
+        Ok(())
+    })?;
+    eprintln!(
+        "no-macvlan boot (to qemu-ga {:.1}s) took {:.1}s in all",
+        g.qga_after.as_secs_f64(),
+        total.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The module's file in the image's rootfs, relative to the rootfs.
+fn find_module(image: &Image, name: &str) -> Result<String> {
+    let rel = format!("usr/lib/modules/{}/kernel/drivers/net", image.release);
+    for ext in ["ko", "ko.xz", "ko.zst"] {
+        let p = format!("{rel}/{name}.{ext}");
+        if image.rootfs.join(&p).is_file() {
+            return Ok(p);
+        }
+    }
+    bail!(
+        "no {name} module under {}",
+        image.rootfs.join(rel).display()
+    )
+}
