@@ -24,6 +24,7 @@ mod dhcp_probe;
 mod dhcp_rig;
 mod loadbalancer;
 mod manifests;
+mod packaging;
 mod rig_selftest;
 mod topology;
 mod unit_file;
@@ -44,6 +45,7 @@ fn main() -> std::process::ExitCode {
         dhcp_rig::tests(),
         dhcp_probe::tests(),
         manifests::tests(),
+        packaging::tests(),
         loadbalancer::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),
