@@ -63,7 +63,24 @@ pub enum Prereq {
     /// The Debian image `tests/rig/image.sh` builds and caches
     /// ([`vm::image::cached`]).
     VmImage,
+    /// `cargo-deb` ([`CARGO_DEB_VERSION`]), in `PATH` or cargo's `bin`.
+    CargoDeb,
+    /// `cargo-generate-rpm` ([`CARGO_GENERATE_RPM_VERSION`]), in `PATH` or
+    /// cargo's `bin`.
+    CargoGenerateRpm,
+    /// `rpmbuild` and `rpm` (Debian's `rpm`).
+    Rpmbuild,
+    /// `dpkg-deb` and `dpkg`.
+    Dpkg,
+    /// `strip` and `gzip` (packaging/build.sh strips and compresses).
+    Binutils,
 }
+
+/// The cargo-deb `tests/rig/prereqs.sh` installs (keep the two in step).
+pub const CARGO_DEB_VERSION: &str = "3.8.0";
+/// The cargo-generate-rpm `tests/rig/prereqs.sh` installs (keep the two in
+/// step).
+pub const CARGO_GENERATE_RPM_VERSION: &str = "0.21.1";
 
 /// A prerequisite that is not there.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +123,11 @@ impl Prereq {
             Prereq::CloudInit => "cloud-init",
             Prereq::ImageTools => "qemu-utils",
             Prereq::VmImage => "the VM image",
+            Prereq::CargoDeb => "cargo-deb",
+            Prereq::CargoGenerateRpm => "cargo-generate-rpm",
+            Prereq::Rpmbuild => "rpm",
+            Prereq::Dpkg => "dpkg",
+            Prereq::Binutils => "binutils",
         }
     }
 
@@ -230,6 +252,34 @@ impl Prereq {
                     ),
                 ),
             },
+            Prereq::CargoDeb => {
+                cargo_tool("cargo-deb", CARGO_DEB_VERSION).map_err(|(what, install)| Missing {
+                    prereq: self,
+                    what,
+                    install,
+                })
+            }
+            Prereq::CargoGenerateRpm => {
+                cargo_tool("cargo-generate-rpm", CARGO_GENERATE_RPM_VERSION).map_err(
+                    |(what, install)| Missing {
+                        prereq: self,
+                        what,
+                        install,
+                    },
+                )
+            }
+            Prereq::Rpmbuild => {
+                program("rpmbuild", "rpm")?;
+                program("rpm", "rpm")
+            }
+            Prereq::Dpkg => {
+                program("dpkg-deb", "dpkg")?;
+                program("dpkg", "dpkg")
+            }
+            Prereq::Binutils => {
+                program("strip", "binutils")?;
+                program("gzip", "gzip")
+            }
         }
     }
 }
@@ -257,6 +307,31 @@ pub const QEMU_GA: &str = "/usr/sbin/qemu-ga";
 /// `` `sudo tests/rig/prereqs.sh` (or `apt-get install PACKAGE`) ``.
 fn apt_install(package: &str) -> String {
     format!("install it with `{INSTALL_ALL}` (or `sudo apt-get install {package}`)")
+}
+
+/// Where `cargo install` puts programs: `$CARGO_HOME/bin`, else
+/// `~/.cargo/bin`.
+pub fn cargo_bin_dir() -> Option<PathBuf> {
+    std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .map(|home| home.join("bin"))
+}
+
+/// A cargo subcommand installed with `cargo install`: found in `PATH` or in
+/// cargo's `bin` (where cargo looks for subcommands), else what is missing
+/// and how to install the pinned version.
+fn cargo_tool(name: &str, version: &str) -> Result<(), (String, String)> {
+    let in_cargo_bin = cargo_bin_dir().is_some_and(|d| is_executable(&d.join(name)));
+    if in_cargo_bin || find_program(name).is_some() {
+        return Ok(());
+    }
+    Err((
+        format!("`{name}`"),
+        format!(
+            "install it with `{INSTALL_ALL}` (or `cargo install --locked {name} --version {version}`)"
+        ),
+    ))
 }
 
 /// Whether this process runs as root.

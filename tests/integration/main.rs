@@ -27,6 +27,7 @@ mod kiwi;
 mod loadbalancer;
 mod manifests;
 mod oci_image;
+mod packaging;
 mod rig_selftest;
 mod topology;
 mod unit_file;
@@ -48,6 +49,7 @@ fn main() -> std::process::ExitCode {
         dhcp_rig::tests(),
         dhcp_probe::tests(),
         manifests::tests(),
+        packaging::tests(),
         loadbalancer::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),

@@ -31,9 +31,9 @@ use crate::harness::tests;
 
 tests! {
     cloud_init_installs_a_running_agent_in_a_debian_image:
-        Root, Qemu, ImageTools, VmImage, Iproute2, Dnsmasq;
+        Root, Qemu, ImageTools, VmImage, Iproute2, Dnsmasq, CargoDeb, Dpkg, Binutils;
     check_fails_with_the_remedy_in_an_image_without_macvlan:
-        Root, Qemu, ImageTools, VmImage, Iproute2, Dnsmasq;
+        Root, Qemu, ImageTools, VmImage, Iproute2, Dnsmasq, CargoDeb, Dpkg, Binutils;
 }
 
 /// The repository root (the integration tests run from the main crate).
@@ -52,27 +52,16 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(420);
 /// cloud-init's runcmd (installs the package) after qemu-ga answers.
 const CLOUD_INIT_TIMEOUT: Duration = Duration::from_secs(420);
 
-/// The agent's `.deb`, in `dir` when built here.
-///
-/// SWITCH: with `packaging/build.sh` (the packaging branch), the package is
-/// the one users get: `HNA_PACKAGE_PROFILE=dev bash packaging/build.sh`,
-/// which writes `target/packages/harvester-node-agent_<ver>_amd64.deb`.
-/// Without it (this branch alone), [`throwaway_deb`] packs the debug binary
-/// and the unit by hand; drop that fallback once packaging/build.sh is
-/// merged.
+/// The agent's `.deb` as users get it, from `packaging/build.sh`, around
+/// the binary under test (`HNA_PACKAGE_BINARY`: no second compile), written
+/// into `dir`.
 fn agent_deb(dir: &Path) -> Result<PathBuf> {
-    if repo().join("packaging/build.sh").is_file() {
-        packaged_deb()
-    } else {
-        throwaway_deb(dir)
-    }
-}
-
-/// The package from `packaging/build.sh` (dev profile).
-fn packaged_deb() -> Result<PathBuf> {
+    let out_dir = dir.join("packages");
     let out = Command::new("bash")
         .arg("packaging/build.sh")
-        .env("HNA_PACKAGE_PROFILE", "dev")
+        .env("HNA_PACKAGE_BINARY", BIN)
+        .env("HNA_PACKAGE_FAST", "1")
+        .env("HNA_PACKAGE_OUT", &out_dir)
         .current_dir(repo())
         .output()
         .context("running packaging/build.sh")?;
@@ -83,68 +72,14 @@ fn packaged_deb() -> Result<PathBuf> {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target"));
-    let mut debs: Vec<PathBuf> = [target.join("packages"), repo().join("target/packages")]
-        .iter()
-        .filter_map(|d| std::fs::read_dir(d).ok())
-        .flatten()
+    std::fs::read_dir(&out_dir)?
         .flatten()
         .map(|e| e.path())
-        .filter(|p| {
+        .find(|p| {
             let name = p.file_name().unwrap_or_default().to_string_lossy();
             name.starts_with("harvester-node-agent_") && name.ends_with("_amd64.deb")
         })
-        .collect();
-    debs.sort_by_key(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok());
-    debs.pop()
-        .context("packaging/build.sh wrote no target/packages/harvester-node-agent_*_amd64.deb")
-}
-
-/// TEMPORARY (see [`agent_deb`]): the debug binary (stripped) and the unit,
-/// packed with `dpkg-deb`, without configuration or preset; cloud-init's
-/// runcmd enables the service.
-fn throwaway_deb(dir: &Path) -> Result<PathBuf> {
-    let dir = dir.join("deb");
-    let root = dir.join("root");
-    for d in ["DEBIAN", "usr/bin", "usr/lib/systemd/system"] {
-        std::fs::create_dir_all(root.join(d))?;
-    }
-    let bin = vm::stripped_binary(Path::new(BIN), &dir)?;
-    std::fs::copy(&bin, root.join("usr/bin/harvester-node-agent"))?;
-    std::fs::copy(
-        repo().join(UNIT_SOURCE),
-        root.join("usr/lib/systemd/system/harvester-node-agent.service"),
-    )?;
-    let modules_load = repo().join("packaging/modules-load.d");
-    if let Ok(entries) = std::fs::read_dir(&modules_load) {
-        std::fs::create_dir_all(root.join("usr/lib/modules-load.d"))?;
-        for e in entries.flatten() {
-            std::fs::copy(
-                e.path(),
-                root.join("usr/lib/modules-load.d").join(e.file_name()),
-            )?;
-        }
-    }
-    std::fs::write(
-        root.join("DEBIAN/control"),
-        "Package: harvester-node-agent\nVersion: 0.0.0~imagetest\nArchitecture: amd64\n\
-         Maintainer: harvester-node-agent tests <noreply@example.invalid>\n\
-         Depends: libc6, libgcc-s1\nDescription: harvester-node-agent (image test build)\n",
-    )?;
-    let deb = dir.join("harvester-node-agent_0.0.0~imagetest_amd64.deb");
-    let out = Command::new("dpkg-deb")
-        .args(["--root-owner-group", "-Zgzip", "--build"])
-        .arg(&root)
-        .arg(&deb)
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "dpkg-deb: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(deb)
+        .context("packaging/build.sh wrote no harvester-node-agent_*_amd64.deb")
 }
 
 /// The user data with the package's name on the seed filled in.

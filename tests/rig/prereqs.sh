@@ -14,7 +14,8 @@ set -euo pipefail
 CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
 PACKAGES=(dnsmasq-base etcd-server iproute2 busybox isc-dhcp-client dhcpcd-base
           procps psmisc jq rsync curl ca-certificates openssl
-          man-db systemd)
+          man-db systemd
+          rpm rpm2cpio cpio binutils xz-utils)
 BUILD_PACKAGES=(golang-go make dpkg-dev rsync jq golang-github-modern-go-reflect2-dev)
 
 log() { echo "prereqs: $*" >&2; }
@@ -40,6 +41,35 @@ if ((${#missing[@]})); then
   log "installing ${missing[*]}"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
+
+# --- packages (tests/integration/packaging.rs, packaging/build.sh) --------
+# cargo-deb and cargo-generate-rpm, pinned (as in testkit/src/prereq.rs),
+# installed with cargo only when missing or at another version. They land in
+# cargo's bin (~/.cargo/bin), which outlives CI runs on a machine; cold, each
+# takes several minutes to compile on 2 cores. Under sudo they are installed
+# for the invoking user, whose cargo runs the tests.
+CARGO_TOOLS=("cargo-deb 3.8.0" "cargo-generate-rpm 0.21.1")
+cargo_user="${SUDO_USER:-$(id -un)}"
+cargo_user_home="$(getent passwd "$cargo_user" | cut -d: -f6)"
+cargo_bin="${CARGO_HOME:-$cargo_user_home/.cargo}/bin"
+as_cargo_user() {
+  if [[ "$cargo_user" == "$(id -un)" ]]; then
+    "$@"
+  else
+    runuser -u "$cargo_user" -- env HOME="$cargo_user_home" "$@"
+  fi
+}
+for tool_version in "${CARGO_TOOLS[@]}"; do
+  tool=${tool_version% *}; version=${tool_version#* }
+  # `cargo install --list` names what is installed, e.g. "cargo-deb v3.8.0:".
+  if PATH="$cargo_bin:$PATH" as_cargo_user cargo install --list 2>/dev/null | grep -qx "$tool v$version:"; then
+    continue
+  fi
+  log "installing $tool $version with cargo (one-time, several minutes)"
+  PATH="$cargo_bin:$PATH" as_cargo_user env -u CARGO_TARGET_DIR \
+    cargo install --locked --quiet "$tool" --version "$version" >&2
+done
+# --- end of packages section -----------------------------------------------
 
 # --- VM tests (tests/vm) ---------------------------------------------------
 # qemu, kmod and cpio, and Debian's stock kernel (where macvlan is a loadable
