@@ -513,7 +513,12 @@ fn check_fails_with_the_remedy_in_an_image_without_macvlan() -> Result<()> {
         let line = g.status_line_when(Duration::from_secs(120), |l| {
             l.contains("macvlan ModuleNotFound")
         })?;
-        ensure!(line.contains("(DHCP LoadBalancers disabled)"), "{line}");
+        // A failure with a fix names the command that shows it.
+        ensure!(line.contains("lb 0/0 held (needs macvlan)"), "{line}");
+        ensure!(
+            line.contains("run harvester-node-agent check macvlan"),
+            "{line}"
+        );
         eprintln!("systemctl status: {line}");
 
         let remedy = format!("apt-get install --reinstall linux-image-{}", image.release);
