@@ -24,10 +24,6 @@ if [[ $(id -u) -ne 0 ]]; then
   log "must run as root (network namespaces, packages)"; exit 1
 fi
 
-missing=()
-for p in "${PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
 apt_updated=0
 apt_update() {
   if [[ $apt_updated -eq 0 ]]; then
@@ -36,11 +32,19 @@ apt_update() {
     apt_updated=1
   fi
 }
-if ((${#missing[@]})); then
-  apt_update
-  log "installing ${missing[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-fi
+# Installs those of the named Debian packages that are not installed yet.
+install_missing() {
+  local missing=() p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    apt_update
+    log "installing ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+  fi
+}
+install_missing "${PACKAGES[@]}"
 
 # --- packages (tests/integration/packaging.rs, packaging/build.sh) --------
 # cargo-deb and cargo-generate-rpm, pinned (as in testkit/src/prereq.rs),
@@ -81,15 +85,7 @@ done
 # This section sits before the kube-apiserver part because that part exits
 # early once its build is cached.
 VM_PACKAGES=(qemu-system-x86 kmod cpio socat qemu-guest-agent)
-missing=()
-for p in "${VM_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  apt_update
-  log "installing ${missing[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-fi
+install_missing "${VM_PACKAGES[@]}"
 
 if [[ -n "${HNA_VM_KERNEL_DIR:-}" ]]; then
   log "using the VM kernel from HNA_VM_KERNEL_DIR=${HNA_VM_KERNEL_DIR}"
@@ -147,15 +143,7 @@ fi
 # KIWI_VERSION in step with testkit/src/prereq.rs):
 #   $CACHE_DIR/kiwi-venv-<version>/bin/kiwi-ng
 SHIP_PACKAGES=(buildah runc umoci cloud-init python3-venv)
-missing=()
-for p in "${SHIP_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  apt_update
-  log "installing ${missing[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-fi
+install_missing "${SHIP_PACKAGES[@]}"
 KIWI_VERSION=11.1.6
 KIWI_VENV="$CACHE_DIR/kiwi-venv-$KIWI_VERSION"
 # Built in place: a venv's scripts name its absolute path, so it cannot be
@@ -174,15 +162,7 @@ fi
 # A Debian bookworm image with systemd, cloud-init and qemu-guest-agent,
 # built once by tests/rig/image.sh and cached by its package list.
 IMAGE_PACKAGES=(mmdebstrap e2fsprogs qemu-utils genisoimage)
-missing=()
-for p in "${IMAGE_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  apt_update
-  log "installing ${missing[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-fi
+install_missing "${IMAGE_PACKAGES[@]}"
 bash "$(dirname "$0")/image.sh" >&2
 # --- end of image test section ---------------------------------------------
 
@@ -216,14 +196,7 @@ if [[ -x "$OUT/kube-apiserver" ]]; then
   exit 0
 fi
 
-missing=()
-for p in "${BUILD_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  apt_update
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-fi
+install_missing "${BUILD_PACKAGES[@]}"
 
 WORK="$CACHE_DIR/build/$VERSION"
 rm -rf "$WORK"; mkdir -p "$WORK"

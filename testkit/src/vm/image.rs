@@ -19,7 +19,6 @@
 //!   namespace (qemu runs inside it).
 
 use std::fs;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -303,14 +302,7 @@ impl Machine {
         cmd.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
-        // SAFETY: prctl is async-signal-safe; nothing else runs between fork
-        // and exec. `ip netns exec` execs qemu, which keeps the setting.
-        unsafe {
-            cmd.pre_exec(|| {
-                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
-                    .map_err(std::io::Error::from)
-            });
-        }
+        super::qemu::die_with_parent(&mut cmd);
         let child = cmd
             .spawn()
             .with_context(|| format!("cannot start {}", qemu.display()))?;

@@ -173,14 +173,7 @@ pub fn boot(kernel: &Kernel, initramfs: &Path, opts: &VmOptions) -> Result<VmRun
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
-    // SAFETY: prctl is async-signal-safe; nothing else runs between fork
-    // and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
-                .map_err(std::io::Error::from)
-        });
-    }
+    die_with_parent(&mut cmd);
     let start = Instant::now();
     let mut child = Qemu(
         cmd.spawn()
@@ -246,5 +239,18 @@ pub fn boot(kernel: &Kernel, initramfs: &Path, opts: &VmOptions) -> Result<VmRun
             run.tail(40)
         ),
         Some(_) => Ok(run),
+    }
+}
+
+/// qemu gets SIGKILL when the test process dies, so no VM outlives a
+/// crashed test. Kept across `exec` (also through `ip netns exec`).
+pub(crate) fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork
+    // and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                .map_err(std::io::Error::from)
+        });
     }
 }
