@@ -189,14 +189,7 @@ fn config_sh_enables_the_services() -> Result<()> {
         String::from_utf8_lossy(&syntax.stderr)
     );
     let enabled = enabled_units(&script);
-    for unit in [
-        "qemu-guest-agent.service",
-        "cloud-init-local.service",
-        "cloud-init.service",
-        "cloud-config.service",
-        "cloud-final.service",
-        "harvester-node-agent.service",
-    ] {
+    for unit in CLASSIC_UNITS {
         ensure!(
             enabled.iter().any(|u| u == unit),
             "config.sh does not enable {unit} (enables {enabled:?})"
@@ -204,6 +197,16 @@ fn config_sh_enables_the_services() -> Result<()> {
     }
     Ok(())
 }
+
+/// What config.sh enables with Leap's and Debian's (pre-24.3) cloud-init.
+const CLASSIC_UNITS: &[&str] = &[
+    "qemu-guest-agent.service",
+    "cloud-init-local.service",
+    "cloud-init.service",
+    "cloud-config.service",
+    "cloud-final.service",
+    "harvester-node-agent.service",
+];
 
 /// The units named on `enable_if_present` calls (continued lines joined).
 fn enabled_units(script: &str) -> Vec<String> {
@@ -224,14 +227,7 @@ fn enabled_units(script: &str) -> Vec<String> {
 fn config_sh_enables_units_without_a_running_systemd() -> Result<()> {
     let script = kiwi_dir().join("opensuse/config.sh");
     for units in [
-        &[
-            "qemu-guest-agent.service",
-            "cloud-init-local.service",
-            "cloud-init.service",
-            "cloud-config.service",
-            "cloud-final.service",
-            "harvester-node-agent.service",
-        ][..],
+        CLASSIC_UNITS,
         &[
             "qemu-guest-agent.service",
             "cloud-init-main.service",
