@@ -459,14 +459,32 @@ fn a_new_leader_changes_no_service() -> Result<()> {
     for name in ["a", "b", "c"] {
         lb.wait_ingress(name, ADDRESS_WITHIN);
     }
-    let versions = |lb: &LbRig| -> Vec<(Option<String>, Option<String>)> {
+    // The status is written before kube-vip's record, so the address alone
+    // does not mean the old leader is done with a Service: wait for the
+    // record, its last write.
+    for name in ["a", "b", "c"] {
+        let recorded = wait_for(WITHIN, || {
+            let s = lb.service(name)?;
+            let a = s.metadata.annotations.unwrap_or_default();
+            [kube_vip::HWADDR, kube_vip::REQUESTED_IP, kube_vip::VIP_HOST]
+                .iter()
+                .all(|k| a.contains_key(*k))
+                .then_some(())
+        });
+        ensure!(recorded.is_some(), "Service {name} got no kube-vip record");
+    }
+    // The resourceVersion says whether anything changed; the rest says what.
+    let versions = |lb: &LbRig| -> Vec<(Option<String>, String)> {
         ["a", "b", "c"]
             .iter()
             .map(|n| {
                 let s = lb.service(n).unwrap();
                 (
                     s.metadata.resource_version,
-                    s.status.map(|st| format!("{st:?}")),
+                    format!(
+                        "{:?} {:?} {:?}",
+                        s.metadata.annotations, s.metadata.finalizers, s.status
+                    ),
                 )
             })
             .collect()
@@ -490,9 +508,10 @@ fn a_new_leader_changes_no_service() -> Result<()> {
     // the old ones too.
     lb.create_service("d", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
     lb.wait_ingress("d", ADDRESS_WITHIN);
+    let after = versions(&lb);
     ensure!(
-        versions(&lb) == before,
-        "a Service changed under the new leader"
+        after == before,
+        "a Service changed under the new leader:\nbefore: {before:#?}\nafter: {after:#?}"
     );
     Ok(())
 }
