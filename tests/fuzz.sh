@@ -55,7 +55,10 @@ if ! installed; then
     # Plain stable here (no RUSTC_BOOTSTRAP): cargo-fuzz itself needs nothing
     # unstable. --force: a half-finished earlier install must not count as
     # installed; cargo locks the root, so concurrent runs wait for each other.
-    cargo install cargo-fuzz --version "=$CARGO_FUZZ_VERSION" --locked --force --root "$root"
+    # The target dir tests/rig/prereqs.sh gives cargo-deb and
+    # cargo-generate-rpm: their common dependencies compile once.
+    cargo install cargo-fuzz --version "=$CARGO_FUZZ_VERSION" --locked --force --root "$root" \
+        --target-dir "$cache/cargo-install-target"
     echo "fuzz.sh: cargo-fuzz installed in $((SECONDS - start)) s"
     installed || { echo "fuzz.sh: $cargo_fuzz is not cargo-fuzz $CARGO_FUZZ_VERSION after install" >&2; exit 1; }
 fi

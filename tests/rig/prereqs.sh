@@ -44,7 +44,33 @@ install_missing() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
   fi
 }
-install_missing "${PACKAGES[@]}"
+# The VM, shipping and image sections' packages, installed here in the same
+# apt transaction (one dpkg run instead of four).
+VM_PACKAGES=(qemu-system-x86 kmod cpio socat qemu-guest-agent)
+SHIP_PACKAGES=(buildah runc umoci cloud-init python3-venv)
+IMAGE_PACKAGES=(mmdebstrap e2fsprogs qemu-utils genisoimage)
+install_missing "${PACKAGES[@]}" "${VM_PACKAGES[@]}" "${SHIP_PACKAGES[@]}" "${IMAGE_PACKAGES[@]}"
+
+# --- image test (tests/integration/vm_image.rs) ----------------------------
+# A Debian bookworm image with systemd, cloud-init and qemu-guest-agent,
+# built once by tests/rig/image.sh and cached by its package list. Cold, that
+# is minutes of downloading and unpacking, so it runs in the background while
+# the sections below compile; `finish` waits for it (and fails if it did).
+image_log="$(mktemp)"
+bash "$(dirname "$0")/image.sh" >"$image_log" 2>&1 &
+image_pid=$!
+# Prints the kube-apiserver folder ($1) as the last line, once the image is
+# ready, and exits.
+finish() {
+  if ! wait "$image_pid"; then
+    cat "$image_log" >&2; rm -f "$image_log"
+    log "tests/rig/image.sh failed (its output is above)"; exit 1
+  fi
+  cat "$image_log" >&2; rm -f "$image_log"
+  echo "$1"
+  exit 0
+}
+# --- end of image test section ---------------------------------------------
 
 # --- packages (tests/integration/packaging.rs, packaging/build.sh) --------
 # cargo-deb and cargo-generate-rpm, pinned (as in testkit/src/prereq.rs),
@@ -63,6 +89,9 @@ as_cargo_user() {
     runuser -u "$cargo_user" -- env HOME="$cargo_user_home" "$@"
   fi
 }
+CARGO_INSTALL_TARGET="$CACHE_DIR/cargo-install-target"
+mkdir -p "$CARGO_INSTALL_TARGET"
+chown "$cargo_user" "$CARGO_INSTALL_TARGET"
 for tool_version in "${CARGO_TOOLS[@]}"; do
   tool=${tool_version% *}; version=${tool_version#* }
   # `cargo install --list` names what is installed, e.g. "cargo-deb v3.8.0:".
@@ -70,8 +99,11 @@ for tool_version in "${CARGO_TOOLS[@]}"; do
     continue
   fi
   log "installing $tool $version with cargo (one-time, several minutes)"
+  # One target dir for both (and tests/fuzz.sh's cargo-fuzz): what they
+  # share (clap, serde, toml, ...) compiles once, also on a later version bump.
   PATH="$cargo_bin:$PATH" as_cargo_user env -u CARGO_TARGET_DIR \
-    cargo install --locked --quiet "$tool" --version "$version" >&2
+    cargo install --locked --quiet "$tool" --version "$version" \
+    --target-dir "$CARGO_INSTALL_TARGET" >&2
 done
 # --- end of packages section -----------------------------------------------
 
@@ -84,9 +116,7 @@ done
 # tests/vm uses the newest such folder, or HNA_VM_KERNEL_DIR.
 # This section sits before the kube-apiserver part because that part exits
 # early once its build is cached.
-VM_PACKAGES=(qemu-system-x86 kmod cpio socat qemu-guest-agent)
-install_missing "${VM_PACKAGES[@]}"
-
+# (VM_PACKAGES are installed at the top.)
 if [[ -n "${HNA_VM_KERNEL_DIR:-}" ]]; then
   log "using the VM kernel from HNA_VM_KERNEL_DIR=${HNA_VM_KERNEL_DIR}"
 else
@@ -142,8 +172,7 @@ fi
 # user data. kiwi comes from PyPI into a venv cached by version (keep
 # KIWI_VERSION in step with testkit/src/prereq.rs):
 #   $CACHE_DIR/kiwi-venv-<version>/bin/kiwi-ng
-SHIP_PACKAGES=(buildah runc umoci cloud-init python3-venv)
-install_missing "${SHIP_PACKAGES[@]}"
+# (SHIP_PACKAGES are installed at the top.)
 KIWI_VERSION=11.1.6
 KIWI_VENV="$CACHE_DIR/kiwi-venv-$KIWI_VERSION"
 # Built in place: a venv's scripts name its absolute path, so it cannot be
@@ -158,18 +187,9 @@ else
 fi
 # --- end of shipping section ------------------------------------------------
 
-# --- image test (tests/integration/vm_image.rs) ----------------------------
-# A Debian bookworm image with systemd, cloud-init and qemu-guest-agent,
-# built once by tests/rig/image.sh and cached by its package list.
-IMAGE_PACKAGES=(mmdebstrap e2fsprogs qemu-utils genisoimage)
-install_missing "${IMAGE_PACKAGES[@]}"
-bash "$(dirname "$0")/image.sh" >&2
-# --- end of image test section ---------------------------------------------
-
 if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" ]]; then
   log "using kube-apiserver from KUBEBUILDER_ASSETS=${KUBEBUILDER_ASSETS}"
-  echo "${KUBEBUILDER_ASSETS}"
-  exit 0
+  finish "${KUBEBUILDER_ASSETS}"
 fi
 
 # Debian's source entries are the binary entries of this machine with
@@ -192,8 +212,7 @@ VERSION=$(apt-cache showsrc kubernetes | sed -n 's/^Version: //p' | sort -V | ta
 OUT="$CACHE_DIR/kube-apiserver/$VERSION+reflect2+zerostr"
 if [[ -x "$OUT/kube-apiserver" ]]; then
   log "kube-apiserver $VERSION cached at $OUT"
-  echo "$OUT"
-  exit 0
+  finish "$OUT"
 fi
 
 install_missing "${BUILD_PACKAGES[@]}"
@@ -237,4 +256,4 @@ cp "$BIN" "$OUT/kube-apiserver.tmp" && mv "$OUT/kube-apiserver.tmp" "$OUT/kube-a
 ln -sf /usr/bin/etcd "$OUT/etcd"
 rm -rf "$WORK"
 log "kube-apiserver $VERSION built and cached at $OUT"
-echo "$OUT"
+finish "$OUT"
