@@ -62,6 +62,11 @@ const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
 /// One status write at most this long.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The last status, when stopping: short, so a stop is not held up by an
+/// unreachable API server (`TimeoutStopSec`).
+const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+/// `status.reason` of a stopping agent.
+pub const STOPPING: &str = "stopping: the agent is shutting down and has handed its addresses over";
 /// Server-side bound of one watch request.
 const WATCH_TIMEOUT_SECS: u32 = 290;
 
@@ -118,6 +123,8 @@ struct Lb<E: LeaseEngine, W: StatusWriter> {
     /// When the next write is due even if nothing changed: a heartbeat
     /// period after the last write (or attempt).
     beat_due: Instant,
+    /// The agent is stopping: reported as not ready.
+    stopping: bool,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -153,6 +160,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         write_error: None,
         last_beat: None,
         beat_due: Instant::now(),
+        stopping: false,
     };
     let mut updates_open = true;
     loop {
@@ -189,7 +197,10 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 next_settle = Instant::now() + lb.settle_period();
             }
             _ = beat.tick() => hb.beat(),
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => {
+                lb.hand_over_all().await;
+                return;
+            }
         }
     }
 }
@@ -348,6 +359,30 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
         }
     }
 
+    /// The agent is stopping: every address goes at once (handover: no
+    /// RELEASE, lease files kept, so the next holder asks for the same
+    /// address), then one last status says so, `ready: false` with no lease
+    /// held, so the controller moves the Services now instead of after the
+    /// heartbeat goes stale. Links first: the next holder's takeover guard
+    /// waits while this node still answers for an address.
+    async fn hand_over_all(&mut self) {
+        let names: Vec<String> = self.engine.snapshot().into_iter().map(|l| l.name).collect();
+        let stops = names
+            .iter()
+            .map(|n| self.engine.stop(n, crate::dhcp::StopMode::Handover));
+        for (name, result) in names.iter().zip(futures::future::join_all(stops).await) {
+            match result {
+                Ok(()) | Err(crate::dhcp::EngineError::Unknown(_)) => {}
+                Err(e) => tracing::warn!(interface = %name, error = %e, "could not hand the lease over cleanly"),
+            }
+        }
+        self.stopping = true;
+        let write = self.report(true);
+        if tokio::time::timeout(STOPPING_WRITE_TIMEOUT, write).await.is_err() {
+            tracing::warn!(object = %self.settings.object, "the last status (stopping) was not written within {STOPPING_WRITE_TIMEOUT:?}; the controller moves the addresses once the heartbeat is stale");
+        }
+    }
+
     /// Publishes the state and writes the status: always when `heartbeat`,
     /// else only when what is reported changed since the last write.
     async fn report(&mut self, heartbeat: bool) {
@@ -359,6 +394,10 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             &node,
             self.swept.is_some(),
         );
+        if self.stopping {
+            status.ready = false;
+            status.reason = STOPPING.to_string();
+        }
         let due =
             heartbeat || self.written.as_ref().map(settled_view) != Some(settled_view(&status));
         if due {

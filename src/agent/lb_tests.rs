@@ -443,3 +443,45 @@ fn the_report_without_macvlan_or_uplink_says_why() {
     let s = report(&[a], &BTreeMap::new(), &[], &node, true);
     assert!(s.leases.is_empty(), "a release not running is done");
 }
+
+#[tokio::test(start_paused = true)]
+async fn stopping_hands_every_address_over_then_says_not_ready() {
+    let r = rig();
+    let a = assignment("aaaaaaaa");
+    let b = assignment("bbbbbbbb");
+    r.tx.send(spec(&[a.clone(), b.clone()])).await.unwrap();
+    until("both leases to start", || r.engine.running().len() == 2).await;
+    until("a ready status", || r.writes.last().is_some_and(|s| s.ready)).await;
+    let before = r.writes.all().len();
+
+    r._stop.send(true).unwrap();
+    until("the last status", || r.writes.all().len() > before).await;
+
+    let mut stops: Vec<(String, StopMode)> = r
+        .engine
+        .calls()
+        .into_iter()
+        .filter_map(|c| match c {
+            Call::Stop { name, mode } => Some((name, mode)),
+            _ => None,
+        })
+        .collect();
+    stops.sort_by(|x, y| x.0.cmp(&y.0));
+    assert_eq!(
+        stops,
+        vec![
+            (a.interface.clone(), StopMode::Handover),
+            (b.interface.clone(), StopMode::Handover),
+        ],
+        "every lease handed over, none released"
+    );
+    assert!(r.engine.running().is_empty());
+    let last = r.writes.last().unwrap();
+    assert!(!last.ready, "the last status says not ready: {last:?}");
+    assert_eq!(last.reason, STOPPING);
+    assert_eq!(last.held, 0, "nothing held: {last:?}");
+    assert!(last.heartbeat.is_some(), "written as a heartbeat");
+    // The loop has ended: nothing more is written.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(r.writes.all().len(), before + 1);
+}

@@ -231,6 +231,13 @@ pub struct ControllerArgs {
     /// to other nodes. Keep it well above the agents' heartbeat period (5s)
     #[arg(long, value_name = "DURATION", env = "HNA_NODE_STALE_AFTER", default_value = "20s", value_parser = stale_arg)]
     pub node_stale_after: Duration,
+    /// When no node's heartbeat has changed for this long, the silence is
+    /// blamed on the API server or the watch, not the nodes: nobody is
+    /// judged stale, and after it every node gets a whole
+    /// --node-stale-after again. Above the agents' heartbeat period, at
+    /// most --node-stale-after
+    #[arg(long, value_name = "DURATION", env = "HNA_WATCH_QUIET_AFTER", default_value = "2s", value_parser = election_arg)]
+    pub watch_quiet_after: Duration,
     /// Serve Prometheus /metrics and /healthz on ADDR:PORT, e.g. 0.0.0.0:9478 [default: off]
     #[arg(long, value_name = "ADDR:PORT", env = "HNA_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
@@ -323,6 +330,14 @@ pub fn main() -> ExitCode {
                 renew_deadline: args.renew_deadline,
                 retry_period: args.retry_period,
             };
+            if args.watch_quiet_after > args.node_stale_after {
+                eprintln!(
+                    "harvester-node-agent: --watch-quiet-after ({}) must not be above --node-stale-after ({})",
+                    humantime::format_duration(args.watch_quiet_after),
+                    humantime::format_duration(args.node_stale_after)
+                );
+                return ExitCode::from(EXIT_CONFIG);
+            }
             if let Err(e) = timing.validate() {
                 eprintln!("harvester-node-agent: invalid leader election flags: {e}");
                 return ExitCode::from(EXIT_CONFIG);
@@ -337,6 +352,7 @@ pub fn main() -> ExitCode {
                     .unwrap_or_else(crate::controller::default_identity),
                 timing,
                 node_stale_after: args.node_stale_after,
+                watch_quiet_after: args.watch_quiet_after,
                 metrics_listen: args.metrics_listen,
             };
             serve(&args.log_level, args.log_target, |n| {

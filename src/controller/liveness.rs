@@ -7,6 +7,13 @@
 //! A heartbeat seen for the first time counts as seen now: a controller that
 //! has just started (or a replica that has just become leader) does not
 //! judge a node it has not watched for a whole period, so it moves nothing.
+//!
+//! Silence is the watch's fault until shown otherwise: when no node's
+//! heartbeat has changed for `quiet_after` (the API server or etcd is down,
+//! or this replica's watch is cut), nobody is judged stale, and the first
+//! change after such a gap gives every node a whole `stale_after` again. A
+//! dead node is told apart from a dead watch by the other nodes' heartbeats
+//! still arriving; so an API server outage of any length moves nothing.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -16,16 +23,22 @@ use tokio::time::Instant;
 #[derive(Debug, Clone)]
 pub struct Liveness {
     stale_after: Duration,
+    quiet_after: Duration,
     /// Per node: the last heartbeat value and when (our clock) it was first
     /// seen with that value.
     seen: BTreeMap<String, (String, Instant)>,
+    /// When any node's heartbeat last changed (our clock).
+    last_change: Option<Instant>,
 }
 
 impl Liveness {
-    pub fn new(stale_after: Duration) -> Liveness {
+    /// `quiet_after` is clamped to at most `stale_after`.
+    pub fn new(stale_after: Duration, quiet_after: Duration) -> Liveness {
         Liveness {
             stale_after,
+            quiet_after: quiet_after.min(stale_after),
             seen: BTreeMap::new(),
+            last_change: None,
         }
     }
 
@@ -35,26 +48,58 @@ impl Liveness {
             self.seen.remove(node);
             return;
         };
-        match self.seen.get_mut(node) {
-            Some((value, _)) if value == hb => {}
-            Some(entry) => *entry = (hb.to_string(), now),
+        let changed = match self.seen.get_mut(node) {
+            Some((value, _)) if value == hb => false,
+            Some(entry) => {
+                *entry = (hb.to_string(), now);
+                true
+            }
             None => {
                 self.seen.insert(node.to_string(), (hb.to_string(), now));
+                true
             }
+        };
+        if changed {
+            if self.quiet(now) {
+                // The first news after a gap: nobody's silence during it
+                // counts against them.
+                for (_, at) in self.seen.values_mut() {
+                    *at = now;
+                }
+            }
+            self.last_change = Some(now);
         }
     }
 
-    /// Whether `node`'s heartbeat changed within the staleness bound.
+    /// No heartbeat has changed for `quiet_after`: the silence says more
+    /// about the watch than about the nodes.
+    fn quiet(&self, now: Instant) -> bool {
+        self.last_change
+            .is_none_or(|at| now.saturating_duration_since(at) >= self.quiet_after)
+    }
+
+    /// Whether `node`'s heartbeat changed within the staleness bound (or
+    /// the watch is too quiet to tell).
     pub fn fresh(&self, node: &str, now: Instant) -> bool {
-        self.seen
-            .get(node)
-            .is_some_and(|(_, at)| now.saturating_duration_since(*at) < self.stale_after)
+        self.seen.get(node).is_some_and(|(_, at)| {
+            now.saturating_duration_since(*at) < self.stale_after || self.quiet(now)
+        })
     }
 
     /// Eligible to hold addresses: the agent says it is ready, and its
     /// heartbeat is fresh.
     pub fn eligible(&self, node: &str, ready: bool, now: Instant) -> bool {
         ready && self.fresh(node, now)
+    }
+
+    /// The next moment a node now fresh turns stale if nothing changes:
+    /// when to decide again without news.
+    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
+        self.seen
+            .values()
+            .map(|(_, at)| *at + self.stale_after)
+            .filter(|d| *d > now)
+            .min()
     }
 
     /// Forgets the nodes not in `keep` (their objects are gone).
@@ -67,34 +112,43 @@ impl Liveness {
 mod tests {
     use super::*;
 
-    const STALE: Duration = Duration::from_secs(20);
+    const STALE: Duration = Duration::from_secs(3);
+    const QUIET: Duration = Duration::from_millis(1500);
+    const BEAT: Duration = Duration::from_secs(1);
+
+    fn beat(l: &mut Liveness, node: &str, n: u64, now: Instant) {
+        l.observe(node, Some(&format!("{node}-{n}")), now);
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_changing_heartbeat_is_fresh_a_frozen_one_goes_stale() {
-        let mut l = Liveness::new(STALE);
+        let mut l = Liveness::new(STALE, QUIET);
         let start = Instant::now();
-        // A heartbeat every 5 s whose content is far in the past: only
-        // change counts, never its value against our clock.
+        // Values far in the past: only change counts, never the value
+        // against our clock.
         for i in 0..10u64 {
-            let now = start + Duration::from_secs(5 * i);
+            let now = start + BEAT * i as u32;
             l.observe("n1", Some(&format!("1970-01-01T00:00:{i:02}Z")), now);
+            beat(&mut l, "n2", i, now);
             assert!(l.eligible("n1", true, now), "beat {i}");
         }
-        let last_change = start + Duration::from_secs(45);
-        // The agent stops; its value stays.
+        let last_change = start + BEAT * 9;
+        // n1 stops (its value stays); n2 goes on, so the watch is live.
         let frozen = "1970-01-01T00:00:09Z";
         let mut now = last_change;
+        let mut i = 10;
         while now < last_change + STALE {
             l.observe("n1", Some(frozen), now);
-            assert!(
-                l.fresh("n1", now),
-                "{:?} after the last change",
-                now - last_change
-            );
-            now += Duration::from_secs(1);
+            assert!(l.fresh("n1", now), "{:?} after the last change", now - last_change);
+            now += Duration::from_millis(100);
+            if now >= start + BEAT * i as u32 {
+                beat(&mut l, "n2", i, now);
+                i += 1;
+            }
         }
         l.observe("n1", Some(frozen), now);
         assert!(!l.fresh("n1", now), "stale {STALE:?} after the last change");
+        assert!(l.fresh("n2", now));
         // It comes back: fresh again at once.
         l.observe("n1", Some("1970-01-01T00:01:00Z"), now);
         assert!(l.fresh("n1", now));
@@ -102,11 +156,19 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_first_sight_counts_as_now_and_not_ready_is_never_eligible() {
-        let mut l = Liveness::new(STALE);
+        let mut l = Liveness::new(STALE, QUIET);
         let now = Instant::now();
         // However old the value, a new observer gives it a full period.
         l.observe("n1", Some("2001-01-01T00:00:00Z"), now);
-        assert!(l.eligible("n1", true, now + Duration::from_secs(19)));
+        let mut t = now;
+        let mut i = 0;
+        while t < now + STALE {
+            beat(&mut l, "n2", i, t);
+            assert!(l.eligible("n1", true, t));
+            i += 1;
+            t = now + BEAT * i as u32;
+        }
+        beat(&mut l, "n2", i, t);
         assert!(!l.eligible("n1", true, now + STALE));
         assert!(!l.eligible("n1", false, now), "not ready");
         assert!(!l.fresh("never-seen", now));
@@ -115,5 +177,63 @@ mod tests {
         l.observe("n3", Some("x"), now);
         l.retain(|n| n != "n3");
         assert!(!l.fresh("n3", now), "forgotten");
+    }
+
+    /// The API server (or etcd, or this replica's watch) is gone for 30 s:
+    /// no heartbeat changes. Nobody turns stale during it, and afterwards
+    /// each node has a whole period to show up, however they trickle in;
+    /// one that never does is stale a period after the first news.
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_watch_makes_nobody_stale_and_restarts_the_clock() {
+        let mut l = Liveness::new(STALE, QUIET);
+        let start = Instant::now();
+        let nodes = ["n1", "n2", "n3"];
+        for i in 0..5u64 {
+            for n in nodes {
+                beat(&mut l, n, i, start + BEAT * i as u32);
+            }
+        }
+        let outage = start + BEAT * 4;
+        let back = outage + Duration::from_secs(30);
+        let mut t = outage;
+        while t < back {
+            for n in nodes {
+                l.observe(n, Some(&format!("{n}-4")), t);
+                assert!(l.eligible(n, true, t), "{n} at {:?} into the outage", t - outage);
+            }
+            assert_eq!(l.next_deadline(t).filter(|d| *d > back), None, "no wake-up needed");
+            t += Duration::from_millis(100);
+        }
+        // n1 at once, n2 2.5 s later, n3 never.
+        beat(&mut l, "n1", 5, back);
+        for n in nodes {
+            assert!(l.fresh(n, back), "{n} right after the outage");
+        }
+        let mut t = back;
+        let mut k = 6;
+        while t < back + STALE {
+            assert!(l.fresh("n3", t), "n3 {:?} after the first news", t - back);
+            if t >= back + Duration::from_millis(2500) {
+                beat(&mut l, "n2", k, t);
+            }
+            beat(&mut l, "n1", k, t);
+            k += 1;
+            t += Duration::from_millis(500);
+        }
+        beat(&mut l, "n1", k, t);
+        assert!(l.fresh("n1", t) && l.fresh("n2", t));
+        assert!(!l.fresh("n3", t), "n3 stale a period after the first news");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_next_deadline_is_the_first_fresh_node_to_turn_stale() {
+        let mut l = Liveness::new(STALE, QUIET);
+        let now = Instant::now();
+        assert_eq!(l.next_deadline(now), None);
+        beat(&mut l, "n1", 0, now);
+        beat(&mut l, "n2", 0, now + BEAT);
+        assert_eq!(l.next_deadline(now + BEAT), Some(now + STALE));
+        assert_eq!(l.next_deadline(now + STALE), Some(now + BEAT + STALE));
+        assert_eq!(l.next_deadline(now + BEAT + STALE), None);
     }
 }

@@ -75,6 +75,9 @@ pub struct Options {
     /// A node whose heartbeat has not changed for this long (on our clock)
     /// holds no address.
     pub node_stale_after: Duration,
+    /// No heartbeat change from any node for this long: the watch, not the
+    /// nodes, is suspect ([`liveness`]).
+    pub watch_quiet_after: Duration,
     /// Serve `/metrics` and `/healthz` here.
     pub metrics_listen: Option<SocketAddr>,
 }
@@ -276,7 +279,7 @@ async fn reconcile_loop(
     }
     stats.lock().expect("stats lock").synced = true;
     tracing::info!("watch caches loaded: reconciling");
-    let mut alive = liveness::Liveness::new(opts.node_stale_after);
+    let mut alive = liveness::Liveness::new(opts.node_stale_after, opts.watch_quiet_after);
     let mut writes = writer::WriteMemo::default();
     let mut told = writer::EventMemo::default();
     let mut access_ensured: BTreeSet<String> = BTreeSet::new();
@@ -286,9 +289,12 @@ async fn reconcile_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut coalesce = COALESCE_MIN;
     loop {
+        // A node turning stale is news without an event: wake for it.
+        let stale_at = alive.next_deadline(Instant::now());
         tokio::select! {
             _ = changed.notified() => tokio::time::sleep(coalesce).await,
             _ = tick.tick() => {}
+            _ = sleep_until_opt(stale_at) => {}
             _ = shutdown.changed() => return,
         }
         if !backoff.is_zero() {
@@ -371,6 +377,13 @@ async fn reconcile_loop(
         };
     }
 }
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The decision's input from the watch caches, and the resourceVersion of
 /// every write target (for the [`writer::WriteMemo`]).
 #[allow(clippy::type_complexity)]
