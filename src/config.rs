@@ -182,6 +182,14 @@ pub const KEYS: &[KeySpec] = &[
         kind: Kind::Bool,
     },
     KeySpec {
+        name: "lb_takeover_guard",
+        env: "HNA_LB_TAKEOVER_GUARD",
+        flag: "--lb-takeover-guard",
+        default: "150ms",
+        doc: "Before this node brings up an address another node held, it asks the LAN for this long (two ARP probes from the uplink's own MAC) whether anybody still answers for it, and waits while somebody does: two nodes never answer for one address. 0s turns the guard off. At most 5s.",
+        kind: Kind::Duration,
+    },
+    KeySpec {
         name: "uplink",
         env: "HNA_UPLINK",
         flag: "--uplink",
@@ -232,6 +240,8 @@ pub struct Config {
     pub uplink: Option<String>,
     /// RFC 5227 ARP check of a LoadBalancer address before use.
     pub lb_arp_probe: bool,
+    /// How long to listen for another holder before a takeover; zero: off.
+    pub lb_takeover_guard: Duration,
 }
 
 /// Where a configuration value came from, for error messages.
@@ -403,6 +413,7 @@ pub fn resolve(
         lb_heartbeat: Duration::from_secs(5),
         uplink: None,
         lb_arp_probe: true,
+        lb_takeover_guard: Duration::from_millis(150),
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -493,6 +504,10 @@ pub fn resolve(
                 cfg.namespace = v;
             }
             "lb_arp_probe" => cfg.lb_arp_probe = boolean(&text(raw)).map_err(fail)?,
+            "lb_takeover_guard" => {
+                cfg.lb_takeover_guard =
+                    duration_up_to(&text(raw), Duration::from_secs(5)).map_err(fail)?
+            }
             "lb_heartbeat" => {
                 cfg.lb_heartbeat = duration_between(&text(raw), 1, 10).map_err(fail)?
             }
@@ -657,6 +672,19 @@ fn absolute_path(v: String) -> Result<PathBuf, String> {
     } else {
         Ok(p)
     }
+}
+
+/// A duration from zero up to `max`.
+pub fn duration_up_to(v: &str, max: Duration) -> Result<Duration, String> {
+    let d = crate::duration::parse_duration(v)?;
+    if d > max {
+        return Err(format!(
+            "{} is out of range; use a value between 0s and {}",
+            humantime::format_duration(d),
+            humantime::format_duration(max)
+        ));
+    }
+    Ok(d)
 }
 
 pub fn duration_between(v: &str, min_secs: u64, max_secs: u64) -> Result<Duration, String> {
@@ -996,6 +1024,14 @@ mod tests {
         assert!(!resolve_file("lb_arp_probe = false\n").unwrap().lb_arp_probe);
         assert!(resolve_file("lb_arp_probe = \"maybe\"\n").is_err());
         assert!(resolve_file("lb_arp_probe = 1\n").is_err());
+        assert_eq!(cfg.lb_takeover_guard, Duration::from_millis(150));
+        assert_eq!(
+            resolve_file("lb_takeover_guard = \"0s\"\n")
+                .unwrap()
+                .lb_takeover_guard,
+            Duration::ZERO
+        );
+        assert!(resolve_file("lb_takeover_guard = \"6s\"\n").is_err());
         assert_eq!(cfg.uplink, None);
         let cfg =
             resolve_file("namespace = \"lb\"\nlb_heartbeat = 2\nuplink = \"eth1\"\n").unwrap();

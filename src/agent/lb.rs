@@ -57,11 +57,16 @@ pub const SETTLE: Duration = Duration::from_secs(1);
 /// How often the leases are looked at while one is on its way to an
 /// address (the engine's snapshot is an in-memory copy).
 pub const FAST_SETTLE: Duration = Duration::from_millis(10);
+/// How soon a start held back by the takeover guard is tried again.
+const GUARD_RETRY: Duration = Duration::from_millis(500);
 /// Retry backoff after a failed action.
 const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
 /// One status write at most this long.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// `state` of a lease the takeover guard holds back: another host still
+/// answers for its address.
+pub const GUARDED: &str = "GUARDED";
 /// The last status, when stopping: short, so a stop is not held up by an
 /// unreachable API server (`TimeoutStopSec`).
 const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -111,6 +116,9 @@ struct Lb<E: LeaseEngine, W: StatusWriter> {
     swept: Option<Vec<String>>,
     /// The last round's failed actions, by interface.
     failures: BTreeMap<String, String>,
+    /// The last round's starts held back by the takeover guard, by
+    /// interface.
+    guarded: BTreeMap<String, String>,
     /// Invalid assignments already logged (their message).
     logged_invalid: BTreeSet<String>,
     retry_at: Option<Instant>,
@@ -153,6 +161,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         read: "waiting for the cluster connection".into(),
         swept: None,
         failures: BTreeMap::new(),
+        guarded: BTreeMap::new(),
         logged_invalid: BTreeSet::new(),
         retry_at: None,
         backoff: RETRY_MIN,
@@ -318,6 +327,7 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             })
             .collect();
         let mut failures = BTreeMap::new();
+        let mut guarded = BTreeMap::new();
         let actions: Vec<Action> = plan::plan(&wants, &running)
             .into_iter()
             .filter(|a| !untouched.contains(action_interface(a)))
@@ -343,19 +353,34 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
         {
             match o.result {
                 Ok(()) => tracing::info!(interface = %o.interface, "{a}"),
+                Err(e) if o.guarded => {
+                    if !self.guarded.contains_key(&o.interface) {
+                        tracing::warn!(interface = %o.interface, "{e}");
+                    }
+                    guarded.insert(o.interface, e);
+                }
                 Err(e) => {
                     tracing::warn!(interface = %o.interface, error = %e, "could not {a}; trying again");
                     failures.insert(o.interface, e);
                 }
             }
         }
+        for i in self.guarded.keys().filter(|i| !guarded.contains_key(*i)) {
+            tracing::info!(interface = %i, "the address no longer answers elsewhere");
+        }
+        self.guarded = guarded;
         self.failures = failures;
-        if self.failures.is_empty() {
-            self.retry_at = None;
-            self.backoff = RETRY_MIN;
-        } else {
+        if !self.failures.is_empty() {
             self.retry_at = Some(Instant::now() + self.backoff);
             self.backoff = (self.backoff * 2).min(RETRY_MAX);
+        } else if !self.guarded.is_empty() {
+            // Not a failure: the other holder goes when its agent (or
+            // systemd's watchdog) acts, so look again soon, every time.
+            self.retry_at = Some(Instant::now() + GUARD_RETRY);
+            self.backoff = RETRY_MIN;
+        } else {
+            self.retry_at = None;
+            self.backoff = RETRY_MIN;
         }
     }
 
@@ -373,12 +398,17 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
         for (name, result) in names.iter().zip(futures::future::join_all(stops).await) {
             match result {
                 Ok(()) | Err(crate::dhcp::EngineError::Unknown(_)) => {}
-                Err(e) => tracing::warn!(interface = %name, error = %e, "could not hand the lease over cleanly"),
+                Err(e) => {
+                    tracing::warn!(interface = %name, error = %e, "could not hand the lease over cleanly")
+                }
             }
         }
         self.stopping = true;
         let write = self.report(true);
-        if tokio::time::timeout(STOPPING_WRITE_TIMEOUT, write).await.is_err() {
+        if tokio::time::timeout(STOPPING_WRITE_TIMEOUT, write)
+            .await
+            .is_err()
+        {
             tracing::warn!(object = %self.settings.object, "the last status (stopping) was not written within {STOPPING_WRITE_TIMEOUT:?}; the controller moves the addresses once the heartbeat is stale");
         }
     }
@@ -390,6 +420,7 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
         let mut status = report(
             self.assignments.as_deref().unwrap_or_default(),
             &self.failures,
+            &self.guarded,
             &self.engine.snapshot(),
             &node,
             self.swept.is_some(),
@@ -493,6 +524,7 @@ fn rfc3339_ms(unix_ms: u64) -> String {
 pub fn report(
     assignments: &[Assignment],
     failures: &BTreeMap<String, String>,
+    guarded: &BTreeMap<String, String>,
     leases: &[LeaseStatus],
     node: &NodeView,
     adopted: bool,
@@ -515,6 +547,16 @@ pub fn report(
                 message: problem.or_else(|| l.last_error.clone()),
             },
             None if a.release => continue,
+            None if guarded.contains_key(&a.interface) && problem.is_none() => LeaseReport {
+                service: a.service.clone(),
+                interface: a.interface.clone(),
+                state: GUARDED.to_string(),
+                address: None,
+                server: None,
+                expires: None,
+                mac: a.mac.clone(),
+                message: guarded.get(&a.interface).cloned(),
+            },
             None => LeaseReport {
                 service: a.service.clone(),
                 interface: a.interface.clone(),

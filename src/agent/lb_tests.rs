@@ -72,6 +72,10 @@ fn spec(a: &[Assignment]) -> Update<Spec> {
 }
 
 fn rig_with(engine: FakeEngine) -> Rig {
+    rig_with_leases(engine, Settings::default())
+}
+
+fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
     let writes = Writes::default();
     let (tx, rx) = mpsc::channel(8);
     let (out_tx, out) = watch::channel(LbStatus::default());
@@ -81,7 +85,7 @@ fn rig_with(engine: FakeEngine) -> Rig {
         heartbeat: Duration::from_secs(5),
         adoption_wait: ADOPTION_WAIT,
         settle: SETTLE,
-        leases: Settings::default(),
+        leases,
     };
     let node = || NodeView {
         macvlan_ready: true,
@@ -428,19 +432,19 @@ fn the_report_without_macvlan_or_uplink_says_why() {
         macvlan_reason: "macvlan ModuleNotFound".into(),
         default_uplink: None,
     };
-    let s = report(&[], &BTreeMap::new(), &[], &node, true);
+    let s = report(&[], &BTreeMap::new(), &BTreeMap::new(), &[], &node, true);
     assert!(!s.ready);
     assert!(s.reason.contains("ModuleNotFound"), "{}", s.reason);
     let node = NodeView {
         macvlan_ready: true,
         ..node
     };
-    let s = report(&[], &BTreeMap::new(), &[], &node, true);
+    let s = report(&[], &BTreeMap::new(), &BTreeMap::new(), &[], &node, true);
     assert!(!s.ready);
     assert!(s.reason.contains("no default uplink"), "{}", s.reason);
     let mut a = assignment("aaaaaaaa");
     a.release = true;
-    let s = report(&[a], &BTreeMap::new(), &[], &node, true);
+    let s = report(&[a], &BTreeMap::new(), &BTreeMap::new(), &[], &node, true);
     assert!(s.leases.is_empty(), "a release not running is done");
 }
 
@@ -451,7 +455,10 @@ async fn stopping_hands_every_address_over_then_says_not_ready() {
     let b = assignment("bbbbbbbb");
     r.tx.send(spec(&[a.clone(), b.clone()])).await.unwrap();
     until("both leases to start", || r.engine.running().len() == 2).await;
-    until("a ready status", || r.writes.last().is_some_and(|s| s.ready)).await;
+    until("a ready status", || {
+        r.writes.last().is_some_and(|s| s.ready)
+    })
+    .await;
     let before = r.writes.all().len();
 
     r._stop.send(true).unwrap();
@@ -484,4 +491,61 @@ async fn stopping_hands_every_address_over_then_says_not_ready() {
     // The loop has ended: nothing more is written.
     tokio::time::sleep(Duration::from_secs(30)).await;
     assert_eq!(r.writes.all().len(), before + 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_takeover_is_guarded_while_the_address_answers_then_taken() {
+    let engine = FakeEngine::new();
+    let r = rig_with_leases(
+        engine.clone(),
+        Settings {
+            takeover_guard: Duration::from_millis(150),
+            ..Settings::default()
+        },
+    );
+    let a = assignment("aaaaaaaa");
+    let addr: Ipv4Addr = a.requested_ip.as_deref().unwrap().parse().unwrap();
+    engine.set_answering(addr, true);
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("a GUARDED report", || {
+        r.writes
+            .last()
+            .is_some_and(|s| leases_of(&s) == vec![(a.interface.clone(), GUARDED.to_string())])
+    })
+    .await;
+    let s = r.writes.last().unwrap();
+    assert!(
+        s.leases[0]
+            .message
+            .as_deref()
+            .unwrap()
+            .contains("still answers"),
+        "{s:?}"
+    );
+    assert!(engine.running().is_empty());
+    // Asked again and again, every GUARD_RETRY, not with a growing backoff.
+    let guards = || {
+        engine
+            .calls()
+            .iter()
+            .filter(|c| matches!(c, Call::Guard { .. }))
+            .count()
+    };
+    let before = guards();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let asked = guards() - before;
+    assert!((18..=21).contains(&asked), "asked {asked} times in 10 s");
+    assert!(engine.running().is_empty());
+
+    engine.set_answering(addr, false);
+    until("the takeover", || {
+        engine.running() == vec![a.interface.clone()]
+    })
+    .await;
+    until("the report leaves GUARDED", || {
+        r.writes
+            .last()
+            .is_some_and(|s| s.leases.iter().all(|l| l.state != GUARDED))
+    })
+    .await;
 }

@@ -452,6 +452,7 @@ fn spawn_lb(
                 arp_probe: cfg.lb_arp_probe,
                 ..crate::dhcp::Timing::default()
             },
+            takeover_guard: cfg.lb_takeover_guard,
             ..crate::lb::apply::Settings::default()
         },
     };

@@ -144,6 +144,9 @@ pub struct ConfigArgs {
     /// ARP-probe a LoadBalancer address before use (true/false) [default: true] [env: HNA_LB_ARP_PROBE]
     #[arg(long, value_name = "BOOL")]
     pub lb_arp_probe: Option<String>,
+    /// Listen this long for another holder before taking an address over; 0s is off (0s to 5s) [default: 150ms] [env: HNA_LB_TAKEOVER_GUARD]
+    #[arg(long, value_name = "DURATION")]
+    pub lb_takeover_guard: Option<String>,
     /// Uplink of the LoadBalancer macvlans when a Service names none [default: the default route's interface] [env: HNA_UPLINK]
     #[arg(long, value_name = "IFACE")]
     pub uplink: Option<String>,
@@ -152,7 +155,7 @@ pub struct ConfigArgs {
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 17] = [
+        let pairs: [(&'static str, &Option<String>); 18] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -169,6 +172,7 @@ impl ConfigArgs {
             ("namespace", &self.namespace),
             ("lb_heartbeat", &self.lb_heartbeat),
             ("lb_arp_probe", &self.lb_arp_probe),
+            ("lb_takeover_guard", &self.lb_takeover_guard),
             ("uplink", &self.uplink),
         ];
         for (key, value) in pairs {

@@ -139,7 +139,11 @@ mod tests {
         let mut i = 10;
         while now < last_change + STALE {
             l.observe("n1", Some(frozen), now);
-            assert!(l.fresh("n1", now), "{:?} after the last change", now - last_change);
+            assert!(
+                l.fresh("n1", now),
+                "{:?} after the last change",
+                now - last_change
+            );
             now += Duration::from_millis(100);
             if now >= start + BEAT * i as u32 {
                 beat(&mut l, "n2", i, now);
@@ -199,9 +203,17 @@ mod tests {
         while t < back {
             for n in nodes {
                 l.observe(n, Some(&format!("{n}-4")), t);
-                assert!(l.eligible(n, true, t), "{n} at {:?} into the outage", t - outage);
+                assert!(
+                    l.eligible(n, true, t),
+                    "{n} at {:?} into the outage",
+                    t - outage
+                );
             }
-            assert_eq!(l.next_deadline(t).filter(|d| *d > back), None, "no wake-up needed");
+            assert_eq!(
+                l.next_deadline(t).filter(|d| *d > back),
+                None,
+                "no wake-up needed"
+            );
             t += Duration::from_millis(100);
         }
         // n1 at once, n2 2.5 s later, n3 never.

@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use std::net::Ipv4Addr;
 
 use super::driver::{Begin, Command, Driver, LeaseStatus};
-use super::io::ProbeConfig;
+use super::io::{ProbeConfig, Transport};
 use super::lease_engine::{LeaseEngine, SweepReport};
 use super::link::{Ensured, Ipv4Conf, LinkError, Links, Netlink};
 use super::machine::{Machine, StopMode, Timing};
@@ -289,6 +289,41 @@ impl<L: Links> Engine<L> {
             .collect()
     }
 
+    /// See [`LeaseEngine::answered`]: an RFC 5227 probe on the uplink
+    /// itself. Any ARP naming `addr` as its sender from another MAC (a
+    /// reply, an announcement) or another host's probe for it counts.
+    pub async fn answered(
+        &self,
+        parent: &str,
+        addr: Ipv4Addr,
+        probe: ProbeConfig,
+    ) -> Result<bool, EngineError> {
+        let link_err = |source| EngineError::Link {
+            name: parent.to_string(),
+            source,
+        };
+        let link = self
+            .links
+            .link(parent)
+            .await
+            .map_err(link_err)?
+            .ok_or_else(|| link_err(LinkError::NotFound(parent.to_string())))?;
+        let socket_err = |source| EngineError::Socket {
+            name: parent.to_string(),
+            source,
+        };
+        let mac = link.mac.ok_or_else(|| {
+            socket_err(std::io::Error::other(format!(
+                "{parent} has no MAC address"
+            )))
+        })?;
+        let transport = self
+            .links
+            .open(link.index, mac, probe)
+            .map_err(socket_err)?;
+        transport.arp_probe(addr).await.map_err(socket_err)
+    }
+
     /// Gratuitous ARP for a lease now (takeover).
     pub async fn announce(&self, name: &str) -> Result<(), EngineError> {
         let tx = match lock(&self.table).get(name) {
@@ -516,6 +551,15 @@ impl<L: Links> LeaseEngine for Engine<L> {
 
     async fn announce(&self, name: &str) -> Result<(), EngineError> {
         Engine::announce(self, name).await
+    }
+
+    async fn answered(
+        &self,
+        parent: &str,
+        addr: Ipv4Addr,
+        probe: ProbeConfig,
+    ) -> Result<bool, EngineError> {
+        Engine::answered(self, parent, addr, probe).await
     }
 
     fn snapshot(&self) -> Vec<LeaseStatus> {

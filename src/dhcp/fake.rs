@@ -11,6 +11,7 @@ use tokio::sync::watch;
 
 use super::driver::LeaseStatus;
 use super::engine::{EngineError, LeaseConfig};
+use super::io::ProbeConfig;
 use super::lease_engine::{LeaseEngine, SweepReport};
 use super::link::LinkError;
 use super::machine::{State, StopMode};
@@ -31,6 +32,11 @@ pub enum Call {
     },
     Announce {
         name: String,
+    },
+    /// [`LeaseEngine::answered`]
+    Guard {
+        parent: String,
+        addr: Ipv4Addr,
     },
     Sweep {
         prefix: String,
@@ -57,6 +63,8 @@ struct World {
     links: BTreeMap<String, FakeLink>,
     start_failures: BTreeMap<String, VecDeque<EngineError>>,
     stop_failures: BTreeMap<String, VecDeque<EngineError>>,
+    /// Addresses somebody on the LAN answers for ([`LeaseEngine::answered`]).
+    answering: BTreeSet<Ipv4Addr>,
 }
 
 /// Behaves like the real engine where a caller can tell: a start makes or
@@ -99,6 +107,17 @@ impl FakeEngine {
     /// Every call since the last `take_calls`, in order.
     pub fn take_calls(&self) -> Vec<Call> {
         std::mem::take(&mut self.world().calls)
+    }
+
+    /// Somebody on the LAN answers for `addr` from now on (`false`: no
+    /// longer).
+    pub fn set_answering(&self, addr: Ipv4Addr, answering: bool) {
+        let mut w = self.world();
+        if answering {
+            w.answering.insert(addr);
+        } else {
+            w.answering.remove(&addr);
+        }
     }
 
     /// Names of the running leases.
@@ -221,6 +240,20 @@ impl LeaseEngine for FakeEngine {
         }
         w.links.remove(name);
         Ok(())
+    }
+
+    async fn answered(
+        &self,
+        parent: &str,
+        addr: Ipv4Addr,
+        _probe: ProbeConfig,
+    ) -> Result<bool, EngineError> {
+        let mut w = self.world();
+        w.calls.push(Call::Guard {
+            parent: parent.into(),
+            addr,
+        });
+        Ok(w.answering.contains(&addr))
     }
 
     async fn announce(&self, name: &str) -> Result<(), EngineError> {

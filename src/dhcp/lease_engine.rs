@@ -8,11 +8,13 @@
 
 use std::collections::BTreeSet;
 use std::future::Future;
+use std::net::Ipv4Addr;
 
 use tokio::sync::watch;
 
 use super::driver::LeaseStatus;
 use super::engine::{EngineError, LeaseConfig};
+use super::io::ProbeConfig;
 use super::machine::StopMode;
 
 /// What [`LeaseEngine::sweep`] did.
@@ -51,6 +53,17 @@ pub trait LeaseEngine: Send + Sync + 'static {
     /// Gratuitous ARP for a bound lease now (takeover); nothing when the
     /// lease holds no address yet.
     fn announce(&self, name: &str) -> impl Future<Output = Result<(), EngineError>> + Send;
+
+    /// The takeover guard: whether anybody on `parent`'s LAN answers ARP
+    /// for `addr`, asked from `parent`'s own MAC (every holder of one
+    /// Service shares the lease's MAC, so a probe from that MAC could not
+    /// see another holder's answer), with `probe`'s timing. Makes no link.
+    fn answered(
+        &self,
+        parent: &str,
+        addr: Ipv4Addr,
+        probe: ProbeConfig,
+    ) -> impl Future<Output = Result<bool, EngineError>> + Send;
 
     /// Every running lease's current status.
     fn snapshot(&self) -> Vec<LeaseStatus>;

@@ -1,6 +1,15 @@
 //! Carries out a [`plan`](super::plan::plan) on a [`LeaseEngine`]: the thin
 //! edge of the data plane. Each action's outcome is returned; a failed one
 //! is simply planned again on the next round.
+//!
+//! The takeover guard: a start for an address (one the Service already
+//! has, so another node may have held it) first asks the LAN whether
+//! anybody still answers for it ([`LeaseEngine::answered`]) and, while
+//! somebody does, does not start: the outcome is `guarded` and the round
+//! is tried again soon. A frozen agent's node keeps answering from the
+//! kernel; this is what keeps a second node from answering too.
+
+use std::time::Duration;
 
 use crate::dhcp::io::ProbeConfig;
 use crate::dhcp::{Identity, LeaseConfig, LeaseEngine, Timing};
@@ -15,6 +24,8 @@ pub struct Settings {
     pub default_uplink: Option<String>,
     pub timing: Timing,
     pub probe: ProbeConfig,
+    /// How long the takeover guard listens; zero: no guard.
+    pub takeover_guard: Duration,
 }
 
 /// One action's result, by interface.
@@ -22,6 +33,19 @@ pub struct Settings {
 pub struct Outcome {
     pub interface: String,
     pub result: Result<(), String>,
+    /// Not started because another host answers for the address.
+    pub guarded: bool,
+}
+
+/// The guard's probe: two probes, the second a third of the way in, then
+/// listening for the rest.
+fn guard_probe(listen: Duration) -> ProbeConfig {
+    ProbeConfig {
+        probes: 2,
+        interval: listen / 3,
+        wait: listen - listen / 3,
+        ..ProbeConfig::default()
+    }
 }
 
 pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, String> {
@@ -66,18 +90,56 @@ pub async fn apply<E: LeaseEngine>(
                 (interface, r)
             }
             Action::Start(w) => {
-                let r = match lease_config(&w, settings) {
-                    Ok(cfg) => engine
-                        .start(cfg)
-                        .await
-                        .map(|_| ())
-                        .map_err(|e| e.to_string()),
-                    Err(e) => Err(e),
+                let cfg = match lease_config(&w, settings) {
+                    Ok(cfg) => cfg,
+                    Err(e) => {
+                        out.push(Outcome {
+                            interface: w.interface,
+                            result: Err(e),
+                            guarded: false,
+                        });
+                        continue;
+                    }
                 };
+                if let Some(addr) = w.requested_ip
+                    && !settings.takeover_guard.is_zero()
+                {
+                    let answered = engine
+                        .answered(&cfg.parent, addr, guard_probe(settings.takeover_guard))
+                        .await;
+                    let stop = match answered {
+                        Ok(false) => None,
+                        Ok(true) => Some((
+                            format!(
+                                "{addr} still answers on {}'s LAN (another node holds it): waiting until it stops before taking it over",
+                                cfg.parent
+                            ),
+                            true,
+                        )),
+                        Err(e) => Some((format!("takeover guard for {addr}: {e}"), false)),
+                    };
+                    if let Some((message, guarded)) = stop {
+                        out.push(Outcome {
+                            interface: w.interface,
+                            result: Err(message),
+                            guarded,
+                        });
+                        continue;
+                    }
+                }
+                let r = engine
+                    .start(cfg)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string());
                 (w.interface, r)
             }
         };
-        out.push(Outcome { interface, result });
+        out.push(Outcome {
+            interface,
+            result,
+            guarded: false,
+        });
     }
     out
 }
@@ -145,7 +207,8 @@ mod tests {
             second,
             vec![Outcome {
                 interface: "hlb-3f2a9c1e".into(),
-                result: Ok(())
+                result: Ok(()),
+                guarded: false,
             }]
         );
         assert!(
@@ -195,5 +258,93 @@ mod tests {
         let e = out[0].result.clone().unwrap_err();
         assert!(e.contains("no uplink"), "{e}");
         assert!(engine.calls().is_empty(), "nothing was tried");
+    }
+
+    fn settings_guarded() -> Settings {
+        Settings {
+            takeover_guard: Duration::from_millis(150),
+            ..settings()
+        }
+    }
+
+    /// An address the Service already has is taken over only once nobody
+    /// answers for it; the guard asks on the uplink the lease would use,
+    /// and a new address (none yet) or a guard of zero asks nothing.
+    #[tokio::test]
+    async fn a_takeover_waits_while_the_address_answers_elsewhere() {
+        let engine = FakeEngine::new();
+        let addr = std::net::Ipv4Addr::new(10, 77, 0, 150);
+        let mut w = wanted(false, Some("eth1"));
+        w.requested_ip = Some(addr);
+        engine.set_answering(addr, true);
+        let run = |w: Want, s: Settings| {
+            let engine = engine.clone();
+            async move {
+                let actions = plan(std::slice::from_ref(&w), &running(&engine));
+                apply(&engine, actions, &s).await
+            }
+        };
+        let held = run(w.clone(), settings_guarded()).await;
+        assert_eq!(held.len(), 1);
+        assert!(held[0].guarded, "{held:?}");
+        let message = held[0].result.clone().unwrap_err();
+        assert!(
+            message.contains("10.77.0.150") && message.contains("eth1"),
+            "{message}"
+        );
+        assert!(engine.running().is_empty(), "not started while it answers");
+        assert!(engine.links().is_empty(), "no link made either");
+        assert_eq!(
+            engine.take_calls(),
+            vec![Call::Guard {
+                parent: "eth1".into(),
+                addr
+            }]
+        );
+
+        engine.set_answering(addr, false);
+        let taken = run(w.clone(), settings_guarded()).await;
+        assert_eq!(taken[0].result, Ok(()));
+        assert!(!taken[0].guarded);
+        assert_eq!(engine.running(), vec!["hlb-3f2a9c1e"]);
+        engine
+            .stop("hlb-3f2a9c1e", StopMode::Handover)
+            .await
+            .unwrap();
+        engine.take_calls();
+
+        // Guard off: started even while it answers.
+        engine.set_answering(addr, true);
+        let off = run(w.clone(), settings()).await;
+        assert_eq!(off[0].result, Ok(()));
+        assert!(
+            !engine
+                .take_calls()
+                .iter()
+                .any(|c| matches!(c, Call::Guard { .. })),
+            "no probe with the guard off"
+        );
+        engine
+            .stop("hlb-3f2a9c1e", StopMode::Handover)
+            .await
+            .unwrap();
+
+        // No address yet: nothing to guard.
+        let fresh = run(wanted(false, Some("eth1")), settings_guarded()).await;
+        assert_eq!(fresh[0].result, Ok(()));
+        assert!(
+            !engine
+                .take_calls()
+                .iter()
+                .any(|c| matches!(c, Call::Guard { .. })),
+            "no probe for a new address"
+        );
+    }
+
+    #[test]
+    fn the_guard_probe_fits_in_its_time() {
+        let p = guard_probe(Duration::from_millis(150));
+        assert_eq!(p.probes, 2);
+        assert_eq!(p.interval + p.wait, Duration::from_millis(150));
     }
 }
