@@ -13,6 +13,7 @@
 //! It does not depend on the agent's crate: it drives the agent binary (or
 //! the agent's library, in the caller) from the outside.
 
+pub mod addrwatch;
 pub mod lb;
 pub mod prereq;
 pub mod rig;

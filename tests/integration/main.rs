@@ -23,6 +23,7 @@ mod controller;
 mod daemon;
 mod dhcp_probe;
 mod dhcp_rig;
+mod failover;
 mod kiwi;
 mod loadbalancer;
 mod manifests;
@@ -51,6 +52,7 @@ fn main() -> std::process::ExitCode {
         manifests::tests(),
         packaging::tests(),
         loadbalancer::tests(),
+        failover::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),

@@ -1,0 +1,220 @@
+//! Who holds an address, over time: `ip -o monitor address` in every guest
+//! namespace, each event stamped on arrival with one monotonic clock. The
+//! kernel reports every IPv4 address added or removed (a deleted link's
+//! addresses too), so this is a continuous record, not a sampling: a
+//! moment when two guests held the address cannot fall between samples.
+//!
+//! [`AddressWatch::start`] returns once every monitor is shown to be
+//! listening, then reads the guests' current state, so no change is lost
+//! between the two.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
+use std::net::Ipv4Addr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// One address event in guest `guest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddrEvent {
+    pub at: Instant,
+    pub guest: usize,
+    pub added: bool,
+    pub addr: Ipv4Addr,
+}
+
+pub struct AddressWatch {
+    children: Vec<Child>,
+    events: Arc<Mutex<Vec<AddrEvent>>>,
+    /// The guests holding each address when the watch started.
+    initial: Vec<(usize, Ipv4Addr)>,
+    started: Instant,
+}
+
+/// `ip -o monitor address` lines: `5: hlb-0a1b inet 10.77.0.150/32 scope
+/// global hlb-0a1b ...`, or `Deleted 5: ...` for a removal.
+fn parse(line: &str) -> Option<(bool, Ipv4Addr)> {
+    let added = !line.trim_start().starts_with("Deleted");
+    let mut words = line.split_whitespace();
+    words.find(|w| *w == "inet")?;
+    let cidr = words.next()?;
+    let addr = cidr.split('/').next()?.parse().ok()?;
+    Some((added, addr))
+}
+
+/// The IPv4 addresses in namespace `ns` now.
+fn addresses(ns: &str) -> Result<Vec<Ipv4Addr>> {
+    let out = Command::new("ip")
+        .args(["-n", ns, "-o", "-4", "addr", "show"])
+        .output()
+        .context("ip addr show")?;
+    if !out.status.success() {
+        bail!(
+            "ip -n {ns} addr show: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(parse)
+        .map(|(_, a)| a)
+        .collect())
+}
+
+impl AddressWatch {
+    /// Watches the guest namespaces `guests` (index = guest number).
+    pub fn start(guests: &[String]) -> Result<AddressWatch> {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let mut children = Vec::new();
+        for (guest, ns) in guests.iter().enumerate() {
+            let mut child = Command::new("ip")
+                .args(["-n", ns, "-o", "monitor", "address"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .with_context(|| format!("ip -n {ns} monitor address"))?;
+            let out = child.stdout.take().expect("piped");
+            let events = events.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    let at = Instant::now();
+                    if let Some((added, addr)) = parse(&line) {
+                        events.lock().unwrap().push(AddrEvent {
+                            at,
+                            guest,
+                            added,
+                            addr,
+                        });
+                    }
+                }
+            });
+            children.push(child);
+        }
+        // Handshake: `ip monitor` prints nothing once it has subscribed, so
+        // add a marker address to each guest's loopback and wait until that
+        // guest's monitor reports it; from then on it sees everything.
+        let marker = Ipv4Addr::new(127, 77, 77, 77);
+        for (guest, ns) in guests.iter().enumerate() {
+            let ip = |verb: &str| {
+                Command::new("ip")
+                    .args(["-n", ns, "addr", verb, &format!("{marker}/32"), "dev", "lo"])
+                    .status()
+            };
+            ip("add").context("ip addr add (the monitor handshake)")?;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let seen = || {
+                events
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .any(|e: &AddrEvent| e.guest == guest && e.addr == marker && e.added)
+            };
+            while !seen() {
+                if Instant::now() > deadline {
+                    let _ = ip("del");
+                    bail!("ip monitor in {ns} reported nothing within 10 s");
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            ip("del").context("ip addr del (the monitor handshake)")?;
+        }
+        let started = Instant::now();
+        let mut initial = Vec::new();
+        for (guest, ns) in guests.iter().enumerate() {
+            for a in addresses(ns)? {
+                initial.push((guest, a));
+            }
+        }
+        Ok(AddressWatch {
+            children,
+            events,
+            initial,
+            started,
+        })
+    }
+
+    /// Who held `addr` from the start on: each change as (when, holders
+    /// after it), the first entry being the state at the start.
+    pub fn holders(&self, addr: Ipv4Addr) -> Vec<(Instant, BTreeSet<usize>)> {
+        let mut now: BTreeSet<usize> = self
+            .initial
+            .iter()
+            .filter(|(_, a)| *a == addr)
+            .map(|(g, _)| *g)
+            .collect();
+        let mut out = vec![(self.started, now.clone())];
+        let events = self.events.lock().unwrap().clone();
+        for e in events
+            .iter()
+            .filter(|e| e.addr == addr && e.at >= self.started)
+        {
+            let changed = if e.added {
+                now.insert(e.guest)
+            } else {
+                now.remove(&e.guest)
+            };
+            if changed {
+                out.push((e.at, now.clone()));
+            }
+        }
+        out
+    }
+
+    /// The first moment after `after` when `addr` was held by a guest
+    /// other than `not`.
+    pub fn taken_by_other(
+        &self,
+        addr: Ipv4Addr,
+        not: usize,
+        after: Instant,
+    ) -> Option<(Instant, usize)> {
+        self.holders(addr)
+            .into_iter()
+            .filter(|(at, _)| *at >= after)
+            .find_map(|(at, h)| h.iter().find(|g| **g != not).map(|g| (at, *g)))
+    }
+
+    /// Every moment two or more guests held `addr`.
+    pub fn overlaps(&self, addr: Ipv4Addr) -> Vec<(Instant, BTreeSet<usize>)> {
+        self.holders(addr)
+            .into_iter()
+            .filter(|(_, h)| h.len() > 1)
+            .collect()
+    }
+}
+
+impl Drop for AddressWatch {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn monitor_lines_parse() {
+        assert_eq!(
+            parse(
+                "7: hlb-0a1b2c3d    inet 10.77.0.150/32 scope global hlb-0a1b2c3d\\       valid_lft forever preferred_lft forever"
+            ),
+            Some((true, Ipv4Addr::new(10, 77, 0, 150)))
+        );
+        assert_eq!(
+            parse("Deleted 7: hlb-0a1b2c3d    inet 10.77.0.150/32 scope global hlb-0a1b2c3d"),
+            Some((false, Ipv4Addr::new(10, 77, 0, 150)))
+        );
+        assert_eq!(
+            parse("7: hlb-0a1b2c3d    inet6 fe80::1/64 scope link"),
+            None
+        );
+        assert_eq!(parse("garbage"), None);
+    }
+}

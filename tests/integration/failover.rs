@@ -1,0 +1,171 @@
+//! Failover without split brain (issue #11) on the LoadBalancer rig. Who
+//! holds an address is read from the kernel of every guest, continuously
+//! (`ip monitor address`, [`AddressWatch`]), not from any agent's report.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, ensure};
+use harvester_node_agent::contract::harvester;
+use hna_testkit::addrwatch::AddressWatch;
+use hna_testkit::lb::{self, LISTEN_PORT, LbRig, wait_for};
+use nix::sys::signal::Signal;
+
+use crate::harness::tests;
+
+tests! {
+    a_stopped_holder_hands_its_address_over_within_a_second: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_frozen_holder_keeps_its_address_until_it_is_gone: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+}
+
+const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
+const WITHIN: Duration = Duration::from_secs(30);
+
+/// The rig with failover timings short enough for a test: heartbeats every
+/// second, a node stale after 3 s of silence.
+fn options() -> lb::Options {
+    let mut o = lb::Options::new(
+        crate::BIN,
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes"),
+    );
+    o.agent_config = "lb_heartbeat = \"1s\"\n".into();
+    o.controller_args = ["--node-stale-after", "3s", "--watch-quiet-after", "2s"]
+        .map(String::from)
+        .to_vec();
+    o
+}
+
+fn guest_namespaces(lb: &LbRig) -> Vec<String> {
+    (0..3).map(|i| lb.rig.guest_ns(i).to_string()).collect()
+}
+
+/// A DHCP Service served by exactly one guest: its address and that guest.
+fn served(lb: &LbRig, name: &str) -> Result<(std::net::Ipv4Addr, usize)> {
+    lb.create_service(name, &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
+    let ip = lb.wait_ingress(name, ADDRESS_WITHIN);
+    let holder = wait_for(WITHIN, || {
+        let c = lb.carriers(ip);
+        (c.len() == 1).then(|| lb.guest_of(&c[0].0))
+    });
+    let holder = holder.ok_or_else(|| anyhow::anyhow!("{ip} never on exactly one guest"))?;
+    Ok((ip, holder))
+}
+
+fn timeline(w: &AddressWatch, ip: std::net::Ipv4Addr, t0: Instant) -> String {
+    w.holders(ip)
+        .iter()
+        .map(|(at, h)| {
+            let ms = if *at >= t0 {
+                format!("+{:.0}ms", (*at - t0).as_secs_f64() * 1e3)
+            } else {
+                format!("-{:.0}ms", (t0 - *at).as_secs_f64() * 1e3)
+            };
+            format!("{ms}: held by guests {h:?}")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn a_stopped_holder_hands_its_address_over_within_a_second() -> Result<()> {
+    let mut lb = LbRig::start(options())?;
+    let (ip, holder) = served(&lb, "web")?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    let status = lb.stop_agent(holder);
+    ensure!(status.success(), "the agent's stop: {status}");
+    let taken = wait_for(Duration::from_secs(10), || {
+        watch.taken_by_other(ip, holder, t0)
+    });
+    let story = timeline(&watch, ip, t0);
+    let Some((at, by)) = taken else {
+        anyhow::bail!("{ip} not taken over within 10 s of SIGTERM:\n{story}");
+    };
+    let took = at - t0;
+    println!(
+        "graceful stop of guest {holder}: {ip} held by guest {by} {took:?} after SIGTERM\n{story}"
+    );
+    ensure!(
+        took < Duration::from_secs(1),
+        "took {took:?}, not under 1 s:\n{story}"
+    );
+    ensure!(
+        watch.overlaps(ip).is_empty(),
+        "two guests held {ip}:\n{story}"
+    );
+    // A client reaches the address on its new node.
+    let answer = lb.tcp_from_client(ip, LISTEN_PORT)?;
+    ensure!(
+        answer == lb.node_name(by),
+        "{ip} answered `{answer}`, expected {}",
+        lb.node_name(by)
+    );
+    Ok(())
+}
+
+/// The guest whose object reports a lease of the Service in `state`.
+fn reporting(lb: &LbRig, state: &str) -> Option<usize> {
+    (0..3).find(|&i| {
+        lb.node_object(&lb.node_name(i)).is_some_and(|o| {
+            o["status"]["leases"]
+                .as_array()
+                .is_some_and(|ls| ls.iter().any(|l| l["state"] == state))
+        })
+    })
+}
+
+fn a_frozen_holder_keeps_its_address_until_it_is_gone() -> Result<()> {
+    let mut lb = LbRig::start(options())?;
+    let (ip, holder) = served(&lb, "web")?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    lb.signal_agent(holder, Signal::SIGSTOP);
+    // The controller gives up on the silent node and assigns the Service
+    // elsewhere; the kernel of the frozen node still answers for it, so
+    // the new holder's guard holds it back.
+    let guarded = wait_for(WITHIN, || reporting(&lb, "GUARDED"));
+    let Some(waiting) = guarded else {
+        anyhow::bail!(
+            "no node reported GUARDED within {WITHIN:?}:\n{}\n{}",
+            timeline(&watch, ip, t0),
+            lb.diagnostics()
+        );
+    };
+    let guarded_at = Instant::now();
+    ensure!(waiting != holder);
+    // Five more seconds of the frozen node answering: nobody else holds it.
+    let calm_until = guarded_at + Duration::from_secs(5);
+    let early = wait_for(Duration::from_secs(5), || {
+        watch.taken_by_other(ip, holder, t0)
+    });
+    ensure!(
+        early.is_none() && Instant::now() >= calm_until,
+        "taken while the frozen node still held it:\n{}",
+        timeline(&watch, ip, t0)
+    );
+    // The watchdog kills the agent and systemd starts it again; it sees
+    // the Service is no longer its own and removes the link.
+    let killed = Instant::now();
+    lb.signal_agent(holder, Signal::SIGKILL);
+    lb.start_agent(holder)?;
+    let taken = wait_for(WITHIN, || watch.taken_by_other(ip, holder, killed));
+    let story = timeline(&watch, ip, t0);
+    let Some((at, by)) = taken else {
+        anyhow::bail!("{ip} never moved after the restart:\n{story}");
+    };
+    println!(
+        "frozen guest {holder} at +0; guest {waiting} GUARDED by +{:.1}s; killed and restarted at +{:.1}s; guest {by} held {ip} at +{:.1}s\n{story}",
+        (guarded_at - t0).as_secs_f64(),
+        (killed - t0).as_secs_f64(),
+        (at - t0).as_secs_f64()
+    );
+    ensure!(
+        by == waiting,
+        "taken by guest {by}, not the guarded {waiting}"
+    );
+    ensure!(
+        watch.overlaps(ip).is_empty(),
+        "two guests held {ip}:\n{story}"
+    );
+    let answer = lb.tcp_from_client(ip, LISTEN_PORT)?;
+    ensure!(answer == lb.node_name(by), "{ip} answered `{answer}`");
+    Ok(())
+}
