@@ -57,6 +57,8 @@ pub const SETTLE: Duration = Duration::from_secs(1);
 /// How often the leases are looked at while one is on its way to an
 /// address (the engine's snapshot is an in-memory copy).
 pub const FAST_SETTLE: Duration = Duration::from_millis(10);
+/// How often the uplinks' carrier is looked at (a read of sysfs each).
+pub const CARRIER_POLL: Duration = Duration::from_millis(100);
 /// How soon a start held back by the takeover guard is tried again.
 const GUARD_RETRY: Duration = Duration::from_millis(500);
 /// Retry backoff after a failed action.
@@ -88,6 +90,10 @@ pub struct NodeView {
     pub macvlan_reason: String,
     /// `uplink` from the configuration, else the default route's interface.
     pub default_uplink: Option<String>,
+    /// The interfaces without carrier now (a cable pulled, the peer gone,
+    /// set down). Leases on them are handed over and not held until the
+    /// carrier is back: their node cannot answer for them, another can.
+    pub no_carrier: BTreeSet<String>,
 }
 
 /// The task's settings.
@@ -133,6 +139,8 @@ struct Lb<E: LeaseEngine, W: StatusWriter> {
     beat_due: Instant,
     /// The agent is stopping: reported as not ready.
     stopping: bool,
+    /// The interfaces without carrier at the last look.
+    no_carrier: BTreeSet<String>,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -170,7 +178,10 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         last_beat: None,
         beat_due: Instant::now(),
         stopping: false,
+        no_carrier: BTreeSet::new(),
     };
+    let mut carrier = tokio::time::interval(CARRIER_POLL);
+    carrier.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut updates_open = true;
     loop {
         tokio::select! {
@@ -204,6 +215,13 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
             _ = tokio::time::sleep_until(next_settle) => {
                 lb.report(false).await;
                 next_settle = Instant::now() + lb.settle_period();
+            }
+            _ = carrier.tick() => {
+                if (lb.node)().no_carrier != lb.no_carrier {
+                    systemd::beating(&hb, beat_every, lb.reconcile()).await;
+                    lb.report(false).await;
+                    next_settle = Instant::now() + lb.settle_period();
+                }
             }
             _ = beat.tick() => hb.beat(),
             _ = shutdown.changed() => {
@@ -302,11 +320,24 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             self.sweep().await;
         }
         let node = (self.node)();
+        self.no_carrier = node.no_carrier.clone();
         let mut wants = Vec::new();
         let mut untouched = BTreeSet::new();
+        let mut cut_off = BTreeMap::new();
         for a in &assignments {
             match plan::want(a) {
-                Ok(w) => wants.push(w),
+                Ok(w) => {
+                    let parent = w.uplink.as_ref().or(node.default_uplink.as_ref());
+                    match parent {
+                        Some(p) if !w.release && node.no_carrier.contains(p) => {
+                            cut_off.insert(
+                                w.interface.clone(),
+                                format!("uplink {p} has no carrier: handed over, not held until the carrier is back"),
+                            );
+                        }
+                        _ => wants.push(w),
+                    }
+                }
                 Err(e) => {
                     if self.logged_invalid.insert(e.clone()) {
                         tracing::warn!(error = %e, "invalid assignment: left as it is");
@@ -370,7 +401,10 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
         }
         self.guarded = guarded;
         self.failures = failures;
-        if !self.failures.is_empty() {
+        // Not failures to retry: the carrier's return starts a round.
+        let retry_for_failures = !self.failures.is_empty();
+        self.failures.extend(cut_off);
+        if retry_for_failures {
             self.retry_at = Some(Instant::now() + self.backoff);
             self.backoff = (self.backoff * 2).min(RETRY_MAX);
         } else if !self.guarded.is_empty() {
@@ -599,6 +633,9 @@ pub fn report(
             false,
             "no default uplink: no IPv4 default route and no `uplink` configured".to_string(),
         ),
+        (Some(u), true) if node.no_carrier.contains(u) => {
+            (false, format!("uplink {u} has no carrier"))
+        }
         (Some(_), true) => (true, "Ready".to_string()),
     };
     Status {

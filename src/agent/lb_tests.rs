@@ -48,6 +48,8 @@ struct Rig {
     writes: Writes,
     tx: mpsc::Sender<Update<Spec>>,
     out: watch::Receiver<LbStatus>,
+    /// What the node closure returns.
+    view: Arc<Mutex<NodeView>>,
     _stop: watch::Sender<bool>,
 }
 
@@ -87,11 +89,14 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
         settle: SETTLE,
         leases,
     };
-    let node = || NodeView {
+    let view = Arc::new(Mutex::new(NodeView {
         macvlan_ready: true,
         macvlan_reason: String::new(),
         default_uplink: Some("eth0".into()),
-    };
+        no_carrier: BTreeSet::new(),
+    }));
+    let shared = view.clone();
+    let node = move || shared.lock().unwrap().clone();
     tokio::spawn(run_loop(
         Arc::new(engine.clone()),
         writes.clone(),
@@ -108,6 +113,7 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
         writes,
         tx,
         out,
+        view,
         _stop: stop,
     }
 }
@@ -431,6 +437,7 @@ fn the_report_without_macvlan_or_uplink_says_why() {
         macvlan_ready: false,
         macvlan_reason: "macvlan ModuleNotFound".into(),
         default_uplink: None,
+        no_carrier: BTreeSet::new(),
     };
     let s = report(&[], &BTreeMap::new(), &BTreeMap::new(), &[], &node, true);
     assert!(!s.ready);
@@ -548,4 +555,68 @@ async fn a_takeover_is_guarded_while_the_address_answers_then_taken() {
             .is_some_and(|s| s.leases.iter().all(|l| l.state != GUARDED))
     })
     .await;
+}
+
+/// The uplink loses carrier: its leases are handed over at once (no
+/// RELEASE) and the node says it is not ready; none is started again while
+/// the carrier is gone, even when asked; once it is back, what is still
+/// assigned is held again (through the takeover guard).
+#[tokio::test(start_paused = true)]
+async fn no_carrier_on_the_uplink_hands_over_and_holds_nothing_until_it_is_back() {
+    let r = rig();
+    let a = assignment("aaaaaaaa");
+    let mut b = assignment("bbbbbbbb");
+    b.uplink = Some("eth1".into());
+    r.tx.send(spec(&[a.clone(), b.clone()])).await.unwrap();
+    until("both leases", || r.engine.running().len() == 2).await;
+    until("ready", || r.writes.last().is_some_and(|s| s.ready)).await;
+    r.engine.take_calls();
+
+    r.view.lock().unwrap().no_carrier = BTreeSet::from(["eth0".to_string()]);
+    let cut = Instant::now();
+    until("eth0's lease handed over", || {
+        r.engine.running() == vec![b.interface.clone()]
+    })
+    .await;
+    assert!(
+        Instant::now() - cut <= CARRIER_POLL,
+        "within one carrier poll"
+    );
+    assert_eq!(
+        r.engine.take_calls(),
+        vec![Call::Stop {
+            name: a.interface.clone(),
+            mode: StopMode::Handover
+        }],
+        "only the lease on eth0, and never released"
+    );
+    until("not ready", || r.writes.last().is_some_and(|s| !s.ready)).await;
+    let s = r.writes.last().unwrap();
+    assert_eq!(s.reason, "uplink eth0 has no carrier");
+    let la = s
+        .leases
+        .iter()
+        .find(|l| l.interface == a.interface)
+        .unwrap();
+    assert_eq!(la.state, "FAILED");
+    assert!(
+        la.message.as_deref().unwrap().contains("no carrier"),
+        "{la:?}"
+    );
+
+    // Asked again (a new spec) while cut off: nothing starts.
+    r.tx.send(spec(&[a.clone(), b.clone()])).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(r.engine.running(), vec![b.interface.clone()]);
+    assert!(
+        !r.engine
+            .take_calls()
+            .iter()
+            .any(|c| matches!(c, Call::Start { .. })),
+        "no start while cut off"
+    );
+
+    r.view.lock().unwrap().no_carrier.clear();
+    until("held again", || r.engine.running().len() == 2).await;
+    until("ready again", || r.writes.last().is_some_and(|s| s.ready)).await;
 }

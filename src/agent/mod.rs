@@ -440,6 +440,10 @@ fn spawn_lb(
                     .ok()
                     .and_then(|t| crate::dhcp::link::default_route_interface(&t))
             }),
+            no_carrier: crate::dhcp::link::without_carrier(
+                std::path::Path::new("/sys/class/net"),
+                crate::contract::INTERFACE_PREFIX,
+            ),
         }
     };
     let settings = lb::LbSettings {

@@ -518,6 +518,28 @@ impl AddressConfig for IfAddrs {
 
 /// The interface of the IPv4 default route, from `/proc/net/route` text
 /// (the lowest metric wins).
+/// The interfaces under `sys_class_net` (`/sys/class/net`, this network
+/// namespace's when sysfs was mounted in it) whose `carrier` is not 1: no
+/// carrier, or set down (the file then cannot be read). Names starting
+/// with `skip_prefix` (our own macvlans) are left out: only uplinks matter.
+pub fn without_carrier(
+    sys_class_net: &std::path::Path,
+    skip_prefix: &str,
+) -> std::collections::BTreeSet<String> {
+    let Ok(dir) = std::fs::read_dir(sys_class_net) else {
+        return std::collections::BTreeSet::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| !n.starts_with(skip_prefix))
+        .filter(|n| {
+            std::fs::read_to_string(sys_class_net.join(n).join("carrier"))
+                .map(|c| c.trim() != "1")
+                .unwrap_or(true)
+        })
+        .collect()
+}
+
 pub fn default_route_interface(proc_net_route: &str) -> Option<String> {
     proc_net_route
         .lines()
@@ -566,6 +588,28 @@ pub fn random_vip_mac() -> [u8; 6] {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn without_carrier_reads_sysfs_and_skips_our_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let link = |name: &str, carrier: Option<&str>| {
+            let d = dir.path().join(name);
+            std::fs::create_dir(&d).unwrap();
+            if let Some(c) = carrier {
+                std::fs::write(d.join("carrier"), c).unwrap();
+            }
+        };
+        link("lo", Some("1\n"));
+        link("eth0", Some("1\n"));
+        link("eth1", Some("0\n"));
+        link("eth2", None); // set down: carrier cannot be read
+        link("hlb-0a1b2c3d", Some("0\n"));
+        assert_eq!(
+            without_carrier(dir.path(), "hlb-"),
+            ["eth1", "eth2"].map(String::from).into()
+        );
+        assert!(without_carrier(&dir.path().join("missing"), "hlb-").is_empty());
+    }
+
     use super::*;
 
     #[test]

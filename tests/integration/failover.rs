@@ -15,6 +15,7 @@ use crate::harness::tests;
 tests! {
     a_stopped_holder_hands_its_address_over_within_a_second: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_frozen_holder_keeps_its_address_until_it_is_gone: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
@@ -167,5 +168,61 @@ fn a_frozen_holder_keeps_its_address_until_it_is_gone() -> Result<()> {
     );
     let answer = lb.tcp_from_client(ip, LISTEN_PORT)?;
     ensure!(answer == lb.node_name(by), "{ip} answered `{answer}`");
+    Ok(())
+}
+
+/// Guest `i`'s uplink as the LAN sees it (its veth peer in the LAN
+/// namespace): down is a pulled cable for the guest.
+fn set_cable(lb: &LbRig, i: usize, up: bool) -> Result<()> {
+    let peer = format!("vg{}", i + 1);
+    let st = std::process::Command::new("ip")
+        .args(["-n", lb.rig.lan_ns(), "link", "set", &peer])
+        .arg(if up { "up" } else { "down" })
+        .status()?;
+    ensure!(st.success(), "ip link set {peer}: {st}");
+    Ok(())
+}
+
+fn a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back() -> Result<()> {
+    let lb = LbRig::start(options())?;
+    let (ip, holder) = served(&lb, "web")?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    set_cable(&lb, holder, false)?;
+    let taken = wait_for(Duration::from_secs(10), || {
+        watch.taken_by_other(ip, holder, t0)
+    });
+    let story = timeline(&watch, ip, t0);
+    let Some((at, by)) = taken else {
+        anyhow::bail!("{ip} not taken over within 10 s of the cable pull:\n{story}");
+    };
+    let took = at - t0;
+    println!("cable of guest {holder} pulled: {ip} held by guest {by} {took:?} later\n{story}");
+    ensure!(took < Duration::from_secs(3), "took {took:?}:\n{story}");
+    let answer = lb.tcp_from_client(ip, LISTEN_PORT)?;
+    ensure!(answer == lb.node_name(by), "{ip} answered `{answer}`");
+
+    // The cable is back: the node says it is ready again, and it does not
+    // take the address back.
+    let back = Instant::now();
+    set_cable(&lb, holder, true)?;
+    let ready = wait_for(WITHIN, || {
+        lb.node_object(&lb.node_name(holder))
+            .is_some_and(|o| o["status"]["ready"] == true)
+            .then_some(())
+    });
+    ensure!(ready.is_some(), "guest {holder} never ready again");
+    let retaken = wait_for(Duration::from_secs(5), || {
+        watch.taken_by_other(ip, by, back)
+    });
+    let story = timeline(&watch, ip, t0);
+    ensure!(
+        retaken.is_none(),
+        "taken back after the cable returned:\n{story}"
+    );
+    ensure!(
+        watch.overlaps(ip).is_empty(),
+        "two guests held {ip}:\n{story}"
+    );
     Ok(())
 }
