@@ -169,8 +169,8 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_heartbeat",
         env: "HNA_LB_HEARTBEAT",
         flag: "--lb-heartbeat",
-        default: "5s",
-        doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status. The controller counts a node whose heartbeat has not changed for 20s as dead, so between 1s and 10s.",
+        default: "1s",
+        doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status. The controller counts a node whose heartbeat has not changed for 3s (its --node-stale-after) as dead and moves its addresses, so keep it well below that. Between 200ms and 10s.",
         kind: Kind::Duration,
     },
     KeySpec {
@@ -410,7 +410,7 @@ pub fn resolve(
             .collect(),
         metrics_listen: None,
         namespace: crate::contract::DEFAULT_NAMESPACE.to_string(),
-        lb_heartbeat: Duration::from_secs(5),
+        lb_heartbeat: Duration::from_secs(1),
         uplink: None,
         lb_arp_probe: true,
         lb_takeover_guard: Duration::from_millis(150),
@@ -509,7 +509,7 @@ pub fn resolve(
                     duration_up_to(&text(raw), Duration::from_secs(5)).map_err(fail)?
             }
             "lb_heartbeat" => {
-                cfg.lb_heartbeat = duration_between(&text(raw), 1, 10).map_err(fail)?
+                cfg.lb_heartbeat = duration_between_ms(&text(raw), 200, 10_000).map_err(fail)?
             }
             "uplink" => {
                 let v = text(raw).trim().to_string();
@@ -672,6 +672,21 @@ fn absolute_path(v: String) -> Result<PathBuf, String> {
     } else {
         Ok(p)
     }
+}
+
+/// A duration between `min_ms` and `max_ms` milliseconds.
+pub fn duration_between_ms(v: &str, min_ms: u64, max_ms: u64) -> Result<Duration, String> {
+    let d = crate::duration::parse_duration(v)?;
+    let (min, max) = (Duration::from_millis(min_ms), Duration::from_millis(max_ms));
+    if d < min || d > max {
+        return Err(format!(
+            "{} is out of range; use a value between {} and {}",
+            humantime::format_duration(d),
+            humantime::format_duration(min),
+            humantime::format_duration(max)
+        ));
+    }
+    Ok(d)
 }
 
 /// A duration from zero up to `max`.
@@ -1019,7 +1034,15 @@ mod tests {
     fn load_balancer_keys_have_defaults_and_are_validated() {
         let cfg = resolve(None, &|_| None, &FlagValues::default(), &|| "n".into()).unwrap();
         assert_eq!(cfg.namespace, "harvester-node-agent");
-        assert_eq!(cfg.lb_heartbeat, Duration::from_secs(5));
+        assert_eq!(cfg.lb_heartbeat, Duration::from_secs(1));
+        assert_eq!(
+            resolve_file("lb_heartbeat = \"200ms\"\n")
+                .unwrap()
+                .lb_heartbeat,
+            Duration::from_millis(200)
+        );
+        assert!(resolve_file("lb_heartbeat = \"100ms\"\n").is_err());
+        assert!(resolve_file("lb_heartbeat = \"11s\"\n").is_err());
         assert!(cfg.lb_arp_probe);
         assert!(!resolve_file("lb_arp_probe = false\n").unwrap().lb_arp_probe);
         assert!(resolve_file("lb_arp_probe = \"maybe\"\n").is_err());
@@ -1043,7 +1066,7 @@ mod tests {
             ("namespace = \"Not_A_Namespace\"", "namespace"),
             ("namespace = \"a.b\"", "namespace"),
             ("lb_heartbeat = \"20s\"", "lb_heartbeat"),
-            ("lb_heartbeat = \"500ms\"", "lb_heartbeat"),
+            ("lb_heartbeat = \"150ms\"", "lb_heartbeat"),
             ("uplink = \"a-name-too-long-for-linux\"", "uplink"),
             ("uplink = \"eth0/x\"", "uplink"),
         ] {

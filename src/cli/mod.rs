@@ -138,7 +138,7 @@ pub struct ConfigArgs {
     /// Namespace of this node's LoadBalancerNode object (the controller's) [default: harvester-node-agent] [env: HNA_NAMESPACE]
     #[arg(long, value_name = "NAMESPACE")]
     pub namespace: Option<String>,
-    /// How often the LoadBalancerNode status heartbeat is rewritten (1s to 10s) [default: 5s] [env: HNA_LB_HEARTBEAT]
+    /// How often the LoadBalancerNode status heartbeat is rewritten (200ms to 10s) [default: 1s] [env: HNA_LB_HEARTBEAT]
     #[arg(long, value_name = "DURATION")]
     pub lb_heartbeat: Option<String>,
     /// ARP-probe a LoadBalancer address before use (true/false) [default: true] [env: HNA_LB_ARP_PROBE]
@@ -220,20 +220,20 @@ pub struct ControllerArgs {
     pub identity: Option<String>,
     /// Leader election: how long a Lease not renewed (as seen on this
     /// replica's clock) keeps others from taking over
-    #[arg(long, value_name = "DURATION", env = "HNA_LEASE_DURATION", default_value = "15s", value_parser = election_arg)]
+    #[arg(long, value_name = "DURATION", env = "HNA_LEASE_DURATION", default_value = "3s", value_parser = election_arg)]
     pub lease_duration: Duration,
     /// Leader election: a leader that could not renew for this long stops
     /// writing at once (below --lease-duration)
-    #[arg(long, value_name = "DURATION", env = "HNA_RENEW_DEADLINE", default_value = "10s", value_parser = election_arg)]
+    #[arg(long, value_name = "DURATION", env = "HNA_RENEW_DEADLINE", default_value = "2s", value_parser = election_arg)]
     pub renew_deadline: Duration,
     /// Leader election: how often the Lease is renewed or tried (below
     /// --renew-deadline)
-    #[arg(long, value_name = "DURATION", env = "HNA_RETRY_PERIOD", default_value = "2s", value_parser = election_arg)]
+    #[arg(long, value_name = "DURATION", env = "HNA_RETRY_PERIOD", default_value = "500ms", value_parser = election_arg)]
     pub retry_period: Duration,
     /// A node whose agent's heartbeat has not changed for this long, as
     /// seen on the controller's clock, holds no address; its Services move
-    /// to other nodes. Keep it well above the agents' heartbeat period (5s)
-    #[arg(long, value_name = "DURATION", env = "HNA_NODE_STALE_AFTER", default_value = "20s", value_parser = stale_arg)]
+    /// to other nodes. Keep it well above the agents' heartbeat period (1s)
+    #[arg(long, value_name = "DURATION", env = "HNA_NODE_STALE_AFTER", default_value = "3s", value_parser = stale_arg)]
     pub node_stale_after: Duration,
     /// When no node's heartbeat has changed for this long, the silence is
     /// blamed on the API server or the watch, not the nodes: nobody is

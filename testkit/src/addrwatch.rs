@@ -94,8 +94,9 @@ impl AddressWatch {
             children.push(child);
         }
         // Handshake: `ip monitor` prints nothing once it has subscribed, so
-        // add a marker address to each guest's loopback and wait until that
-        // guest's monitor reports it; from then on it sees everything.
+        // add a marker address to each guest's loopback until that guest's
+        // monitor reports it (an add before the subscription goes unseen:
+        // remove it and add it again); from then on it sees everything.
         let marker = Ipv4Addr::new(127, 77, 77, 77);
         for (guest, ns) in guests.iter().enumerate() {
             let ip = |verb: &str| {
@@ -103,8 +104,6 @@ impl AddressWatch {
                     .args(["-n", ns, "addr", verb, &format!("{marker}/32"), "dev", "lo"])
                     .status()
             };
-            ip("add").context("ip addr add (the monitor handshake)")?;
-            let deadline = Instant::now() + Duration::from_secs(10);
             let seen = || {
                 events
                     .lock()
@@ -112,12 +111,20 @@ impl AddressWatch {
                     .iter()
                     .any(|e: &AddrEvent| e.guest == guest && e.addr == marker && e.added)
             };
-            while !seen() {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            'handshake: loop {
+                ip("add").context("ip addr add (the monitor handshake)")?;
+                let attempt = Instant::now() + Duration::from_millis(200);
+                while Instant::now() < attempt {
+                    if seen() {
+                        break 'handshake;
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                ip("del").context("ip addr del (the monitor handshake)")?;
                 if Instant::now() > deadline {
-                    let _ = ip("del");
                     bail!("ip monitor in {ns} reported nothing within 10 s");
                 }
-                std::thread::sleep(Duration::from_millis(10));
             }
             ip("del").context("ip addr del (the monitor handshake)")?;
         }
@@ -136,6 +143,27 @@ impl AddressWatch {
         })
     }
 
+    /// Guest `guest` is gone (its namespace deleted, so its monitor too):
+    /// from `at` on it holds nothing.
+    pub fn gone(&self, guest: usize, at: Instant) {
+        let mut events = self.events.lock().unwrap();
+        let held: BTreeSet<Ipv4Addr> = self
+            .initial
+            .iter()
+            .filter(|(g, _)| *g == guest)
+            .map(|(_, a)| *a)
+            .chain(events.iter().filter(|e| e.guest == guest).map(|e| e.addr))
+            .collect();
+        for addr in held {
+            events.push(AddrEvent {
+                at,
+                guest,
+                added: false,
+                addr,
+            });
+        }
+    }
+
     /// Who held `addr` from the start on: each change as (when, holders
     /// after it), the first entry being the state at the start.
     pub fn holders(&self, addr: Ipv4Addr) -> Vec<(Instant, BTreeSet<usize>)> {
@@ -146,7 +174,8 @@ impl AddressWatch {
             .map(|(g, _)| *g)
             .collect();
         let mut out = vec![(self.started, now.clone())];
-        let events = self.events.lock().unwrap().clone();
+        let mut events = self.events.lock().unwrap().clone();
+        events.sort_by_key(|e| e.at);
         for e in events
             .iter()
             .filter(|e| e.addr == addr && e.at >= self.started)

@@ -262,6 +262,16 @@ impl LbRig {
         }
     }
 
+    /// Guest `i` is switched off ([`Rig::delete_guest`]): its agent,
+    /// listener and links die with its namespace.
+    pub fn delete_guest(&mut self, i: usize) -> Result<()> {
+        self.rig.delete_guest(i)?;
+        if let Some(mut p) = self.agents[i].take() {
+            let _ = p.child.wait();
+        }
+        Ok(())
+    }
+
     /// SIGTERM and wait for the agent to exit.
     pub fn stop_agent(&mut self, i: usize) -> std::process::ExitStatus {
         self.signal_agent(i, nix::sys::signal::Signal::SIGTERM);

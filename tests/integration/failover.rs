@@ -16,23 +16,19 @@ tests! {
     a_stopped_holder_hands_its_address_over_within_a_second: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_frozen_holder_keeps_its_address_until_it_is_gone: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
 const WITHIN: Duration = Duration::from_secs(30);
 
-/// The rig with failover timings short enough for a test: heartbeats every
-/// second, a node stale after 3 s of silence.
+/// The rig with the product's default timings (heartbeat 1 s, a node stale
+/// after 3 s, the controller's Lease 3 s).
 fn options() -> lb::Options {
-    let mut o = lb::Options::new(
+    lb::Options::new(
         crate::BIN,
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes"),
-    );
-    o.agent_config = "lb_heartbeat = \"1s\"\n".into();
-    o.controller_args = ["--node-stale-after", "3s", "--watch-quiet-after", "2s"]
-        .map(String::from)
-        .to_vec();
-    o
+    )
 }
 
 fn guest_namespaces(lb: &LbRig) -> Vec<String> {
@@ -220,6 +216,52 @@ fn a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back() -> Result<
         retaken.is_none(),
         "taken back after the cable returned:\n{story}"
     );
+    ensure!(
+        watch.overlaps(ip).is_empty(),
+        "two guests held {ip}:\n{story}"
+    );
+    Ok(())
+}
+
+/// The holder's VM is switched off (its namespace deleted with everything
+/// in it): nobody hands anything over, the controller sees the heartbeat
+/// stop and moves the Service; a client connecting all along gets through
+/// again.
+fn a_dead_holders_address_moves_within_five_seconds() -> Result<()> {
+    let mut lb = LbRig::start(options())?;
+    let (ip, holder) = served(&lb, "web")?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    lb.delete_guest(holder)?;
+    let deleted = Instant::now();
+    watch.gone(holder, deleted);
+    let taken = wait_for(Duration::from_secs(15), || {
+        watch.taken_by_other(ip, holder, t0)
+    });
+    let story = timeline(&watch, ip, t0);
+    let Some((at, by)) = taken else {
+        anyhow::bail!(
+            "{ip} not taken over within 15 s of the guest's death:\n{story}\n{}",
+            lb.diagnostics()
+        );
+    };
+    // A client that keeps trying gets an answer from the new holder.
+    let reconnected = wait_for(Duration::from_secs(10), || {
+        lb.tcp_from_client(ip, LISTEN_PORT)
+            .ok()
+            .filter(|a| *a == lb.node_name(by))
+    });
+    let took = at - t0;
+    println!(
+        "guest {holder} deleted in {:?}: {ip} held by guest {by} {took:?} after the deletion began; a client got through {:?} after it\n{story}",
+        deleted - t0,
+        Instant::now() - t0
+    );
+    ensure!(
+        reconnected.is_some(),
+        "no client got through to {ip} on guest {by}"
+    );
+    ensure!(took < Duration::from_secs(5), "took {took:?}:\n{story}");
     ensure!(
         watch.overlaps(ip).is_empty(),
         "two guests held {ip}:\n{story}"

@@ -626,6 +626,22 @@ impl Rig {
         pids
     }
 
+    /// Guest `i` dies with everything in it, as a VM that is switched off:
+    /// every process in its namespace is killed, its API forwarder stops
+    /// and the namespace is deleted, which destroys its links (its `eth0`,
+    /// whose LAN peer goes too, and every macvlan on it). Returns once the
+    /// namespace is gone.
+    pub fn delete_guest(&mut self, i: usize) -> Result<()> {
+        let ns = self.guests[i].clone();
+        if let Some(f) = self.forwarders.iter_mut().find(|f| f.netns() == ns) {
+            f.stop();
+        }
+        kill_netns_processes(&ns);
+        run(Command::new("ip").args(["netns", "del", &ns]))?;
+        self.namespaces.retain(|n| *n != ns);
+        Ok(())
+    }
+
     /// Tears everything down (what drop does). Idempotent; never panics.
     pub fn teardown(&mut self) {
         if self.torn_down {
