@@ -17,6 +17,7 @@ tests! {
     a_frozen_holder_keeps_its_address_until_it_is_gone: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
@@ -266,5 +267,70 @@ fn a_dead_holders_address_moves_within_five_seconds() -> Result<()> {
         watch.overlaps(ip).is_empty(),
         "two guests held {ip}:\n{story}"
     );
+    Ok(())
+}
+
+/// kube-apiserver and etcd stopped for 10 s, then for 30 s, nothing else
+/// wrong: every address stays where it is, with no gap, and clients keep
+/// connecting throughout; after each restart, a whole staleness period and
+/// more passes without a move.
+fn an_api_server_outage_drops_and_moves_nothing() -> Result<()> {
+    let mut lb = LbRig::start(options())?;
+    let names = ["a", "b", "c"];
+    let mut served_by = Vec::new();
+    for n in names {
+        served_by.push(served(&lb, n)?);
+    }
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    for outage in [Duration::from_secs(10), Duration::from_secs(30)] {
+        let down = Instant::now();
+        lb.rig.apiserver_mut().expect("API server").stop();
+        let mut connects = 0;
+        while down.elapsed() < outage {
+            for (ip, holder) in &served_by {
+                let answer = lb.tcp_from_client(*ip, LISTEN_PORT)?;
+                ensure!(
+                    answer == lb.node_name(*holder),
+                    "{ip} answered `{answer}` during the outage, not {}",
+                    lb.node_name(*holder)
+                );
+                connects += 1;
+            }
+        }
+        lb.rig.apiserver_mut().expect("API server").restart()?;
+        let up = Instant::now();
+        println!(
+            "API server and etcd stopped for {outage:?}, ready again {:?} after the stop; {connects} client connections got through meanwhile",
+            up - down
+        );
+        // Every agent reports again (a fresh write on the new server)...
+        for i in 0..3 {
+            let back = wait_for(WITHIN, || {
+                lb.node_object(&lb.node_name(i))
+                    .is_some_and(|o| o["status"]["ready"] == true)
+                    .then_some(())
+            });
+            ensure!(back.is_some(), "guest {i} never reported again");
+        }
+        // ...and for twice the staleness bound nothing moves.
+        let moved = wait_for(Duration::from_secs(6), || {
+            served_by
+                .iter()
+                .find_map(|(ip, holder)| watch.taken_by_other(*ip, *holder, t0).map(|m| (*ip, m)))
+        });
+        ensure!(
+            moved.is_none(),
+            "moved after a {outage:?} outage: {moved:?}"
+        );
+        for (ip, holder) in &served_by {
+            let holders = watch.holders(*ip);
+            ensure!(
+                holders.len() == 1 && holders[0].1 == [*holder].into(),
+                "{ip} changed hands or had a gap:\n{}",
+                timeline(&watch, *ip, t0)
+            );
+        }
+    }
     Ok(())
 }

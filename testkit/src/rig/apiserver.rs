@@ -125,6 +125,10 @@ pub struct ApiServer {
     // Field order matters for drop: the API server stops before etcd.
     apiserver: ChildProc,
     etcd: ChildProc,
+    /// How to start each again ([`ApiServer::restart`]): same ports, same
+    /// etcd data.
+    apiserver_cmd: (PathBuf, Vec<String>),
+    etcd_cmd: (PathBuf, Vec<String>),
 }
 
 impl ApiServer {
@@ -220,6 +224,49 @@ impl ApiServer {
         self.etcd.stop();
     }
 
+    /// Starts etcd and kube-apiserver again after [`ApiServer::stop`], on
+    /// the same ports with the same etcd data (every object kept, as after
+    /// a control-plane restart), and waits until the API server is ready.
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop();
+        let spawn = |name: &str, (bin, args): &(PathBuf, Vec<String>), log: &Path| {
+            let mut cmd = Command::new(bin);
+            for (k, _) in std::env::vars_os() {
+                if k.to_string_lossy().starts_with("ETCD") {
+                    cmd.env_remove(k);
+                }
+            }
+            cmd.args(args);
+            ChildProc::spawn(name, cmd, log)
+        };
+        let etcd_port: u16 = self
+            .etcd_url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .context("etcd port")?;
+        let etcd_log = self.log.with_file_name("etcd.log");
+        self.etcd = spawn("etcd", &self.etcd_cmd, &etcd_log)?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !http_get(etcd_port, "/health").is_ok_and(|b| b.contains("\"health\":\"true\"")) {
+            if let Some(status) = self.etcd.exited() {
+                return Err(self.etcd.exit_error(status));
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "etcd not healthy 20 s after the restart:\n{}",
+                    tail(&etcd_log, 40)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let started = Instant::now();
+        self.apiserver = spawn("kube-apiserver", &self.apiserver_cmd, &self.log)?;
+        wait_ready(&self.admin.kubeconfig, &mut self.apiserver)?;
+        self.ready_after = started.elapsed();
+        Ok(())
+    }
+
     fn node(&self, node: &str) -> &Creds {
         self.nodes
             .iter()
@@ -269,7 +316,7 @@ impl ApiServer {
         let tokens = pki.join("tokens.csv");
         fs::write(&tokens, csv)?;
 
-        let (etcd, etcd_port) = start_etcd(dir, &bins.etcd)?;
+        let (etcd, etcd_port, etcd_args) = start_etcd(dir, &bins.etcd)?;
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
 
         let log = dir.join("kube-apiserver.log");
@@ -284,8 +331,7 @@ impl ApiServer {
                 let file = format!("node-{}", n.name);
                 n.kubeconfig = write_kubeconfig(dir, &file, &url, &ca_pem, n)?;
             }
-            let mut cmd = Command::new(&bins.kube_apiserver);
-            cmd.args([
+            let args: Vec<String> = vec![
                 format!("--etcd-servers={etcd_url}"),
                 "--bind-address=127.0.0.1".into(),
                 "--advertise-address=127.0.0.1".into(),
@@ -318,7 +364,9 @@ impl ApiServer {
                 "--endpoint-reconciler-type=none".into(),
                 "--profiling=false".into(),
                 "--v=1".into(),
-            ]);
+            ];
+            let mut cmd = Command::new(&bins.kube_apiserver);
+            cmd.args(&args);
             let started = Instant::now();
             let mut proc = ChildProc::spawn("kube-apiserver", cmd, &log)?;
             match wait_ready(&admin.kubeconfig, &mut proc) {
@@ -337,6 +385,8 @@ impl ApiServer {
                         ready_after: started.elapsed(),
                         apiserver: proc,
                         etcd,
+                        apiserver_cmd: (bins.kube_apiserver.clone(), args),
+                        etcd_cmd: (bins.etcd.clone(), etcd_args),
                     });
                 }
                 Err(e) => {
@@ -435,7 +485,7 @@ pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn start_etcd(dir: &Path, etcd: &Path) -> Result<(ChildProc, u16)> {
+fn start_etcd(dir: &Path, etcd: &Path) -> Result<(ChildProc, u16, Vec<String>)> {
     let log = dir.join("etcd.log");
     let data = dir.join("etcd-data");
     let mut last_err = None;
@@ -448,7 +498,7 @@ fn start_etcd(dir: &Path, etcd: &Path) -> Result<(ChildProc, u16)> {
                 cmd.env_remove(k);
             }
         }
-        cmd.args([
+        let args: Vec<String> = vec![
             "--name=hna-rig".to_string(),
             format!("--data-dir={}", data.display()),
             format!("--listen-client-urls=http://127.0.0.1:{client}"),
@@ -457,7 +507,8 @@ fn start_etcd(dir: &Path, etcd: &Path) -> Result<(ChildProc, u16)> {
             format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer}"),
             format!("--initial-cluster=hna-rig=http://127.0.0.1:{peer}"),
             "--initial-cluster-state=new".into(),
-        ]);
+        ];
+        cmd.args(&args);
         let mut proc = ChildProc::spawn("etcd", cmd, &log)?;
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -470,7 +521,7 @@ fn start_etcd(dir: &Path, etcd: &Path) -> Result<(ChildProc, u16)> {
                 return Err(err);
             }
             if http_get(client, "/health").is_ok_and(|b| b.contains("\"health\":\"true\"")) {
-                return Ok((proc, client));
+                return Ok((proc, client, args));
             }
             if Instant::now() > deadline {
                 bail!(
