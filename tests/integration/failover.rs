@@ -18,6 +18,7 @@ tests! {
     a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    the_leader_dying_with_the_holder_still_moves_it_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
@@ -332,5 +333,44 @@ fn an_api_server_outage_drops_and_moves_nothing() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// The controller leader's node dies together with the holder: the other
+/// replica takes the Lease once it expires and, having judged the nodes
+/// all along, moves the Service at once.
+fn the_leader_dying_with_the_holder_still_moves_it_within_five_seconds() -> Result<()> {
+    let mut lb = LbRig::start(options())?;
+    let (ip, holder) = served(&lb, "web")?;
+    let leader = wait_for(WITHIN, || lb.leader()).expect("a leader");
+    let c = (0..2)
+        .find(|&i| LbRig::controller_identity(i) == leader)
+        .expect("a replica leads");
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    lb.kill_controller(c);
+    lb.delete_guest(holder)?;
+    watch.gone(holder, Instant::now());
+    let taken = wait_for(Duration::from_secs(15), || {
+        watch.taken_by_other(ip, holder, t0)
+    });
+    let story = timeline(&watch, ip, t0);
+    let Some((at, by)) = taken else {
+        anyhow::bail!(
+            "{ip} not taken over within 15 s:\n{story}\n{}",
+            lb.controller_log(1 - c)
+        );
+    };
+    let took = at - t0;
+    println!(
+        "leader {leader} and guest {holder} killed: {ip} held by guest {by} {took:?} later\n{story}"
+    );
+    ensure!(took < Duration::from_secs(5), "took {took:?}:\n{story}");
+    ensure!(
+        watch.overlaps(ip).is_empty(),
+        "two guests held {ip}:\n{story}"
+    );
+    let answer = lb.tcp_from_client(ip, LISTEN_PORT)?;
+    ensure!(answer == lb.node_name(by), "{ip} answered `{answer}`");
     Ok(())
 }
