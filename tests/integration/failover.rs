@@ -5,14 +5,17 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
-use harvester_node_agent::contract::harvester;
 use hna_testkit::addrwatch::AddressWatch;
+use hna_testkit::failover::{
+    self, Fault, fail_over, guest_namespaces, served, set_cable, timeline,
+};
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, wait_for};
 use nix::sys::signal::Signal;
 
 use crate::harness::tests;
 
 tests! {
+    the_test_kit_asks_for_dhcp_as_the_contract_does;
     a_stopped_holder_hands_its_address_over_within_a_second: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_frozen_holder_keeps_its_address_until_it_is_gone: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -21,7 +24,6 @@ tests! {
     the_leader_dying_with_the_holder_still_moves_it_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
-const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
 const WITHIN: Duration = Duration::from_secs(30);
 
 /// The rig with the product's default timings (heartbeat 1 s, a node stale
@@ -33,71 +35,58 @@ fn options() -> lb::Options {
     )
 }
 
-fn guest_namespaces(lb: &LbRig) -> Vec<String> {
-    (0..3).map(|i| lb.rig.guest_ns(i).to_string()).collect()
+fn the_test_kit_asks_for_dhcp_as_the_contract_does() {
+    assert_eq!(
+        failover::IPAM,
+        harvester_node_agent::contract::harvester::IPAM
+    );
 }
 
-/// A DHCP Service served by exactly one guest: its address and that guest.
-fn served(lb: &LbRig, name: &str) -> Result<(std::net::Ipv4Addr, usize)> {
-    lb.create_service(name, &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
-    let ip = lb.wait_ingress(name, ADDRESS_WITHIN);
-    let holder = wait_for(WITHIN, || {
-        let c = lb.carriers(ip);
-        (c.len() == 1).then(|| lb.guest_of(&c[0].0))
-    });
-    let holder = holder.ok_or_else(|| anyhow::anyhow!("{ip} never on exactly one guest"))?;
-    Ok((ip, holder))
+/// The new holder answers a client's TCP connection.
+fn reachable(lb: &LbRig, f: &failover::Failover) -> Result<()> {
+    let answer = lb.tcp_from_client(f.ip, LISTEN_PORT)?;
+    ensure!(
+        answer == lb.node_name(f.to),
+        "{} answered `{answer}`, expected {}",
+        f.ip,
+        lb.node_name(f.to)
+    );
+    Ok(())
 }
 
-fn timeline(w: &AddressWatch, ip: std::net::Ipv4Addr, t0: Instant) -> String {
-    w.holders(ip)
-        .iter()
-        .map(|(at, h)| {
-            let ms = if *at >= t0 {
-                format!("+{:.0}ms", (*at - t0).as_secs_f64() * 1e3)
-            } else {
-                format!("-{:.0}ms", (t0 - *at).as_secs_f64() * 1e3)
-            };
-            format!("{ms}: held by guests {h:?}")
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+/// Within `limit`, and never two holders.
+fn clean(f: &failover::Failover, limit: Duration) -> Result<()> {
+    println!(
+        "guest {} -> guest {}: {} after the fault\n{}",
+        f.from,
+        f.to,
+        humantime_ms(f.took),
+        f.story()
+    );
+    ensure!(
+        f.took < limit,
+        "took {:?}, limit {limit:?}:\n{}",
+        f.took,
+        f.story()
+    );
+    ensure!(
+        f.overlaps() == 0,
+        "two guests held {}:\n{}",
+        f.ip,
+        f.story()
+    );
+    Ok(())
+}
+
+fn humantime_ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1e3)
 }
 
 fn a_stopped_holder_hands_its_address_over_within_a_second() -> Result<()> {
     let mut lb = LbRig::start(options())?;
-    let (ip, holder) = served(&lb, "web")?;
-    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
-    let t0 = Instant::now();
-    let status = lb.stop_agent(holder);
-    ensure!(status.success(), "the agent's stop: {status}");
-    let taken = wait_for(Duration::from_secs(10), || {
-        watch.taken_by_other(ip, holder, t0)
-    });
-    let story = timeline(&watch, ip, t0);
-    let Some((at, by)) = taken else {
-        anyhow::bail!("{ip} not taken over within 10 s of SIGTERM:\n{story}");
-    };
-    let took = at - t0;
-    println!(
-        "graceful stop of guest {holder}: {ip} held by guest {by} {took:?} after SIGTERM\n{story}"
-    );
-    ensure!(
-        took < Duration::from_secs(1),
-        "took {took:?}, not under 1 s:\n{story}"
-    );
-    ensure!(
-        watch.overlaps(ip).is_empty(),
-        "two guests held {ip}:\n{story}"
-    );
-    // A client reaches the address on its new node.
-    let answer = lb.tcp_from_client(ip, LISTEN_PORT)?;
-    ensure!(
-        answer == lb.node_name(by),
-        "{ip} answered `{answer}`, expected {}",
-        lb.node_name(by)
-    );
-    Ok(())
+    let f = fail_over(&mut lb, "web", Fault::Graceful, Duration::from_secs(10))?;
+    clean(&f, Duration::from_secs(1))?;
+    reachable(&lb, &f)
 }
 
 /// The guest whose object reports a lease of the Service in `state`.
@@ -169,58 +158,35 @@ fn a_frozen_holder_keeps_its_address_until_it_is_gone() -> Result<()> {
     Ok(())
 }
 
-/// Guest `i`'s uplink as the LAN sees it (its veth peer in the LAN
-/// namespace): down is a pulled cable for the guest.
-fn set_cable(lb: &LbRig, i: usize, up: bool) -> Result<()> {
-    let peer = format!("vg{}", i + 1);
-    let st = std::process::Command::new("ip")
-        .args(["-n", lb.rig.lan_ns(), "link", "set", &peer])
-        .arg(if up { "up" } else { "down" })
-        .status()?;
-    ensure!(st.success(), "ip link set {peer}: {st}");
-    Ok(())
-}
-
 fn a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back() -> Result<()> {
-    let lb = LbRig::start(options())?;
-    let (ip, holder) = served(&lb, "web")?;
-    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
-    let t0 = Instant::now();
-    set_cable(&lb, holder, false)?;
-    let taken = wait_for(Duration::from_secs(10), || {
-        watch.taken_by_other(ip, holder, t0)
-    });
-    let story = timeline(&watch, ip, t0);
-    let Some((at, by)) = taken else {
-        anyhow::bail!("{ip} not taken over within 10 s of the cable pull:\n{story}");
-    };
-    let took = at - t0;
-    println!("cable of guest {holder} pulled: {ip} held by guest {by} {took:?} later\n{story}");
-    ensure!(took < Duration::from_secs(3), "took {took:?}:\n{story}");
-    let answer = lb.tcp_from_client(ip, LISTEN_PORT)?;
-    ensure!(answer == lb.node_name(by), "{ip} answered `{answer}`");
+    let mut lb = LbRig::start(options())?;
+    let f = fail_over(&mut lb, "web", Fault::CablePulled, Duration::from_secs(10))?;
+    clean(&f, Duration::from_secs(3))?;
+    reachable(&lb, &f)?;
 
     // The cable is back: the node says it is ready again, and it does not
     // take the address back.
     let back = Instant::now();
-    set_cable(&lb, holder, true)?;
+    set_cable(&lb, f.from, true)?;
     let ready = wait_for(WITHIN, || {
-        lb.node_object(&lb.node_name(holder))
+        lb.node_object(&lb.node_name(f.from))
             .is_some_and(|o| o["status"]["ready"] == true)
             .then_some(())
     });
-    ensure!(ready.is_some(), "guest {holder} never ready again");
+    ensure!(ready.is_some(), "guest {} never ready again", f.from);
     let retaken = wait_for(Duration::from_secs(5), || {
-        watch.taken_by_other(ip, by, back)
+        f.watch.taken_by_other(f.ip, f.to, back)
     });
-    let story = timeline(&watch, ip, t0);
     ensure!(
         retaken.is_none(),
-        "taken back after the cable returned:\n{story}"
+        "taken back after the cable returned:\n{}",
+        f.story()
     );
     ensure!(
-        watch.overlaps(ip).is_empty(),
-        "two guests held {ip}:\n{story}"
+        f.overlaps() == 0,
+        "two guests held {}:\n{}",
+        f.ip,
+        f.story()
     );
     Ok(())
 }
@@ -231,43 +197,12 @@ fn a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back() -> Result<
 /// again.
 fn a_dead_holders_address_moves_within_five_seconds() -> Result<()> {
     let mut lb = LbRig::start(options())?;
-    let (ip, holder) = served(&lb, "web")?;
-    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
-    let t0 = Instant::now();
-    lb.delete_guest(holder)?;
-    let deleted = Instant::now();
-    watch.gone(holder, deleted);
-    let taken = wait_for(Duration::from_secs(15), || {
-        watch.taken_by_other(ip, holder, t0)
-    });
-    let story = timeline(&watch, ip, t0);
-    let Some((at, by)) = taken else {
-        anyhow::bail!(
-            "{ip} not taken over within 15 s of the guest's death:\n{story}\n{}",
-            lb.diagnostics()
-        );
-    };
-    // A client that keeps trying gets an answer from the new holder.
-    let reconnected = wait_for(Duration::from_secs(10), || {
-        lb.tcp_from_client(ip, LISTEN_PORT)
-            .ok()
-            .filter(|a| *a == lb.node_name(by))
-    });
-    let took = at - t0;
-    println!(
-        "guest {holder} deleted in {:?}: {ip} held by guest {by} {took:?} after the deletion began; a client got through {:?} after it\n{story}",
-        deleted - t0,
-        Instant::now() - t0
-    );
-    ensure!(
-        reconnected.is_some(),
-        "no client got through to {ip} on guest {by}"
-    );
-    ensure!(took < Duration::from_secs(5), "took {took:?}:\n{story}");
-    ensure!(
-        watch.overlaps(ip).is_empty(),
-        "two guests held {ip}:\n{story}"
-    );
+    let f = fail_over(&mut lb, "web", Fault::GuestDeleted, Duration::from_secs(15))?;
+    clean(&f, Duration::from_secs(5))?;
+    // A client that keeps trying gets through to the new holder.
+    let reconnected = wait_for(Duration::from_secs(10), || reachable(&lb, &f).ok());
+    println!("a client got through {:?} after the fault", f.t0.elapsed());
+    ensure!(reconnected.is_some(), "no client got through to {}", f.ip);
     Ok(())
 }
 
@@ -341,36 +276,12 @@ fn an_api_server_outage_drops_and_moves_nothing() -> Result<()> {
 /// all along, moves the Service at once.
 fn the_leader_dying_with_the_holder_still_moves_it_within_five_seconds() -> Result<()> {
     let mut lb = LbRig::start(options())?;
-    let (ip, holder) = served(&lb, "web")?;
-    let leader = wait_for(WITHIN, || lb.leader()).expect("a leader");
-    let c = (0..2)
-        .find(|&i| LbRig::controller_identity(i) == leader)
-        .expect("a replica leads");
-    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
-    let t0 = Instant::now();
-    lb.kill_controller(c);
-    lb.delete_guest(holder)?;
-    watch.gone(holder, Instant::now());
-    let taken = wait_for(Duration::from_secs(15), || {
-        watch.taken_by_other(ip, holder, t0)
-    });
-    let story = timeline(&watch, ip, t0);
-    let Some((at, by)) = taken else {
-        anyhow::bail!(
-            "{ip} not taken over within 15 s:\n{story}\n{}",
-            lb.controller_log(1 - c)
-        );
-    };
-    let took = at - t0;
-    println!(
-        "leader {leader} and guest {holder} killed: {ip} held by guest {by} {took:?} later\n{story}"
-    );
-    ensure!(took < Duration::from_secs(5), "took {took:?}:\n{story}");
-    ensure!(
-        watch.overlaps(ip).is_empty(),
-        "two guests held {ip}:\n{story}"
-    );
-    let answer = lb.tcp_from_client(ip, LISTEN_PORT)?;
-    ensure!(answer == lb.node_name(by), "{ip} answered `{answer}`");
-    Ok(())
+    let f = fail_over(
+        &mut lb,
+        "web",
+        Fault::LeaderAndHolder,
+        Duration::from_secs(15),
+    )?;
+    clean(&f, Duration::from_secs(5))?;
+    reachable(&lb, &f)
 }

@@ -1,0 +1,69 @@
+//! Failover distributions (issue #11) on the rig with the product's default
+//! timings: for each fault done to a Service's holder, the time until
+//! another guest holds the address, as the guests' kernels report it
+//! (`ip monitor address`), over N runs (default 10), each on a fresh rig.
+//! Also counts the moments two guests held the address (must be 0).
+//!
+//! ```text
+//! sudo cargo bench --bench failover [-- --runs 10]
+//! ```
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use hna_testkit::failover::{Fault, fail_over};
+use hna_testkit::lb::{self, LbRig};
+
+const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+
+fn main() -> Result<()> {
+    let mut runs = 10usize;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        // cargo bench passes --bench; nothing else is expected.
+        if a == "--runs" {
+            runs = args.next().context("--runs N")?.parse()?;
+        }
+    }
+    ensure!(runs >= 1, "--runs must be at least 1");
+    let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes");
+    let mut rows = Vec::new();
+    for fault in Fault::ALL {
+        let mut took = Vec::new();
+        let mut overlaps = 0;
+        for run in 0..runs {
+            let mut lb = LbRig::start(lb::Options::new(BIN, &manifests))?;
+            let f = fail_over(
+                &mut lb,
+                &format!("bench-{run}"),
+                fault,
+                Duration::from_secs(20),
+            )
+            .with_context(|| format!("{} run {run}", fault.label()))?;
+            eprintln!("{}: run {run}: {:.0} ms", fault.label(), ms(f.took));
+            overlaps += f.overlaps();
+            took.push(f.took);
+        }
+        took.sort();
+        rows.push((fault.label(), took, overlaps));
+    }
+    println!("\nfailover, fault → another guest holds the address; milliseconds, {runs} runs each");
+    println!(
+        "{:<36} {:>8} {:>8} {:>8} {:>10}",
+        "", "min", "median", "max", "2 holders"
+    );
+    for (label, took, overlaps) in rows {
+        println!(
+            "{label:<36} {:>8.0} {:>8.0} {:>8.0} {overlaps:>10}",
+            ms(took[0]),
+            ms(took[took.len() / 2]),
+            ms(took[took.len() - 1]),
+        );
+    }
+    Ok(())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

@@ -1,0 +1,167 @@
+//! Failover scenarios on the LoadBalancer rig, shared by the integration
+//! tests (which assert on one run) and `benches/failover.rs` (which runs
+//! each many times): serve a Service, do something to its holder, and time
+//! until another guest holds the address, as the guests' kernels report
+//! it ([`AddressWatch`]).
+
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail, ensure};
+
+use crate::addrwatch::AddressWatch;
+use crate::lb::{LISTEN_PORT, LbRig, wait_for};
+
+/// The Service annotation that asks for a DHCP address
+/// (`contract::harvester::IPAM`).
+pub const IPAM: &str = "cloudprovider.harvesterhci.io/ipam";
+
+/// What happens to the holder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Its agent gets SIGTERM (`systemctl stop`, a drain).
+    Graceful,
+    /// Its uplink loses carrier (the LAN side of its veth goes down).
+    CablePulled,
+    /// Its VM is gone: the namespace deleted with everything in it.
+    GuestDeleted,
+    /// `GuestDeleted`, and the controller leader killed at the same moment.
+    LeaderAndHolder,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 4] = [
+        Fault::Graceful,
+        Fault::CablePulled,
+        Fault::GuestDeleted,
+        Fault::LeaderAndHolder,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Fault::Graceful => "graceful stop (SIGTERM)",
+            Fault::CablePulled => "uplink down (no carrier)",
+            Fault::GuestDeleted => "holder's namespace deleted",
+            Fault::LeaderAndHolder => "leader killed + namespace deleted",
+        }
+    }
+}
+
+/// One failover, as the kernels saw it.
+pub struct Failover {
+    pub ip: Ipv4Addr,
+    pub from: usize,
+    pub to: usize,
+    /// From the fault to another guest holding the address.
+    pub took: Duration,
+    /// When the fault was done.
+    pub t0: Instant,
+    pub watch: AddressWatch,
+}
+
+impl Failover {
+    /// Moments two guests held the address.
+    pub fn overlaps(&self) -> usize {
+        self.watch.overlaps(self.ip).len()
+    }
+
+    pub fn story(&self) -> String {
+        timeline(&self.watch, self.ip, self.t0)
+    }
+}
+
+pub fn guest_namespaces(lb: &LbRig) -> Vec<String> {
+    lb.rig.guest_namespaces().to_vec()
+}
+
+/// A DHCP Service served by exactly one guest: its address and that guest.
+pub fn served(lb: &LbRig, name: &str) -> Result<(Ipv4Addr, usize)> {
+    lb.create_service(name, &[(IPAM, "dhcp")], &[LISTEN_PORT])?;
+    let ip = lb.wait_ingress(name, Duration::from_secs(60));
+    let holder = wait_for(Duration::from_secs(30), || {
+        let c = lb.carriers(ip);
+        (c.len() == 1).then(|| lb.guest_of(&c[0].0))
+    });
+    match holder {
+        Some(h) => Ok((ip, h)),
+        None => bail!("{ip} never on exactly one guest"),
+    }
+}
+
+/// Who held `ip` when, relative to `t0`, one change per line.
+pub fn timeline(w: &AddressWatch, ip: Ipv4Addr, t0: Instant) -> String {
+    w.holders(ip)
+        .iter()
+        .map(|(at, h)| {
+            let ms = if *at >= t0 {
+                format!("+{:.0}ms", (*at - t0).as_secs_f64() * 1e3)
+            } else {
+                format!("-{:.0}ms", (t0 - *at).as_secs_f64() * 1e3)
+            };
+            format!("{ms}: held by guests {h:?}")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Guest `i`'s uplink as the LAN sees it (its veth peer in the LAN
+/// namespace): down is a pulled cable for the guest.
+pub fn set_cable(lb: &LbRig, i: usize, up: bool) -> Result<()> {
+    let peer = format!("vg{}", i + 1);
+    let st = Command::new("ip")
+        .args(["-n", lb.rig.lan_ns(), "link", "set", &peer])
+        .arg(if up { "up" } else { "down" })
+        .status()?;
+    ensure!(st.success(), "ip link set {peer}: {st}");
+    Ok(())
+}
+
+/// Serves Service `name`, does `fault` to its holder and waits up to
+/// `within` for another guest to hold the address.
+pub fn fail_over(lb: &mut LbRig, name: &str, fault: Fault, within: Duration) -> Result<Failover> {
+    let (ip, from) = served(lb, name)?;
+    let leader = match fault {
+        Fault::LeaderAndHolder => {
+            let leader = wait_for(Duration::from_secs(30), || lb.leader());
+            let Some(leader) = leader else {
+                bail!("no controller leads");
+            };
+            (0..2).find(|&i| LbRig::controller_identity(i) == leader)
+        }
+        _ => None,
+    };
+    let watch = AddressWatch::start(&guest_namespaces(lb))?;
+    let t0 = Instant::now();
+    match fault {
+        Fault::Graceful => {
+            let status = lb.stop_agent(from);
+            ensure!(status.success(), "the agent's stop: {status}");
+        }
+        Fault::CablePulled => set_cable(lb, from, false)?,
+        Fault::GuestDeleted | Fault::LeaderAndHolder => {
+            if let Some(c) = leader {
+                lb.kill_controller(c);
+            }
+            lb.delete_guest(from)?;
+            // Its monitor died with it: the addresses went no later than now.
+            watch.gone(from, Instant::now());
+        }
+    }
+    let taken = wait_for(within, || watch.taken_by_other(ip, from, t0));
+    let Some((at, to)) = taken else {
+        bail!(
+            "{ip} not held by another guest within {within:?} of: {}\n{}",
+            fault.label(),
+            timeline(&watch, ip, t0)
+        );
+    };
+    Ok(Failover {
+        ip,
+        from,
+        to,
+        took: at - t0,
+        t0,
+        watch,
+    })
+}
