@@ -17,7 +17,7 @@
 //!   ones are started, which adopts them (same link, same lease, no DHCP
 //!   exchange while the lease is valid). The wait is bounded
 //!   ([`ADOPTION_WAIT`]): after it, the assignments are unknown and the
-//!   controller has counted this node as dead (20 s without a heartbeat) and
+//!   controller has counted this node as dead (3 s without a heartbeat) and
 //!   moved its addresses, so the left links go (handover, never released).
 //! - Output: the status subresource, merge-patched at every heartbeat
 //!   period (`lb_heartbeat`) and, within [`SETTLE`], after every change of
@@ -49,7 +49,7 @@ use crate::systemd::{self, Heartbeat};
 use super::status::LbStatus;
 
 /// How long start-up keeps left links for the first read of the
-/// assignments. Longer than the 20 s after which the controller counts a
+/// assignments. Longer than the 3 s after which the controller counts a
 /// silent node as dead: past it, the addresses may be held elsewhere.
 pub const ADOPTION_WAIT: Duration = Duration::from_secs(30);
 /// How soon a change of what is reported reaches the status.
