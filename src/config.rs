@@ -190,6 +190,14 @@ pub const KEYS: &[KeySpec] = &[
         kind: Kind::Duration,
     },
     KeySpec {
+        name: "lb_fence_after",
+        env: "HNA_LB_FENCE_AFTER",
+        flag: "--lb-fence-after",
+        default: "120s",
+        doc: "Self-fencing: when the daemon has not been able to write its status for this long, it hands every LoadBalancer address over and holds none until a write succeeds. The backstop for a partition the takeover guard cannot see; keep it above the longest API-server outage that should drop nothing. 0s is never. Otherwise between 10s and 1h.",
+        kind: Kind::Duration,
+    },
+    KeySpec {
         name: "uplink",
         env: "HNA_UPLINK",
         flag: "--uplink",
@@ -242,6 +250,8 @@ pub struct Config {
     pub lb_arp_probe: bool,
     /// How long to listen for another holder before a takeover; zero: off.
     pub lb_takeover_guard: Duration,
+    /// Self-fencing after this long without a status write; zero: never.
+    pub lb_fence_after: Duration,
 }
 
 /// Where a configuration value came from, for error messages.
@@ -414,6 +424,7 @@ pub fn resolve(
         uplink: None,
         lb_arp_probe: true,
         lb_takeover_guard: Duration::from_millis(150),
+        lb_fence_after: Duration::from_secs(120),
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -504,6 +515,17 @@ pub fn resolve(
                 cfg.namespace = v;
             }
             "lb_arp_probe" => cfg.lb_arp_probe = boolean(&text(raw)).map_err(fail)?,
+            "lb_fence_after" => {
+                cfg.lb_fence_after = match duration_up_to(&text(raw), Duration::from_secs(3600)) {
+                    Ok(d) if d.is_zero() || d >= Duration::from_secs(10) => Ok(d),
+                    Ok(d) => Err(format!(
+                        "{} is out of range; use 0s (never) or a value between 10s and 1h",
+                        humantime::format_duration(d)
+                    )),
+                    Err(e) => Err(e),
+                }
+                .map_err(fail)?
+            }
             "lb_takeover_guard" => {
                 cfg.lb_takeover_guard =
                     duration_up_to(&text(raw), Duration::from_secs(5)).map_err(fail)?
@@ -1055,6 +1077,15 @@ mod tests {
             Duration::ZERO
         );
         assert!(resolve_file("lb_takeover_guard = \"6s\"\n").is_err());
+        assert_eq!(cfg.lb_fence_after, Duration::from_secs(120));
+        assert_eq!(
+            resolve_file("lb_fence_after = \"0s\"\n")
+                .unwrap()
+                .lb_fence_after,
+            Duration::ZERO
+        );
+        assert!(resolve_file("lb_fence_after = \"5s\"\n").is_err());
+        assert!(resolve_file("lb_fence_after = \"2h\"\n").is_err());
         assert_eq!(cfg.uplink, None);
         let cfg =
             resolve_file("namespace = \"lb\"\nlb_heartbeat = 2\nuplink = \"eth1\"\n").unwrap();

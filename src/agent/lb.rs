@@ -102,6 +102,9 @@ pub struct LbSettings {
     /// `namespace/node`, for logs and `status`.
     pub object: String,
     pub heartbeat: Duration,
+    /// No status written for this long: every lease is handed over until
+    /// one is written again (self-fencing); zero: never.
+    pub fence_after: Duration,
     pub adoption_wait: Duration,
     pub settle: Duration,
     /// What every lease shares; `default_uplink` is filled in each round.
@@ -141,6 +144,10 @@ struct Lb<E: LeaseEngine, W: StatusWriter> {
     stopping: bool,
     /// The interfaces without carrier at the last look.
     no_carrier: BTreeSet<String>,
+    /// When a status write last succeeded (or the loop started).
+    last_write_ok: Instant,
+    /// Self-fenced: nothing is held until a status write succeeds again.
+    fenced: bool,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -179,6 +186,8 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         beat_due: Instant::now(),
         stopping: false,
         no_carrier: BTreeSet::new(),
+        last_write_ok: Instant::now(),
+        fenced: false,
     };
     let mut carrier = tokio::time::interval(CARRIER_POLL);
     carrier.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -329,6 +338,9 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                 Ok(w) => {
                     let parent = w.uplink.as_ref().or(node.default_uplink.as_ref());
                     match parent {
+                        _ if self.fenced && !w.release => {
+                            cut_off.insert(w.interface.clone(), self.fence_message());
+                        }
                         Some(p) if !w.release && node.no_carrier.contains(p) => {
                             cut_off.insert(
                                 w.interface.clone(),
@@ -425,18 +437,7 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
     /// heartbeat goes stale. Links first: the next holder's takeover guard
     /// waits while this node still answers for an address.
     async fn hand_over_all(&mut self) {
-        let names: Vec<String> = self.engine.snapshot().into_iter().map(|l| l.name).collect();
-        let stops = names
-            .iter()
-            .map(|n| self.engine.stop(n, crate::dhcp::StopMode::Handover));
-        for (name, result) in names.iter().zip(futures::future::join_all(stops).await) {
-            match result {
-                Ok(()) | Err(crate::dhcp::EngineError::Unknown(_)) => {}
-                Err(e) => {
-                    tracing::warn!(interface = %name, error = %e, "could not hand the lease over cleanly")
-                }
-            }
-        }
+        hand_over_every_lease(&*self.engine).await;
         self.stopping = true;
         let write = self.report(true);
         if tokio::time::timeout(STOPPING_WRITE_TIMEOUT, write)
@@ -445,6 +446,24 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
         {
             tracing::warn!(object = %self.settings.object, "the last status (stopping) was not written within {STOPPING_WRITE_TIMEOUT:?}; the controller moves the addresses once the heartbeat is stale");
         }
+    }
+
+    fn fence_message(&self) -> String {
+        format!(
+            "fenced: no status written for {} (lb_fence_after); nothing is held until one is",
+            humantime::format_duration(self.settings.fence_after)
+        )
+    }
+
+    /// Self-fencing: the controller has not heard from this node for
+    /// `fence_after`, far longer than it waits before moving the Services,
+    /// so they are held elsewhere (or waiting, guarded, for this node to
+    /// let go: a partition the LAN probe cannot see). Every lease is
+    /// handed over; none is held until a status write succeeds again.
+    async fn fence(&mut self) {
+        self.fenced = true;
+        tracing::warn!(object = %self.settings.object, "{}: handing every address over", self.fence_message());
+        hand_over_every_lease(&*self.engine).await;
     }
 
     /// Publishes the state and writes the status: always when `heartbeat`,
@@ -477,6 +496,12 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             };
             match result {
                 Ok(()) => {
+                    self.last_write_ok = Instant::now();
+                    if self.fenced {
+                        self.fenced = false;
+                        tracing::warn!(object = %self.settings.object, "status written again: holding what is assigned again (through the takeover guard)");
+                        self.retry_at = Some(Instant::now());
+                    }
                     if self.write_error.take().is_some() {
                         tracing::info!(object = %self.settings.object, "LoadBalancerNode status written again");
                     }
@@ -488,6 +513,13 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                         tracing::warn!(object = %self.settings.object, error = %e, "cannot write the LoadBalancerNode status; leases are kept");
                     }
                     self.write_error = Some(e);
+                    let silent = self.last_write_ok.elapsed();
+                    if !self.fenced
+                        && !self.settings.fence_after.is_zero()
+                        && silent >= self.settings.fence_after
+                    {
+                        self.fence().await;
+                    }
                     status.heartbeat = None;
                     // Written again at the next heartbeat, not every settle
                     // tick: `written` stays as it was.
@@ -510,6 +542,22 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             write_error: self.write_error.clone(),
             status,
         });
+    }
+}
+
+/// Every running lease handed over at once (no RELEASE; the links go).
+async fn hand_over_every_lease<E: LeaseEngine>(engine: &E) {
+    let names: Vec<String> = engine.snapshot().into_iter().map(|l| l.name).collect();
+    let stops = names
+        .iter()
+        .map(|n| engine.stop(n, crate::dhcp::StopMode::Handover));
+    for (name, result) in names.iter().zip(futures::future::join_all(stops).await) {
+        match result {
+            Ok(()) | Err(crate::dhcp::EngineError::Unknown(_)) => {}
+            Err(e) => {
+                tracing::warn!(interface = %name, error = %e, "could not hand the lease over cleanly")
+            }
+        }
     }
 }
 

@@ -13,6 +13,7 @@ use crate::dhcp::StopMode;
 use crate::dhcp::fake::{Call, FakeEngine, link_error};
 use crate::systemd::Liveness;
 
+const FENCE: Duration = Duration::from_secs(60);
 const SERVER: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
 
 #[derive(Clone, Default)]
@@ -85,6 +86,7 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
     let settings = LbSettings {
         object: "harvester-node-agent/node-1".into(),
         heartbeat: Duration::from_secs(5),
+        fence_after: FENCE,
         adoption_wait: ADOPTION_WAIT,
         settle: SETTLE,
         leases,
@@ -284,7 +286,8 @@ async fn the_cluster_unreachable_keeps_every_lease() {
     }))
     .await
     .unwrap();
-    tokio::time::sleep(Duration::from_secs(120)).await;
+    // Anything short of the fence.
+    tokio::time::sleep(FENCE - Duration::from_secs(5)).await;
     assert_eq!(r.engine.running(), vec!["hlb-aaaaaaaa"]);
     assert!(
         !r.engine
@@ -619,4 +622,43 @@ async fn no_carrier_on_the_uplink_hands_over_and_holds_nothing_until_it_is_back(
     r.view.lock().unwrap().no_carrier.clear();
     until("held again", || r.engine.running().len() == 2).await;
     until("ready again", || r.writes.last().is_some_and(|s| s.ready)).await;
+}
+
+/// No status written for `fence_after`: every lease is handed over and
+/// none started, even when asked, until a write succeeds; then what is
+/// assigned is held again.
+#[tokio::test(start_paused = true)]
+async fn a_holder_that_cannot_write_for_the_fence_period_lets_go() {
+    let r = rig();
+    let a = assignment("aaaaaaaa");
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the lease", || r.engine.running().len() == 1).await;
+    until("a write", || !r.writes.all().is_empty()).await;
+    r.writes.fail.store(true, Ordering::SeqCst);
+    let cut = Instant::now();
+    until("the fence", || r.engine.running().is_empty()).await;
+    let fenced_after = Instant::now() - cut;
+    assert!(
+        fenced_after >= FENCE - Duration::from_secs(5)
+            && fenced_after <= FENCE + Duration::from_secs(15),
+        "fenced {fenced_after:?} after the last write (fence {FENCE:?}, heartbeat 5 s)"
+    );
+    assert!(r.engine.calls().iter().any(|c| matches!(
+        c,
+        Call::Stop {
+            mode: StopMode::Handover,
+            ..
+        }
+    )));
+    // Asked again while fenced: nothing starts.
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(r.engine.running().is_empty(), "nothing held while fenced");
+    // The API server is back: the next write succeeds and the lease is
+    // held again.
+    r.writes.fail.store(false, Ordering::SeqCst);
+    until("held again", || {
+        r.engine.running() == vec![a.interface.clone()]
+    })
+    .await;
 }

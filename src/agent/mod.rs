@@ -449,6 +449,7 @@ fn spawn_lb(
     let settings = lb::LbSettings {
         object: format!("{}/{}", cfg.namespace, cfg.node_name),
         heartbeat: cfg.lb_heartbeat,
+        fence_after: cfg.lb_fence_after,
         adoption_wait: lb::ADOPTION_WAIT,
         settle: lb::SETTLE,
         leases: crate::lb::apply::Settings {

@@ -147,6 +147,9 @@ pub struct ConfigArgs {
     /// Listen this long for another holder before taking an address over; 0s is off (0s to 5s) [default: 150ms] [env: HNA_LB_TAKEOVER_GUARD]
     #[arg(long, value_name = "DURATION")]
     pub lb_takeover_guard: Option<String>,
+    /// Hand every address over after this long without a status write; 0s is never (10s to 1h) [default: 120s] [env: HNA_LB_FENCE_AFTER]
+    #[arg(long, value_name = "DURATION")]
+    pub lb_fence_after: Option<String>,
     /// Uplink of the LoadBalancer macvlans when a Service names none [default: the default route's interface] [env: HNA_UPLINK]
     #[arg(long, value_name = "IFACE")]
     pub uplink: Option<String>,
@@ -155,7 +158,7 @@ pub struct ConfigArgs {
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 18] = [
+        let pairs: [(&'static str, &Option<String>); 19] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -173,6 +176,7 @@ impl ConfigArgs {
             ("lb_heartbeat", &self.lb_heartbeat),
             ("lb_arp_probe", &self.lb_arp_probe),
             ("lb_takeover_guard", &self.lb_takeover_guard),
+            ("lb_fence_after", &self.lb_fence_after),
             ("uplink", &self.uplink),
         ];
         for (key, value) in pairs {
