@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Endpoints, Node, ObjectReference, Service};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event as KubeEvent, EventType as KubeEventType, Recorder, Reporter};
@@ -35,6 +35,9 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
             .and_then(|s| s.type_.clone())
             .unwrap_or_else(|| "ClusterIP".into()),
         load_balancer_class: spec.and_then(|s| s.load_balancer_class.clone()),
+        // Filled in from the Endpoints by the caller (`world_from`).
+        local_endpoints: (spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local"))
+            .then(Default::default),
         annotations: meta.annotations.clone().unwrap_or_default(),
         ports: spec
             .and_then(|s| s.ports.as_ref())
@@ -194,6 +197,9 @@ pub struct Caches {
     pub services: Store<Service>,
     pub nodes: Store<Node>,
     pub node_objects: Store<LoadBalancerNode>,
+    /// For `externalTrafficPolicy: Local`: which nodes have a ready
+    /// endpoint of a Service.
+    pub endpoints: Store<Endpoints>,
     /// Not part of [`Caches::ready`]: a cluster without the ConfigMap, or
     /// manifests without the right to read it, must not stop the rest.
     pub networks: Arc<std::sync::Mutex<NetworkMap>>,
@@ -206,6 +212,7 @@ impl Caches {
         self.services.wait_until_ready().await.is_ok()
             && self.nodes.wait_until_ready().await.is_ok()
             && self.node_objects.wait_until_ready().await.is_ok()
+            && self.endpoints.wait_until_ready().await.is_ok()
     }
 }
 
@@ -224,6 +231,7 @@ pub fn watch_all(
         "Services",
         w,
         Api::all(client.clone()),
+        |_| {},
         changed.clone(),
         on_error.clone(),
     );
@@ -233,6 +241,23 @@ pub fn watch_all(
         "Nodes",
         w,
         Api::all(client.clone()),
+        // Only the names are read.
+        |n| {
+            n.spec = None;
+            n.status = None;
+            n.metadata.annotations = None;
+            n.metadata.labels = None;
+        },
+        changed.clone(),
+        on_error.clone(),
+    );
+    let (endpoints, w) = reflector::store::<Endpoints>();
+    spawn_watch(
+        tasks,
+        "Endpoints",
+        w,
+        Api::all(client.clone()),
+        strip_endpoints,
         changed.clone(),
         on_error.clone(),
     );
@@ -244,6 +269,7 @@ pub fn watch_all(
         "LoadBalancerNodes",
         w,
         Api::namespaced_with(client.clone(), namespace, &ar),
+        |_| {},
         changed.clone(),
         on_error.clone(),
     );
@@ -253,8 +279,36 @@ pub fn watch_all(
         services,
         nodes,
         node_objects,
+        endpoints,
         networks,
     }
+}
+
+/// An Endpoints object as `externalTrafficPolicy: Local` reads it: which
+/// nodes have a ready endpoint (`subsets[].addresses[].nodeName`); the
+/// rest (addresses, ports, not-ready addresses) is dropped from the cache.
+fn strip_endpoints(e: &mut Endpoints) {
+    e.metadata.annotations = None;
+    e.metadata.labels = None;
+    for s in e.subsets.iter_mut().flatten() {
+        s.ports = None;
+        s.not_ready_addresses = None;
+        for a in s.addresses.iter_mut().flatten() {
+            a.ip = String::new();
+            a.hostname = None;
+            a.target_ref = None;
+        }
+    }
+}
+
+/// The nodes with a ready endpoint in `e`.
+pub fn endpoint_nodes(e: &Endpoints) -> std::collections::BTreeSet<String> {
+    e.subsets
+        .iter()
+        .flatten()
+        .flat_map(|s| s.addresses.iter().flatten())
+        .filter_map(|a| a.node_name.clone())
+        .collect()
 }
 
 /// Keeps `state` at what `kube-system/harvester-nad-mapping` says.
@@ -331,6 +385,7 @@ fn spawn_watch<K>(
     what: &'static str,
     writer: reflector::store::Writer<K>,
     api: Api<K>,
+    strip: fn(&mut K),
     changed: Arc<Notify>,
     on_error: Arc<dyn Fn(String) + Send + Sync>,
 ) where
@@ -343,8 +398,16 @@ fn spawn_watch<K>(
         + 'static,
     K::DynamicType: Clone + Eq + std::hash::Hash + Send + Sync,
 {
-    let stream =
-        reflector::reflector(writer, watcher(api, watcher::Config::default())).default_backoff();
+    // Cached objects keep only what the decision reads (managedFields alone
+    // can be half of an object): bounded memory with thousands of them.
+    let stream = reflector::reflector(
+        writer,
+        watcher(api, watcher::Config::default()).modify(move |o: &mut K| {
+            o.meta_mut().managed_fields = None;
+            strip(o);
+        }),
+    )
+    .default_backoff();
     tasks.spawn(async move {
         let mut stream = std::pin::pin!(stream);
         while let Some(item) = stream.next().await {

@@ -400,9 +400,16 @@ fn world_from(
     let mut versions = HashMap::new();
     let mut services = Vec::new();
     for s in caches.services.state() {
-        let Some(view) = kube_edge::service_in(&s) else {
+        let Some(mut view) = kube_edge::service_in(&s) else {
             continue;
         };
+        if let Some(local) = &mut view.local_endpoints {
+            let key = kube::runtime::reflector::ObjectRef::new(&view.key.name)
+                .within(&view.key.namespace);
+            if let Some(e) = caches.endpoints.get(&key) {
+                *local = kube_edge::endpoint_nodes(&e);
+            }
+        }
         if let Some(rv) = &s.metadata.resource_version {
             versions.insert(format!("service/{}", view.key), rv.clone());
         }

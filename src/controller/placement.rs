@@ -1,10 +1,11 @@
 //! Which node holds which Service's address, as a pure function: stable
-//! (nothing moves while its holder stays eligible), spread (a Service that
+//! (nothing moves while its holder stays eligible and, for
+//! `externalTrafficPolicy: Local`, has a ready endpoint), spread (a Service that
 //! needs a holder goes to the eligible node holding the fewest), and
 //! deterministic (ties are broken by a hash of Service UID and node name,
 //! so every controller replica decides alike).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::contract::ServiceKey;
 
@@ -13,6 +14,9 @@ use crate::contract::ServiceKey;
 pub struct ServiceNeed {
     pub key: ServiceKey,
     pub uid: String,
+    /// Only these nodes may hold it (`externalTrafficPolicy: Local`: those
+    /// with a ready endpoint); `None`: any eligible node.
+    pub only: Option<BTreeSet<String>>,
 }
 
 /// Services to holders (`None`: no eligible node).
@@ -28,9 +32,10 @@ pub fn place(
     let mut load: BTreeMap<&str, usize> = eligible.iter().map(|n| (n.as_str(), 0)).collect();
     let mut out = Placement::new();
     let mut homeless = Vec::new();
+    let allowed = |s: &ServiceNeed, node: &str| s.only.as_ref().is_none_or(|o| o.contains(node));
     for s in services {
         match current.get(&s.key) {
-            Some(holder) if load.contains_key(holder.as_str()) => {
+            Some(holder) if load.contains_key(holder.as_str()) && allowed(s, holder) => {
                 *load.get_mut(holder.as_str()).expect("eligible") += 1;
                 out.insert(s.key.clone(), Some(holder.clone()));
             }
@@ -41,6 +46,7 @@ pub fn place(
     for s in homeless {
         let choice = load
             .iter()
+            .filter(|(node, _)| allowed(s, node))
             .min_by_key(|(node, n)| (**n, tie_break(&s.uid, node)))
             .map(|(node, _)| node.to_string());
         if let Some(node) = &choice {
@@ -66,7 +72,39 @@ mod tests {
                 name: format!("svc-{i:02}"),
             },
             uid: format!("{i:08x}-0000-4000-8000-000000000000"),
+            only: None,
         }
+    }
+
+    /// `externalTrafficPolicy: Local`: only a node with a ready endpoint
+    /// holds it; it stays while its holder keeps one, follows the endpoint
+    /// when it moves, and has no holder when no eligible node has one.
+    #[test]
+    fn a_local_service_goes_only_where_its_endpoints_are() {
+        let eligible = nodes(&["n1", "n2", "n3"]);
+        let mut s = svc(1);
+        s.only = Some(["n3".to_string()].into());
+        let p = place(std::slice::from_ref(&s), &eligible, &BTreeMap::new());
+        assert_eq!(p[&s.key].as_deref(), Some("n3"));
+        // Stays while n3 keeps an endpoint, even with more elsewhere.
+        s.only = Some(["n2".to_string(), "n3".to_string()].into());
+        let current: BTreeMap<ServiceKey, String> = [(s.key.clone(), "n3".to_string())].into();
+        let p = place(std::slice::from_ref(&s), &eligible, &current);
+        assert_eq!(p[&s.key].as_deref(), Some("n3"));
+        // The endpoint moves to n1: so does the holder.
+        s.only = Some(["n1".to_string()].into());
+        let p = place(std::slice::from_ref(&s), &eligible, &current);
+        assert_eq!(p[&s.key].as_deref(), Some("n1"));
+        // Its only endpoint is on a node that is not eligible: no holder.
+        s.only = Some(["n9".to_string()].into());
+        let p = place(std::slice::from_ref(&s), &eligible, &current);
+        assert_eq!(p[&s.key], None);
+        // No endpoint at all: no holder either.
+        s.only = Some(BTreeSet::new());
+        assert_eq!(
+            place(std::slice::from_ref(&s), &eligible, &current)[&s.key],
+            None
+        );
     }
 
     fn nodes(names: &[&str]) -> Vec<String> {

@@ -60,6 +60,9 @@ pub struct ServiceIn {
     /// `spec.type`.
     pub type_: String,
     pub load_balancer_class: Option<String>,
+    /// `externalTrafficPolicy: Local`: the nodes with a ready endpoint,
+    /// the only ones that may hold the address. `None`: `Cluster`.
+    pub local_endpoints: Option<BTreeSet<String>>,
     pub annotations: Annotations,
     pub ports: Vec<Port>,
     /// `status.loadBalancer.ingress` now.
@@ -626,6 +629,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
         .map(|(s, _, _)| ServiceNeed {
             key: s.key.clone(),
             uid: s.uid.clone(),
+            only: s.local_endpoints.clone(),
         })
         .collect();
     let placement = placement::place(&service_needs, &eligible, &current);
@@ -652,7 +656,13 @@ pub fn reconcile(world: World<'_>) -> Plan {
                         s,
                         EventType::Normal,
                         reason::MOVED,
-                        format!("holder moved from {old} (not eligible) to {h}"),
+                        if s.local_endpoints.as_ref().is_some_and(|l| !l.contains(old)) {
+                            format!(
+                                "holder moved from {old} (no ready endpoint there; externalTrafficPolicy: Local) to {h}"
+                            )
+                        } else {
+                            format!("holder moved from {old} (not eligible) to {h}")
+                        },
                     ),
                     Some(_) => {}
                 }
@@ -663,11 +673,19 @@ pub fn reconcile(world: World<'_>) -> Plan {
                     s,
                     EventType::Warning,
                     reason::NO_ELIGIBLE_NODE,
-                    format!(
-                        "no node can hold the address now ({} of {} eligible)",
-                        eligible.len(),
-                        node_names.len()
-                    ),
+                    match &s.local_endpoints {
+                        Some(local) => format!(
+                            "no node can hold the address now: externalTrafficPolicy: Local and no eligible node has a ready endpoint ({} with one, {} of {} eligible)",
+                            local.len(),
+                            eligible.len(),
+                            node_names.len()
+                        ),
+                        None => format!(
+                            "no node can hold the address now ({} of {} eligible)",
+                            eligible.len(),
+                            node_names.len()
+                        ),
+                    },
                 );
                 was.cloned()
             }
@@ -943,6 +961,7 @@ mod tests {
             uid: uid(name),
             type_: "LoadBalancer".into(),
             load_balancer_class: None,
+            local_endpoints: None,
             annotations: [(harvester::IPAM.to_string(), "dhcp".to_string())].into(),
             ports: ports.iter().map(|p| port(*p)).collect(),
             ingress: Vec::new(),

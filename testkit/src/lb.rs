@@ -429,17 +429,58 @@ impl LbRig {
         annotations: &[(&str, &str)],
         ports: &[u16],
     ) -> Result<Service> {
+        self.create_service_with(name, annotations, ports, serde_json::json!({}))
+    }
+
+    /// [`LbRig::create_service`] with more `spec` fields (e.g.
+    /// `{"externalTrafficPolicy": "Local"}`).
+    pub fn create_service_with(
+        &self,
+        name: &str,
+        annotations: &[(&str, &str)],
+        ports: &[u16],
+        spec: serde_json::Value,
+    ) -> Result<Service> {
         let annotations: BTreeMap<&str, &str> = annotations.iter().copied().collect();
         let ports: Vec<serde_json::Value> = ports
             .iter()
             .map(|p| serde_json::json!({"name": format!("p{p}"), "port": p, "protocol": "TCP", "targetPort": LISTEN_PORT}))
             .collect();
-        let svc: Service = serde_json::from_value(serde_json::json!({
+        let mut body = serde_json::json!({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": name, "annotations": annotations},
             "spec": {"type": "LoadBalancer", "ports": ports, "selector": {"app": name}},
-        }))?;
+        });
+        if let Some(extra) = spec.as_object() {
+            for (k, v) in extra {
+                body["spec"][k] = v.clone();
+            }
+        }
+        let svc: Service = serde_json::from_value(body)?;
         Ok(self.block_on(self.services().create(&PostParams::default(), &svc))?)
+    }
+
+    /// Service `name`'s Endpoints: one ready endpoint on each of `nodes`
+    /// (the rig runs no kube-controller-manager, so the test says where
+    /// the Pods are). Created or replaced.
+    pub fn set_endpoints(&self, name: &str, nodes: &[String]) -> Result<()> {
+        let api: Api<k8s_openapi::api::core::v1::Endpoints> =
+            Api::namespaced(self.admin.clone(), "default");
+        let addresses: Vec<serde_json::Value> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| serde_json::json!({"ip": format!("10.42.0.{}", i + 10), "nodeName": n}))
+            .collect();
+        let body = serde_json::json!({
+            "apiVersion": "v1", "kind": "Endpoints",
+            "metadata": {"name": name, "namespace": "default"},
+            "subsets": if nodes.is_empty() { serde_json::json!([]) } else {
+                serde_json::json!([{"addresses": addresses, "ports": [{"port": LISTEN_PORT, "protocol": "TCP"}]}])
+            },
+        });
+        let pp = PatchParams::apply("hna-rig").force();
+        self.block_on(api.patch(name, &pp, &Patch::Apply(&body)))?;
+        Ok(())
     }
 
     pub fn service(&self, name: &str) -> Option<Service> {

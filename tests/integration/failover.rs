@@ -22,6 +22,7 @@ tests! {
     a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     the_leader_dying_with_the_holder_still_moves_it_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_local_service_is_held_where_its_endpoint_is_and_follows_it: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 const WITHIN: Duration = Duration::from_secs(30);
@@ -284,4 +285,60 @@ fn the_leader_dying_with_the_holder_still_moves_it_within_five_seconds() -> Resu
     )?;
     clean(&f, Duration::from_secs(5))?;
     reachable(&lb, &f)
+}
+
+/// `externalTrafficPolicy: Local`: the holder is the node with the ready
+/// endpoint, and when the endpoint moves the address follows it, never on
+/// two nodes at once (the new holder waits, guarded, until the old one has
+/// let go).
+fn a_local_service_is_held_where_its_endpoint_is_and_follows_it() -> Result<()> {
+    let lb = LbRig::start(options())?;
+    let guests = guest_namespaces(&lb).len();
+    let first = guests - 1;
+    lb.set_endpoints("web", &[lb.node_name(first)])?;
+    lb.create_service_with(
+        "web",
+        &[(failover::IPAM, "dhcp")],
+        &[LISTEN_PORT],
+        serde_json::json!({"externalTrafficPolicy": "Local"}),
+    )?;
+    let ip = lb.wait_ingress("web", Duration::from_secs(60));
+    let on_first = wait_for(WITHIN, || {
+        let c = lb.carriers(ip);
+        (c.len() == 1 && c[0].0 == lb.node_name(first)).then_some(())
+    });
+    ensure!(
+        on_first.is_some(),
+        "{ip} not on {} (the endpoint's node): {:?}",
+        lb.node_name(first),
+        lb.carriers(ip)
+    );
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    lb.set_endpoints("web", &[lb.node_name(0)])?;
+    let moved = wait_for(Duration::from_secs(15), || {
+        watch.taken_by_other(ip, first, t0)
+    });
+    let story = timeline(&watch, ip, t0);
+    let Some((at, to)) = moved else {
+        anyhow::bail!(
+            "{ip} did not follow the endpoint:\n{story}\n{}",
+            lb.diagnostics()
+        );
+    };
+    println!(
+        "endpoint moved to guest 0: {ip} followed in {:?}\n{story}",
+        at - t0
+    );
+    ensure!(
+        to == 0,
+        "{ip} went to guest {to}, not guest 0 (the endpoint's node)"
+    );
+    ensure!(
+        watch.overlaps(ip).is_empty(),
+        "two guests held {ip}:\n{story}"
+    );
+    let answer = lb.tcp_from_client(ip, LISTEN_PORT)?;
+    ensure!(answer == lb.node_name(0), "{ip} answered `{answer}`");
+    Ok(())
 }
