@@ -713,29 +713,11 @@ pub fn duration_between_ms(v: &str, min_ms: u64, max_ms: u64) -> Result<Duration
 
 /// A duration from zero up to `max`.
 pub fn duration_up_to(v: &str, max: Duration) -> Result<Duration, String> {
-    let d = crate::duration::parse_duration(v)?;
-    if d > max {
-        return Err(format!(
-            "{} is out of range; use a value between 0s and {}",
-            humantime::format_duration(d),
-            humantime::format_duration(max)
-        ));
-    }
-    Ok(d)
+    duration_between_ms(v, 0, max.as_millis() as u64)
 }
 
 pub fn duration_between(v: &str, min_secs: u64, max_secs: u64) -> Result<Duration, String> {
-    let d = crate::duration::parse_duration(v)?;
-    let (min, max) = (Duration::from_secs(min_secs), Duration::from_secs(max_secs));
-    if d < min || d > max {
-        return Err(format!(
-            "{} is out of range; use a value between {} and {}",
-            humantime::format_duration(d),
-            humantime::format_duration(min),
-            humantime::format_duration(max)
-        ));
-    }
-    Ok(d)
+    duration_between_ms(v, min_secs * 1000, max_secs * 1000)
 }
 
 /// `auto`, `journald` or `stderr`.

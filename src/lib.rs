@@ -31,45 +31,39 @@
 //! - [`logging`]: journald or stderr;
 //! - [`cli`]: subcommands and exit codes.
 
-#[cfg(feature = "node")]
-pub mod agent;
-#[cfg(feature = "node")]
-pub mod check;
-#[cfg(feature = "node")]
-pub mod cli;
-#[cfg(feature = "node")]
-pub mod cluster;
-#[cfg(feature = "node")]
-pub mod config;
-#[cfg(feature = "node")]
-pub mod contract;
-#[cfg(feature = "node")]
-pub mod control;
-#[cfg(feature = "node")]
-pub mod controller;
 pub mod dhcp;
-#[cfg(feature = "node")]
-pub mod duration;
-#[cfg(feature = "node")]
-pub mod guest;
-#[cfg(feature = "node")]
-pub mod health;
-#[cfg(feature = "node")]
-pub mod k8s_names;
-#[cfg(feature = "node")]
-pub mod kmod;
-#[cfg(feature = "node")]
-pub mod lb;
-#[cfg(feature = "node")]
-pub mod logging;
 pub mod mac;
-#[cfg(feature = "node")]
-pub mod metrics;
-#[cfg(feature = "node")]
-pub mod node_status;
-#[cfg(feature = "node")]
-pub mod state_dir;
-#[cfg(feature = "node")]
-pub mod systemd;
-#[cfg(feature = "node")]
-pub mod topology;
+
+/// Declares the modules that need the `node` feature (everything but the
+/// DHCP engine; see Cargo.toml).
+macro_rules! node_modules {
+    ($($module:ident),* $(,)?) => {
+        $(
+            #[cfg(feature = "node")]
+            pub mod $module;
+        )*
+    };
+}
+
+node_modules!(
+    agent,
+    check,
+    cli,
+    cluster,
+    config,
+    contract,
+    control,
+    controller,
+    duration,
+    guest,
+    health,
+    k8s_names,
+    kmod,
+    lb,
+    logging,
+    metrics,
+    node_status,
+    state_dir,
+    systemd,
+    topology
+);
