@@ -188,7 +188,8 @@ impl LbRig {
             .unwrap_or_else(|| panic!("no guest runs node {node}"))
     }
 
-    fn register_node(&self, name: &str) -> Result<()> {
+    /// Creates the Kubernetes Node `name` (as a kubelet registering).
+    pub fn register_node(&self, name: &str) -> Result<()> {
         let nodes: Api<Node> = Api::all(self.admin.clone());
         let node: Node = serde_json::from_value(serde_json::json!({
             "apiVersion": "v1", "kind": "Node", "metadata": {"name": name}
@@ -324,6 +325,11 @@ impl LbRig {
             .context("starting a controller")?;
         self.controllers[i] = Some(Proc { child });
         Ok(())
+    }
+
+    /// Controller replica `i`'s process id while it runs.
+    pub fn controller_pid(&self, i: usize) -> Option<u32> {
+        self.controllers.get(i)?.as_ref().map(|p| p.child.id())
     }
 
     pub fn kill_controller(&mut self, i: usize) {

@@ -1,0 +1,265 @@
+//! The controller at scale (issue #11): 1,000 DHCP Services over 50 nodes'
+//! objects, on the rig's real kube-apiserver, with one real controller
+//! replica. The 50 node agents are simulated by this bench (a loop that,
+//! every second, writes each node's status: a fresh heartbeat and every
+//! assigned lease BOUND), since 50 real agents need 50 VMs' worth of
+//! namespaces and DHCP; the controller cannot tell the difference, it only
+//! reads the objects.
+//!
+//! Measures: time until all 1,000 have an address in status; the
+//! controller's resident memory (VmRSS) then and after a minute of steady
+//! state; its API writes per second in that minute (the agents' heartbeats,
+//! 50 per second here, come on top); and, after a controller restart, the
+//! time until the new one has reconciled everything and how many writes
+//! that took.
+//!
+//! ```text
+//! sudo cargo bench --bench scale [-- --services 1000 --nodes 50 --steady 60]
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use harvester_node_agent::contract::harvester;
+use harvester_node_agent::contract::node_object::{self, LeaseReport, LoadBalancerNode, Status};
+use hna_testkit::lb::{self, LbRig};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+
+const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+
+fn main() -> Result<()> {
+    let (mut services, mut nodes, mut steady) = (1000usize, 50usize, 60u64);
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        // cargo bench passes --bench; nothing else is expected.
+        let mut next = || args.next().with_context(|| format!("{a} N"));
+        match a.as_str() {
+            "--services" => services = next()?.parse()?,
+            "--nodes" => nodes = next()?.parse()?,
+            "--steady" => steady = next()?.parse()?,
+            _ => {}
+        }
+    }
+    ensure!(
+        services >= 1 && nodes >= 1,
+        "--services and --nodes at least 1"
+    );
+    let port = free_port()?;
+    let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes");
+    let mut lb = LbRig::start(lb::Options {
+        guests: 0,
+        controllers: 1,
+        controller_args: vec!["--metrics-listen".into(), format!("127.0.0.1:{port}")],
+        ..lb::Options::new(BIN, &manifests)
+    })?;
+    for n in 0..nodes {
+        lb.register_node(&format!("scale-node-{n:02}"))?;
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let agents = {
+        let client = lb.admin();
+        let stop = stop.clone();
+        std::thread::spawn(move || simulated_agents(client, stop))
+    };
+
+    let t0 = Instant::now();
+    for i in 0..services {
+        lb.create_service(
+            &format!("scale-{i:04}"),
+            &[(harvester::IPAM, "dhcp")],
+            &[80],
+        )?;
+    }
+    let created = t0.elapsed();
+    let served = wait_served(port, services, Duration::from_secs(600))?;
+    let converged = t0.elapsed();
+    let rss_converged = rss_kib(lb.controller_pid(0).context("controller pid")?)?;
+    eprintln!("{services} Services created in {created:?}, all served after {converged:?}");
+
+    let before = metrics(port)?;
+    std::thread::sleep(Duration::from_secs(steady));
+    let after = metrics(port)?;
+    let rss_steady = rss_kib(lb.controller_pid(0).context("controller pid")?)?;
+    let writes = writes_total(&after) - writes_total(&before);
+    let reconciles = counter(&after, "hna_controller_reconciles_total")
+        - counter(&before, "hna_controller_reconciles_total");
+
+    lb.kill_controller(0);
+    let restarted = Instant::now();
+    lb.start_controller(0)?;
+    wait_served(port, services, Duration::from_secs(600))?;
+    let took = restarted.elapsed();
+    let restart_writes = writes_total(&metrics(port)?);
+    let rss_restart = rss_kib(lb.controller_pid(0).context("controller pid")?)?;
+
+    stop.store(true, Ordering::SeqCst);
+    let agent_writes = agents.join().expect("agents")?;
+
+    println!(
+        "\n{services} DHCP Services, {nodes} nodes (simulated agents, heartbeat 1 s), one controller"
+    );
+    println!(
+        "all {served} served after creation began       {:>10.1} s",
+        converged.as_secs_f64()
+    );
+    println!("controller VmRSS when converged              {rss_converged:>10} KiB");
+    println!("controller VmRSS after {steady} s steady           {rss_steady:>10} KiB");
+    println!(
+        "controller writes per second, steady         {:>10.2} (reconcile passes: {:.2}/s)",
+        writes as f64 / steady as f64,
+        reconciles as f64 / steady as f64
+    );
+    println!(
+        "agents' status writes per second (simulated) {:>10.1}",
+        agent_writes.per_second
+    );
+    println!(
+        "restart: start → everything reconciled       {:>10.1} s",
+        took.as_secs_f64()
+    );
+    println!("restart: writes the new controller made      {restart_writes:>10}");
+    println!("controller VmRSS after the restart           {rss_restart:>10} KiB");
+    Ok(())
+}
+
+struct AgentWrites {
+    per_second: f64,
+}
+
+/// Every second, every node's status: a new heartbeat, ready, and each
+/// assignment's lease BOUND at its requested address (or one made up from
+/// the Service's place in the list).
+fn simulated_agents(client: kube::Client, stop: Arc<AtomicBool>) -> Result<AgentWrites> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let api: Api<LoadBalancerNode> =
+            Api::namespaced_with(client, lb::NAMESPACE, &node_object::api_resource());
+        let mut addresses: BTreeMap<String, String> = BTreeMap::new();
+        let (start, mut writes) = (Instant::now(), 0u64);
+        let mut beat = 0u64;
+        while !stop.load(Ordering::SeqCst) {
+            let round = Instant::now();
+            beat += 1;
+            for o in api.list(&ListParams::default()).await?.items {
+                let Some(name) = o.metadata.name.clone() else {
+                    continue;
+                };
+                let leases: Vec<LeaseReport> = o
+                    .spec
+                    .assignments
+                    .iter()
+                    .filter(|a| !a.release)
+                    .map(|a| {
+                        let n = addresses.len();
+                        let address = a.requested_ip.clone().unwrap_or_else(|| {
+                            addresses
+                                .entry(a.uid.clone())
+                                .or_insert_with(|| {
+                                    format!(
+                                        "10.{}.{}.{}",
+                                        100 + n / 65536,
+                                        (n / 256) % 256,
+                                        n % 256
+                                    )
+                                })
+                                .clone()
+                        });
+                        LeaseReport {
+                            service: a.service.clone(),
+                            interface: a.interface.clone(),
+                            state: "BOUND".into(),
+                            address: Some(address),
+                            mac: a.mac.clone(),
+                            ..LeaseReport::default()
+                        }
+                    })
+                    .collect();
+                let status = Status {
+                    heartbeat: Some(format!("simulated-{beat}")),
+                    ready: true,
+                    reason: "Ready".into(),
+                    macvlan_ready: true,
+                    default_uplink: Some("eth0".into()),
+                    held: leases.len() as u32,
+                    addresses: String::new(),
+                    leases,
+                    agent_version: "simulated".into(),
+                };
+                let patch = serde_json::json!({ "status": status });
+                api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await?;
+                writes += 1;
+            }
+            if let Some(rest) = Duration::from_secs(1).checked_sub(round.elapsed()) {
+                tokio::time::sleep(rest).await;
+            }
+        }
+        Ok(AgentWrites {
+            per_second: writes as f64 / start.elapsed().as_secs_f64(),
+        })
+    })
+}
+
+/// Waits until the controller's metrics say `n` Services are served.
+fn wait_served(port: u16, n: usize, within: Duration) -> Result<usize> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(m) = metrics(port) {
+            let served = counter(&m, "hna_controller_services{state=\"served\"}") as usize;
+            if served >= n {
+                return Ok(served);
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("not all {n} Services served within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn metrics(port: u16) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
+}
+
+/// The value of the sample whose name and labels are exactly `series`.
+fn counter(metrics: &str, series: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn writes_total(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("hna_controller_writes_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .context("VmRSS")
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
