@@ -2,7 +2,8 @@
 //! tests (which assert on one run) and `benches/failover.rs` (which runs
 //! each many times): serve a Service, do something to its holder, and time
 //! until another guest holds the address, as the guests' kernels report
-//! it ([`AddressWatch`]).
+//! it ([`AddressWatch`]), while a client on the LAN asks who has the
+//! address every 10 ms ([`ArpProber`]).
 
 use std::net::Ipv4Addr;
 use std::process::Command;
@@ -11,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail, ensure};
 
 use crate::addrwatch::AddressWatch;
+use crate::arpprobe::{ArpProber, ArpRecord};
 use crate::lb::{LISTEN_PORT, LbRig, wait_for};
 
 /// The Service annotation that asks for a DHCP address
@@ -58,16 +60,26 @@ pub struct Failover {
     /// When the fault was done.
     pub t0: Instant,
     pub watch: AddressWatch,
+    /// ARP every 10 ms from the client, from before the fault to half a
+    /// second after the takeover.
+    pub arp: ArpRecord,
 }
 
 impl Failover {
-    /// Moments two guests held the address.
+    /// Moments two guests held the address, and ARP requests two answered.
     pub fn overlaps(&self) -> usize {
-        self.watch.overlaps(self.ip).len()
+        self.watch.overlaps(self.ip).len() + self.arp.doubly_answered().len()
     }
 
     pub fn story(&self) -> String {
-        timeline(&self.watch, self.ip, self.t0)
+        format!(
+            "{}\nARP every {:?}: {} requests, at most {} answers to one, longest without an answer {:.0} ms",
+            timeline(&self.watch, self.ip, self.t0),
+            self.arp.every,
+            self.arp.probes.len(),
+            self.arp.most_answers(),
+            self.arp.longest_silence().as_secs_f64() * 1e3
+        )
     }
 }
 
@@ -132,6 +144,7 @@ pub fn fail_over(lb: &mut LbRig, name: &str, fault: Fault, within: Duration) -> 
         _ => None,
     };
     let watch = AddressWatch::start(&guest_namespaces(lb))?;
+    let prober = arp_prober(lb, ip)?;
     let t0 = Instant::now();
     match fault {
         Fault::Graceful => {
@@ -156,6 +169,10 @@ pub fn fail_over(lb: &mut LbRig, name: &str, fault: Fault, within: Duration) -> 
             timeline(&watch, ip, t0)
         );
     };
+    // Long enough after the takeover for the new holder's answers.
+    let settled = at + Duration::from_millis(500);
+    std::thread::sleep(settled.saturating_duration_since(Instant::now()));
+    let arp = prober.finish()?;
     Ok(Failover {
         ip,
         from,
@@ -163,5 +180,23 @@ pub fn fail_over(lb: &mut LbRig, name: &str, fault: Fault, within: Duration) -> 
         took: at - t0,
         t0,
         watch,
+        arp,
     })
+}
+
+/// Asks who has `ip` every 10 ms from the rig's client host.
+pub fn arp_prober(lb: &LbRig, ip: Ipv4Addr) -> Result<ArpProber> {
+    let client = lb
+        .rig
+        .lan_hosts()
+        .iter()
+        .find(|h| h.ns == lb.client_ns)
+        .ok_or_else(|| anyhow::anyhow!("no client host"))?;
+    ArpProber::start(
+        &client.ns,
+        "eth0",
+        client.addr,
+        ip,
+        Duration::from_millis(10),
+    )
 }

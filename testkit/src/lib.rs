@@ -14,6 +14,7 @@
 //! the agent's library, in the caller) from the outside.
 
 pub mod addrwatch;
+pub mod arpprobe;
 pub mod failover;
 pub mod lb;
 pub mod prereq;

@@ -105,6 +105,7 @@ fn a_frozen_holder_keeps_its_address_until_it_is_gone() -> Result<()> {
     let mut lb = LbRig::start(options())?;
     let (ip, holder) = served(&lb, "web")?;
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let prober = failover::arp_prober(&lb, ip)?;
     let t0 = Instant::now();
     lb.signal_agent(holder, Signal::SIGSTOP);
     // The controller gives up on the silent node and assigns the Service
@@ -136,15 +137,37 @@ fn a_frozen_holder_keeps_its_address_until_it_is_gone() -> Result<()> {
     lb.signal_agent(holder, Signal::SIGKILL);
     lb.start_agent(holder)?;
     let taken = wait_for(WITHIN, || watch.taken_by_other(ip, holder, killed));
-    let story = timeline(&watch, ip, t0);
     let Some((at, by)) = taken else {
-        anyhow::bail!("{ip} never moved after the restart:\n{story}");
+        anyhow::bail!(
+            "{ip} never moved after the restart:\n{}",
+            timeline(&watch, ip, t0)
+        );
     };
+    std::thread::sleep((at + Duration::from_millis(500)).saturating_duration_since(Instant::now()));
+    let arp = prober.finish()?;
+    let silence = arp.longest_silence();
+    let story = format!(
+        "{}\nARP every 10 ms: {} requests, at most {} answers to one, longest without an answer {:.0} ms",
+        timeline(&watch, ip, t0),
+        arp.probes.len(),
+        arp.most_answers(),
+        silence.as_secs_f64() * 1e3
+    );
     println!(
         "frozen guest {holder} at +0; guest {waiting} GUARDED by +{:.1}s; killed and restarted at +{:.1}s; guest {by} held {ip} at +{:.1}s\n{story}",
         (guarded_at - t0).as_secs_f64(),
         (killed - t0).as_secs_f64(),
         (at - t0).as_secs_f64()
+    );
+    ensure!(
+        arp.doubly_answered().is_empty(),
+        "two hosts answered ARP for {ip} at once:\n{story}"
+    );
+    // The frozen node's kernel answered until the restarted agent removed
+    // its link: the only silence is the handover after that.
+    ensure!(
+        silence < Duration::from_secs(2),
+        "{ip} unanswered for {silence:?}:\n{story}"
     );
     ensure!(
         by == waiting,
