@@ -514,9 +514,12 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                     }
                     self.write_error = Some(e);
                     let silent = self.last_write_ok.elapsed();
+                    // Only when something is held: a node that never
+                    // joined has nothing to let go of (and nothing to log).
                     if !self.fenced
                         && !self.settings.fence_after.is_zero()
                         && silent >= self.settings.fence_after
+                        && !self.engine.snapshot().is_empty()
                     {
                         self.fence().await;
                     }
