@@ -274,17 +274,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_healthy_node_is_five_parts_and_no_hint() {
-        let (d, m, g, t, l, c) = (
-            dir(true),
-            macvlan(crate::kmod::Reason::Loaded, ""),
-            guest(crate::guest::Reason::Ready, Status::Ok, ""),
-            topology_relayed(),
-            lb(2, 2, true, "Ready"),
-            connected(),
-        );
-        let line = summary(&Summary {
+    /// The line for node `rke2-pool1-7f9c4-x2k8p` from its parts.
+    fn pool_node_line(
+        (d, m, g, t, l, c): (
+            StateDirStatus,
+            MacvlanState,
+            GuestAgentState,
+            TopologyState,
+            LbStatus,
+            ClusterState,
+        ),
+    ) -> String {
+        summary(&Summary {
             node: "rke2-pool1-7f9c4-x2k8p",
             state_dir: &d,
             cluster: &c,
@@ -292,7 +293,18 @@ mod tests {
             guest: &g,
             topology: &t,
             lb: &l,
-        });
+        })
+    }
+
+    #[test]
+    fn a_healthy_node_is_five_parts_and_no_hint() {
+        let line = pool_node_line((
+            dir(true),
+            macvlan(crate::kmod::Reason::Loaded, ""),
+            guest(crate::guest::Reason::Ready, Status::Ok, ""),
+            topology_relayed(),
+            lb(2, 2, true, "Ready"),
+            connected()));
         assert_eq!(
             line,
             "node rke2-pool1-7f9c4-x2k8p: macvlan Loaded; qemu-ga Ready; lb 2/2 held; \
@@ -308,7 +320,7 @@ mod tests {
 
     #[test]
     fn one_missing_module_fits_and_points_to_check() {
-        let (d, m, g, t, l, c) = (
+        let line = pool_node_line((
             dir(true),
             macvlan(
                 crate::kmod::Reason::ModuleNotFound,
@@ -317,17 +329,7 @@ mod tests {
             guest(crate::guest::Reason::Ready, Status::Ok, ""),
             topology_relayed(),
             lb(0, 2, false, "macvlan not ready: macvlan ModuleNotFound"),
-            connected(),
-        );
-        let line = summary(&Summary {
-            node: "rke2-pool1-7f9c4-x2k8p",
-            state_dir: &d,
-            cluster: &c,
-            macvlan: &m,
-            guest: &g,
-            topology: &t,
-            lb: &l,
-        });
+            connected()));
         assert_eq!(
             line,
             "node rke2-pool1-7f9c4-x2k8p: macvlan ModuleNotFound; qemu-ga Ready; \
