@@ -416,18 +416,20 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
         // Not failures to retry: the carrier's return starts a round.
         let retry_for_failures = !self.failures.is_empty();
         self.failures.extend(cut_off);
-        if retry_for_failures {
-            self.retry_at = Some(Instant::now() + self.backoff);
-            self.backoff = (self.backoff * 2).min(RETRY_MAX);
-        } else if !self.guarded.is_empty() {
-            // Not a failure: the other holder goes when its agent (or
-            // systemd's watchdog) acts, so look again soon, every time.
-            self.retry_at = Some(Instant::now() + GUARD_RETRY);
-            self.backoff = RETRY_MIN;
+        let failed_retry = retry_for_failures.then(|| Instant::now() + self.backoff);
+        self.backoff = if retry_for_failures {
+            (self.backoff * 2).min(RETRY_MAX)
         } else {
-            self.retry_at = None;
-            self.backoff = RETRY_MIN;
-        }
+            RETRY_MIN
+        };
+        // A guarded start is no failure: the other holder goes when its
+        // agent (or systemd's watchdog) acts, so look again soon, every
+        // time, whatever else is backing off.
+        let guard_retry = (!self.guarded.is_empty()).then(|| Instant::now() + GUARD_RETRY);
+        self.retry_at = match (failed_retry, guard_retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
     }
 
     /// The agent is stopping: every address goes at once (handover: no
