@@ -1,7 +1,8 @@
 //! Failover distributions (issue #11) on the rig with the product's default
 //! timings: for each fault done to a Service's holder, the time until
 //! another guest holds the address, as the guests' kernels report it
-//! (`ip monitor address`), over N runs (default 10), each on a fresh rig;
+//! (`ip monitor address`), over N runs (default 10), each on a fresh rig,
+//! the fault spread over the holder's heartbeat period;
 //! beside it, the longest time a client on the LAN asking who has the
 //! address every 10 ms got no answer. Also counts the moments two guests
 //! held the address or answered one request (must be 0).
@@ -14,7 +15,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use hna_testkit::failover::{Fault, fail_over};
+use hna_testkit::failover::{Fault, fail_over_after};
 use hna_testkit::lb::{self, LbRig};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
@@ -37,11 +38,15 @@ fn main() -> Result<()> {
         let mut overlaps = 0;
         for run in 0..runs {
             let mut lb = LbRig::start(lb::Options::new(BIN, &manifests))?;
-            let f = fail_over(
+            // Spread over one heartbeat period (1 s): run k of n faults k/n
+            // of the way through it from wherever the phase starts.
+            let delay = Duration::from_millis((1000 * run / runs) as u64);
+            let f = fail_over_after(
                 &mut lb,
                 &format!("bench-{run}"),
                 fault,
                 Duration::from_secs(20),
+                delay,
             )
             .with_context(|| format!("{} run {run}", fault.label()))?;
             eprintln!("{}: run {run}: {:.0} ms", fault.label(), ms(f.took));

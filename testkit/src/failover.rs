@@ -132,6 +132,21 @@ pub fn set_cable(lb: &LbRig, i: usize, up: bool) -> Result<()> {
 /// Serves Service `name`, does `fault` to its holder and waits up to
 /// `within` for another guest to hold the address.
 pub fn fail_over(lb: &mut LbRig, name: &str, fault: Fault, within: Duration) -> Result<Failover> {
+    fail_over_after(lb, name, fault, within, Duration::ZERO)
+}
+
+/// [`fail_over`], with the fault `delay` after the watches are up. A
+/// benchmark spreads `delay` over a heartbeat period: otherwise the fault
+/// comes at the same point of the holder's heartbeat cycle every run (its
+/// lease's BOUND write sets the phase), and a distribution would show only
+/// that one point.
+pub fn fail_over_after(
+    lb: &mut LbRig,
+    name: &str,
+    fault: Fault,
+    within: Duration,
+    delay: Duration,
+) -> Result<Failover> {
     let (ip, from) = served(lb, name)?;
     let leader = match fault {
         Fault::LeaderAndHolder => {
@@ -145,6 +160,7 @@ pub fn fail_over(lb: &mut LbRig, name: &str, fault: Fault, within: Duration) -> 
     };
     let watch = AddressWatch::start(&guest_namespaces(lb))?;
     let prober = arp_prober(lb, ip)?;
+    std::thread::sleep(delay);
     let t0 = Instant::now();
     match fault {
         Fault::Graceful => {
