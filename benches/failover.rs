@@ -8,7 +8,7 @@
 //! held the address or answered one request (must be 0).
 //!
 //! ```text
-//! sudo cargo bench --bench failover [-- --runs 10]
+//! sudo cargo bench --bench failover [-- --runs 10] [--only LABEL-PREFIX]
 //! ```
 
 use std::path::Path;
@@ -22,17 +22,23 @@ const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
 
 fn main() -> Result<()> {
     let mut runs = 10usize;
+    let mut only: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         // cargo bench passes --bench; nothing else is expected.
-        if a == "--runs" {
-            runs = args.next().context("--runs N")?.parse()?;
+        match a.as_str() {
+            "--runs" => runs = args.next().context("--runs N")?.parse()?,
+            "--only" => only = Some(args.next().context("--only LABEL-PREFIX")?),
+            _ => {}
         }
     }
     ensure!(runs >= 1, "--runs must be at least 1");
     let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes");
     let mut rows = Vec::new();
-    for fault in Fault::ALL {
+    for fault in Fault::ALL
+        .into_iter()
+        .filter(|f| only.as_deref().is_none_or(|p| f.label().starts_with(p)))
+    {
         let mut took = Vec::new();
         let mut silence = Vec::new();
         let mut overlaps = 0;
