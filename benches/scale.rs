@@ -63,7 +63,15 @@ fn main() -> Result<()> {
     let agents = {
         let client = lb.admin();
         let stop = stop.clone();
-        std::thread::spawn(move || simulated_agents(client, stop))
+        std::thread::spawn(move || {
+            let r = simulated_agents(client, stop.clone());
+            if let Err(e) = &r {
+                // Say so at once: the controller would wait for ever.
+                eprintln!("simulated agents failed: {e:#}");
+                std::process::exit(1);
+            }
+            r
+        })
     };
 
     let t0 = Instant::now();
@@ -181,7 +189,16 @@ fn simulated_agents(client: kube::Client, stop: Arc<AtomicBool>) -> Result<Agent
                     })
                     .collect();
                 let status = Status {
-                    heartbeat: Some(format!("simulated-{beat}")),
+                    // RFC 3339 (the CRD says date-time), a millisecond
+                    // later each round so it always changes.
+                    heartbeat: Some(
+                        humantime::format_rfc3339_millis(
+                            std::time::SystemTime::UNIX_EPOCH
+                                + Duration::from_secs(1_700_000_000)
+                                + Duration::from_millis(beat),
+                        )
+                        .to_string(),
+                    ),
                     ready: true,
                     reason: "Ready".into(),
                     macvlan_ready: true,
