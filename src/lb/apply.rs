@@ -81,67 +81,69 @@ pub async fn apply<E: LeaseEngine>(
 ) -> Vec<Outcome> {
     let mut out = Vec::with_capacity(actions.len());
     for action in actions {
-        let (interface, result) = match action {
+        let outcome = match action {
             Action::Stop { interface, mode } => {
-                let r = engine
+                let result = engine
                     .stop(&interface, mode)
                     .await
                     .map_err(|e| e.to_string());
-                (interface, r)
+                Outcome {
+                    interface,
+                    result,
+                    guarded: false,
+                }
             }
             Action::Start(w) => {
-                let cfg = match lease_config(&w, settings) {
-                    Ok(cfg) => cfg,
-                    Err(e) => {
-                        out.push(Outcome {
-                            interface: w.interface,
-                            result: Err(e),
-                            guarded: false,
-                        });
-                        continue;
-                    }
-                };
-                if let Some(addr) = w.requested_ip
-                    && !settings.takeover_guard.is_zero()
-                {
-                    let answered = engine
-                        .answered(&cfg.parent, addr, guard_probe(settings.takeover_guard))
-                        .await;
-                    let stop = match answered {
-                        Ok(false) => None,
-                        Ok(true) => Some((
-                            format!(
-                                "{addr} still answers on {}'s LAN (another node holds it): waiting until it stops before taking it over",
-                                cfg.parent
-                            ),
-                            true,
-                        )),
-                        Err(e) => Some((format!("takeover guard for {addr}: {e}"), false)),
-                    };
-                    if let Some((message, guarded)) = stop {
-                        out.push(Outcome {
-                            interface: w.interface,
-                            result: Err(message),
-                            guarded,
-                        });
-                        continue;
-                    }
+                let (result, guarded) = start(engine, &w, settings).await;
+                Outcome {
+                    interface: w.interface,
+                    result,
+                    guarded,
                 }
-                let r = engine
-                    .start(cfg)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string());
-                (w.interface, r)
             }
         };
-        out.push(Outcome {
-            interface,
-            result,
-            guarded: false,
-        });
+        out.push(outcome);
     }
     out
+}
+
+/// One start, behind the takeover guard when the address is known: the
+/// result, and whether the guard held it back.
+async fn start<E: LeaseEngine>(
+    engine: &E,
+    w: &Want,
+    settings: &Settings,
+) -> (Result<(), String>, bool) {
+    let cfg = match lease_config(w, settings) {
+        Ok(cfg) => cfg,
+        Err(e) => return (Err(e), false),
+    };
+    if let Some(addr) = w.requested_ip
+        && !settings.takeover_guard.is_zero()
+    {
+        let answered = engine
+            .answered(&cfg.parent, addr, guard_probe(settings.takeover_guard))
+            .await;
+        match answered {
+            Ok(false) => {}
+            Ok(true) => {
+                return (
+                    Err(format!(
+                        "{addr} still answers on {}'s LAN (another node holds it): waiting until it stops before taking it over",
+                        cfg.parent
+                    )),
+                    true,
+                );
+            }
+            Err(e) => return (Err(format!("takeover guard for {addr}: {e}")), false),
+        }
+    }
+    let result = engine
+        .start(cfg)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string());
+    (result, false)
 }
 
 #[cfg(test)]

@@ -166,10 +166,7 @@ fn open(ifname: &str) -> Result<(OwnedFd, i32)> {
             "socket(AF_PACKET)",
         )?;
         let fd = OwnedFd::from_raw_fd(fd);
-        let mut sa: libc::sockaddr_ll = std::mem::zeroed();
-        sa.sll_family = libc::AF_PACKET as u16;
-        sa.sll_protocol = ETH_P_ARP.to_be();
-        sa.sll_ifindex = ifindex;
+        let sa = link_addr(ifindex);
         cvt(
             libc::bind(
                 fd.as_raw_fd(),
@@ -181,32 +178,45 @@ fn open(ifname: &str) -> Result<(OwnedFd, i32)> {
         let mut mr: libc::packet_mreq = std::mem::zeroed();
         mr.mr_ifindex = ifindex;
         mr.mr_type = libc::PACKET_MR_PROMISC as u16;
-        cvt(
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_PACKET,
-                libc::PACKET_ADD_MEMBERSHIP,
-                &mr as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::packet_mreq>() as u32,
-            ),
+        set_option(
+            &fd,
+            libc::SOL_PACKET,
+            libc::PACKET_ADD_MEMBERSHIP,
+            &mr,
             "PACKET_ADD_MEMBERSHIP",
         )?;
         let tv = libc::timeval {
             tv_sec: 0,
             tv_usec: 1000,
         };
-        cvt(
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                &tv as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::timeval>() as u32,
-            ),
-            "SO_RCVTIMEO",
-        )?;
+        set_option(&fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, &tv, "SO_RCVTIMEO")?;
         Ok((fd, ifindex))
     }
+}
+
+/// The link-layer address of `ifindex` for ARP (no hardware address).
+fn link_addr(ifindex: i32) -> libc::sockaddr_ll {
+    // SAFETY: sockaddr_ll is plain data; all-zero is a valid value.
+    let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sa.sll_family = libc::AF_PACKET as u16;
+    sa.sll_protocol = ETH_P_ARP.to_be();
+    sa.sll_ifindex = ifindex;
+    sa
+}
+
+/// `setsockopt` with a plain-data `value`.
+fn set_option<T>(fd: &OwnedFd, level: i32, name: i32, value: &T, what: &str) -> Result<()> {
+    // SAFETY: `value` is a live `T` and the length passed is its size.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            value as *const T as *const libc::c_void,
+            std::mem::size_of::<T>() as u32,
+        )
+    };
+    cvt(r, what).map(|_| ())
 }
 
 fn request(seq: u16, source: Ipv4Addr, target: Ipv4Addr) -> Vec<u8> {
@@ -265,10 +275,7 @@ fn run(
             let frame = request(seq, source, target);
             // SAFETY: sendto on our socket with a live buffer and address.
             unsafe {
-                let mut sa: libc::sockaddr_ll = std::mem::zeroed();
-                sa.sll_family = libc::AF_PACKET as u16;
-                sa.sll_protocol = ETH_P_ARP.to_be();
-                sa.sll_ifindex = ifindex;
+                let mut sa = link_addr(ifindex);
                 sa.sll_halen = 6;
                 sa.sll_addr[..6].copy_from_slice(&[0xff; 6]);
                 cvt(
