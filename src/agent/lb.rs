@@ -74,8 +74,6 @@ pub const GUARDED: &str = "GUARDED";
 const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 /// `status.reason` of a stopping agent.
 pub const STOPPING: &str = "stopping: the agent is shutting down and has handed its addresses over";
-/// Server-side bound of one watch request.
-const WATCH_TIMEOUT_SECS: u32 = 290;
 
 /// Writes the status subresource of this node's object.
 pub trait StatusWriter: Send + Sync + 'static {
@@ -762,7 +760,7 @@ pub async fn follow(
             tokio::spawn(watch_one(
                 api,
                 node.clone(),
-                WATCH_TIMEOUT_SECS,
+                crate::cluster::credentials::WATCH_TIMEOUT_SECS,
                 tx.clone(),
                 |u| match u {
                     Update::Present(o) => Update::Present(o.spec),

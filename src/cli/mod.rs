@@ -249,6 +249,12 @@ pub struct ControllerArgs {
     /// Serve Prometheus /metrics and /healthz on ADDR:PORT, e.g. 0.0.0.0:9478 [default: off]
     #[arg(long, value_name = "ADDR:PORT", env = "HNA_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Where externalTrafficPolicy: Local learns which nodes have a ready
+    /// endpoint: auto (EndpointSlices of discovery.k8s.io/v1 where the API
+    /// serves them, Kubernetes 1.21 and later; else Endpoints), endpoints,
+    /// or endpointslices (v1, else v1beta1 on Kubernetes 1.17 to 1.20)
+    #[arg(long, value_name = "SOURCE", env = "HNA_ENDPOINT_SOURCE", default_value = "auto", value_parser = crate::controller::endpoints::EndpointSetting::parse)]
+    pub endpoint_source: crate::controller::endpoints::EndpointSetting,
 }
 
 fn election_arg(v: &str) -> Result<Duration, String> {
@@ -362,6 +368,7 @@ pub fn main() -> ExitCode {
                 node_stale_after: args.node_stale_after,
                 watch_quiet_after: args.watch_quiet_after,
                 metrics_listen: args.metrics_listen,
+                endpoint_source: args.endpoint_source,
             };
             serve(&args.log_level, args.log_target, |n| {
                 Box::pin(crate::controller::run(opts, n))

@@ -162,13 +162,25 @@ pub async fn client_config(found: &Discovery) -> Result<kube::Config, Credential
             // A node agent must notice a dead API server quickly; the
             // defaults wait far longer than a health check should.
             cfg.connect_timeout = Some(Duration::from_secs(5));
-            cfg.read_timeout = Some(Duration::from_secs(30));
+            cfg.read_timeout = Some(READ_TIMEOUT);
             Ok(cfg)
         }
         Discovery::InCluster => Ok(kube::Config::incluster()?),
         Discovery::NotFound { .. } => Err(CredentialsError::NotFound),
     }
 }
+
+/// How long a client built from a kubeconfig file waits for the next bytes
+/// of an answer, a watch's included; see [`WATCH_TIMEOUT_SECS`].
+pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The server-side bound of every watch request (`timeoutSeconds`): under
+/// [`READ_TIMEOUT`], so that the API server ends a quiet watch cleanly (and
+/// it is resumed from its resourceVersion) before the client would cut it
+/// as an error: an error that counts against the controller's watch health
+/// and makes it distrust heartbeat staleness for a while.
+pub const WATCH_TIMEOUT_SECS: u32 = 25;
+const _: () = assert!((WATCH_TIMEOUT_SECS as u64) < READ_TIMEOUT.as_secs());
 
 /// A connected client and what the server said about itself.
 pub struct Connection {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::{ConfigMap, Endpoints, Node, ObjectReference, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Service};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event as KubeEvent, EventType as KubeEventType, Recorder, Reporter};
@@ -15,6 +15,7 @@ use tokio::sync::Notify;
 
 use crate::contract::ServiceKey;
 use crate::contract::node_object::{self, LoadBalancerNode};
+use crate::controller::endpoints::{self, EndpointCache, EndpointSetting};
 use crate::controller::networks::{self, NetworkMap};
 use crate::controller::reconcile::{EventOut, EventType, Ingress, NodeIn, Port, ServiceIn};
 use crate::controller::writer::{FIELD_MANAGER, Kind, PatchKind, Request, Requests, Verb};
@@ -199,7 +200,7 @@ pub struct Caches {
     pub node_objects: Store<LoadBalancerNode>,
     /// For `externalTrafficPolicy: Local`: which nodes have a ready
     /// endpoint of a Service.
-    pub endpoints: Store<Endpoints>,
+    pub endpoints: EndpointCache,
     /// Not part of [`Caches::ready`]: a cluster without the ConfigMap, or
     /// manifests without the right to read it, must not stop the rest.
     pub networks: Arc<std::sync::Mutex<NetworkMap>>,
@@ -212,15 +213,16 @@ impl Caches {
         self.services.wait_until_ready().await.is_ok()
             && self.nodes.wait_until_ready().await.is_ok()
             && self.node_objects.wait_until_ready().await.is_ok()
-            && self.endpoints.wait_until_ready().await.is_ok()
+            && self.endpoints.ready().await
     }
 }
 
-/// Starts the three watches in `tasks`; `changed` is notified on every
-/// change, `errors` counts watch errors (they are retried with backoff).
+/// Starts the watches in `tasks`; `changed` is notified on every change,
+/// `on_error` hears of watch errors (they are retried with backoff).
 pub fn watch_all(
     client: &kube::Client,
     namespace: &str,
+    endpoint_setting: EndpointSetting,
     changed: Arc<Notify>,
     on_error: Arc<dyn Fn(String) + Send + Sync>,
     tasks: &mut tokio::task::JoinSet<()>,
@@ -251,13 +253,10 @@ pub fn watch_all(
         changed.clone(),
         on_error.clone(),
     );
-    let (endpoints, w) = reflector::store::<Endpoints>();
-    spawn_watch(
+    let endpoints = endpoints::watch(
         tasks,
-        "Endpoints",
-        w,
-        Api::all(client.clone()),
-        strip_endpoints,
+        client,
+        endpoint_setting,
         changed.clone(),
         on_error.clone(),
     );
@@ -284,33 +283,6 @@ pub fn watch_all(
     }
 }
 
-/// An Endpoints object as `externalTrafficPolicy: Local` reads it: which
-/// nodes have a ready endpoint (`subsets[].addresses[].nodeName`); the
-/// rest (addresses, ports, not-ready addresses) is dropped from the cache.
-fn strip_endpoints(e: &mut Endpoints) {
-    e.metadata.annotations = None;
-    e.metadata.labels = None;
-    for s in e.subsets.iter_mut().flatten() {
-        s.ports = None;
-        s.not_ready_addresses = None;
-        for a in s.addresses.iter_mut().flatten() {
-            a.ip = String::new();
-            a.hostname = None;
-            a.target_ref = None;
-        }
-    }
-}
-
-/// The nodes with a ready endpoint in `e`.
-pub fn endpoint_nodes(e: &Endpoints) -> std::collections::BTreeSet<String> {
-    e.subsets
-        .iter()
-        .flatten()
-        .flat_map(|s| s.addresses.iter().flatten())
-        .filter_map(|a| a.node_name.clone())
-        .collect()
-}
-
 /// Keeps `state` at what `kube-system/harvester-nad-mapping` says.
 fn spawn_network_map_watch(
     tasks: &mut tokio::task::JoinSet<()>,
@@ -322,7 +294,7 @@ fn spawn_network_map_watch(
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), networks::CONFIG_MAP_NAMESPACE);
     // By name, so that the Role may name the one ConfigMap it grants.
     let config =
-        watcher::Config::default().fields(&format!("metadata.name={}", networks::CONFIG_MAP_NAME));
+        watch_config().fields(&format!("metadata.name={}", networks::CONFIG_MAP_NAME));
     let stream = watcher(api, config).default_backoff();
     let of = |cm: &ConfigMap| {
         NetworkMap::parse(
@@ -380,7 +352,13 @@ fn spawn_network_map_watch(
     });
 }
 
-fn spawn_watch<K>(
+/// Every watch ends server-side before the client's read timeout: a quiet
+/// Service or Node watch is normal, not an error.
+fn watch_config() -> watcher::Config {
+    watcher::Config::default().timeout(crate::cluster::credentials::WATCH_TIMEOUT_SECS)
+}
+
+pub(super) fn spawn_watch<K>(
     tasks: &mut tokio::task::JoinSet<()>,
     what: &'static str,
     writer: reflector::store::Writer<K>,
@@ -402,7 +380,7 @@ fn spawn_watch<K>(
     // can be half of an object): bounded memory with thousands of them.
     let stream = reflector::reflector(
         writer,
-        watcher(api, watcher::Config::default()).modify(move |o: &mut K| {
+        watcher(api, watch_config()).modify(move |o: &mut K| {
             o.meta_mut().managed_fields = None;
             strip(o);
         }),

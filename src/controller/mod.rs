@@ -5,10 +5,12 @@
 //! Layers: [`reconcile`] decides (pure), [`liveness`] judges node agents on
 //! our clock (pure), [`election`] decides leadership (pure) and [`lease`]
 //! runs it, [`writer`] turns decisions into PATCHes and carries them out,
-//! [`kube_edge`] is the API (watch caches, requests, Events). Every replica
+//! [`kube_edge`] is the API (watch caches, requests, Events), [`endpoints`]
+//! says which nodes have a ready endpoint of a Service. Every replica
 //! watches and decides; only the leader writes.
 
 pub mod election;
+pub mod endpoints;
 pub mod kube_edge;
 pub mod lease;
 pub mod liveness;
@@ -80,6 +82,8 @@ pub struct Options {
     pub watch_quiet_after: Duration,
     /// Serve `/metrics` and `/healthz` here.
     pub metrics_listen: Option<SocketAddr>,
+    /// Where `externalTrafficPolicy: Local` reads ready endpoints.
+    pub endpoint_source: endpoints::EndpointSetting,
 }
 
 /// `<hostname>-<pid>`: unique enough among replicas when no Pod name is
@@ -232,6 +236,7 @@ impl Session {
         let caches = kube_edge::watch_all(
             &client,
             &opts.namespace,
+            opts.endpoint_source,
             changed.clone(),
             Arc::new(move |e: String| {
                 tracing::warn!("{e}");
@@ -399,15 +404,16 @@ fn world_from(
 ) {
     let mut versions = HashMap::new();
     let mut services = Vec::new();
+    // Built at the first `Local` Service of the pass, if there is one.
+    let mut ready_nodes = None;
     for s in caches.services.state() {
         let Some(mut view) = kube_edge::service_in(&s) else {
             continue;
         };
         if let Some(local) = &mut view.local_endpoints {
-            let key = kube::runtime::reflector::ObjectRef::new(&view.key.name)
-                .within(&view.key.namespace);
-            if let Some(e) = caches.endpoints.get(&key) {
-                *local = kube_edge::endpoint_nodes(&e);
+            let by_service = ready_nodes.get_or_insert_with(|| caches.endpoints.ready_nodes());
+            if let Some(nodes) = by_service.get(&view.key) {
+                local.clone_from(nodes);
             }
         }
         if let Some(rv) = &s.metadata.resource_version {

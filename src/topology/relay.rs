@@ -21,10 +21,6 @@ use super::plan::Labels;
 use super::state::TopologyState;
 use crate::cluster::watch_one::{Failure, FailureKind, Update, watch_one};
 
-/// Server-side bound of one watch request on the guest cluster. The
-/// daemon's guest client has a 30 s read timeout; a watch ended by it is
-/// resumed from its resourceVersion anyway.
-const GUEST_WATCH_TIMEOUT_SECS: u32 = 25;
 /// How long one patch of the guest Node may take.
 const PATCH_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -314,7 +310,7 @@ impl Relay {
             let handle = tokio::spawn(watch_one(
                 Api::<Node>::all(c.clone()),
                 self.node_name.clone(),
-                GUEST_WATCH_TIMEOUT_SECS,
+                crate::cluster::credentials::WATCH_TIMEOUT_SECS,
                 tx.clone(),
                 move |u| Event::Guest(id, u),
             ));

@@ -51,6 +51,12 @@ pub struct Options {
     pub agent_config: String,
     /// Extra arguments for every controller replica.
     pub controller_args: Vec<String>,
+    /// Publish [`LbRig::set_endpoints`] in EndpointSlices instead of
+    /// Endpoints, and start the controllers with `--endpoint-source
+    /// endpointslices`. The rig's 1.20 serves them as
+    /// `discovery.k8s.io/v1beta1` (with the node in `topology`, as 1.20's
+    /// own EndpointSlice controller writes it); 1.21 and later as `v1`.
+    pub endpoint_slices: bool,
 }
 
 impl Options {
@@ -62,6 +68,7 @@ impl Options {
             controllers: 2,
             agent_config: String::new(),
             controller_args: Vec::new(),
+            endpoint_slices: false,
         }
     }
 }
@@ -317,6 +324,11 @@ impl LbRig {
             .arg("--kubeconfig")
             .arg(api.controller_kubeconfig())
             .args(&self.opts.controller_args)
+            .args(if self.opts.endpoint_slices {
+                &["--endpoint-source", "endpointslices"][..]
+            } else {
+                &[]
+            })
             .env("HNA_LOG_TARGET", "stderr")
             .env("RUST_LOG", "info,harvester_node_agent=debug")
             .stdout(Stdio::null())
@@ -469,7 +481,60 @@ impl LbRig {
     /// Service `name`'s Endpoints: one ready endpoint on each of `nodes`
     /// (the rig runs no kube-controller-manager, so the test says where
     /// the Pods are). Created or replaced.
+    /// Says that Service `name` has one ready endpoint on each of `nodes`:
+    /// an Endpoints object, or with [`Options::endpoint_slices`] an
+    /// EndpointSlice (and a second slice with a not-ready endpoint on every
+    /// other node, which must not count).
     pub fn set_endpoints(&self, name: &str, nodes: &[String]) -> Result<()> {
+        let pp = PatchParams::apply("hna-rig").force();
+        if self.opts.endpoint_slices {
+            let version = if self
+                .block_on(self.admin.list_api_group_resources("discovery.k8s.io/v1"))
+                .is_ok()
+            {
+                "v1"
+            } else {
+                "v1beta1"
+            };
+            let api: Api<DynamicObject> = Api::namespaced_with(
+                self.admin.clone(),
+                "default",
+                &endpoint_slice_resource(version),
+            );
+            let others: Vec<String> = (0..self.opts.guests)
+                .map(|i| self.node_name(i))
+                .filter(|n| !nodes.contains(n))
+                .collect();
+            for (suffix, on, ready) in [("ready", nodes, true), ("not-ready", &others[..], false)] {
+                let endpoints: Vec<serde_json::Value> = on
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| {
+                        let mut e = serde_json::json!({
+                            "addresses": [format!("10.42.{}.{}", u8::from(ready), i + 10)],
+                            "conditions": {"ready": ready},
+                        });
+                        if version == "v1" {
+                            e["nodeName"] = n.as_str().into();
+                        } else {
+                            e["topology"] = serde_json::json!({"kubernetes.io/hostname": n});
+                        }
+                        e
+                    })
+                    .collect();
+                let slice = format!("{name}-{suffix}");
+                let body = serde_json::json!({
+                    "apiVersion": format!("discovery.k8s.io/{version}"), "kind": "EndpointSlice",
+                    "metadata": {"name": slice, "namespace": "default",
+                                 "labels": {"kubernetes.io/service-name": name}},
+                    "addressType": "IPv4",
+                    "endpoints": endpoints,
+                    "ports": [{"port": LISTEN_PORT, "protocol": "TCP"}],
+                });
+                self.block_on(api.patch(&slice, &pp, &Patch::Apply(&body)))?;
+            }
+            return Ok(());
+        }
         let api: Api<k8s_openapi::api::core::v1::Endpoints> =
             Api::namespaced(self.admin.clone(), "default");
         let addresses: Vec<serde_json::Value> = nodes
@@ -484,7 +549,6 @@ impl LbRig {
                 serde_json::json!([{"addresses": addresses, "ports": [{"port": LISTEN_PORT, "protocol": "TCP"}]}])
             },
         });
-        let pp = PatchParams::apply("hna-rig").force();
         self.block_on(api.patch(name, &pp, &Patch::Apply(&body)))?;
         Ok(())
     }
@@ -649,4 +713,14 @@ pub fn wait_for<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> Option
 pub fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+fn endpoint_slice_resource(version: &str) -> ApiResource {
+    ApiResource {
+        group: "discovery.k8s.io".into(),
+        version: version.into(),
+        api_version: format!("discovery.k8s.io/{version}"),
+        kind: "EndpointSlice".into(),
+        plural: "endpointslices".into(),
+    }
 }

@@ -23,6 +23,7 @@ tests! {
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     the_leader_dying_with_the_holder_still_moves_it_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_local_service_is_held_where_its_endpoint_is_and_follows_it: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_local_service_follows_its_endpoint_slices_where_the_api_has_them: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 const WITHIN: Duration = Duration::from_secs(30);
@@ -309,7 +310,21 @@ fn the_leader_dying_with_the_holder_still_moves_it_within_five_seconds() -> Resu
 /// two nodes at once (the new holder waits, guarded, until the old one has
 /// let go).
 fn a_local_service_is_held_where_its_endpoint_is_and_follows_it() -> Result<()> {
-    let lb = LbRig::start(options())?;
+    local_service_follows_its_endpoint(options())
+}
+
+/// The same where the API serves `discovery.k8s.io/v1` EndpointSlices
+/// (Kubernetes 1.21 and later; a stand-in on the rig's 1.20): the
+/// controller reads those, and a not-ready endpoint does not count.
+fn a_local_service_follows_its_endpoint_slices_where_the_api_has_them() -> Result<()> {
+    local_service_follows_its_endpoint(lb::Options {
+        endpoint_slices: true,
+        ..options()
+    })
+}
+
+fn local_service_follows_its_endpoint(options: lb::Options) -> Result<()> {
+    let lb = LbRig::start(options)?;
     let guests = guest_namespaces(&lb).len();
     let first = guests - 1;
     lb.set_endpoints("web", &[lb.node_name(first)])?;
