@@ -59,8 +59,13 @@ pub const SETTLE: Duration = Duration::from_secs(1);
 pub const FAST_SETTLE: Duration = Duration::from_millis(10);
 /// How often the uplinks' carrier is looked at (a read of sysfs each).
 pub const CARRIER_POLL: Duration = Duration::from_millis(100);
-/// How soon a start held back by the takeover guard is tried again.
-const GUARD_RETRY: Duration = Duration::from_millis(500);
+/// How soon a start held back by the takeover guard is tried again: soon
+/// at first, since a healthy holder that was told to let go does so within
+/// tens of milliseconds (an `externalTrafficPolicy: Local` move, a
+/// hand-back), doubling to at most [`GUARD_RETRY_MAX`] while the other
+/// holder stays (a frozen agent), so the LAN is not flooded with probes.
+const GUARD_RETRY_MIN: Duration = Duration::from_millis(100);
+const GUARD_RETRY_MAX: Duration = Duration::from_secs(1);
 /// Retry backoff after a failed action.
 const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -130,6 +135,8 @@ struct Lb<E: LeaseEngine, W: StatusWriter> {
     logged_invalid: BTreeSet<String>,
     retry_at: Option<Instant>,
     backoff: Duration,
+    /// Until the next round with a guarded start.
+    guard_backoff: Duration,
     /// The last status written, without its heartbeat.
     written: Option<Status>,
     write_error: Option<String>,
@@ -178,6 +185,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         logged_invalid: BTreeSet::new(),
         retry_at: None,
         backoff: RETRY_MIN,
+        guard_backoff: GUARD_RETRY_MIN,
         written: None,
         write_error: None,
         last_beat: None,
@@ -421,9 +429,14 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             RETRY_MIN
         };
         // A guarded start is no failure: the other holder goes when its
-        // agent (or systemd's watchdog) acts, so look again soon, every
-        // time, whatever else is backing off.
-        let guard_retry = (!self.guarded.is_empty()).then(|| Instant::now() + GUARD_RETRY);
+        // agent (or systemd's watchdog) acts, so look again soon, whatever
+        // else is backing off.
+        let guard_retry = (!self.guarded.is_empty()).then(|| Instant::now() + self.guard_backoff);
+        self.guard_backoff = if self.guarded.is_empty() {
+            GUARD_RETRY_MIN
+        } else {
+            (self.guard_backoff * 2).min(GUARD_RETRY_MAX)
+        };
         self.retry_at = match (failed_retry, guard_retry) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

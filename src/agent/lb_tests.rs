@@ -533,7 +533,8 @@ async fn a_takeover_is_guarded_while_the_address_answers_then_taken() {
         "{s:?}"
     );
     assert!(engine.running().is_empty());
-    // Asked again and again, every GUARD_RETRY, not with a growing backoff.
+    // Asked again soon (0.1 s, then doubling), then at least every second
+    // for as long as it answers.
     let guards = || {
         engine
             .calls()
@@ -542,9 +543,13 @@ async fn a_takeover_is_guarded_while_the_address_answers_then_taken() {
             .count()
     };
     let before = guards();
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    let soon = guards() - before;
+    assert!(soon >= 2, "asked {soon} times in the first 350 ms");
+    let before = guards();
     tokio::time::sleep(Duration::from_secs(10)).await;
     let asked = guards() - before;
-    assert!((18..=21).contains(&asked), "asked {asked} times in 10 s");
+    assert!((9..=12).contains(&asked), "asked {asked} times in 10 s");
     assert!(engine.running().is_empty());
 
     engine.set_answering(addr, false);
