@@ -108,9 +108,13 @@ fn main() -> Result<()> {
     let rss_converged = rss_kib(lb.controller_pid(0).context("controller pid")?)?;
     let versions = service_versions(&lb)?;
 
-    let before = metrics(port)?;
+    let pid = lb.controller_pid(0).context("controller pid")?;
+    let (before, cpu_before, steady_from) = (metrics(port)?, cpu_ticks(pid)?, Instant::now());
     std::thread::sleep(Duration::from_secs(steady));
-    let after = metrics(port)?;
+    let (after, cpu_after) = (metrics(port)?, cpu_ticks(pid)?);
+    let cpu_share = (cpu_after - cpu_before) as f64
+        / clock_ticks_per_second()
+        / steady_from.elapsed().as_secs_f64();
     let rss_steady = rss_kib(lb.controller_pid(0).context("controller pid")?)?;
     let writes = writes_total(&after) - writes_total(&before);
     let reconciles = counter(&after, "hna_controller_reconciles_total")
@@ -154,6 +158,10 @@ fn main() -> Result<()> {
         "controller writes per second, steady         {:>10.2} (reconcile passes: {:.2}/s)",
         writes as f64 / steady as f64,
         reconciles as f64 / steady as f64
+    );
+    println!(
+        "controller CPU, steady (share of one core)   {:>9.1} %",
+        cpu_share * 100.0
     );
     println!("controller watch errors, steady              {watch_errors:>10}");
     println!("Services changed on the API, steady          {changed_steady:>10}");
@@ -369,6 +377,26 @@ fn writes_total(metrics: &str) -> u64 {
         .filter(|l| l.starts_with("hna_controller_writes_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum()
+}
+
+/// User plus system time of `pid`, in clock ticks (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name, in parentheses, may hold spaces: count after it.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .context("/proc/PID/stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    // utime and stime are fields 14 and 15; the first after ')' is 3.
+    let field = |n: usize| -> Result<u64> { Ok(fields.get(n - 3).context("stat field")?.parse()?) };
+    Ok(field(14)? + field(15)?)
+}
+
+fn clock_ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64
 }
 
 fn rss_kib(pid: u32) -> Result<u64> {

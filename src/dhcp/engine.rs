@@ -344,48 +344,6 @@ impl<L: Links> Engine<L> {
         Some(Claim::take(&self.table, &mut table, name, Slot::Stopping))
     }
 
-    /// Deletes the macvlans an earlier run left behind (a crash, `kill -9`,
-    /// power loss): a link named like a stored lease and carrying its MAC.
-    /// Nothing is released and the lease files stay, so a lease started
-    /// again resumes in INIT-REBOOT; until then this node must not answer
-    /// for an address the controller may have moved elsewhere. Links that
-    /// are not the agent's (no lease file, other MAC, a running lease) are
-    /// left alone. Returns what was removed and what could not be looked at.
-    pub async fn remove_leftovers(&self) -> (Vec<String>, Vec<String>) {
-        let Some(store) = &self.store else {
-            return (Vec::new(), Vec::new());
-        };
-        let (mut removed, mut problems) = (Vec::new(), Vec::new());
-        let names = match store.list() {
-            Ok(n) => n,
-            Err(e) => return (removed, vec![e.to_string()]),
-        };
-        for name in names {
-            let Some(_claim) = self.claim_if_free(&name) else {
-                continue;
-            };
-            let record = match store.load(&name) {
-                Ok(Some(r)) => r,
-                Ok(None) => continue,
-                Err(e) => {
-                    problems.push(e.to_string());
-                    continue;
-                }
-            };
-            match self.links.link(&name).await {
-                Ok(Some(link)) if link.mac == Some(record.identity.mac) => {
-                    match self.links.delete(&name).await {
-                        Ok(()) => removed.push(name),
-                        Err(e) => problems.push(format!("{name}: {e}")),
-                    }
-                }
-                Ok(_) => {}
-                Err(e) => problems.push(format!("{name}: {e}")),
-            }
-        }
-        (removed, problems)
-    }
-
     /// Deletes every macvlan named `prefix...` that is not in `keep` and
     /// not held by a lease of this engine, without DHCPRELEASE (lease files
     /// stay). Links of other kinds are never touched, whatever their name.
