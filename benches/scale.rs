@@ -24,9 +24,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use harvester_node_agent::contract::harvester;
 use harvester_node_agent::contract::node_object::{self, LeaseReport, LoadBalancerNode, Status};
+use harvester_node_agent::contract::{harvester, kube_vip};
 use hna_testkit::lb::{self, LbRig};
+use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
@@ -97,13 +98,22 @@ fn main() -> Result<()> {
     }
     let created = t0.elapsed();
     // What the API says, not what the controller reports of itself.
-    let served = wait_in_status(&lb, services, Duration::from_secs(600))?;
+    let served = wait_services(&lb, services, Duration::from_secs(600), |s| {
+        lb::ingress_ip(s).is_some()
+    })?;
     let converged = t0.elapsed();
     eprintln!(
         "{services} Services created in {created:?}, all with an address in status after {converged:?}"
     );
-    // The pass that served the last ones is still writing kube-vip's
-    // annotations; the steady state starts once the controller stops.
+    // kube-vip's record is each Service's last write; a pass's writes are
+    // counted when the pass ends, so the steady state starts once every
+    // record is there and the count has stood still.
+    wait_services(&lb, services, Duration::from_secs(600), |s| {
+        s.metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(kube_vip::VIP_HOST))
+    })?;
     wait_quiet(port, Duration::from_secs(120))?;
     let rss_converged = rss_kib(lb.controller_pid(0).context("controller pid")?)?;
     let versions = service_versions(&lb)?;
@@ -282,21 +292,22 @@ fn simulated_agents(kubeconfig: &Path, stop: Arc<AtomicBool>) -> Result<AgentWri
     })
 }
 
-/// Waits until `n` Services have an address in `status.loadBalancer`.
-fn wait_in_status(lb: &LbRig, n: usize, within: Duration) -> Result<usize> {
+/// Waits until `n` Services are `done`.
+fn wait_services(
+    lb: &LbRig,
+    n: usize,
+    within: Duration,
+    done: impl Fn(&Service) -> bool,
+) -> Result<usize> {
     let deadline = Instant::now() + within;
     loop {
         let list = lb.block_on(lb.services().list(&ListParams::default()))?;
-        let with_address = list
-            .items
-            .iter()
-            .filter(|s| lb::ingress_ip(s).is_some())
-            .count();
-        if with_address >= n {
-            return Ok(with_address);
+        let count = list.items.iter().filter(|s| done(s)).count();
+        if count >= n {
+            return Ok(count);
         }
         if Instant::now() > deadline {
-            bail!("{with_address} of {n} Services have an address after {within:?}");
+            bail!("only {count} of {n} Services are done after {within:?}");
         }
         std::thread::sleep(Duration::from_millis(250));
     }

@@ -117,6 +117,26 @@ impl EndpointCache {
         }
     }
 
+    /// `(uid, resourceVersion)` of every cached object, sorted: changes
+    /// whenever what [`EndpointCache::ready_nodes`] says may change.
+    pub fn fingerprint(&self) -> Vec<(String, String)> {
+        let of = |m: &kube::api::ObjectMeta| {
+            (
+                m.uid.clone().unwrap_or_default(),
+                m.resource_version.clone().unwrap_or_default(),
+            )
+        };
+        let mut out: Vec<(String, String)> = match &*self.chosen.borrow() {
+            Some(Chosen::Slices(store)) => store.state().iter().map(|o| of(&o.metadata)).collect(),
+            Some(Chosen::Endpoints(store)) => {
+                store.state().iter().map(|o| of(&o.metadata)).collect()
+            }
+            None => Vec::new(),
+        };
+        out.sort_unstable();
+        out
+    }
+
     /// Every Service's nodes with a ready endpoint.
     pub fn ready_nodes(&self) -> HashMap<ServiceKey, BTreeSet<String>> {
         let mut by_service: HashMap<ServiceKey, BTreeSet<String>> = HashMap::new();

@@ -293,6 +293,8 @@ async fn reconcile_loop(
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut coalesce = COALESCE_MIN;
+    // The inputs of the last pass, if it left nothing to do.
+    let mut settled: Option<Inputs> = None;
     loop {
         // A node turning stale is news without an event: wake for it.
         let stale_at = alive.next_deadline(Instant::now());
@@ -309,8 +311,31 @@ async fn reconcile_loop(
             }
         }
         let now = Instant::now();
-        let (services, nodes, objects, versions) = world_from(&caches, &mut alive, now);
-        let network_map = caches.networks.lock().expect("network map lock").clone();
+        let (objects, object_versions) = objects_from(&caches, &mut alive, now);
+        let leading = leadership.leading();
+        let inputs = Inputs {
+            services: fingerprint(caches.services.state().iter().map(|s| &s.metadata)),
+            nodes: fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),
+            endpoints: caches.endpoints.fingerprint(),
+            objects: objects.clone(),
+            networks: caches.networks.lock().expect("network map lock").clone(),
+            leading,
+            term: leadership.term(),
+        };
+        // Most wake-ups at scale are heartbeats alone: they move no
+        // decision, and a whole pass over every Service for each would
+        // keep a core busy. Skipped only after a pass that had nothing to
+        // write and nothing failed, so a skipped pass would have been the
+        // same again.
+        if settled.as_ref() == Some(&inputs) {
+            let mut s = stats.lock().expect("stats lock");
+            s.skipped += 1;
+            s.holder = leadership.holder();
+            continue;
+        }
+        let (services, nodes, mut versions) = services_from(&caches);
+        versions.extend(object_versions);
+        let network_map = inputs.networks.clone();
         let plan = reconcile::reconcile(reconcile::World {
             services: &services,
             nodes: &nodes,
@@ -319,7 +344,6 @@ async fn reconcile_loop(
             networks: &network_map,
         });
         coalesce = coalesce_window(now.elapsed());
-        let leading = leadership.leading();
         {
             let mut s = stats.lock().expect("stats lock");
             s.reconciles += 1;
@@ -329,6 +353,7 @@ async fn reconcile_loop(
         }
         if !leading {
             backoff = Duration::ZERO;
+            settled = plan.writes.is_empty().then_some(inputs);
             continue;
         }
         if leadership.term() != term {
@@ -340,7 +365,9 @@ async fn reconcile_loop(
             access_ensured.clear();
         }
         writes.prune(|t| versions.get(t).cloned());
-        told.retain(|k, uid| services.iter().any(|s| s.key == *k && s.uid == uid));
+        let uids: HashMap<&contract::ServiceKey, &str> =
+            services.iter().map(|s| (&s.key, s.uid.as_str())).collect();
+        told.retain(|k, uid| uids.get(k) == Some(&uid));
         let version_of = |t: &str| versions.get(t).cloned();
         let out = writer::execute(
             &opts.namespace,
@@ -380,7 +407,39 @@ async fn reconcile_loop(
         } else {
             (backoff * 2).clamp(Duration::from_secs(1), MAX_BACKOFF)
         };
+        settled = (plan.writes.is_empty() && out.errors.is_empty() && !out.stopped)
+            .then_some(inputs);
     }
+}
+
+/// What a pass decides from, as far as it can change: resourceVersions
+/// (they change with every change of an object), the node objects as the
+/// decision reads them (without their heartbeat: liveness has read it), and
+/// leadership.
+#[derive(Debug, PartialEq)]
+struct Inputs {
+    services: Vec<(String, String)>,
+    nodes: Vec<(String, String)>,
+    endpoints: Vec<(String, String)>,
+    objects: Vec<reconcile::NodeIn>,
+    networks: networks::NetworkMap,
+    leading: bool,
+    term: u64,
+}
+
+/// `(uid, resourceVersion)` of each object, sorted (a store's order is
+/// not stable).
+fn fingerprint<'a>(metas: impl Iterator<Item = &'a kube::api::ObjectMeta>) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = metas
+        .map(|m| {
+            (
+                m.uid.clone().unwrap_or_default(),
+                m.resource_version.clone().unwrap_or_default(),
+            )
+        })
+        .collect();
+    out.sort_unstable();
+    out
 }
 async fn sleep_until_opt(at: Option<Instant>) {
     match at {
@@ -389,17 +448,13 @@ async fn sleep_until_opt(at: Option<Instant>) {
     }
 }
 
-/// The decision's input from the watch caches, and the resourceVersion of
-/// every write target (for the [`writer::WriteMemo`]).
-#[allow(clippy::type_complexity)]
-fn world_from(
+/// The Services and Nodes as the decision reads them, and the
+/// resourceVersion of every Service (for the [`writer::WriteMemo`]).
+fn services_from(
     caches: &kube_edge::Caches,
-    alive: &mut liveness::Liveness,
-    now: Instant,
 ) -> (
     Vec<reconcile::ServiceIn>,
     Vec<String>,
-    Vec<reconcile::NodeIn>,
     HashMap<String, String>,
 ) {
     let mut versions = HashMap::new();
@@ -427,25 +482,39 @@ fn world_from(
         .iter()
         .filter_map(|n| n.metadata.name.clone())
         .collect();
+    (services, nodes, versions)
+}
+
+/// The node objects as the decision reads them (each judged on our clock
+/// by `alive`, which reads their heartbeats here), sorted by name, and the
+/// resourceVersion of each.
+fn objects_from(
+    caches: &kube_edge::Caches,
+    alive: &mut liveness::Liveness,
+    now: Instant,
+) -> (Vec<reconcile::NodeIn>, HashMap<String, String>) {
+    let mut versions = HashMap::new();
     let mut objects = Vec::new();
     let mut names = BTreeSet::new();
     for o in caches.node_objects.state() {
         let Some(name) = o.metadata.name.clone() else {
             continue;
         };
-        let status = o.status.clone().unwrap_or_default();
-        alive.observe(&name, status.heartbeat.as_deref(), now);
-        let eligible = alive.eligible(&name, status.ready, now);
+        let status = o.status.as_ref();
+        alive.observe(&name, status.and_then(|s| s.heartbeat.as_deref()), now);
+        let eligible = alive.eligible(&name, status.is_some_and(|s| s.ready), now);
         if let Some(rv) = &o.metadata.resource_version {
             versions.insert(format!("node/{name}"), rv.clone());
         }
-        if let Some(n) = kube_edge::node_in(&o, eligible) {
+        if let Some(mut n) = kube_edge::node_in(&o, eligible) {
+            n.status.heartbeat = None;
             objects.push(n);
         }
         names.insert(name);
     }
     alive.retain(|n| names.contains(n));
-    (services, nodes, objects, versions)
+    objects.sort_by(|a, b| a.name.cmp(&b.name));
+    (objects, versions)
 }
 
 /// The controller's `STATUS=` line before it is connected.

@@ -14,7 +14,7 @@
 //! (the Harvester cloud provider copies the address only on the resync an
 //! annotation change triggers); finalizers are removed last.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::contract::node_object::{Assignment, Spec, Status};
 use crate::contract::{
@@ -301,25 +301,61 @@ fn assignment_of(s: &ServiceIn, id: &AddressIdentity, uplink: Option<String>) ->
 struct Specs {
     current: BTreeMap<String, Vec<Assignment>>,
     desired: BTreeMap<String, Vec<Assignment>>,
+    /// The nodes whose desired spec has an assignment of a uid: looking a
+    /// Service up is then not a walk over every node's assignments, which
+    /// made a pass quadratic in the number of Services.
+    nodes_of: HashMap<String, BTreeSet<String>>,
     touched: BTreeMap<String, BTreeSet<ServiceKey>>,
 }
 
 impl Specs {
+    fn new(live: &BTreeMap<&str, &NodeIn>) -> Specs {
+        let current: BTreeMap<String, Vec<Assignment>> = live
+            .iter()
+            .map(|(n, o)| (n.to_string(), o.spec.assignments.clone()))
+            .collect();
+        let mut nodes_of: HashMap<String, BTreeSet<String>> = HashMap::new();
+        for (node, list) in &current {
+            for a in list {
+                nodes_of
+                    .entry(a.uid.clone())
+                    .or_default()
+                    .insert(node.clone());
+            }
+        }
+        Specs {
+            desired: current.clone(),
+            current,
+            nodes_of,
+            touched: BTreeMap::new(),
+        }
+    }
+
     /// `(node, assignment)` for every assignment of `uid`, in node order.
     fn holders_of(&self, uid: &str) -> Vec<(String, Assignment)> {
-        self.desired
+        let Some(nodes) = self.nodes_of.get(uid) else {
+            return Vec::new();
+        };
+        nodes
             .iter()
-            .flat_map(|(n, list)| {
-                list.iter()
-                    .filter(|a| a.uid == uid)
-                    .map(move |a| (n.clone(), a.clone()))
+            .filter_map(|n| {
+                let list = self.desired.get(n)?;
+                Some(
+                    list.iter()
+                        .filter(|a| a.uid == uid)
+                        .map(move |a| (n.clone(), a.clone())),
+                )
             })
+            .flatten()
             .collect()
     }
 
     fn remove(&mut self, node: &str, uid: &str, service: &ServiceKey) {
         if let Some(list) = self.desired.get_mut(node) {
             list.retain(|a| a.uid != uid);
+            if let Some(nodes) = self.nodes_of.get_mut(uid) {
+                nodes.remove(node);
+            }
             self.touched
                 .entry(node.to_string())
                 .or_default()
@@ -329,6 +365,10 @@ impl Specs {
 
     fn put(&mut self, node: &str, a: Assignment, service: &ServiceKey) {
         if let Some(list) = self.desired.get_mut(node) {
+            self.nodes_of
+                .entry(a.uid.clone())
+                .or_default()
+                .insert(node.to_string());
             match list.iter_mut().find(|x| x.uid == a.uid) {
                 Some(x) => *x = a,
                 None => list.push(a),
@@ -403,17 +443,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
     plan.summary.nodes_total = node_names.len();
     plan.summary.nodes_eligible = eligible.len();
 
-    let mut specs = Specs {
-        current: live
-            .iter()
-            .map(|(n, o)| (n.to_string(), o.spec.assignments.clone()))
-            .collect(),
-        desired: live
-            .iter()
-            .map(|(n, o)| (n.to_string(), o.spec.assignments.clone()))
-            .collect(),
-        touched: BTreeMap::new(),
-    };
+    let mut specs = Specs::new(&live);
 
     let mut services: Vec<&ServiceIn> = world.services.iter().collect();
     services.sort_by(|a, b| a.key.cmp(&b.key));

@@ -20,6 +20,8 @@ pub struct Stats {
     /// Warning Events published, by reason.
     pub refusals: BTreeMap<&'static str, u64>,
     pub reconciles: u64,
+    /// Wake-ups that found the inputs of the last settled pass unchanged.
+    pub skipped: u64,
     pub last_error: Option<String>,
 }
 
@@ -134,6 +136,12 @@ impl Stats {
             "Reconcile passes.",
             "counter",
             vec![(String::new(), self.reconciles)],
+        );
+        gauge(
+            "hna_controller_reconciles_skipped_total",
+            "Wake-ups (watch events, ticks) that skipped the pass: nothing it decides from had changed since a pass that left nothing to do.",
+            "counter",
+            vec![(String::new(), self.skipped)],
         );
         out
     }
