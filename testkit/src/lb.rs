@@ -716,11 +716,6 @@ pub fn tail(text: &str, lines: usize) -> String {
 }
 
 fn endpoint_slice_resource(version: &str) -> ApiResource {
-    ApiResource {
-        group: "discovery.k8s.io".into(),
-        version: version.into(),
-        api_version: format!("discovery.k8s.io/{version}"),
-        kind: "EndpointSlice".into(),
-        plural: "endpointslices".into(),
-    }
+    let gvk = GroupVersionKind::gvk("discovery.k8s.io", version, "EndpointSlice");
+    ApiResource::from_gvk_with_plural(&gvk, "endpointslices")
 }
