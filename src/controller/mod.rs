@@ -441,6 +441,7 @@ fn fingerprint<'a>(metas: impl Iterator<Item = &'a kube::api::ObjectMeta>) -> Ve
     out.sort_unstable();
     out
 }
+
 async fn sleep_until_opt(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
