@@ -23,10 +23,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+mod common;
+
 use anyhow::{Context, Result, bail, ensure};
+use common::rss_kib;
 use harvester_node_agent::contract::node_object::{self, LeaseReport, LoadBalancerNode, Status};
 use harvester_node_agent::contract::{harvester, kube_vip};
 use hna_testkit::lb::{self, LbRig};
+use hna_testkit::rig::apiserver::free_port;
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 
@@ -408,19 +412,4 @@ fn cpu_ticks(pid: u32) -> Result<u64> {
 fn clock_ticks_per_second() -> f64 {
     // SAFETY: sysconf has no preconditions.
     (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64
-}
-
-fn rss_kib(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .context("VmRSS")
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }

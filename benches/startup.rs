@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use common::{Killed, kib_field, ms, percentile};
+use common::{Killed, ms, percentile, rss_kib};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
 
@@ -70,12 +70,6 @@ fn sigterm_and_wait(child: &mut Child) -> Result<()> {
     )?;
     child.wait()?;
     Ok(())
-}
-
-fn rss_kib(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .with_context(|| format!("process {pid} is gone"))?;
-    kib_field(&status, "VmRSS:").context("no VmRSS")
 }
 
 fn main() -> Result<()> {

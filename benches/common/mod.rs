@@ -1,6 +1,9 @@
 //! Helpers the benchmarks share: children killed on drop, percentiles and
 //! `/proc` memory fields. Include with `mod common;`.
 
+// Each bench is its own crate and uses a part of these.
+#![allow(dead_code)]
+
 use std::process::Child;
 use std::time::Duration;
 
@@ -22,6 +25,14 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
+}
+
+/// The resident memory (VmRSS) of `pid`, in KiB.
+pub fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    use anyhow::Context as _;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("process {pid} is gone"))?;
+    kib_field(&status, "VmRSS:").context("no VmRSS")
 }
 
 /// A `Key:   123 kB` field of `/proc/<pid>/status` or `smaps_rollup`.

@@ -120,21 +120,14 @@ impl EndpointCache {
     /// `(uid, resourceVersion)` of every cached object, sorted: changes
     /// whenever what [`EndpointCache::ready_nodes`] says may change.
     pub fn fingerprint(&self) -> Vec<(String, String)> {
-        let of = |m: &kube::api::ObjectMeta| {
-            (
-                m.uid.clone().unwrap_or_default(),
-                m.resource_version.clone().unwrap_or_default(),
-            )
-        };
-        let mut out: Vec<(String, String)> = match &*self.chosen.borrow() {
-            Some(Chosen::Slices(store)) => store.state().iter().map(|o| of(&o.metadata)).collect(),
+        use super::kube_edge::fingerprint;
+        match &*self.chosen.borrow() {
+            Some(Chosen::Slices(store)) => fingerprint(store.state().iter().map(|o| &o.metadata)),
             Some(Chosen::Endpoints(store)) => {
-                store.state().iter().map(|o| of(&o.metadata)).collect()
+                fingerprint(store.state().iter().map(|o| &o.metadata))
             }
             None => Vec::new(),
-        };
-        out.sort_unstable();
-        out
+        }
     }
 
     /// Every Service's nodes with a ready endpoint.

@@ -352,6 +352,23 @@ fn spawn_network_map_watch(
     });
 }
 
+/// `(uid, resourceVersion)` of each object, sorted (a store's order is
+/// not stable): it changes whenever one of the objects does.
+pub fn fingerprint<'a>(
+    metas: impl Iterator<Item = &'a kube::api::ObjectMeta>,
+) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = metas
+        .map(|m| {
+            (
+                m.uid.clone().unwrap_or_default(),
+                m.resource_version.clone().unwrap_or_default(),
+            )
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
 /// Every watch ends server-side before the client's read timeout: a quiet
 /// Service or Node watch is normal, not an error.
 fn watch_config() -> watcher::Config {

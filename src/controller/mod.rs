@@ -314,10 +314,10 @@ async fn reconcile_loop(
         let (objects, object_versions) = objects_from(&caches, &mut alive, now);
         let leading = leadership.leading();
         let inputs = Inputs {
-            services: fingerprint(caches.services.state().iter().map(|s| &s.metadata)),
-            nodes: fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),
+            services: kube_edge::fingerprint(caches.services.state().iter().map(|s| &s.metadata)),
+            nodes: kube_edge::fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),
             endpoints: caches.endpoints.fingerprint(),
-            objects: objects.clone(),
+            objects,
             networks: caches.networks.lock().expect("network map lock").clone(),
             leading,
             term: leadership.term(),
@@ -335,13 +335,12 @@ async fn reconcile_loop(
         }
         let (services, nodes, mut versions) = services_from(&caches);
         versions.extend(object_versions);
-        let network_map = inputs.networks.clone();
         let plan = reconcile::reconcile(reconcile::World {
             services: &services,
             nodes: &nodes,
-            node_objects: &objects,
+            node_objects: &inputs.objects,
             access_ensured: &access_ensured,
-            networks: &network_map,
+            networks: &inputs.networks,
         });
         coalesce = coalesce_window(now.elapsed());
         {
@@ -425,21 +424,6 @@ struct Inputs {
     networks: networks::NetworkMap,
     leading: bool,
     term: u64,
-}
-
-/// `(uid, resourceVersion)` of each object, sorted (a store's order is
-/// not stable).
-fn fingerprint<'a>(metas: impl Iterator<Item = &'a kube::api::ObjectMeta>) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = metas
-        .map(|m| {
-            (
-                m.uid.clone().unwrap_or_default(),
-                m.resource_version.clone().unwrap_or_default(),
-            )
-        })
-        .collect();
-    out.sort_unstable();
-    out
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {
