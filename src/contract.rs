@@ -220,6 +220,10 @@ pub enum Selection {
     Secondary { primary: ServiceKey },
     /// Not ours; the reason, for logs and Events.
     NotOurs(&'static str),
+    /// A class-less LoadBalancer in pool mode: Harvester's pool allocates
+    /// its address. Not ours either, but a Service of ours that turns into
+    /// one changed its IPAM mode, which is refused.
+    PoolMode,
     /// `harvester-node-agent.io/ignore: "true"`.
     OptedOut,
     /// Ours by its annotations, but one is malformed: an Event says which,
@@ -227,21 +231,53 @@ pub enum Selection {
     Invalid(String),
 }
 
+/// Which `spec.loadBalancerClass` values are served (the controller's
+/// `--load-balancer-class` and `--serve-classless`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClassPolicy {
+    /// Services of this class are ours whatever their annotations.
+    pub class: String,
+    /// Whether class-less Services in DHCP mode (what the Harvester cloud
+    /// provider serves: `ipam: dhcp`, `loadbalancerIPs: 0.0.0.0`) are
+    /// ours too.
+    pub classless: bool,
+}
+
+impl Default for ClassPolicy {
+    /// [`LOAD_BALANCER_CLASS`] and class-less DHCP Services: what a
+    /// Harvester guest cluster wants.
+    fn default() -> ClassPolicy {
+        ClassPolicy {
+            class: LOAD_BALANCER_CLASS.to_string(),
+            classless: true,
+        }
+    }
+}
+
 /// Decides from one Service alone. Pool-mode Services are never ours: the
-/// Harvester side allocates them.
-pub fn select(svc: &ServiceView) -> Selection {
+/// Harvester side allocates them. A Service of another class is not ours
+/// before anything else is read of it: its implementation owns it whole.
+pub fn select(svc: &ServiceView, classes: &ClassPolicy) -> Selection {
     if svc.type_ != "LoadBalancer" {
         return Selection::NotOurs("not type LoadBalancer");
     }
+    let ours_by_class = match svc.load_balancer_class.as_deref() {
+        Some(class) if class == classes.class => true,
+        // The cloud-provider framework skips classed Services, and so do we.
+        Some(_) => return Selection::NotOurs("another loadBalancerClass"),
+        None if !classes.classless => {
+            return Selection::NotOurs(
+                "no loadBalancerClass, and this controller serves only its --load-balancer-class",
+            );
+        }
+        None => false,
+    };
     let a = &svc.annotations;
     if a.get(IGNORE).map(String::as_str) == Some("true") {
         return Selection::OptedOut;
     }
-    match svc.load_balancer_class.as_deref() {
-        Some(LOAD_BALANCER_CLASS) => return Selection::Primary,
-        // The cloud-provider framework skips classed Services, and so do we.
-        Some(_) => return Selection::NotOurs("another loadBalancerClass"),
-        None => {}
+    if ours_by_class {
+        return Selection::Primary;
     }
     if let Some(primary) = a.get(harvester::PRIMARY_SERVICE) {
         return match parse_service_key(primary) {
@@ -257,7 +293,7 @@ pub fn select(svc: &ServiceView) -> Selection {
     if dhcp_ipam || ask_dhcp {
         Selection::Primary
     } else {
-        Selection::NotOurs("not DHCP mode (pool mode is allocated by Harvester)")
+        Selection::PoolMode
     }
 }
 
@@ -406,11 +442,11 @@ mod tests {
             ),
             (
                 svc(lb, None, &[(harvester::IPAM, "pool")]),
-                Selection::NotOurs("not DHCP mode (pool mode is allocated by Harvester)"),
+                Selection::PoolMode,
             ),
             (
                 svc(lb, None, &[(kube_vip::LOADBALANCER_IPS, "10.0.0.5")]),
-                Selection::NotOurs("not DHCP mode (pool mode is allocated by Harvester)"),
+                Selection::PoolMode,
             ),
             (
                 svc("ClusterIP", None, &[(harvester::IPAM, "dhcp")]),
@@ -439,23 +475,65 @@ mod tests {
                 },
             ),
         ];
+        let default = ClassPolicy::default();
         for (view, want) in table {
-            assert_eq!(&select(view), want, "{view:?}");
+            assert_eq!(&select(view, &default), want, "{view:?}");
         }
         assert!(matches!(
-            select(&svc(lb, None, &[(harvester::PRIMARY_SERVICE, "web")])),
+            select(
+                &svc(lb, None, &[(harvester::PRIMARY_SERVICE, "web")]),
+                &default
+            ),
             Selection::Invalid(_)
         ));
         // kube-vip's own opt-out is not ours: it is how a Service moves
         // from kube-vip to this agent.
         assert_eq!(
-            select(&svc(
-                lb,
-                None,
-                &[(harvester::IPAM, "dhcp"), (kube_vip::IGNORE, "true")]
-            )),
+            select(
+                &svc(
+                    lb,
+                    None,
+                    &[(harvester::IPAM, "dhcp"), (kube_vip::IGNORE, "true")]
+                ),
+                &default
+            ),
             Selection::Primary
         );
+    }
+
+    #[test]
+    fn a_configured_class_is_served_and_classless_services_only_when_asked() {
+        let lb = "LoadBalancer";
+        let dhcp = [(harvester::IPAM, "dhcp")];
+        let only = ClassPolicy {
+            class: "example.com/dhcp".into(),
+            classless: false,
+        };
+        let also = ClassPolicy {
+            classless: true,
+            ..only.clone()
+        };
+        for classes in [&only, &also] {
+            assert_eq!(
+                select(&svc(lb, Some("example.com/dhcp"), &[]), classes),
+                Selection::Primary
+            );
+            // The default class is just another class once one is named.
+            assert_eq!(
+                select(&svc(lb, Some(LOAD_BALANCER_CLASS), &dhcp), classes),
+                Selection::NotOurs("another loadBalancerClass")
+            );
+            // Another class is never read further: not even its opt-out.
+            assert_eq!(
+                select(&svc(lb, Some("other.io/lb"), &[(IGNORE, "true")]), classes),
+                Selection::NotOurs("another loadBalancerClass")
+            );
+        }
+        assert!(matches!(
+            select(&svc(lb, None, &dhcp), &only),
+            Selection::NotOurs(_)
+        ));
+        assert_eq!(select(&svc(lb, None, &dhcp), &also), Selection::Primary);
     }
 
     #[test]

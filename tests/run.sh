@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
 # The project's test command (README, .ci/run): installs the prerequisites of
-# the real-part tests (Debian packages, the kube-apiserver build, cached by
-# version outside the checkout), then runs every test. Needs root: the tests
+# the real-part tests (Debian packages; kube-apiserver, kubectl and etcd
+# built from the Go module proxy, cached by version outside the checkout),
+# then runs every test on the newest Kubernetes release and the API-facing
+# suites again on the oldest supported one. Needs root: the tests
 # create network namespaces, veths, macvlans and run dnsmasq, etcd and
 # kube-apiserver. A non-root run skips what needs root (cargo counts those
 # tests as ignored); as root or under CI=true a missing prerequisite fails a
 # test, naming the command that installs it.
 #
-# The last line is the integration tests' `skipped: N of M ...` summary, also
-# when something failed.
+# The last lines are the integration runs' `skipped: N of M ...` summaries,
+# also when something failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log="$(mktemp)"
+# One `skipped: ...` line per integration run (the newest release, then the
+# oldest supported one), also when something failed.
 skipped_summary() {
-    local line
-    line="$(grep -h '^skipped: ' "$log" 2>/dev/null | tail -n1 || true)"
-    echo "${line:-skipped: unknown (the integration tests did not run to their end)}"
+    local lines
+    lines="$(grep -h '^skipped: ' "$log" 2>/dev/null || true)"
+    echo "${lines:-skipped: unknown (the integration tests did not run to their end)}"
     rm -f "$log"
 }
 trap skipped_summary EXIT
 
+# The suites that run a second time on the oldest supported Kubernetes
+# release (the README's "Kubernetes versions").
+OLDEST_SUITES=(manifests:: loadbalancer:: current_api:: failover::)
+
+assets_given="${KUBEBUILDER_ASSETS:-}"
 if [[ $(id -u) -eq 0 ]]; then
     KUBEBUILDER_ASSETS="$(bash tests/rig/prereqs.sh | tail -n1)"
     export KUBEBUILDER_ASSETS
@@ -28,12 +37,23 @@ else
     echo "run.sh: not root: the prerequisites are not installed and the tests that need root are skipped" >&2
 fi
 # The test binaries' output (stdout) is kept to repeat the summary at the end.
-cargo test --locked "$@" | tee "$log"
+echo "run.sh: the whole suite on ${KUBEBUILDER_ASSETS:-no API server}" >&2
+cargo test --locked "$@" | tee -a "$log"
 # Unit tests that need root (private network namespaces) are #[ignore]d so
 # that a plain `cargo test` counts them instead of passing them silently;
 # as root they run here.
 if [[ $(id -u) -eq 0 ]]; then
     cargo test --locked --lib -- --ignored
+fi
+# The API-facing suites again on the oldest supported release: only for a
+# whole run (no test filter given) and when the servers are the ones
+# prereqs.sh builds, not KUBEBUILDER_ASSETS's.
+if [[ $(id -u) -eq 0 && $# -eq 0 && -z "$assets_given" ]]; then
+    KUBEBUILDER_ASSETS="$(HNA_KUBE_RELEASE=oldest bash tests/rig/prereqs.sh | tail -n1)"
+    echo "run.sh: ${OLDEST_SUITES[*]} on $KUBEBUILDER_ASSETS" >&2
+    HNA_TEST_FILTERS="${OLDEST_SUITES[*]}" cargo test --locked --test integration | tee -a "$log"
+elif [[ -n "$assets_given" ]]; then
+    echo "run.sh: KUBEBUILDER_ASSETS is set: the oldest supported release is not tried" >&2
 fi
 # The fuzz target of the DHCP receive path, for a bounded time (60 s by
 # default, HNA_FUZZ_SECONDS to change); a crash fails the run.

@@ -255,6 +255,37 @@ pub struct ControllerArgs {
     /// or endpointslices (v1, else v1beta1 on Kubernetes 1.17 to 1.20)
     #[arg(long, value_name = "SOURCE", env = "HNA_ENDPOINT_SOURCE", default_value = "auto", value_parser = crate::controller::endpoints::EndpointSetting::parse)]
     pub endpoint_source: crate::controller::endpoints::EndpointSetting,
+    /// Serve LoadBalancer Services of this spec.loadBalancerClass. Services
+    /// of any other class are never touched. Naming a class also stops
+    /// serving class-less DHCP Services (the Harvester cloud provider's
+    /// `cloudprovider.harvesterhci.io/ipam: dhcp`) unless
+    /// --serve-classless is given [default: harvester-node-agent.io/dhcp,
+    /// with class-less DHCP Services served]
+    #[arg(long, value_name = "CLASS", env = "HNA_LOAD_BALANCER_CLASS", value_parser = class_arg)]
+    pub load_balancer_class: Option<String>,
+    /// Whether class-less DHCP Services are served too: true or false
+    /// (alone: true) [default: true unless --load-balancer-class is given]
+    #[arg(long, value_name = "BOOL", env = "HNA_SERVE_CLASSLESS", num_args = 0..=1, default_missing_value = "true")]
+    pub serve_classless: Option<bool>,
+}
+
+impl ControllerArgs {
+    /// `--load-balancer-class` and `--serve-classless` as one policy.
+    pub fn classes(&self) -> crate::contract::ClassPolicy {
+        let default = crate::contract::ClassPolicy::default();
+        crate::contract::ClassPolicy {
+            classless: self
+                .serve_classless
+                .unwrap_or(self.load_balancer_class.is_none()),
+            class: self.load_balancer_class.clone().unwrap_or(default.class),
+        }
+    }
+}
+
+fn class_arg(v: &str) -> Result<String, String> {
+    crate::k8s_names::validate_label_key(v)
+        .map(|()| v.to_string())
+        .map_err(|e| format!("{e} (spec.loadBalancerClass is a label-style name, e.g. example.com/dhcp)"))
 }
 
 fn election_arg(v: &str) -> Result<Duration, String> {
@@ -356,6 +387,7 @@ pub fn main() -> ExitCode {
                 eprintln!("harvester-node-agent: invalid leader election flags: {e}");
                 return ExitCode::from(EXIT_CONFIG);
             }
+            let classes = args.classes();
             let opts = crate::controller::Options {
                 kubeconfig: args.kubeconfig,
                 credentials_retry: args.credentials_retry,
@@ -369,6 +401,7 @@ pub fn main() -> ExitCode {
                 watch_quiet_after: args.watch_quiet_after,
                 metrics_listen: args.metrics_listen,
                 endpoint_source: args.endpoint_source,
+                classes,
             };
             serve(&args.log_level, args.log_target, |n| {
                 Box::pin(crate::controller::run(opts, n))

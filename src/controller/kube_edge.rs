@@ -36,6 +36,9 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
             .and_then(|s| s.type_.clone())
             .unwrap_or_else(|| "ClusterIP".into()),
         load_balancer_class: spec.and_then(|s| s.load_balancer_class.clone()),
+        ip_families: spec
+            .and_then(|s| s.ip_families.clone())
+            .unwrap_or_default(),
         // Filled in from the Endpoints by the caller (`world_from`).
         local_endpoints: (spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local"))
             .then(Default::default),
@@ -62,6 +65,7 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
                     .filter_map(|i| {
                         Some(Ingress {
                             ip: i.ip.clone()?,
+                            ip_mode: i.ip_mode.clone(),
                             ports: i
                                 .ports
                                 .as_ref()
@@ -106,6 +110,21 @@ impl KubeApi {
             instance: Some(identity.to_string()),
         };
         KubeApi { client, reporter }
+    }
+
+    /// Whether the API server keeps `status.loadBalancer.ingress[].ipMode`:
+    /// Kubernetes 1.30 and later (the `LoadBalancerIPMode` gate, beta and
+    /// on from 1.30, GA in 1.32). An older server drops the field, and
+    /// writing it there would make every pass see a difference. `None`
+    /// when `/version` cannot be read.
+    pub async fn knows_ip_mode(&self) -> Option<bool> {
+        let info = self.client.apiserver_version().await.ok()?;
+        let minor: u32 = info
+            .minor
+            .trim_end_matches(|c: char| !c.is_ascii_digit())
+            .parse()
+            .ok()?;
+        Some(info.major == "1" && minor >= 30)
     }
 
     fn api(&self, kind: Kind, namespace: &str) -> Api<DynamicObject> {

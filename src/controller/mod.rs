@@ -84,6 +84,8 @@ pub struct Options {
     pub metrics_listen: Option<SocketAddr>,
     /// Where `externalTrafficPolicy: Local` reads ready endpoints.
     pub endpoint_source: endpoints::EndpointSetting,
+    /// Which `spec.loadBalancerClass` values are ours.
+    pub classes: contract::ClassPolicy,
 }
 
 /// `<hostname>-<pid>`: unique enough among replicas when no Pod name is
@@ -283,7 +285,13 @@ async fn reconcile_loop(
         _ = shutdown.changed() => return,
     }
     stats.lock().expect("stats lock").synced = true;
-    tracing::info!("watch caches loaded: reconciling");
+    // The floor of supported servers (1.33) knows it; an older or
+    // unreadable one gets no ipMode rather than a write every pass.
+    let ip_mode = api.knows_ip_mode().await.unwrap_or_else(|| {
+        tracing::warn!("GET /version failed: ipMode is not written in this session");
+        false
+    });
+    tracing::info!(ip_mode, "watch caches loaded: reconciling");
     let mut alive = liveness::Liveness::new(opts.node_stale_after, opts.watch_quiet_after);
     let mut writes = writer::WriteMemo::default();
     let mut told = writer::EventMemo::default();
@@ -341,6 +349,8 @@ async fn reconcile_loop(
             node_objects: &inputs.objects,
             access_ensured: &access_ensured,
             networks: &inputs.networks,
+            classes: &opts.classes,
+            ip_mode,
         });
         coalesce = coalesce_window(now.elapsed());
         {

@@ -18,8 +18,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::contract::node_object::{Assignment, Spec, Status};
 use crate::contract::{
-    self, AddressIdentity, Annotations, FINALIZER, Selection, ServiceKey, ServiceView, harvester,
-    kube_vip,
+    self, AddressIdentity, Annotations, ClassPolicy, FINALIZER, Selection, ServiceKey, ServiceView,
+    harvester, kube_vip,
 };
 use crate::controller::networks::{self, NetworkMap, NoUplink};
 use crate::controller::placement::{self, ServiceNeed};
@@ -49,8 +49,16 @@ impl std::fmt::Display for Port {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ingress {
     pub ip: String,
+    /// `ipMode` ([`IP_MODE_VIP`] when written by us on a server that knows
+    /// the field).
+    pub ip_mode: Option<String>,
     pub ports: Vec<Port>,
 }
+
+/// `ipMode: VIP`: the address is delivered to the nodes with the
+/// destination unchanged (it is held on a node's macvlan), so kube-proxy
+/// may short-circuit traffic from inside the cluster to it.
+pub const IP_MODE_VIP: &str = "VIP";
 
 /// A Service as the decision needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,6 +68,8 @@ pub struct ServiceIn {
     /// `spec.type`.
     pub type_: String,
     pub load_balancer_class: Option<String>,
+    /// `spec.ipFamilies` (empty: not set, IPv4 on an IPv4 cluster).
+    pub ip_families: Vec<String>,
     /// `externalTrafficPolicy: Local`: the nodes with a ready endpoint,
     /// the only ones that may hold the address. `None`: `Cluster`.
     pub local_endpoints: Option<BTreeSet<String>>,
@@ -87,15 +97,6 @@ impl ServiceIn {
 
     fn first_ip(&self) -> Option<&str> {
         self.ingress.first().map(|i| i.ip.as_str())
-    }
-
-    /// A LoadBalancer that is not ours only because of its IPAM mode:
-    /// Harvester's pool allocates its address.
-    fn is_pool_mode(&self) -> bool {
-        self.type_ == "LoadBalancer"
-            && self.load_balancer_class.is_none()
-            && !self.annotations.contains_key(harvester::PRIMARY_SERVICE)
-            && self.annotations.get(contract::IGNORE).map(String::as_str) != Some("true")
     }
 }
 
@@ -140,6 +141,11 @@ pub struct World<'a> {
     pub access_ensured: &'a BTreeSet<String>,
     /// VM network → interface (`cloudprovider.harvesterhci.io/network`).
     pub networks: &'a NetworkMap,
+    /// Which `loadBalancerClass` values are ours.
+    pub classes: &'a ClassPolicy,
+    /// The API server knows `status.loadBalancer.ingress[].ipMode`
+    /// (Kubernetes 1.30 and later): it is written as [`IP_MODE_VIP`].
+    pub ip_mode: bool,
 }
 
 /// One write, in the order of [`Plan::writes`].
@@ -242,6 +248,8 @@ pub mod reason {
     pub const INVALID: &str = "InvalidConfiguration";
     pub const HANDED_OVER: &str = "HandedOver";
     pub const NETWORK_UNRESOLVED: &str = "NetworkNotResolved";
+    pub const IPV4_REQUIRED: &str = "IPv4Required";
+    pub const IPV6_NOT_SERVED: &str = "IPv6NotServed";
 }
 
 /// How the Services stand, for the `STATUS=` line and metrics.
@@ -270,15 +278,35 @@ pub struct Plan {
 
 /// The status write that gives `s` the address `ip` with its own ports,
 /// unless its status says so already.
-fn status_write(s: &ServiceIn, ip: &str) -> Option<Write> {
+fn status_write(s: &ServiceIn, ip: &str, ip_mode: bool) -> Option<Write> {
     let want = vec![Ingress {
         ip: ip.to_string(),
+        ip_mode: ip_mode.then(|| IP_MODE_VIP.to_string()),
         ports: s.ports.clone(),
     }];
     (s.ingress != want).then(|| Write::ServiceStatus {
         service: s.key.clone(),
         ingress: want,
     })
+}
+
+/// What DHCP can give a Service of its `ipFamilies`: DHCP-mode addresses
+/// are IPv4, so an IPv6-only Service is refused and a dual-stack one gets
+/// its IPv4 address only. `Err`: refused, with the Event's message; `Ok`
+/// with a message: served, and the Event says what is not.
+fn ip_families(s: &ServiceIn) -> Result<Option<String>, String> {
+    let has = |f: &str| s.ip_families.iter().any(|x| x == f);
+    match (has("IPv4"), has("IPv6")) {
+        (false, true) => Err(format!(
+            "DHCP-mode addresses are IPv4 and this Service asks for IPv6 only (ipFamilies: [{}]): no address is requested; on a dual-stack cluster set spec.ipFamilyPolicy: PreferDualStack to add the IPv4 family, or recreate the Service with ipFamilies: [IPv4]",
+            s.ip_families.join(", ")
+        )),
+        (true, true) => Ok(Some(format!(
+            "DHCP-mode addresses are IPv4: the IPv4 family is served and the IPv6 family gets no load-balancer address (ipFamilies: [{}])",
+            s.ip_families.join(", ")
+        ))),
+        _ => Ok(None),
+    }
 }
 
 /// What a Service's own holder should carry.
@@ -450,7 +478,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
     let by_key: BTreeMap<&ServiceKey, &ServiceIn> = services.iter().map(|s| (&s.key, *s)).collect();
     let selections: BTreeMap<&ServiceKey, Selection> = services
         .iter()
-        .map(|s| (&s.key, contract::select(&s.view())))
+        .map(|s| (&s.key, contract::select(&s.view(), world.classes)))
         .collect();
 
     let mut add_finalizers = Vec::new();
@@ -517,6 +545,20 @@ pub fn reconcile(world: World<'_>) -> Plan {
             continue;
         }
 
+        if matches!(selection, Selection::Primary) {
+            match ip_families(s) {
+                // What runs is kept, as for any Service that cannot be
+                // made sense of (the primary family is immutable, so an
+                // IPv6-only Service was never served).
+                Err(why) => {
+                    plan.summary.refused += 1;
+                    event(s, EventType::Warning, reason::IPV4_REQUIRED, why);
+                    continue;
+                }
+                Ok(Some(note)) => event(s, EventType::Normal, reason::IPV6_NOT_SERVED, note),
+                Ok(None) => {}
+            }
+        }
         match selection {
             Selection::Primary if !ours => {
                 // A status address we did not record: Harvester's pool gave it.
@@ -580,7 +622,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
                 event(s, EventType::Warning, reason::INVALID, e.clone());
             }
             Selection::Secondary { .. } => {} // below, once primaries are decided
-            Selection::NotOurs(_) if ours && s.is_pool_mode() => {
+            Selection::PoolMode if ours => {
                 plan.summary.refused += 1;
                 event(
                     s,
@@ -593,7 +635,11 @@ pub fn reconcile(world: World<'_>) -> Plan {
                     ),
                 );
             }
-            Selection::NotOurs(why) => {
+            Selection::NotOurs(_) | Selection::PoolMode => {
+                let why = match selection {
+                    Selection::NotOurs(why) => why,
+                    _ => "pool mode",
+                };
                 if ours || !holders.is_empty() {
                     // Released, not just dropped: whoever serves the Service
                     // next (kube-vip with its option 50, or another class)
@@ -734,7 +780,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
         };
         plan.summary.served += 1;
         primary_ip.insert(s.key.clone(), ip.to_string());
-        if let Some(w) = status_write(s, ip) {
+        if let Some(w) = status_write(s, ip, world.ip_mode) {
             statuses.push(w);
             event(
                 s,
@@ -770,6 +816,15 @@ pub fn reconcile(world: World<'_>) -> Plan {
         let Selection::Secondary { primary } = &selections[&s.key] else {
             continue;
         };
+        match ip_families(s) {
+            Err(why) => {
+                plan.summary.refused += 1;
+                event(s, EventType::Warning, reason::IPV4_REQUIRED, why);
+                continue;
+            }
+            Ok(Some(note)) => event(s, EventType::Normal, reason::IPV6_NOT_SERVED, note),
+            Ok(None) => {}
+        }
         let Some(p) = by_key.get(primary) else {
             plan.summary.refused += 1;
             event(
@@ -838,7 +893,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
                 used.insert(p.clone(), s.key.to_string());
             }
             plan.summary.shared += 1;
-            if let Some(w) = status_write(s, ip) {
+            if let Some(w) = status_write(s, ip, world.ip_mode) {
                 statuses.push(w);
                 event(
                     s,
@@ -991,6 +1046,7 @@ mod tests {
             uid: uid(name),
             type_: "LoadBalancer".into(),
             load_balancer_class: None,
+            ip_families: vec!["IPv4".into()],
             local_endpoints: None,
             annotations: [(harvester::IPAM.to_string(), "dhcp".to_string())].into(),
             ports: ports.iter().map(|p| port(*p)).collect(),
@@ -1024,6 +1080,8 @@ mod tests {
         next_ip: u8,
         given: BTreeMap<String, String>,
         networks: NetworkMap,
+        classes: ClassPolicy,
+        ip_mode: bool,
     }
 
     impl Sim {
@@ -1037,6 +1095,8 @@ mod tests {
                 next_ip: 150,
                 given: BTreeMap::new(),
                 networks: NetworkMap::parse(Some(r#"{"default/net123":"enp2s0"}"#)),
+                classes: ClassPolicy::default(),
+                ip_mode: true,
             };
             sim.settle();
             sim
@@ -1049,6 +1109,8 @@ mod tests {
                 node_objects: &self.objects,
                 access_ensured: &self.access,
                 networks: &self.networks,
+                classes: &self.classes,
+                ip_mode: self.ip_mode,
             })
         }
 
@@ -1260,6 +1322,7 @@ mod tests {
             s.ingress,
             vec![Ingress {
                 ip: ip.into(),
+                ip_mode: Some(IP_MODE_VIP.into()),
                 ports: vec![port(80), port(443)]
             }]
         );
@@ -1419,6 +1482,7 @@ mod tests {
         pool.annotations = [(harvester::IPAM.to_string(), "pool".to_string())].into();
         pool.ingress = vec![Ingress {
             ip: "10.0.0.9".into(),
+            ip_mode: None,
             ports: vec![port(80)],
         }];
         sim.services.push(pool);
@@ -1429,6 +1493,7 @@ mod tests {
             sim.svc("api").ingress,
             vec![Ingress {
                 ip: ip.clone(),
+                ip_mode: Some(IP_MODE_VIP.into()),
                 ports: vec![port(8080)]
             }]
         );
@@ -1501,6 +1566,7 @@ mod tests {
         let mut old = dhcp("old", &[80]);
         old.ingress = vec![Ingress {
             ip: "10.0.0.9".into(),
+            ip_mode: None,
             ports: vec![port(80)],
         }];
         sim.services.push(old);
@@ -1520,6 +1586,7 @@ mod tests {
         let mut migrated = dhcp("migrated", &[80]);
         migrated.ingress = vec![Ingress {
             ip: "10.77.0.200".into(),
+            ip_mode: None,
             ports: vec![port(80)],
         }];
         migrated
@@ -1667,6 +1734,97 @@ mod tests {
                 .iter()
                 .any(|e| e.service == key("bad") && e.reason == reason::INVALID)
         );
+    }
+
+    #[test]
+    fn another_class_is_never_written_nor_told_about() {
+        let mut sim = Sim::new(&["n1"]);
+        let mut other = dhcp("other", &[80]);
+        other.load_balancer_class = Some("example.com/other".into());
+        other
+            .annotations
+            .insert(kube_vip::LOADBALANCER_IPS.into(), "0.0.0.0".into());
+        sim.services.push(other.clone());
+        let plans = sim.settle();
+        assert!(plans.iter().all(|p| p.writes.is_empty()), "{plans:?}");
+        assert!(events(&plans).is_empty(), "{plans:?}");
+        assert_eq!(sim.svc("other"), &other);
+        assert!(sim.holders("other").is_empty());
+    }
+
+    #[test]
+    fn a_named_class_serves_that_class_and_class_less_ones_only_when_asked() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.classes = ClassPolicy {
+            class: "example.com/dhcp".into(),
+            classless: false,
+        };
+        let mut named = dhcp("named", &[80]);
+        named.load_balancer_class = Some("example.com/dhcp".into());
+        named.annotations.clear();
+        sim.services.push(named);
+        sim.services.push(dhcp("classless", &[80]));
+        sim.settle();
+        assert_eq!(sim.holders("named").len(), 1);
+        assert!(!sim.svc("named").ingress.is_empty());
+        assert!(sim.holders("classless").is_empty());
+        assert!(sim.svc("classless").finalizers.is_empty());
+        sim.classes.classless = true;
+        sim.settle();
+        assert_eq!(sim.holders("classless").len(), 1);
+    }
+
+    #[test]
+    fn ip_mode_is_written_only_where_the_server_knows_it() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.ip_mode = false;
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        assert_eq!(sim.svc("web").ingress[0].ip_mode, None);
+        // A server that learned the field (an upgrade): written once.
+        sim.ip_mode = true;
+        let plans = sim.settle();
+        assert_eq!(
+            sim.svc("web").ingress[0].ip_mode.as_deref(),
+            Some(IP_MODE_VIP)
+        );
+        assert_eq!(plans.len(), 2, "one write, then settled: {plans:?}");
+    }
+
+    #[test]
+    fn dhcp_serves_the_ipv4_family_and_refuses_ipv6_only() {
+        let mut sim = Sim::new(&["n1"]);
+        let mut v6 = dhcp("v6", &[80]);
+        v6.ip_families = vec!["IPv6".into()];
+        let mut dual = dhcp("dual", &[80]);
+        dual.ip_families = vec!["IPv6".into(), "IPv4".into()];
+        let mut v6_secondary = secondary("v6-secondary", "dual", &[81]);
+        v6_secondary.ip_families = vec!["IPv6".into()];
+        sim.services.extend([v6, dual, v6_secondary]);
+        let plans = sim.settle();
+        let said: Vec<(&str, String)> = events(&plans);
+        let about = |name: &str, reason: &str| {
+            plans.iter().flat_map(|p| &p.events).any(|e| {
+                e.service == key(name)
+                    && e.reason == reason
+                    && e.message.contains("DHCP-mode addresses are IPv4")
+            })
+        };
+        assert!(about("v6", reason::IPV4_REQUIRED), "{said:?}");
+        assert!(about("v6-secondary", reason::IPV4_REQUIRED), "{said:?}");
+        assert!(about("dual", reason::IPV6_NOT_SERVED), "{said:?}");
+        let v6 = sim.svc("v6");
+        assert!(v6.ingress.is_empty() && v6.finalizers.is_empty());
+        assert!(sim.holders("v6").is_empty());
+        assert!(sim.svc("v6-secondary").ingress.is_empty());
+        let dual = sim.svc("dual");
+        assert_eq!(dual.ingress.len(), 1);
+        assert!(dual.ingress[0].ip.parse::<std::net::Ipv4Addr>().is_ok());
+        assert_eq!(plans.last().unwrap().summary.refused, 2);
+        // The IPv4 family added (ipFamilyPolicy: PreferDualStack): served.
+        sim.svc_mut("v6").ip_families.push("IPv4".into());
+        sim.settle();
+        assert_eq!(sim.svc("v6").ingress.len(), 1);
     }
 
     #[test]

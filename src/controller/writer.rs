@@ -70,10 +70,14 @@ fn ingress_json(ingress: &[Ingress]) -> Value {
     ingress
         .iter()
         .map(|i| {
-            json!({
+            let mut entry = json!({
                 "ip": i.ip,
                 "ports": i.ports.iter().map(|p| json!({"port": p.port, "protocol": p.protocol})).collect::<Vec<_>>(),
-            })
+            });
+            if let Some(mode) = &i.ip_mode {
+                entry["ipMode"] = json!(mode);
+            }
+            entry
         })
         .collect()
 }
@@ -417,6 +421,7 @@ mod tests {
                     service: k.clone(),
                     ingress: vec![Ingress {
                         ip: "10.77.0.150".into(),
+                        ip_mode: Some("VIP".into()),
                         ports: vec![Port {
                             port: 80,
                             protocol: "TCP".into(),
@@ -466,7 +471,7 @@ mod tests {
             Verb::Patch(
                 PatchKind::Merge,
                 json!({"status": {"loadBalancer": {"ingress": [
-                    {"ip": "10.77.0.150", "ports": [{"port": 80, "protocol": "TCP"}]}
+                    {"ip": "10.77.0.150", "ipMode": "VIP", "ports": [{"port": 80, "protocol": "TCP"}]}
                 ]}}})
             )
         );

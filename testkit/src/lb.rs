@@ -52,11 +52,15 @@ pub struct Options {
     /// Extra arguments for every controller replica.
     pub controller_args: Vec<String>,
     /// Publish [`LbRig::set_endpoints`] in EndpointSlices instead of
-    /// Endpoints, and start the controllers with `--endpoint-source
-    /// endpointslices`. The rig's 1.20 serves them as
-    /// `discovery.k8s.io/v1beta1` (with the node in `topology`, as 1.20's
-    /// own EndpointSlice controller writes it); 1.21 and later as `v1`.
+    /// Endpoints, and start the controllers with the default
+    /// `--endpoint-source auto` (else `endpoints`). Slices are `discovery.k8s.io/v1` where the server has it
+    /// (every supported release), else `v1beta1` (with the node in
+    /// `topology`, as 1.17 to 1.20 wrote it).
     pub endpoint_slices: bool,
+    /// Apply `packaging/kubernetes/`'s ValidatingAdmissionPolicy and its
+    /// binding (default). Without them, a change the policy refuses at
+    /// admission reaches the controller, which must refuse it itself.
+    pub admission_policy: bool,
 }
 
 impl Options {
@@ -69,6 +73,7 @@ impl Options {
             agent_config: String::new(),
             controller_args: Vec::new(),
             endpoint_slices: false,
+            admission_policy: true,
         }
     }
 }
@@ -110,9 +115,13 @@ impl LbRig {
         let api = rig.apiserver().context("API server")?;
         let admin_kubeconfig = api.admin_kubeconfig().to_path_buf();
         let admin = rt.block_on(rig::kube_client(&admin_kubeconfig))?;
-        rt.block_on(rig::manifests::apply_kustomization(
+        let mut manifests = rig::manifests::load_kustomization(&opts.manifests)?;
+        if !opts.admission_policy {
+            manifests.retain(|m| !m.kind().starts_with("ValidatingAdmissionPolicy"));
+        }
+        rt.block_on(rig::manifests::apply(
             &admin,
-            &opts.manifests,
+            &manifests,
             rig::manifests::Mode::Apply,
         ))
         .with_context(|| format!("applying {}", opts.manifests.display()))?;
@@ -324,10 +333,13 @@ impl LbRig {
             .arg("--kubeconfig")
             .arg(api.controller_kubeconfig())
             .args(&self.opts.controller_args)
+            // Slices: the default (`auto`), which reads v1 EndpointSlices
+            // on every supported server. Endpoints: asked for, as `auto`
+            // would not read them there.
             .args(if self.opts.endpoint_slices {
-                &["--endpoint-source", "endpointslices"][..]
+                &[][..]
             } else {
-                &[]
+                &["--endpoint-source", "endpoints"][..]
             })
             .env("HNA_LOG_TARGET", "stderr")
             .env("RUST_LOG", "info,harvester_node_agent=debug")
@@ -337,6 +349,11 @@ impl LbRig {
             .context("starting a controller")?;
         self.controllers[i] = Some(Proc { child });
         Ok(())
+    }
+
+    /// Changes the extra arguments of the next [`LbRig::start_controller`].
+    pub fn set_controller_args(&mut self, args: &[&str]) {
+        self.opts.controller_args = args.iter().map(|a| a.to_string()).collect();
     }
 
     /// Controller replica `i`'s process id while it runs.

@@ -29,6 +29,9 @@ pub enum Prereq {
     /// `openssl`, etcd and kube-apiserver (`KUBEBUILDER_ASSETS`, or the
     /// build `tests/rig/prereqs.sh` caches).
     ApiServer,
+    /// `kubectl` of the rig's release (next to kube-apiserver, else on
+    /// `PATH`).
+    Kubectl,
     /// ISC `dhclient`, a peer DHCP client.
     Dhclient,
     /// `busybox` (its `udhcpc`).
@@ -109,6 +112,7 @@ impl Prereq {
             Prereq::Iproute2 => "iproute2",
             Prereq::Dnsmasq => "dnsmasq-base",
             Prereq::ApiServer => "kube-apiserver",
+            Prereq::Kubectl => "kubectl",
             Prereq::Dhclient => "isc-dhcp-client",
             Prereq::Busybox => "busybox",
             Prereq::Curl => "curl",
@@ -177,6 +181,19 @@ impl Prereq {
                     ),
                 }
             }
+            Prereq::Kubectl => match Binaries::find() {
+                Ok(Binaries {
+                    kubectl: Some(_), ..
+                }) => Ok(()),
+                Ok(b) => missing(
+                    format!(
+                        "kubectl (not next to {} nor on PATH)",
+                        b.kube_apiserver.display()
+                    ),
+                    format!("build and cache it with `{INSTALL_ALL}`"),
+                ),
+                Err(what) => missing(what, format!("build and cache it with `{INSTALL_ALL}`")),
+            },
             Prereq::Dhclient => program("dhclient", "isc-dhcp-client"),
             Prereq::Busybox => program("busybox", "busybox"),
             Prereq::Curl => program("curl", "curl"),

@@ -1,4 +1,4 @@
-//! The controller binary against the rig's real kube-apiserver (1.20, Node
+//! The controller binary against the rig's real kube-apiserver (Node
 //! and RBAC authorization, NodeRestriction): it creates a LoadBalancerNode
 //! and a Role for each Node, gives a DHCP Service a holder, writes the
 //! Service's status and kube-vip's annotations once the holder reports the

@@ -313,9 +313,10 @@ fn a_local_service_is_held_where_its_endpoint_is_and_follows_it() -> Result<()> 
     local_service_follows_its_endpoint(options())
 }
 
-/// The same where the API serves `discovery.k8s.io/v1` EndpointSlices
-/// (Kubernetes 1.21 and later; a stand-in on the rig's 1.20): the
-/// controller reads those, and a not-ready endpoint does not count.
+/// The same with EndpointSlices alone, as a current cluster publishes
+/// them: the controller's default (`--endpoint-source auto`) reads
+/// `discovery.k8s.io/v1` on the real server (there are no Endpoints for it
+/// to fall back on), and a not-ready endpoint does not count.
 fn a_local_service_follows_its_endpoint_slices_where_the_api_has_them() -> Result<()> {
     local_service_follows_its_endpoint(lb::Options {
         endpoint_slices: true,

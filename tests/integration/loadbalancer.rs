@@ -201,7 +201,13 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
 }
 
 fn share_ip_and_every_refusal_changes_nothing_else() -> Result<()> {
-    let lb = LbRig::start(options())?;
+    // Without the shipped admission policy, which would refuse the IPAM
+    // change below before the controller sees it: the controller must
+    // refuse it on its own (current_api:: proves the policy).
+    let lb = LbRig::start(lb::Options {
+        admission_policy: false,
+        ..options()
+    })?;
     lb.create_service("web", &[(harvester::IPAM, "dhcp")], &[80])?;
     let ip = lb.wait_ingress("web", ADDRESS_WITHIN);
     let ip_text = ip.to_string();

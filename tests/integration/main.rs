@@ -7,6 +7,7 @@
 //! cargo test --test integration                  # all
 //! cargo test --test integration dhcp_rig::       # one module
 //! cargo test --test integration -- --list        # the test names
+//! HNA_TEST_FILTERS="manifests:: failover::" cargo test --test integration   # several
 //! ```
 //!
 //! Each test declares its prerequisites; see [`harness`] for what happens
@@ -20,6 +21,7 @@ mod harness;
 mod cloud_init;
 mod cluster;
 mod controller;
+mod current_api;
 mod daemon;
 mod dhcp_probe;
 mod dhcp_rig;
@@ -52,6 +54,7 @@ fn main() -> std::process::ExitCode {
         manifests::tests(),
         packaging::tests(),
         loadbalancer::tests(),
+        current_api::tests(),
         failover::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),

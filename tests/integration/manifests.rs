@@ -28,6 +28,7 @@ use crate::harness::tests;
 
 tests! {
     apply_and_schema_roundtrip: Root, Iproute2, ApiServer;
+    the_real_kubectl_applies_and_explains_them: Root, Iproute2, ApiServer, Kubectl;
     rbac_controller_and_nodes: Root, Iproute2, ApiServer;
 }
 
@@ -49,12 +50,10 @@ fn start_rig() -> Result<Rig> {
     })
 }
 
-/// The manifests as this server takes them. They ship the
-/// PodDisruptionBudget as policy/v1 (served from 1.21); on an older server
-/// (the rig's 1.20) the same object is applied as policy/v1beta1, as
-/// pdb.yaml documents. Anything else is applied exactly as written.
-fn manifests_for(api: &ApiServer) -> Result<Vec<Manifest>> {
-    let mut all = manifests::load_kustomization(&manifests_dir())?;
+/// The manifests, exactly as written: every kind in them is served by
+/// every supported server (the applier fails on one that is not).
+fn manifests_for() -> Result<Vec<Manifest>> {
+    let all = manifests::load_kustomization(&manifests_dir())?;
     let pdbs: Vec<_> = all
         .iter()
         .filter(|m| m.kind() == "PodDisruptionBudget")
@@ -64,14 +63,100 @@ fn manifests_for(api: &ApiServer) -> Result<Vec<Manifest>> {
         pdbs == [Some("policy/v1".to_string())],
         "expected one policy/v1 PodDisruptionBudget, found {pdbs:?}"
     );
-    let old_server = manifests::minor_version(api.version())? < 21;
-    let rewritten = manifests::adapt_to_server(&mut all, manifests::minor_version(api.version())?);
-    ensure!(
-        rewritten == usize::from(old_server),
-        "{rewritten} objects rewritten for {}",
-        api.version()
-    );
     Ok(all)
+}
+
+/// Runs the rig's kubectl; its stdout, or an error with its stderr.
+fn kubectl(api: &ApiServer, args: &[&str]) -> Result<String> {
+    let out = api.kubectl(args)?;
+    ensure!(
+        out.status.success(),
+        "kubectl {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `kubectl apply -k packaging/kubernetes` as an operator types it
+/// (client-side apply, kustomize built into kubectl), twice; then the
+/// server-side variant the kustomization also names; and `kubectl explain`
+/// of the CRD.
+fn the_real_kubectl_applies_and_explains_them() -> Result<()> {
+    let rig = start_rig()?;
+    let api = rig.apiserver().expect("started with apiserver");
+    let dir = manifests_dir();
+    let dir = dir.to_str().context("non-UTF-8 path")?;
+    let version = kubectl(api, &["version", "-o", "json"])?;
+    let version: serde_json::Value = serde_json::from_str(&version)?;
+    ensure!(
+        version["clientVersion"]["gitVersion"] == version["serverVersion"]["gitVersion"],
+        "kubectl and the server differ: {version}"
+    );
+    let first = kubectl(api, &["apply", "-k", dir])?;
+    println!("$ kubectl apply -k packaging/kubernetes\n{first}");
+    let all = manifests_for()?;
+    for m in &all {
+        let kind = m.kind().to_lowercase();
+        ensure!(
+            first.contains(&format!("/{} created", m.name())) && first.contains(&kind),
+            "{} not created: {first}",
+            m.describe()
+        );
+    }
+    // Applying again changes nothing. kubectl says `configured` for some
+    // kinds whatever happens (its patch for PodDisruptionBudget's selector
+    // and the policy's rules is never empty), so the objects' versions
+    // are what counts.
+    let versions = |what: &str| -> Result<Vec<(String, String)>> {
+        let list: serde_json::Value =
+            serde_json::from_str(&kubectl(api, &["get", "-k", dir, "-o", "json"])?)?;
+        let items = list["items"].as_array().context("no items")?;
+        ensure!(items.len() == all.len(), "{what}: {} objects", items.len());
+        Ok(items
+            .iter()
+            .map(|o| {
+                (
+                    format!("{}/{}", o["kind"], o["metadata"]["name"]),
+                    o["metadata"]["resourceVersion"].to_string(),
+                )
+            })
+            .collect())
+    };
+    let before = versions("after the first apply")?;
+    kubectl(api, &["apply", "-k", dir])?;
+    ensure!(
+        versions("after the second apply")? == before,
+        "a second apply changed an object"
+    );
+    kubectl(
+        api,
+        &["apply", "--server-side", "--force-conflicts", "-k", dir],
+    )?;
+
+    let explain = kubectl(api, &["explain", "loadbalancernodes.status"])?;
+    println!("$ kubectl explain loadbalancernodes.status\n{explain}");
+    for field in [
+        "heartbeat",
+        "ready",
+        "reason",
+        "held",
+        "addresses",
+        "leases",
+        "agentVersion",
+    ] {
+        ensure!(explain.contains(field), "explain lacks {field}: {explain}");
+    }
+    ensure!(
+        explain.contains("Written by that agent only"),
+        "status has no description: {explain}"
+    );
+    let explain = kubectl(api, &["explain", "loadbalancernodes.spec.assignments"])?;
+    ensure!(
+        explain.contains("release") && explain.contains("DHCPRELEASE"),
+        "{explain}"
+    );
+    Ok(())
 }
 
 /// `r` failed with HTTP status `code`.
@@ -186,7 +271,7 @@ fn ingress_status() -> serde_json::Value {
 fn apply_and_schema_roundtrip() -> Result<()> {
     let rig = start_rig()?;
     let api = rig.apiserver().expect("started with apiserver");
-    let all = manifests_for(api)?;
+    let all = manifests_for()?;
     on_runtime(|| async {
         let admin = rig::kube_client(api.admin_kubeconfig()).await?;
 
@@ -378,10 +463,8 @@ fn apply_and_schema_roundtrip() -> Result<()> {
             );
         }
 
-        // The controller writes ports into the Service's ingress. 1.20 keeps
-        // them on a status write whatever MixedProtocolLBService says (the
-        // gate only strips them from writes of the Service itself, and only
-        // while the stored status has none: see the RBAC test).
+        // The controller writes ports into the Service's ingress: the
+        // server keeps them on a status write.
         create_service(&admin).await?;
         let services: Api<Service> = Api::namespaced(admin.clone(), "default");
         services
@@ -532,9 +615,8 @@ fn rbac_controller_and_nodes() -> Result<()> {
             )
             .await
             .context("controller patches Service metadata")?;
-        // 1.20 drops ingress ports on a write of the Service itself unless
-        // MixedProtocolLBService is on or the stored status already has
-        // ports; status first (as the controller does) keeps them.
+        // Status first, then the Service's metadata (as the controller
+        // does): the ports stay.
         let ingress = Api::<Service>::namespaced(admin.clone(), "default")
             .get("web")
             .await?

@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # Installs everything the test rig and the demo need, from Debian's packages,
-# and builds kube-apiserver from Debian's `kubernetes` source package.
+# and builds kube-apiserver, kubectl and etcd from the Go module proxy
+# (tests/rig/kubernetes.sh).
 #
-# The kube-apiserver build is cached outside the checkout, keyed by the Debian
-# source version, so repeat runs take seconds:
-#   ${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}/kube-apiserver/<version>/kube-apiserver
-# Set KUBEBUILDER_ASSETS to a folder holding `kube-apiserver` and `etcd` to
-# skip the build and use those binaries instead.
+# The Go builds are cached outside the checkout, keyed by version, so repeat
+# runs take seconds:
+#   ${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}/kubernetes/<release>/{kube-apiserver,kubectl,etcd}
+# Set KUBEBUILDER_ASSETS to a folder holding `kube-apiserver` and `etcd`
+# (and `kubectl`) to skip the build and use those binaries instead.
 #
-# Prints the folder that holds kube-apiserver on its last line of stdout.
+# Prints the folder that holds kube-apiserver on its last line of stdout:
+# the newest release's, or HNA_KUBE_RELEASE=oldest's.
 set -euo pipefail
 
 CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
-PACKAGES=(dnsmasq-base etcd-server iproute2 busybox isc-dhcp-client dhcpcd-base
+PACKAGES=(dnsmasq-base iproute2 busybox isc-dhcp-client dhcpcd-base
           procps psmisc jq rsync curl ca-certificates openssl
           man-db systemd
           rpm rpm2cpio cpio binutils xz-utils)
-BUILD_PACKAGES=(golang-go make dpkg-dev rsync jq golang-github-modern-go-reflect2-dev)
 
 log() { echo "prereqs: $*" >&2; }
 
@@ -192,68 +193,11 @@ if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" 
   finish "${KUBEBUILDER_ASSETS}"
 fi
 
-# Debian's source entries are the binary entries of this machine with
-# Types: deb-src, so no mirror is named here.
-SRC_LIST=/etc/apt/sources.list.d/hna-deb-src.sources
-if ! apt-cache showsrc kubernetes >/dev/null 2>&1 || ! apt-cache showsrc kubernetes 2>/dev/null | grep -q '^Version:'; then
-  if [[ -f /etc/apt/sources.list.d/debian.sources ]]; then
-    sed -e 's/^Types:.*/Types: deb-src/' /etc/apt/sources.list.d/debian.sources > "$SRC_LIST"
-  elif [[ -f /etc/apt/sources.list ]]; then
-    sed -n -e 's/^deb /deb-src /p' /etc/apt/sources.list > /etc/apt/sources.list.d/hna-deb-src.list
-  fi
-  apt_updated=0
-  apt_update
-fi
-VERSION=$(apt-cache showsrc kubernetes | sed -n 's/^Version: //p' | sort -V | tail -1)
-[[ -n "$VERSION" ]] || { log "no 'kubernetes' source package found in the apt sources"; exit 1; }
-# "+reflect2+zerostr": built with the two fixes below; older cached builds
-# crash on custom-resource writes (reflect2) or refuse "" in them (zerostr)
-# and are not reused.
-OUT="$CACHE_DIR/kube-apiserver/$VERSION+reflect2+zerostr"
-if [[ -x "$OUT/kube-apiserver" ]]; then
-  log "kube-apiserver $VERSION cached at $OUT"
-  finish "$OUT"
-fi
-
-install_missing "${BUILD_PACKAGES[@]}"
-
-WORK="$CACHE_DIR/build/$VERSION"
-rm -rf "$WORK"; mkdir -p "$WORK"
-log "fetching the kubernetes $VERSION source package (this is a one-time ~11 minute build)"
-( cd "$WORK" && apt-get source -qq --only-source "kubernetes=$VERSION" >&2 )
-TREE=$(find "$WORK" -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -1)
-[[ -d "$TREE" ]] || { log "source tree not found under $WORK"; exit 1; }
-# The tree vendors github.com/modern-go/reflect2 v1.0.1, whose map iteration
-# breaks with Go >= 1.18 (bookworm has 1.19): kube-apiserver then dies with
-# "fatal error: fault" in UnsafeMapType.UnsafeIterate on every write of a
-# custom resource. v1.0.2 (same API) fixes it; Debian ships it.
-R2="$TREE/vendor/github.com/modern-go/reflect2"
-rm -rf "$R2" && mkdir -p "$R2"
-cp -r /usr/share/gocode/src/github.com/modern-go/reflect2/. "$R2/"
-rm -f "$R2"/*_test.go
-# The custom-resource validator (kube-openapi's copy of go-openapi, and
-# go-openapi itself) takes a value that is DeepEqual to its type's
-# reflect.Zero for null. With the Go 1.15 Kubernetes 1.20 was built with
-# that held only for nil; from Go 1.19 an empty string and reflect.Zero
-# share one zero buffer, so every "" in a custom resource is refused
-# ("must be of type string: \"null\""). Restore the original meaning.
-for f in "$TREE/vendor/k8s.io/kube-openapi/pkg/validation/validate/type.go" \
-         "$TREE/vendor/github.com/go-openapi/validate/type.go"; do
-  sed -i 's/if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {/if data == nil {/' "$f"
-  grep -q '^	if data == nil {$' "$f" || { log "zero-value fix did not apply to $f"; exit 1; }
-done
-export GOPATH="$WORK/gopath"
-mkdir -p "$GOPATH/src/k8s.io"
-ln -sfn "$TREE" "$GOPATH/src/k8s.io/kubernetes"
-export GO111MODULE=off GOFLAGS=-mod=vendor GOCACHE="$WORK/gocache"
-unset GOFLAGS
-log "building kube-apiserver"
-( cd "$GOPATH/src/k8s.io/kubernetes" && make WHAT=cmd/kube-apiserver >&2 )
-BIN=$(find "$TREE/_output" -type f -name kube-apiserver -perm -u+x | head -1)
-[[ -x "$BIN" ]] || { log "build finished but no kube-apiserver binary found"; exit 1; }
-mkdir -p "$OUT"
-cp "$BIN" "$OUT/kube-apiserver.tmp" && mv "$OUT/kube-apiserver.tmp" "$OUT/kube-apiserver"
-ln -sf /usr/bin/etcd "$OUT/etcd"
-rm -rf "$WORK"
-log "kube-apiserver $VERSION built and cached at $OUT"
-finish "$OUT"
+# --- Kubernetes and etcd from the Go module proxy (tests/rig/kubernetes.sh) -
+# kube-apiserver and kubectl of the newest release and of the oldest
+# supported one, and etcd; built once and cached by version. The folder
+# printed last is the newest release's, or HNA_KUBE_RELEASE's (newest,
+# oldest; the default `all` builds both and prints the newest).
+k8s_dir="$(bash "$(dirname "$0")/kubernetes.sh" "${HNA_KUBE_RELEASE:-all}" | tail -n1)"
+[[ -n "$k8s_dir" ]] || { log "tests/rig/kubernetes.sh printed no folder"; exit 1; }
+finish "$k8s_dir"

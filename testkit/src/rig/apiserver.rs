@@ -40,13 +40,31 @@ pub struct Binaries {
     pub kube_apiserver: PathBuf,
     /// `etcd`
     pub etcd: PathBuf,
+    /// `kubectl` of the same release, where there is one (next to
+    /// kube-apiserver, else on `PATH`).
+    pub kubectl: Option<PathBuf>,
+}
+
+/// The folder under the cache that `tests/rig/kubernetes.sh` builds each
+/// Kubernetes release into: `<cache>/kubernetes/<release>/`.
+pub fn releases_dir() -> PathBuf {
+    std::env::var_os("HNA_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/harvester-node-agent"))
+        .join("kubernetes")
+}
+
+/// `v1.37.2` as `(1, 37, 2)`, for ordering releases.
+fn release_key(name: &str) -> Option<(u32, u32, u32)> {
+    let mut parts = name.strip_prefix('v')?.split('.').map(|p| p.parse().ok());
+    Some((parts.next()??, parts.next()??, parts.next()??))
 }
 
 impl Binaries {
     /// Finds `kube-apiserver` in `$KUBEBUILDER_ASSETS` if that is set, else
-    /// in the newest `${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}/kube-apiserver/*/`
-    /// folder; `etcd` next to it, else `/usr/bin/etcd`. The error says what
-    /// is missing and where it was looked for.
+    /// in the newest release under [`releases_dir`]; `etcd` and `kubectl`
+    /// next to it (`kubectl` else on `PATH`). The error says what is
+    /// missing and where it was looked for.
     pub fn find() -> std::result::Result<Binaries, String> {
         let folder = if let Some(assets) = std::env::var_os("KUBEBUILDER_ASSETS") {
             let p = PathBuf::from(assets);
@@ -58,35 +76,35 @@ impl Binaries {
             }
             p
         } else {
-            let cache = std::env::var_os("HNA_CACHE_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from("/var/cache/harvester-node-agent"));
-            let root = cache.join("kube-apiserver");
+            let root = releases_dir();
             let newest = fs::read_dir(&root)
                 .into_iter()
                 .flatten()
                 .flatten()
-                .map(|e| e.path().join("kube-apiserver"))
-                .filter(|p| is_executable(p))
-                .filter_map(|p| Some((fs::metadata(&p).ok()?.modified().ok()?, p)))
+                .filter(|e| is_executable(&e.path().join("kube-apiserver")))
+                .filter_map(|e| Some((release_key(e.file_name().to_str()?)?, e.path())))
                 .max();
             match newest {
-                Some((_, p)) => p.parent().expect("has parent").to_path_buf(),
+                Some((_, p)) => p,
                 None => {
                     return Err(format!(
-                        "kube-apiserver (no {}/*/kube-apiserver; or set KUBEBUILDER_ASSETS)",
+                        "kube-apiserver (no {}/v*/kube-apiserver; or set KUBEBUILDER_ASSETS)",
                         root.display()
                     ));
                 }
             }
         };
-        let etcd = [folder.join("etcd"), PathBuf::from("/usr/bin/etcd")]
-            .into_iter()
-            .find(|p| is_executable(p))
-            .ok_or_else(|| format!("etcd (not in {} nor /usr/bin/etcd)", folder.display()))?;
+        let etcd = folder.join("etcd");
+        if !is_executable(&etcd) {
+            return Err(format!("etcd (not in {})", folder.display()));
+        }
+        let kubectl = Some(folder.join("kubectl"))
+            .filter(|p| is_executable(p))
+            .or_else(|| crate::find_program("kubectl"));
         Ok(Binaries {
             kube_apiserver: folder.join("kube-apiserver"),
             etcd,
+            kubectl,
         })
     }
 }
@@ -106,8 +124,8 @@ struct Creds {
     kubeconfig: PathBuf,
 }
 
-/// A running kube-apiserver (v1.20 from Debian's source unless
-/// `KUBEBUILDER_ASSETS` points elsewhere) backed by its own etcd, serving TLS
+/// A running kube-apiserver (the newest release `tests/rig/kubernetes.sh`
+/// builds, unless `KUBEBUILDER_ASSETS` points elsewhere) backed by its own etcd, serving TLS
 /// on `https://127.0.0.1:<port>` with `Node,RBAC` authorization and the
 /// `NodeRestriction` admission plugin. Stopped by the owning [`super::Rig`].
 pub struct ApiServer {
@@ -122,6 +140,7 @@ pub struct ApiServer {
     etcd_url: String,
     log: PathBuf,
     ready_after: Duration,
+    kubectl: Option<PathBuf>,
     // Field order matters for drop: the API server stops before etcd.
     apiserver: ChildProc,
     etcd: ChildProc,
@@ -192,6 +211,26 @@ impl ApiServer {
     /// `gitVersion` reported by `/version`.
     pub fn version(&self) -> &str {
         &self.version
+    }
+
+    /// Runs the real `kubectl` of the rig's release as the admin
+    /// (`--kubeconfig` set) and returns what it did; an error only when it
+    /// could not be run at all. Needs [`crate::prereq::Prereq::Kubectl`].
+    pub fn kubectl<I, S>(&self, args: I) -> Result<std::process::Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+    {
+        let kubectl = self
+            .kubectl
+            .as_ref()
+            .context("no kubectl next to kube-apiserver nor on PATH (sudo tests/rig/prereqs.sh)")?;
+        Command::new(kubectl)
+            .arg("--kubeconfig")
+            .arg(&self.admin.kubeconfig)
+            .args(args)
+            .output()
+            .with_context(|| format!("running {}", kubectl.display()))
     }
 
     /// `http://127.0.0.1:<port>` of the rig's etcd.
@@ -336,7 +375,6 @@ impl ApiServer {
                 "--bind-address=127.0.0.1".into(),
                 "--advertise-address=127.0.0.1".into(),
                 format!("--secure-port={port}"),
-                "--insecure-port=0".into(),
                 format!("--cert-dir={}", dir.join("apiserver-certs").display()),
                 format!("--tls-cert-file={}", pki.join("apiserver.crt").display()),
                 format!(
@@ -356,7 +394,9 @@ impl ApiServer {
                     "--service-account-signing-key-file={}",
                     pki.join("sa.key").display()
                 ),
-                "--service-cluster-ip-range=10.96.0.0/16".into(),
+                // Dual-stack, so that IPv6-only and dual-stack Services can
+                // be created (and refused or served IPv4 by the controller).
+                "--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/112".into(),
                 "--allow-privileged=true".into(),
                 // With --advertise-address=127.0.0.1 the default reconciler
                 // fails every few seconds ("may not be in the loopback
@@ -383,6 +423,7 @@ impl ApiServer {
                         etcd_url,
                         log,
                         ready_after: started.elapsed(),
+                        kubectl: bins.kubectl.clone(),
                         apiserver: proc,
                         etcd,
                         apiserver_cmd: (bins.kube_apiserver.clone(), args),

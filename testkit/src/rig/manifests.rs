@@ -137,36 +137,7 @@ pub fn load_file(path: &Path) -> Result<Vec<Manifest>> {
     Ok(out)
 }
 
-/// Rewrites what this server's minor version (`1.<minor>`) does not serve
-/// to the older version of the same object, where the fields used are the
-/// same: PodDisruptionBudget `policy/v1` (from 1.21) to `policy/v1beta1`.
-/// Returns how many objects it rewrote.
-pub fn adapt_to_server(manifests: &mut [Manifest], minor: u32) -> usize {
-    let mut rewritten = 0;
-    for m in manifests {
-        let Some(types) = m.object.types.as_mut() else {
-            continue;
-        };
-        if minor < 21 && types.kind == "PodDisruptionBudget" && types.api_version == "policy/v1" {
-            types.api_version = "policy/v1beta1".into();
-            rewritten += 1;
-        }
-    }
-    rewritten
-}
-
-/// The minor version of a `gitVersion` like `v1.20.2`.
-pub fn minor_version(git_version: &str) -> Result<u32> {
-    git_version
-        .trim_start_matches('v')
-        .split('.')
-        .nth(1)
-        .and_then(|m| m.trim_end_matches('+').parse().ok())
-        .with_context(|| format!("no minor version in {git_version:?}"))
-}
-
-/// [`load_kustomization`], [`adapt_to_server`] (asking `client` for the
-/// version) and [`apply`]: the one call for a test that needs the
+/// [`load_kustomization`] and [`apply`]: the one call for a test that needs the
 /// manifests in place, e.g. to run the controller with
 /// [`super::ApiServer::controller_kubeconfig`].
 pub async fn apply_kustomization(
@@ -174,9 +145,7 @@ pub async fn apply_kustomization(
     dir: &Path,
     mode: Mode,
 ) -> Result<Vec<DynamicObject>> {
-    let mut all = load_kustomization(dir)?;
-    let version = client.apiserver_version().await.context("GET /version")?;
-    adapt_to_server(&mut all, minor_version(&version.git_version)?);
+    let all = load_kustomization(dir)?;
     apply(client, &all, mode).await
 }
 

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# Builds the rig's control plane from the Go module proxy with the ordinary
+# `go` client: kube-apiserver and kubectl of each pinned Kubernetes release,
+# and etcd. Nothing of those projects is kept in this repository: only the
+# module paths and versions below.
+#
+# Cached by version outside the checkout, each folder complete or absent
+# (built in a scratch folder, moved into place only when everything in it
+# built):
+#   $CACHE_DIR/kubernetes/<release>/{kube-apiserver,kubectl,etcd}   (etcd: a link)
+#   $CACHE_DIR/etcd/<version>/etcd
+#   $CACHE_DIR/go/{mod,build}     Go's module and build caches
+# A warm run only checks that the folders are there.
+#
+# Usage: kubernetes.sh [newest|oldest|all]   (default all)
+# Prints the folder of the named release (newest for `all`) on its last line.
+set -euo pipefail
+
+# The releases the rig runs (keep in step with the README's "Kubernetes
+# versions" and testkit/src/rig/apiserver.rs):
+#   newest: the newest release the Go module proxy serves; every test.
+#   oldest: the oldest minor the product supports (k8s-openapi's floor,
+#           v1_33, and the RKE2 lines Harvester pairs with); the
+#           LoadBalancer and failover suites run on it too.
+KUBE_NEWEST=v1.37.2
+KUBE_OLDEST=v1.33.13
+ETCD_VERSION=v3.6.16
+
+CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
+which_release="${1:-all}"
+
+log() { echo "kubernetes.sh: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+# Go 1.26 or newer: the `go` on PATH, else the official install's. Debian's
+# golang-go (1.19) is too old for any current Kubernetes or etcd.
+GO_MIN_MINOR=26
+go_ok() {
+  local v
+  v="$("$1" env GOVERSION 2>/dev/null)" || return 1
+  [[ "$v" =~ ^go1\.([0-9]+) ]] && ((BASH_REMATCH[1] >= GO_MIN_MINOR))
+}
+go_bin=""
+for candidate in "$(command -v go || true)" /usr/local/go/bin/go; do
+  if [[ -n "$candidate" && -x "$candidate" ]] && go_ok "$candidate"; then
+    go_bin="$candidate"; break
+  fi
+done
+[[ -n "$go_bin" ]] \
+  || die "no Go 1.$GO_MIN_MINOR or newer found (PATH: $(command -v go || echo none) is $(go env GOVERSION 2>/dev/null || echo absent); /usr/local/go/bin/go: absent or older): install the official Go 1.$GO_MIN_MINOR+ toolchain into /usr/local/go"
+export PATH="$(dirname "$go_bin"):$PATH"
+
+export GOMODCACHE="$CACHE_DIR/go/mod" GOCACHE="$CACHE_DIR/go/build"
+# -modcacherw: the module cache stays removable by rm -rf. local: never
+# fetch another toolchain; a too old `go` fails with what it needs.
+export GOFLAGS=-modcacherw GOTOOLCHAIN=local CGO_ENABLED=0
+mkdir -p "$GOMODCACHE" "$GOCACHE" "$CACHE_DIR/build"
+
+scratch=""
+cleanup() { [[ -z "$scratch" ]] || rm -rf "$scratch"; }
+trap cleanup EXIT
+
+# step WHAT MODULE VERSION CMD...: runs CMD in the scratch folder; on failure
+# stops with the module, the version, the command and the tail of its output.
+step() {
+  local what="$1" module="$2" version="$3"; shift 3
+  local out="$scratch/step.log"
+  if ! (cd "$scratch" && "$@") >"$out" 2>&1; then
+    tail -n 30 "$out" >&2
+    die "$what failed: module $module, version $version; command: (cd <scratch> && $*)"
+  fi
+}
+
+# served MODULE VERSION: stops unless the proxy serves that version.
+served() {
+  step "looking up $1@$2 on the Go module proxy" "$1" "$2" go list -m -json "$1@$2"
+}
+
+ensure_etcd() {
+  local dir="$CACHE_DIR/etcd/$ETCD_VERSION"
+  if [[ -x "$dir/etcd" ]]; then
+    log "etcd $ETCD_VERSION cached at $dir"; return
+  fi
+  scratch="$(mktemp -d "$CACHE_DIR/build/etcd-$ETCD_VERSION.XXXXXX")"
+  local module=go.etcd.io/etcd/server/v3
+  log "building etcd $ETCD_VERSION from the Go module proxy (one-time, ~2 minutes)"
+  served "$module" "$ETCD_VERSION"
+  printf 'module hna.invalid/rig-etcd\n\ngo 1.26\n' >"$scratch/go.mod"
+  step "go get" "$module" "$ETCD_VERSION" go get "$module@$ETCD_VERSION"
+  mkdir "$scratch/out"
+  step "go build" "$module" "$ETCD_VERSION" \
+    go build -trimpath -ldflags='-s -w' -o out/etcd "$module"
+  "$scratch/out/etcd" --version | grep -q "etcd Version: ${ETCD_VERSION#v}" \
+    || die "the etcd built from $module@$ETCD_VERSION does not report version ${ETCD_VERSION#v}"
+  mkdir -p "$CACHE_DIR/etcd"
+  rm -rf "$dir"
+  mv "$scratch/out" "$dir"
+  rm -rf "$scratch"; scratch=""
+  log "etcd $ETCD_VERSION built and cached at $dir"
+}
+
+# ensure_kubernetes vX.Y.Z: kube-apiserver and kubectl of that release.
+ensure_kubernetes() {
+  local release="$1" dir="$CACHE_DIR/kubernetes/$1"
+  if [[ -x "$dir/kube-apiserver" && -x "$dir/kubectl" && -e "$dir/etcd" ]]; then
+    log "Kubernetes $release cached at $dir"; return
+  fi
+  scratch="$(mktemp -d "$CACHE_DIR/build/kubernetes-$release.XXXXXX")"
+  local module=k8s.io/kubernetes minor staging
+  minor="$(cut -d. -f2 <<<"$release")"
+  staging="v0.${release#v1.}"
+  log "building kube-apiserver and kubectl $release from the Go module proxy (one-time, ~10 minutes)"
+  served "$module" "$release"
+  # k8s.io/kubernetes points its k8s.io/* staging modules at ./staging, which
+  # a module download leaves out: a wrapper module pins each of them to the
+  # matching published v0.Y.Z (kubernetes/kubernetes#79384).
+  step "go mod download" "$module" "$release" \
+    go mod download -json "$module@$release"
+  local gomod
+  gomod="$(jq -r .GoMod "$scratch/step.log")"
+  printf 'module hna.invalid/rig-kubernetes\n\ngo 1.26\n' >"$scratch/go.mod"
+  local staged
+  staged="$(go mod edit -json "$gomod" \
+    | jq -r '.Replace[] | select(.New.Path | startswith("./staging/")) | .Old.Path')"
+  [[ -n "$staged" ]] || die "no ./staging replace directives in the go.mod of $module@$release: the wrapper pattern does not apply to it"
+  local m
+  # Not looked up one by one: the build reads only those it needs (some,
+  # like the sample modules, are not served at every version), and `go get`
+  # below names any it cannot fetch.
+  for m in $staged; do
+    (cd "$scratch" && go mod edit -replace "$m=$m@$staging")
+  done
+  step "go get" "$module" "$release" \
+    go get "$module/cmd/kube-apiserver@$release" "$module/cmd/kubectl@$release"
+  # What Kubernetes' own build stamps (hack/lib/version.sh), so /version and
+  # `kubectl version` name the release.
+  local ldflags="-s -w" pkg
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags+=" -X $pkg.gitVersion=$release -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+  done
+  mkdir "$scratch/out"
+  step "go build" "$module" "$release" \
+    go build -trimpath -ldflags="$ldflags" -o out/ "$module/cmd/kube-apiserver" "$module/cmd/kubectl"
+  "$scratch/out/kube-apiserver" --version | grep -qx "Kubernetes $release" \
+    || die "the kube-apiserver built from $module@$release reports $("$scratch/out/kube-apiserver" --version)"
+  ln -s "../../etcd/$ETCD_VERSION/etcd" "$scratch/out/etcd"
+  mkdir -p "$CACHE_DIR/kubernetes"
+  rm -rf "$dir"
+  mv "$scratch/out" "$dir"
+  rm -rf "$scratch"; scratch=""
+  log "Kubernetes $release built and cached at $dir"
+}
+
+ensure_etcd
+case "$which_release" in
+  newest) ensure_kubernetes "$KUBE_NEWEST"; echo "$CACHE_DIR/kubernetes/$KUBE_NEWEST" ;;
+  oldest) ensure_kubernetes "$KUBE_OLDEST"; echo "$CACHE_DIR/kubernetes/$KUBE_OLDEST" ;;
+  all)
+    ensure_kubernetes "$KUBE_NEWEST"
+    ensure_kubernetes "$KUBE_OLDEST"
+    echo "$CACHE_DIR/kubernetes/$KUBE_NEWEST" ;;
+  *) die "usage: kubernetes.sh [newest|oldest|all] (not \`$which_release\`)" ;;
+esac
