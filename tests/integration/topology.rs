@@ -97,7 +97,7 @@ fn from_json<T: serde::de::DeserializeOwned>(v: Value) -> T {
 /// / us-east-1a), hv-2 (us-east-1 / us-east-1b), hv-3 (us-west-2 /
 /// us-west-2a), and the RBAC `generate_addon.sh` creates (plus, for
 /// `with_nodes`, a ClusterRole to read Nodes).
-async fn setup_harvester(admin: &Client, harvester: &ApiServer) -> Result<()> {
+async fn setup_harvester(admin: &Client) -> Result<()> {
     let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
     crds.create(
         &PostParams::default(),
@@ -501,7 +501,7 @@ fn labels_follow_the_vmi_across_migration_host_relabel_and_removal() {
         let guest_admin = rig::kube_client(c.rig.apiserver().unwrap().admin_kubeconfig())
             .await
             .unwrap();
-        setup_harvester(&hv, &c.harvester).await.unwrap();
+        setup_harvester(&hv).await.unwrap();
         // cp-nodes may read Harvester Nodes; cp-vmis has only
         // generate_addon.sh's Role (annotations are its source).
         let full = dir.join("cloud-config-nodes");
@@ -712,7 +712,7 @@ fn problems_are_reported_and_the_relay_keeps_running() {
         let guest_admin = rig::kube_client(c.rig.apiserver().unwrap().admin_kubeconfig())
             .await
             .unwrap();
-        setup_harvester(&hv, &c.harvester).await.unwrap();
+        setup_harvester(&hv).await.unwrap();
         create_vmi(&hv, "vm-1", "hv-1", "us-east-1", "us-east-1a")
             .await
             .unwrap();
@@ -940,7 +940,7 @@ fn the_daemon_relays_and_reports_topology() {
         let guest_admin = rig::kube_client(c.rig.apiserver().unwrap().admin_kubeconfig())
             .await
             .unwrap();
-        setup_harvester(&hv, &c.harvester).await.unwrap();
+        setup_harvester(&hv).await.unwrap();
         service_account(&hv, &c.harvester, "cp-nodes", true, true, &cloud_config)
             .await
             .unwrap();
