@@ -13,6 +13,11 @@ use std::net::Ipv4Addr;
 /// `spec.loadBalancerClass` that selects this agent on clusters without the
 /// Harvester cloud provider (Kubernetes 1.24+; the field is immutable).
 pub const LOAD_BALANCER_CLASS: &str = "harvester-node-agent.io/dhcp";
+/// On a primary: the other namespaces whose Services may share its address
+/// (`cloudprovider.harvesterhci.io/primary-service` naming it), comma- or
+/// space-separated, or `*` for every namespace. Services of the primary's
+/// own namespace need no consent.
+pub const SHARE_WITH: &str = "harvester-node-agent.io/share-with";
 /// Our opt-out: `"true"` leaves the Service alone.
 pub const IGNORE: &str = "harvester-node-agent.io/ignore";
 /// Prefix of the macvlans that hold LoadBalancer addresses: `hlb-` and the
@@ -297,6 +302,18 @@ pub fn select(svc: &ServiceView, classes: &ClassPolicy) -> Selection {
     }
 }
 
+/// Whether a primary with these annotations lets Services of `namespace`
+/// share its address: always within its own namespace (`primary_namespace`),
+/// else only when [`SHARE_WITH`] names `namespace` or `*`.
+pub fn shares_with(primary_namespace: &str, annotations: &Annotations, namespace: &str) -> bool {
+    namespace == primary_namespace
+        || annotations.get(SHARE_WITH).is_some_and(|list| {
+            list.split([',', ' '])
+                .map(str::trim)
+                .any(|n| n == namespace || n == "*")
+        })
+}
+
 pub fn parse_service_key(v: &str) -> Option<ServiceKey> {
     let (namespace, name) = v.trim().split_once('/')?;
     let ok = |s: &str| !s.is_empty() && !s.contains('/');
@@ -499,6 +516,19 @@ mod tests {
             ),
             Selection::Primary
         );
+    }
+
+    #[test]
+    fn sharing_across_namespaces_needs_the_primarys_consent() {
+        let none = Annotations::new();
+        let some: Annotations = [(SHARE_WITH.to_string(), "team-a, team-c".to_string())].into();
+        let all: Annotations = [(SHARE_WITH.to_string(), "*".to_string())].into();
+        assert!(shares_with("team-b", &none, "team-b"), "own namespace");
+        assert!(!shares_with("team-b", &none, "team-a"));
+        assert!(shares_with("team-b", &some, "team-a"));
+        assert!(shares_with("team-b", &some, "team-c"));
+        assert!(!shares_with("team-b", &some, "team"), "whole names only");
+        assert!(shares_with("team-b", &all, "anyone"));
     }
 
     #[test]

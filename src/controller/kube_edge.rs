@@ -55,6 +55,10 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
                     .collect()
             })
             .unwrap_or_default(),
+        created: meta
+            .creation_timestamp
+            .as_ref()
+            .map_or(0, |t| t.0.as_second()),
         ingress: s
             .status
             .as_ref()

@@ -80,6 +80,9 @@ pub struct ServiceIn {
     pub finalizers: Vec<String>,
     /// `metadata.deletionTimestamp` is set.
     pub deleting: bool,
+    /// `metadata.creationTimestamp` in seconds (0 unknown): between two
+    /// Services asking for one identity, the older one has it.
+    pub created: i64,
 }
 
 impl ServiceIn {
@@ -250,6 +253,8 @@ pub mod reason {
     pub const NETWORK_UNRESOLVED: &str = "NetworkNotResolved";
     pub const IPV4_REQUIRED: &str = "IPv4Required";
     pub const IPV6_NOT_SERVED: &str = "IPv6NotServed";
+    pub const SHARING_ENDED: &str = "SharingEnded";
+    pub const IDENTITY_IN_USE: &str = "AddressIdentityInUse";
 }
 
 /// How the Services stand, for the `STATUS=` line and metrics.
@@ -307,6 +312,91 @@ fn ip_families(s: &ServiceIn) -> Result<Option<String>, String> {
         ))),
         _ => Ok(None),
     }
+}
+
+/// `default/api, default/db and 2 Services in other namespaces`: the names
+/// of `namespace`'s own Services only, the others counted.
+fn describe_sharers(namespace: &str, sharers: &[&ServiceKey]) -> String {
+    let (own, others): (Vec<&&ServiceKey>, Vec<&&ServiceKey>) =
+        sharers.iter().partition(|k| k.namespace == namespace);
+    let mut parts: Vec<String> = own.iter().map(|k| k.to_string()).collect();
+    match others.len() {
+        0 => {}
+        1 => parts.push("1 Service in another namespace".into()),
+        n => parts.push(format!("{n} Services in other namespaces")),
+    }
+    parts.join(", ")
+}
+
+/// The primaries among `needs` that ask for a MAC, a client identifier or
+/// a requested address another of them has, each with the Event's message.
+/// Who keeps it: a Service whose holder already runs that MAC, then the
+/// older Service, then the first by name. The messages never name the
+/// other Service: it may be another tenant's.
+fn identity_clashes(
+    needs: &[(&ServiceIn, AddressIdentity, Option<String>)],
+    specs: &Specs,
+) -> BTreeMap<ServiceKey, String> {
+    let mut order: Vec<(bool, i64, &ServiceKey, usize)> = needs
+        .iter()
+        .enumerate()
+        .map(|(i, (s, id, _))| {
+            let mac = crate::mac::format(&id.mac);
+            let holding = specs
+                .holders_of(&s.uid)
+                .iter()
+                .any(|(_, a)| a.mac == mac && !a.release);
+            (!holding, s.created, &s.key, i)
+        })
+        .collect();
+    order.sort();
+    let mut macs = BTreeSet::new();
+    let mut clients = BTreeSet::new();
+    let mut addresses = BTreeSet::new();
+    let mut out = BTreeMap::new();
+    for (_, _, key, i) in order {
+        let id = &needs[i].1;
+        let why = if macs.contains(&id.mac) {
+            Some(format!(
+                "MAC {} is already used by another Service ({}): remove the annotation {} so that this Service gets a MAC of its own",
+                crate::mac::format(&id.mac),
+                if needs[i].0.annotations.contains_key(kube_vip::HWADDR) {
+                    "from kube-vip.io/hwaddr"
+                } else {
+                    "derived from the UID"
+                },
+                kube_vip::HWADDR
+            ))
+        } else if !id.client_id.is_empty() && clients.contains(&id.client_id) {
+            Some(format!(
+                "the DHCP client identifier from {} `{}` is already used by another Service: choose another hostname",
+                kube_vip::LOADBALANCER_HOSTNAME,
+                id.hostname.as_deref().unwrap_or_default()
+            ))
+        } else if let Some(ip) = id.requested_ip.filter(|ip| addresses.contains(ip)) {
+            Some(format!(
+                "{} {ip} is already asked for by another Service: remove the annotation to let the DHCP server choose",
+                kube_vip::REQUESTED_IP
+            ))
+        } else {
+            None
+        };
+        match why {
+            Some(why) => {
+                out.insert(key.clone(), why);
+            }
+            None => {
+                macs.insert(id.mac);
+                if !id.client_id.is_empty() {
+                    clients.insert(id.client_id.clone());
+                }
+                if let Some(ip) = id.requested_ip {
+                    addresses.insert(ip);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// What a Service's own holder should carry.
@@ -508,13 +598,16 @@ pub fn reconcile(world: World<'_>) -> Plan {
                 continue;
             }
             plan.summary.releasing += 1;
-            let secondaries: Vec<String> = services
+            // Only sharers the primary consented to hold its deletion: a
+            // Service of another namespace naming it cannot.
+            let secondaries: Vec<&ServiceKey> = services
                 .iter()
                 .filter(|o| !o.deleting)
                 .filter(|o| {
                     matches!(&selections[&o.key], Selection::Secondary { primary } if *primary == s.key)
                 })
-                .map(|o| o.key.to_string())
+                .filter(|o| contract::shares_with(&s.key.namespace, &s.annotations, &o.key.namespace))
+                .map(|o| &o.key)
                 .collect();
             if !secondaries.is_empty() {
                 event(
@@ -523,7 +616,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
                     reason::SECONDARIES_LIVE,
                     format!(
                         "not releasing the address while {} still share it; delete them first",
-                        secondaries.join(", ")
+                        describe_sharers(&s.key.namespace, &secondaries)
                     ),
                 );
                 continue;
@@ -689,6 +782,20 @@ pub fn reconcile(world: World<'_>) -> Plan {
         }
     }
 
+    // One identity, one Service (harvester#11122: the same MAC on two
+    // nodes): a Service asking for a MAC, client identifier or address
+    // another served Service has is refused, and what runs of it is kept.
+    let clashes = identity_clashes(&needs, &specs);
+    add_finalizers.retain(|w| !matches!(w, Write::AddFinalizer(k) if clashes.contains_key(k)));
+    needs.retain(|(s, _, _)| match clashes.get(&s.key) {
+        Some(why) => {
+            plan.summary.refused += 1;
+            event(s, EventType::Warning, reason::IDENTITY_IN_USE, why.clone());
+            false
+        }
+        None => true,
+    });
+
     // Holders: keep a healthy one, else place.
     let current: BTreeMap<ServiceKey, String> = needs
         .iter()
@@ -825,13 +932,27 @@ pub fn reconcile(world: World<'_>) -> Plan {
             Ok(Some(note)) => event(s, EventType::Normal, reason::IPV6_NOT_SERVED, note),
             Ok(None) => {}
         }
-        let Some(p) = by_key.get(primary) else {
+        // Across namespaces only with the primary's consent, and a refusal
+        // that reads the same whether the primary exists or not: a tenant
+        // learns nothing of another namespace's Services by naming them.
+        let consented = |p: &&&ServiceIn| {
+            contract::shares_with(&p.key.namespace, &p.annotations, &s.key.namespace)
+        };
+        let Some(p) = by_key.get(primary).filter(consented) else {
             plan.summary.refused += 1;
             event(
                 s,
                 EventType::Warning,
                 reason::PRIMARY_NOT_OURS,
-                format!("primary {primary} does not exist"),
+                if primary.namespace == s.key.namespace {
+                    format!("primary {primary} does not exist")
+                } else {
+                    format!(
+                        "primary {primary} does not exist or does not share its address with namespace {ns}: sharing across namespaces needs the annotation {} on the primary, naming {ns}, set by the primary's owner",
+                        contract::SHARE_WITH,
+                        ns = s.key.namespace
+                    )
+                },
             );
             continue;
         };
@@ -862,22 +983,32 @@ pub fn reconcile(world: World<'_>) -> Plan {
             }
         }
     }
+    let mut sharing: BTreeSet<&ServiceKey> = BTreeSet::new();
     for (primary, mut secondaries) in by_primary {
         let Some(ip) = primary_ip.get(primary) else {
             continue; // no address yet: nothing to share
         };
         // Those already sharing keep their ports; the rest by name.
         secondaries.sort_by_key(|s| (s.first_ip() != Some(ip.as_str()), s.key.clone()));
-        let mut used: BTreeMap<Port, String> = by_key[primary]
+        let mut used: BTreeMap<Port, &ServiceKey> = by_key[primary]
             .ports
             .iter()
-            .map(|p| (p.clone(), primary.to_string()))
+            .map(|p| (p.clone(), primary))
             .collect();
         for s in secondaries {
             let clash: Vec<String> = s
                 .ports
                 .iter()
-                .filter_map(|p| used.get(p).map(|who| format!("{p} (used by {who})")))
+                .filter_map(|p| {
+                    used.get(p).map(|who| {
+                        // Names of the secondary's own namespace only.
+                        if who.namespace == s.key.namespace {
+                            format!("{p} (used by {who})")
+                        } else {
+                            format!("{p} (used by a Service in another namespace)")
+                        }
+                    })
+                })
                 .collect();
             if !clash.is_empty() {
                 plan.summary.refused += 1;
@@ -890,9 +1021,10 @@ pub fn reconcile(world: World<'_>) -> Plan {
                 continue;
             }
             for p in &s.ports {
-                used.insert(p.clone(), s.key.to_string());
+                used.insert(p.clone(), &s.key);
             }
             plan.summary.shared += 1;
+            sharing.insert(&s.key);
             if let Some(w) = status_write(s, ip, world.ip_mode) {
                 statuses.push(w);
                 event(
@@ -902,6 +1034,36 @@ pub fn reconcile(world: World<'_>) -> Plan {
                     format!("shares {ip} with {primary}"),
                 );
             }
+        }
+    }
+
+    // A Service that shows an address we serve for another Service, without
+    // sharing it (refused, or its primary-service annotation removed),
+    // loses it: its status would send clients to ports nobody serves for
+    // it. Only class-less ones and our class's: another class is never
+    // touched, and Services of ours are handled above.
+    let served_ips: BTreeSet<&str> = primary_ip.values().map(String::as_str).collect();
+    for s in &services {
+        let ours_to_clear = !s.deleting
+            && !s.has_our_finalizer()
+            && !sharing.contains(&s.key)
+            && !matches!(selections[&s.key], Selection::Primary)
+            && s.load_balancer_class.as_deref().is_none_or(|c| c == world.classes.class)
+            && s.first_ip().is_some_and(|ip| served_ips.contains(ip));
+        if ours_to_clear {
+            statuses.push(Write::ServiceStatus {
+                service: s.key.clone(),
+                ingress: Vec::new(),
+            });
+            event(
+                s,
+                EventType::Normal,
+                reason::SHARING_ENDED,
+                format!(
+                    "{} no longer shared with this Service: status cleared",
+                    s.first_ip().unwrap_or_default()
+                ),
+            );
         }
     }
 
@@ -1053,6 +1215,7 @@ mod tests {
             ingress: Vec::new(),
             finalizers: Vec::new(),
             deleting: false,
+            created: 0,
         }
     }
 
@@ -1734,6 +1897,186 @@ mod tests {
                 .iter()
                 .any(|e| e.service == key("bad") && e.reason == reason::INVALID)
         );
+    }
+
+    fn in_namespace(mut s: ServiceIn, namespace: &str) -> ServiceIn {
+        s.key.namespace = namespace.into();
+        s.uid = uid(&format!("{namespace}/{}", s.key.name));
+        s
+    }
+
+    fn ns_key(namespace: &str, name: &str) -> ServiceKey {
+        ServiceKey {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn sharing_across_namespaces_needs_consent_and_reveals_nothing() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(in_namespace(dhcp("web", &[80]), "team-b"));
+        let mut thief = in_namespace(secondary("thief", "web", &[8080]), "team-a");
+        thief.annotations.insert(
+            harvester::PRIMARY_SERVICE.into(),
+            "team-b/web".into(),
+        );
+        let mut probe = thief.clone();
+        probe.key.name = "probe".into();
+        probe.uid = uid("team-a/probe");
+        probe
+            .annotations
+            .insert(harvester::PRIMARY_SERVICE.into(), "team-b/nothing".into());
+        sim.services.push(thief.clone());
+        sim.services.push(probe);
+        let plans = sim.settle();
+        let web = sim.services.iter().find(|s| s.key == ns_key("team-b", "web")).unwrap();
+        let ip = web.ingress[0].ip.clone();
+        let thief_now = sim.services.iter().find(|s| s.key == ns_key("team-a", "thief")).unwrap();
+        assert!(thief_now.ingress.is_empty(), "no address without consent");
+        // One message whether the primary exists or not.
+        let said = |name: &str| {
+            plans
+                .iter()
+                .flat_map(|p| &p.events)
+                .find(|e| e.service == ns_key("team-a", name))
+                .map(|e| (e.reason, e.message.replace("team-b/nothing", "team-b/web")))
+                .unwrap()
+        };
+        assert_eq!(said("thief"), said("probe"));
+        assert!(said("thief").1.contains(contract::SHARE_WITH));
+        // Nothing is said on the primary, nothing of team-a reaches it.
+        assert!(
+            plans
+                .iter()
+                .flat_map(|p| &p.events)
+                .filter(|e| e.service.namespace == "team-b")
+                .all(|e| !e.message.contains("team-a")),
+            "{plans:?}"
+        );
+
+        // The primary's owner consents: shared.
+        sim.services
+            .iter_mut()
+            .find(|s| s.key == ns_key("team-b", "web"))
+            .unwrap()
+            .annotations
+            .insert(contract::SHARE_WITH.into(), "team-a".into());
+        sim.settle();
+        let thief_now = sim.services.iter().find(|s| s.key == ns_key("team-a", "thief")).unwrap();
+        assert_eq!(thief_now.ingress[0].ip, ip);
+
+        // A same-namespace clash names the other Service only when it is of
+        // the secondary's namespace.
+        let mut clash = in_namespace(secondary("clash", "web", &[8080]), "team-b");
+        clash
+            .annotations
+            .insert(harvester::PRIMARY_SERVICE.into(), "team-b/web".into());
+        sim.services.push(clash);
+        let plans = sim.settle();
+        let clash_said = plans
+            .iter()
+            .flat_map(|p| &p.events)
+            .find(|e| e.service == ns_key("team-b", "clash"))
+            .unwrap();
+        assert!(
+            clash_said.message.contains("used by a Service in another namespace")
+                && !clash_said.message.contains("team-a"),
+            "{clash_said:?}"
+        );
+
+        // Consent withdrawn: the secondary loses the address, and a
+        // secondary of another namespace cannot hold the primary's deletion.
+        sim.services
+            .iter_mut()
+            .find(|s| s.key == ns_key("team-b", "web"))
+            .unwrap()
+            .annotations
+            .remove(contract::SHARE_WITH);
+        let plans = sim.settle();
+        let thief_now = sim.services.iter().find(|s| s.key == ns_key("team-a", "thief")).unwrap();
+        assert!(thief_now.ingress.is_empty(), "{plans:?}");
+        assert!(reasons(&plans).contains(&reason::SHARING_ENDED));
+        sim.services.retain(|s| s.key.name != "clash");
+        sim.services
+            .iter_mut()
+            .find(|s| s.key == ns_key("team-b", "web"))
+            .unwrap()
+            .deleting = true;
+        sim.settle();
+        assert!(
+            sim.services.iter().all(|s| s.key != ns_key("team-b", "web")),
+            "released although team-a still names it"
+        );
+    }
+
+    #[test]
+    fn a_secondary_whose_annotation_is_removed_loses_the_address() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.services.push(secondary("api", "web", &[8080]));
+        sim.settle();
+        assert!(!sim.svc("api").ingress.is_empty());
+        sim.svc_mut("api").annotations.clear();
+        let plans = sim.settle();
+        assert!(sim.svc("api").ingress.is_empty(), "{plans:?}");
+        assert!(!sim.svc("web").ingress.is_empty(), "the primary keeps it");
+    }
+
+    #[test]
+    fn a_mac_client_or_address_in_use_is_refused_and_the_first_keeps_it() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        let mut web = dhcp("web", &[80]);
+        web.created = 100;
+        sim.services.push(web);
+        sim.settle();
+        let mac = sim.holders("web")[0].1.mac.clone();
+        let ip = sim.svc("web").ingress[0].ip.clone();
+
+        // A newer Service copies web's MAC (kube-vip's record), another
+        // its address, and two newcomers one hostname.
+        let mut copy_mac = in_namespace(dhcp("copy-mac", &[80]), "team-a");
+        copy_mac.created = 200;
+        copy_mac.annotations.insert(kube_vip::HWADDR.into(), mac.clone());
+        let mut copy_ip = in_namespace(dhcp("copy-ip", &[80]), "team-a");
+        copy_ip.created = 300;
+        copy_ip
+            .annotations
+            .insert(kube_vip::REQUESTED_IP.into(), ip.clone());
+        let mut host_a = dhcp("host-a", &[80]);
+        host_a.created = 400;
+        host_a
+            .annotations
+            .insert(kube_vip::LOADBALANCER_HOSTNAME.into(), "lb.example.com".into());
+        let mut host_b = host_a.clone();
+        host_b.key.name = "host-b".into();
+        host_b.uid = uid("host-b");
+        host_b.created = 500;
+        sim.services.extend([copy_mac, copy_ip, host_a, host_b]);
+        let plans = sim.settle();
+        let refused: Vec<(String, String)> = plans
+            .iter()
+            .flat_map(|p| &p.events)
+            .filter(|e| e.reason == reason::IDENTITY_IN_USE)
+            .map(|e| (e.service.name.clone(), e.message.clone()))
+            .collect();
+        let names: BTreeSet<&str> = refused.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["copy-ip", "copy-mac", "host-b"].into(), "{refused:?}");
+        assert!(refused.iter().all(|(_, m)| !m.contains("web")), "{refused:?}");
+        for name in ["copy-mac", "copy-ip", "host-b"] {
+            let s = sim.services.iter().find(|s| s.key.name == name).unwrap();
+            assert!(s.ingress.is_empty() && s.finalizers.is_empty(), "{name}");
+            assert!(sim.holders(name).is_empty(), "{name}");
+        }
+        assert_eq!(sim.holders("web")[0].1.mac, mac, "web keeps its MAC");
+        assert_eq!(sim.svc("web").ingress[0].ip, ip);
+        assert_eq!(sim.holders("host-a").len(), 1);
+
+        // Deleting the copy releases nothing of web's.
+        sim.services.retain(|s| s.key.name != "copy-mac");
+        sim.settle();
+        assert_eq!(sim.holders("web")[0].1.mac, mac);
+        assert!(!sim.holders("web")[0].1.release);
     }
 
     #[test]

@@ -329,6 +329,22 @@ fn apply_and_schema_roundtrip() -> Result<()> {
         }
         // Applying again changes nothing and fails nothing.
         manifests::apply(&admin, &all, Mode::Apply).await?;
+        // A kind the server does not serve stops the apply, named; it is
+        // never left out.
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("widget.yaml");
+        std::fs::write(
+            &file,
+            "apiVersion: example.com/v1\nkind: Widget\nmetadata:\n  name: w\n  namespace: default\n",
+        )?;
+        let widget = manifests::load_file(&file)?;
+        match manifests::apply(&admin, &widget, Mode::Apply).await {
+            Ok(_) => bail!("an unserved kind was applied without an error"),
+            Err(e) => ensure!(
+                format!("{e:#}").contains("does not serve example.com/v1 Widget"),
+                "{e:#}"
+            ),
+        }
 
         // A full object round-trips through the schema: a field the schema
         // names differently from the Rust types would be pruned and come

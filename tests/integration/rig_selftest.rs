@@ -20,6 +20,7 @@ tests! {
     teardown_leaves_nothing: Root, Iproute2, Dnsmasq, ApiServer;
     teardown_after_panic: Root, Iproute2, Dnsmasq;
     lan_host_reaches_a_guest: Root, Iproute2;
+    an_unserved_release_stops_the_go_builds_and_caches_nothing: ApiServer;
 }
 
 /// The path of a tool the test needs (declared as its prerequisite).
@@ -368,6 +369,49 @@ fn lan_host_reaches_a_guest() -> Result<()> {
                 .any(|l| l.split_whitespace().next() == Some(ns)),
             "{ns} still listed"
         );
+    }
+    Ok(())
+}
+
+/// `tests/rig/kubernetes.sh` with a Kubernetes release and an etcd version
+/// the Go module proxy does not serve: it stops (before building anything)
+/// naming the module, the version and the command that failed, and leaves
+/// no folder behind in the cache. Asks the proxy, nothing is built.
+fn an_unserved_release_stops_the_go_builds_and_caches_nothing() -> Result<()> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rig/kubernetes.sh");
+    for (var, module, version) in [
+        ("HNA_KUBE_NEWEST", "k8s.io/kubernetes", "v1.99.0"),
+        ("HNA_ETCD_VERSION", "go.etcd.io/etcd/server/v3", "v3.99.0"),
+    ] {
+        let cache = tempfile::tempdir()?;
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg("newest")
+            .env("HNA_CACHE_DIR", cache.path())
+            .env(var, version)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success(), "{var}={version} succeeded: {err}");
+        for said in [
+            format!("module {module}, version {version}"),
+            format!("go list -m -json {module}@{version}"),
+        ] {
+            ensure!(
+                err.contains(&said),
+                "{var}={version}: {said:?} not in:\n{err}"
+            );
+        }
+        for built in ["kubernetes", "etcd"] {
+            ensure!(
+                !cache.path().join(built).exists(),
+                "{var}={version}: {built}/ was created"
+            );
+        }
+        let scratch: Vec<_> = std::fs::read_dir(cache.path().join("build"))?
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        ensure!(scratch.is_empty(), "scratch folders left: {scratch:?}");
     }
     Ok(())
 }

@@ -22,9 +22,11 @@ set -euo pipefail
 #   oldest: the oldest minor the product supports (k8s-openapi's floor,
 #           v1_33, and the RKE2 lines Harvester pairs with); the
 #           LoadBalancer and failover suites run on it too.
-KUBE_NEWEST=v1.37.2
-KUBE_OLDEST=v1.33.13
-ETCD_VERSION=v3.6.16
+# The HNA_* overrides are for trying another release (and for the test of
+# this script's errors); CI uses the pins.
+KUBE_NEWEST="${HNA_KUBE_NEWEST:-v1.37.2}"
+KUBE_OLDEST="${HNA_KUBE_OLDEST:-v1.33.13}"
+ETCD_VERSION="${HNA_ETCD_VERSION:-v3.6.16}"
 
 CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
 which_release="${1:-all}"
@@ -151,6 +153,21 @@ ensure_kubernetes() {
   rm -rf "$scratch"; scratch=""
   log "Kubernetes $release built and cached at $dir"
 }
+
+case "$which_release" in
+  newest) releases=("$KUBE_NEWEST") ;;
+  oldest) releases=("$KUBE_OLDEST") ;;
+  all) releases=("$KUBE_NEWEST" "$KUBE_OLDEST") ;;
+  *) die "usage: kubernetes.sh [newest|oldest|all] (not \`$which_release\`)" ;;
+esac
+# Every version that is to be built is looked up first, so that a pin the
+# proxy does not serve stops the script in seconds, before any build.
+scratch="$(mktemp -d "$CACHE_DIR/build/lookup.XXXXXX")"
+[[ -x "$CACHE_DIR/etcd/$ETCD_VERSION/etcd" ]] || served go.etcd.io/etcd/server/v3 "$ETCD_VERSION"
+for release in "${releases[@]}"; do
+  [[ -x "$CACHE_DIR/kubernetes/$release/kube-apiserver" ]] || served k8s.io/kubernetes "$release"
+done
+rm -rf "$scratch"; scratch=""
 
 ensure_etcd
 case "$which_release" in
