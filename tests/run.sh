@@ -27,7 +27,7 @@ trap skipped_summary EXIT
 
 # The suites that run a second time on the oldest supported Kubernetes
 # release (the README's "Kubernetes versions").
-OLDEST_SUITES=(manifests:: loadbalancer:: current_api:: failover::)
+OLDEST_SUITES=(manifests:: loadbalancer:: current_api:: tenants:: failover::)
 
 assets_given="${KUBEBUILDER_ASSETS:-}"
 if [[ $(id -u) -eq 0 ]]; then

@@ -102,7 +102,7 @@ impl Elector {
             }
             // Released (empty holder) or not renewed for a lease duration.
             _ => Decision::Hold {
-                transitions: record.transitions + 1,
+                transitions: record.transitions.saturating_add(1),
                 takeover: true,
             },
         }
@@ -215,6 +215,25 @@ mod tests {
             b.decide(Some(&frozen), now),
             Decision::Hold {
                 transitions: 4,
+                takeover: true
+            }
+        );
+    }
+
+    /// `leaseTransitions` comes from the API: whatever is written there, a
+    /// takeover never overflows it.
+    #[tokio::test(start_paused = true)]
+    async fn a_takeover_at_the_largest_transition_count_does_not_overflow() {
+        let mut b = Elector::new("b", T);
+        let released = Record {
+            holder: None,
+            renew_time: None,
+            transitions: i32::MAX,
+        };
+        assert_eq!(
+            b.decide(Some(&released), Instant::now()),
+            Decision::Hold {
+                transitions: i32::MAX,
                 takeover: true
             }
         );

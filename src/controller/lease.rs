@@ -120,7 +120,7 @@ pub async fn run(
         };
         let record = current.as_ref().map(record_of);
         let decision = elector.decide(record.as_ref(), started);
-        let duration_secs = i32::try_from(timing.lease_duration.as_secs()).unwrap_or(i32::MAX);
+        let duration_secs = lease_duration_seconds(timing.lease_duration);
         let result = match decision {
             Decision::Follow { holder } => {
                 if leadership.leading() {
@@ -236,5 +236,27 @@ mod tests {
         l.follow(Some("b".into()));
         assert!(!l.leading_at(t0 + Duration::from_secs(31)));
         assert_eq!(l.holder().as_deref(), Some("b"));
+    }
+}
+
+/// `leaseDurationSeconds` for a lease duration: whole seconds, rounded up,
+/// at least 1. Truncating would turn a sub-second duration into 0, which
+/// other clients read as a Lease already expired.
+fn lease_duration_seconds(d: std::time::Duration) -> i32 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    i32::try_from(secs.max(1)).unwrap_or(i32::MAX)
+}
+
+#[cfg(test)]
+mod duration_tests {
+    use super::lease_duration_seconds;
+    use std::time::Duration;
+
+    #[test]
+    fn a_lease_duration_is_never_written_as_zero() {
+        assert_eq!(lease_duration_seconds(Duration::from_millis(100)), 1);
+        assert_eq!(lease_duration_seconds(Duration::from_millis(1500)), 2);
+        assert_eq!(lease_duration_seconds(Duration::from_secs(3)), 3);
+        assert_eq!(lease_duration_seconds(Duration::from_secs(u64::MAX)), i32::MAX);
     }
 }

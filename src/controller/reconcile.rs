@@ -328,8 +328,8 @@ fn describe_sharers(namespace: &str, sharers: &[&ServiceKey]) -> String {
     parts.join(", ")
 }
 
-/// The primaries among `needs` that ask for a MAC, a client identifier or
-/// a requested address another of them has, each with the Event's message.
+/// The primaries among `needs` that ask for a link name, a MAC, a client
+/// identifier or a requested address another of them has, each with the Event's message.
 /// Who keeps it: a Service whose holder already runs that MAC, then the
 /// older Service, then the first by name. The messages never name the
 /// other Service: it may be another tenant's.
@@ -350,13 +350,20 @@ fn identity_clashes(
         })
         .collect();
     order.sort();
+    let mut links = BTreeSet::new();
     let mut macs = BTreeSet::new();
     let mut clients = BTreeSet::new();
     let mut addresses = BTreeSet::new();
     let mut out = BTreeMap::new();
     for (_, _, key, i) in order {
         let id = &needs[i].1;
-        let why = if macs.contains(&id.mac) {
+        let why = if links.contains(&id.interface) {
+            // 32 bits of the UID name the link: two Services can meet.
+            Some(format!(
+                "the link name {} (from the first 8 hex digits of the UID) is already another Service's: delete and create this Service again to get another UID",
+                id.interface
+            ))
+        } else if macs.contains(&id.mac) {
             Some(format!(
                 "MAC {} is already used by another Service ({}): remove the annotation {} so that this Service gets a MAC of its own",
                 crate::mac::format(&id.mac),
@@ -386,6 +393,7 @@ fn identity_clashes(
                 out.insert(key.clone(), why);
             }
             None => {
+                links.insert(id.interface.clone());
                 macs.insert(id.mac);
                 if !id.client_id.is_empty() {
                     clients.insert(id.client_id.clone());
@@ -2071,6 +2079,21 @@ mod tests {
         assert_eq!(sim.holders("web")[0].1.mac, mac, "web keeps its MAC");
         assert_eq!(sim.svc("web").ingress[0].ip, ip);
         assert_eq!(sim.holders("host-a").len(), 1);
+
+        // Two UIDs with the same first 8 hex digits: one link name.
+        let mut twin = dhcp("twin", &[80]);
+        twin.uid = format!("{}-ffff-4fff-8fff-ffffffffffff", &sim.svc("web").uid[..8]);
+        twin.created = 600;
+        sim.services.push(twin);
+        let plans = sim.settle();
+        assert!(
+            plans.iter().flat_map(|p| &p.events).any(|e| e.service == key("twin")
+                && e.reason == reason::IDENTITY_IN_USE
+                && e.message.contains("link name")),
+            "{plans:?}"
+        );
+        assert!(sim.holders("twin").is_empty());
+        sim.services.retain(|s| s.key.name != "twin");
 
         // Deleting the copy releases nothing of web's.
         sim.services.retain(|s| s.key.name != "copy-mac");

@@ -170,6 +170,25 @@ impl LbRig {
         Api::namespaced(self.admin.clone(), "default")
     }
 
+    /// The Services of the namespace of `name` (`namespace/name`, or a
+    /// plain name in `default`, as every Service helper here takes it),
+    /// and the plain name.
+    fn services_of<'a>(&self, name: &'a str) -> (Api<Service>, &'a str) {
+        let (ns, name) = split_name(name);
+        (Api::namespaced(self.admin.clone(), ns), name)
+    }
+
+    /// Creates namespace `name` (as a tenant's would be).
+    pub fn create_namespace(&self, name: &str) -> Result<()> {
+        let api: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.admin.clone());
+        let ns = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}
+        }))?;
+        self.block_on(api.create(&PostParams::default(), &ns))
+            .with_context(|| format!("creating namespace {name}"))?;
+        Ok(())
+    }
+
     /// The `LoadBalancerNode` objects, untyped (the caller deserializes
     /// them into the agent's contract types).
     pub fn node_objects(&self) -> Api<DynamicObject> {
@@ -476,6 +495,7 @@ impl LbRig {
         ports: &[u16],
         spec: serde_json::Value,
     ) -> Result<Service> {
+        let (api, name) = self.services_of(name);
         let annotations: BTreeMap<&str, &str> = annotations.iter().copied().collect();
         let ports: Vec<serde_json::Value> = ports
             .iter()
@@ -492,7 +512,7 @@ impl LbRig {
             }
         }
         let svc: Service = serde_json::from_value(body)?;
-        Ok(self.block_on(self.services().create(&PostParams::default(), &svc))?)
+        Ok(self.block_on(api.create(&PostParams::default(), &svc))?)
     }
 
     /// Service `name`'s Endpoints: one ready endpoint on each of `nodes`
@@ -571,20 +591,20 @@ impl LbRig {
     }
 
     pub fn service(&self, name: &str) -> Option<Service> {
-        self.block_on(self.services().get_opt(name)).unwrap()
+        let (api, name) = self.services_of(name);
+        self.block_on(api.get_opt(name)).unwrap()
     }
 
     pub fn annotate(&self, name: &str, key: &str, value: Option<&str>) -> Result<()> {
+        let (api, name) = self.services_of(name);
         let patch = serde_json::json!({"metadata": {"annotations": {key: value}}});
-        self.block_on(
-            self.services()
-                .patch(name, &PatchParams::default(), &Patch::Merge(&patch)),
-        )?;
+        self.block_on(api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)))?;
         Ok(())
     }
 
     pub fn delete_service(&self, name: &str) -> Result<()> {
-        self.block_on(self.services().delete(name, &DeleteParams::default()))?;
+        let (api, name) = self.services_of(name);
+        self.block_on(api.delete(name, &DeleteParams::default()))?;
         Ok(())
     }
 
@@ -632,7 +652,8 @@ impl LbRig {
 
     /// Events about Service `name`: (type, reason, message).
     pub fn events(&self, name: &str) -> Vec<(String, String, String)> {
-        let events: Api<Event> = Api::namespaced(self.admin.clone(), "default");
+        let (ns, name) = split_name(name);
+        let events: Api<Event> = Api::namespaced(self.admin.clone(), ns);
         let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
         self.block_on(events.list(&lp))
             .map(|l| {
@@ -677,6 +698,11 @@ impl LbRig {
             .map(|m| m.len() as usize)
             .unwrap_or(0)
     }
+}
+
+/// `namespace/name`, or `name` in `default`.
+fn split_name(name: &str) -> (&str, &str) {
+    name.split_once('/').unwrap_or(("default", name))
 }
 
 /// Guest `i`'s own address (outside the DHCP range and the LAN hosts').

@@ -32,6 +32,7 @@ mod manifests;
 mod oci_image;
 mod packaging;
 mod rig_selftest;
+mod tenants;
 mod topology;
 mod unit_file;
 mod vm_guest_agent;
@@ -55,6 +56,7 @@ fn main() -> std::process::ExitCode {
         packaging::tests(),
         loadbalancer::tests(),
         current_api::tests(),
+        tenants::tests(),
         failover::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),
