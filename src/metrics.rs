@@ -15,25 +15,40 @@ use tokio::net::{TcpListener, TcpStream};
 pub struct Pages {
     /// The Prometheus text exposition.
     pub metrics: Arc<dyn Fn() -> String + Send + Sync>,
-    /// `Ok` for `200 ok`, `Err(why)` for `503`.
+    /// `/healthz` (readiness): `Ok` for `200 ok`, `Err(why)` for `503`.
     pub health: Arc<dyn Fn() -> Result<(), String> + Send + Sync>,
+    /// `/livez` (liveness): whether the process's own loops run, whatever
+    /// the API server does; the same answers as `health`.
+    pub live: Arc<dyn Fn() -> Result<(), String> + Send + Sync>,
 }
+
+/// At most this many connections are answered at once; more are closed at
+/// once, so a flood of slow clients costs a few sockets, not memory and
+/// tasks without bound.
+pub const MAX_CONNECTIONS: usize = 16;
 
 /// Binds `addr`; serve with [`serve`].
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-/// Serves until the task is dropped.
+/// Serves until the task is dropped: [`MAX_CONNECTIONS`] at a time, each
+/// given 5 s.
 pub async fn serve(listener: TcpListener, pages: Pages) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok((conn, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(conn);
+            continue;
+        };
         let pages = pages.clone();
         tokio::spawn(async move {
             let _ = tokio::time::timeout(Duration::from_secs(5), answer(conn, pages)).await;
+            drop(slot);
         });
     }
 }
@@ -63,14 +78,21 @@ async fn answer(mut conn: TcpStream, pages: Pages) -> std::io::Result<()> {
             "text/plain; version=0.0.4; charset=utf-8",
             (pages.metrics)(),
         ),
-        ("GET", "/healthz") => match (pages.health)() {
-            Ok(()) => ("200 OK", "text/plain; charset=utf-8", "ok\n".to_string()),
-            Err(why) => (
-                "503 Service Unavailable",
-                "text/plain; charset=utf-8",
-                format!("unhealthy: {why}\n"),
-            ),
-        },
+        ("GET", route @ ("/healthz" | "/livez")) => {
+            let verdict = if route == "/healthz" {
+                (pages.health)()
+            } else {
+                (pages.live)()
+            };
+            match verdict {
+                Ok(()) => ("200 OK", "text/plain; charset=utf-8", "ok\n".to_string()),
+                Err(why) => (
+                    "503 Service Unavailable",
+                    "text/plain; charset=utf-8",
+                    format!("unhealthy: {why}\n"),
+                ),
+            }
+        }
         ("GET", _) => ("404 Not Found", "text/plain", "not found\n".to_string()),
         _ => (
             "405 Method Not Allowed",
@@ -113,6 +135,7 @@ mod tests {
                     Err("loop x stalled".into())
                 }
             }),
+            live: Arc::new(|| Ok(())),
         };
         let task = tokio::spawn(serve(l, pages));
         let r = get(addr, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
@@ -128,10 +151,63 @@ mod tests {
             r.starts_with("HTTP/1.1 503") && r.ends_with("unhealthy: loop x stalled\n"),
             "{r}"
         );
+        // Liveness is its own verdict: unready is not dead.
+        let r = get(addr, "GET /livez HTTP/1.1\r\n\r\n").await;
+        assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
         let r = get(addr, "GET /nope HTTP/1.1\r\n\r\n").await;
         assert!(r.starts_with("HTTP/1.1 404"), "{r}");
         let r = get(addr, "POST /metrics HTTP/1.1\r\n\r\n").await;
         assert!(r.starts_with("HTTP/1.1 405"), "{r}");
+        task.abort();
+    }
+
+    /// Slow clients that never send a request hold at most
+    /// [`MAX_CONNECTIONS`] slots; the next is closed at once, and a slot
+    /// frees when one of them goes.
+    #[tokio::test]
+    async fn connections_beyond_the_cap_are_closed_at_once() {
+        let l = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let pages = Pages {
+            metrics: Arc::new(String::new),
+            health: Arc::new(|| Ok(())),
+            live: Arc::new(|| Ok(())),
+        };
+        let task = tokio::spawn(serve(l, pages));
+        let mut idle = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            idle.push(TcpStream::connect(addr).await.unwrap());
+        }
+        // Handshake: every idle one has been accepted (and holds a slot)
+        // once an extra connection is refused; retry until it is.
+        let refused = async {
+            loop {
+                let mut c = TcpStream::connect(addr).await.unwrap();
+                let _ = c.write_all(b"GET /livez HTTP/1.1\r\n\r\n").await;
+                let mut out = String::new();
+                let _ = c.read_to_string(&mut out).await;
+                if out.is_empty() {
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), refused)
+            .await
+            .expect("a connection beyond the cap was answered");
+        drop(idle.pop());
+        let answered = async {
+            loop {
+                let r = get(addr, "GET /livez HTTP/1.1\r\n\r\n").await;
+                if r.starts_with("HTTP/1.1 200") {
+                    return;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), answered)
+            .await
+            .expect("no slot freed");
         task.abort();
     }
 }

@@ -561,15 +561,17 @@ async fn serve_control(ctx: Context, listener: tokio::net::UnixListener, snapsho
 
 async fn serve_metrics(ctx: Context, listener: tokio::net::TcpListener, snapshot: Snapshot) {
     let (liveness, every) = (ctx.liveness.clone(), ctx.beat_every);
+    // The watchdog's rule: every main loop beat within a few periods.
+    let health: Arc<dyn Fn() -> Result<(), String> + Send + Sync> = Arc::new(move || {
+        match liveness.stalled(tokio::time::Instant::now(), every * 5) {
+            stalled if stalled.is_empty() => Ok(()),
+            stalled => Err(format!("main loops stalled: {}", stalled.join(", "))),
+        }
+    });
     let pages = crate::metrics::Pages {
         metrics: Arc::new(move || status::metrics(&snapshot.take())),
-        // The watchdog's rule: every main loop beat within a few periods.
-        health: Arc::new(
-            move || match liveness.stalled(tokio::time::Instant::now(), every * 5) {
-                stalled if stalled.is_empty() => Ok(()),
-                stalled => Err(format!("main loops stalled: {}", stalled.join(", "))),
-            },
-        ),
+        live: health.clone(),
+        health,
     };
     let mut shutdown = ctx.shutdown.clone();
     tokio::select! {

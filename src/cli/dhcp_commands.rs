@@ -213,6 +213,7 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
             crate::metrics::Pages {
                 metrics: Arc::new(move || crate::dhcp::engine::render_metrics(&e.snapshot())),
                 health: Arc::new(|| Ok(())),
+                live: Arc::new(|| Ok(())),
             },
         ));
     }

@@ -153,6 +153,7 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
             .await
             .with_context(|| format!("listening for metrics on {addr}"))?;
         let (m, h) = (stats.clone(), stats.clone());
+        let alive = liveness.clone();
         let pages = crate::metrics::Pages {
             metrics: Arc::new(move || m.lock().expect("stats lock").metrics()),
             health: Arc::new(move || {
@@ -161,6 +162,14 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
                     Ok(())
                 } else {
                     Err("not connected to the cluster".into())
+                }
+            }),
+            // Not the connection: a restart does not bring an API server
+            // back, and an outage would restart every replica at once.
+            live: Arc::new(move || {
+                match alive.stalled(tokio::time::Instant::now(), beat_every * 5) {
+                    stalled if stalled.is_empty() => Ok(()),
+                    stalled => Err(format!("loops stalled: {}", stalled.join(", "))),
                 }
             }),
         };
