@@ -30,6 +30,7 @@ tests! {
     apply_and_schema_roundtrip: Root, Iproute2, ApiServer;
     the_real_kubectl_applies_and_explains_them: Root, Iproute2, ApiServer, Kubectl;
     rbac_controller_and_nodes: Root, Iproute2, ApiServer;
+    the_controller_cannot_write_what_it_does_not_own: Root, Iproute2, ApiServer;
 }
 
 const NS: &str = contract::DEFAULT_NAMESPACE;
@@ -890,6 +891,135 @@ fn rbac_controller_and_nodes() -> Result<()> {
         // The spec the controller wrote is untouched by all of the above.
         let spec = lbns.get("node-2").await?.spec;
         ensure!(spec == full_spec(), "node-2's spec changed: {spec:?}");
+        Ok(())
+    })
+}
+
+/// `controller-policy.yaml`: with the controller's own credentials (as a
+/// stolen token would be used), a Service write beyond its finalizer and
+/// kube-vip's record, and a Role or RoleBinding beyond one node's access to
+/// its own object, are refused at admission, although RBAC allows them.
+fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
+    let rig = start_rig()?;
+    let api = rig.apiserver().expect("started with apiserver");
+    on_runtime(|| async {
+        let admin = rig::kube_client(api.admin_kubeconfig()).await?;
+        let ctrl = rig::kube_client(api.controller_kubeconfig()).await?;
+        manifests::apply_kustomization(&admin, &manifests_dir(), Mode::Apply).await?;
+        create_service(&admin).await?;
+        let services: Api<Service> = Api::namespaced(ctrl.clone(), "default");
+        let denied = |r: std::result::Result<Service, kube::Error>, what: &str| match r {
+            Err(kube::Error::Api(s))
+                if s.message.contains("harvester-node-agent-controller-writes") =>
+            {
+                Ok(())
+            }
+            other => Err(anyhow::anyhow!("{what}: not refused by the policy: {other:?}")),
+        };
+        let spec_change = json!({ "spec": { "externalTrafficPolicy": "Local" } });
+        // The policy is enforced once the API server has loaded it: a dry
+        // run of a refused write is the handshake.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = services
+                .patch(
+                    "web",
+                    &PatchParams::default().dry_run(),
+                    &Patch::Merge(&spec_change),
+                )
+                .await;
+            if denied(r, "").is_ok() {
+                break;
+            }
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "the controller policy was never enforced"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let before = Api::<Service>::namespaced(admin.clone(), "default")
+            .get("web")
+            .await?;
+        for (what, patch) in [
+            ("spec", spec_change.clone()),
+            ("a label", json!({ "metadata": { "labels": { "team": "x" } } })),
+            (
+                "another annotation",
+                json!({ "metadata": { "annotations": { "cloudprovider.harvesterhci.io/ipam": "dhcp" } } }),
+            ),
+            (
+                "another finalizer",
+                json!({ "metadata": { "finalizers": ["example.com/hold"] } }),
+            ),
+        ] {
+            denied(
+                services
+                    .patch("web", &PatchParams::default(), &Patch::Merge(&patch))
+                    .await,
+                what,
+            )?;
+        }
+        let after = Api::<Service>::namespaced(admin.clone(), "default")
+            .get("web")
+            .await?;
+        ensure!(
+            after.metadata.resource_version == before.metadata.resource_version,
+            "the Service changed"
+        );
+        // What it owns it may still write.
+        services
+            .patch(
+                "web",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "metadata": {
+                    "finalizers": [contract::FINALIZER],
+                    "annotations": { "kube-vip.io/vipHost": "node-1" }
+                } })),
+            )
+            .await
+            .context("the controller's own record")?;
+
+        let roles: Api<Role> = Api::namespaced(ctrl.clone(), NS);
+        let bindings: Api<RoleBinding> = Api::namespaced(ctrl.clone(), NS);
+        let refused = |r: std::result::Result<(), kube::Error>, what: &str| match r {
+            Err(kube::Error::Api(s))
+                if s.message.contains("harvester-node-agent-controller-writes") =>
+            {
+                Ok(())
+            }
+            other => Err(anyhow::anyhow!("{what}: not refused by the policy: {other:?}")),
+        };
+        // node-1's Role granting node-2's object; the same rules under
+        // another name; and the controller's own Role bound to a stranger:
+        // all within its RBAC (no escalation), all refused.
+        let (mut wide, _) = node_role("node-1")?;
+        for rule in wide.rules.iter_mut().flatten() {
+            rule.resource_names = Some(vec!["node-1".into(), "node-2".into()]);
+        }
+        refused(
+            roles.create(&PostParams::default(), &wide).await.map(drop),
+            "a node Role naming another node's object",
+        )?;
+        let (mut renamed, _) = node_role("node-1")?;
+        renamed.metadata.name = Some("anything".into());
+        refused(
+            roles.create(&PostParams::default(), &renamed).await.map(drop),
+            "a Role of another name",
+        )?;
+        let stranger: RoleBinding = serde_json::from_value(json!({
+            "metadata": { "name": node_object::role_name("node-1"), "namespace": NS },
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                         "name": "harvester-node-agent-controller" },
+            "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "mallory" }]
+        }))?;
+        refused(
+            bindings.create(&PostParams::default(), &stranger).await.map(drop),
+            "its own Role bound to another user",
+        )?;
+        // A node's own access, as the controller grants it, passes.
+        let (role, binding) = node_role("node-1")?;
+        roles.create(&PostParams::default(), &role).await?;
+        bindings.create(&PostParams::default(), &binding).await?;
         Ok(())
     })
 }
