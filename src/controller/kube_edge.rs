@@ -39,6 +39,9 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
         ip_families: spec
             .and_then(|s| s.ip_families.clone())
             .unwrap_or_default(),
+        cluster_ips: spec
+            .and_then(|s| s.cluster_ips.clone())
+            .unwrap_or_default(),
         // Filled in from the Endpoints by the caller (`world_from`).
         local_endpoints: (spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local"))
             .then(Default::default),
@@ -266,10 +269,18 @@ pub fn watch_all(
         "Nodes",
         w,
         Api::all(client.clone()),
-        // Only the names are read.
+        // Only the names, addresses and Pod CIDRs are read.
         |n| {
-            n.spec = None;
-            n.status = None;
+            let pod_cidrs = n.spec.as_ref().and_then(|s| s.pod_cidrs.clone());
+            let addresses = n.status.as_ref().and_then(|s| s.addresses.clone());
+            n.spec = Some(k8s_openapi::api::core::v1::NodeSpec {
+                pod_cidrs,
+                ..Default::default()
+            });
+            n.status = Some(k8s_openapi::api::core::v1::NodeStatus {
+                addresses,
+                ..Default::default()
+            });
             n.metadata.annotations = None;
             n.metadata.labels = None;
         },

@@ -351,6 +351,7 @@ async fn reconcile_loop(
             continue;
         }
         let (services, nodes, mut versions) = services_from(&caches);
+        let node_networks = node_networks(&caches);
         versions.extend(object_versions);
         let plan = reconcile::reconcile(reconcile::World {
             services: &services,
@@ -360,6 +361,7 @@ async fn reconcile_loop(
             networks: &inputs.networks,
             classes: &opts.classes,
             ip_mode,
+            node_networks: &node_networks,
         });
         coalesce = coalesce_window(now.elapsed());
         {
@@ -487,6 +489,27 @@ fn services_from(
         .filter_map(|n| n.metadata.name.clone())
         .collect();
     (services, nodes, versions)
+}
+
+/// The Nodes' own addresses and Pod CIDRs (`reconcile::NodeNetworks`).
+fn node_networks(caches: &kube_edge::Caches) -> reconcile::NodeNetworks {
+    let mut out = reconcile::NodeNetworks::default();
+    for n in caches.nodes.state() {
+        let addresses: Vec<&str> = n
+            .status
+            .iter()
+            .flat_map(|s| s.addresses.iter().flatten())
+            .map(|a| a.address.as_str())
+            .collect();
+        let cidrs: Vec<&str> = n
+            .spec
+            .iter()
+            .flat_map(|s| s.pod_cidrs.iter().flatten())
+            .map(String::as_str)
+            .collect();
+        out.add(&addresses, &cidrs);
+    }
+    out
 }
 
 /// The node objects as the decision reads them (each judged on our clock

@@ -15,6 +15,7 @@
 //! annotation change triggers); finalizers are removed last.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::Ipv4Addr;
 
 use crate::contract::node_object::{Assignment, Spec, Status};
 use crate::contract::{
@@ -70,6 +71,8 @@ pub struct ServiceIn {
     pub load_balancer_class: Option<String>,
     /// `spec.ipFamilies` (empty: not set, IPv4 on an IPv4 cluster).
     pub ip_families: Vec<String>,
+    /// `spec.clusterIPs`: never a load-balancer address.
+    pub cluster_ips: Vec<String>,
     /// `externalTrafficPolicy: Local`: the nodes with a ready endpoint,
     /// the only ones that may hold the address. `None`: `Cluster`.
     pub local_endpoints: Option<BTreeSet<String>>,
@@ -146,9 +149,83 @@ pub struct World<'a> {
     pub networks: &'a NetworkMap,
     /// Which `loadBalancerClass` values are ours.
     pub classes: &'a ClassPolicy,
+    /// The Nodes' own addresses and Pod CIDRs: never a load-balancer
+    /// address.
+    pub node_networks: &'a NodeNetworks,
     /// The API server knows `status.loadBalancer.ingress[].ipMode`
     /// (Kubernetes 1.30 and later): it is written as [`IP_MODE_VIP`].
     pub ip_mode: bool,
+}
+
+/// What the Nodes say of their own networks (`status.addresses`,
+/// `spec.podCIDRs`), IPv4 only.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeNetworks {
+    pub addresses: BTreeSet<Ipv4Addr>,
+    /// `(network, prefix length)`.
+    pub pod_cidrs: Vec<(Ipv4Addr, u8)>,
+}
+
+impl NodeNetworks {
+    /// Adds a Node's `status.addresses[].address` and `spec.podCIDRs`
+    /// (IPv6 and malformed entries are skipped).
+    pub fn add(&mut self, addresses: &[&str], pod_cidrs: &[&str]) {
+        self.addresses
+            .extend(addresses.iter().filter_map(|a| a.parse::<Ipv4Addr>().ok()));
+        self.pod_cidrs.extend(pod_cidrs.iter().filter_map(|c| {
+            let (net, len) = c.split_once('/')?;
+            Some((net.parse().ok()?, len.parse().ok().filter(|l: &u8| *l <= 32)?))
+        }));
+    }
+
+    fn pod_cidr_of(&self, ip: Ipv4Addr) -> Option<(Ipv4Addr, u8)> {
+        self.pod_cidrs.iter().copied().find(|(net, len)| {
+            let mask = u32::MAX.checked_shl(32 - u32::from(*len)).unwrap_or(0);
+            u32::from(ip) & mask == u32::from(*net) & mask
+        })
+    }
+}
+
+/// Why `ip`, reported by a holder for `s`, cannot be its load-balancer
+/// address: a node credential could otherwise publish any address (the API
+/// server's, a Pod's, another Service's) into a Service's status.
+fn implausible(ip: &str, s: &ServiceIn, world: &World<'_>) -> Option<String> {
+    let Ok(addr) = ip.parse::<Ipv4Addr>() else {
+        return Some(format!("{ip:?} is not an IPv4 address"));
+    };
+    if addr.is_unspecified()
+        || addr.is_loopback()
+        || addr.is_multicast()
+        || addr.is_broadcast()
+        || addr.is_link_local()
+    {
+        return Some(format!("{ip} is not a unicast host address"));
+    }
+    if world.node_networks.addresses.contains(&addr) {
+        return Some(format!("{ip} is a Node's own address"));
+    }
+    if let Some((net, len)) = world.node_networks.pod_cidr_of(addr) {
+        return Some(format!("{ip} is in the Pod CIDR {net}/{len}"));
+    }
+    for other in world.services {
+        if other.cluster_ips.iter().any(|c| c == ip) {
+            return Some(format!("{ip} is a Service's cluster IP"));
+        }
+        if other.uid != s.uid && other.ingress.iter().any(|i| i.ip == ip) && !shares(other, s) {
+            return Some(format!("{ip} is another Service's load-balancer address"));
+        }
+    }
+    None
+}
+
+/// Whether `other` shows `s`'s address because it shares it (a secondary
+/// naming `s`).
+fn shares(other: &ServiceIn, s: &ServiceIn) -> bool {
+    other
+        .annotations
+        .get(harvester::PRIMARY_SERVICE)
+        .and_then(|p| contract::parse_service_key(p))
+        .is_some_and(|p| p == s.key)
 }
 
 /// One write, in the order of [`Plan::writes`].
@@ -255,6 +332,7 @@ pub mod reason {
     pub const IPV6_NOT_SERVED: &str = "IPv6NotServed";
     pub const SHARING_ENDED: &str = "SharingEnded";
     pub const IDENTITY_IN_USE: &str = "AddressIdentityInUse";
+    pub const ADDRESS_IMPLAUSIBLE: &str = "AddressImplausible";
 }
 
 /// How the Services stand, for the `STATUS=` line and metrics.
@@ -886,6 +964,23 @@ pub fn reconcile(world: World<'_>) -> Plan {
                 .and_then(|o| o.bound_address(&s.key.to_string(), &id.interface))
                 .map(|ip| (h, ip))
         });
+        // An address no DHCP server of the VM network would give: not
+        // published, and the Service waits.
+        let address = match address {
+            Some((holder, ip)) => match implausible(ip, s, &world) {
+                Some(why) => {
+                    event(
+                        s,
+                        EventType::Warning,
+                        reason::ADDRESS_IMPLAUSIBLE,
+                        format!("{holder} reported {why}: not published"),
+                    );
+                    None
+                }
+                None => Some((holder, ip)),
+            },
+            None => None,
+        };
         let Some((holder, ip)) = address else {
             plan.summary.pending += 1;
             if let Some(ip) = s.first_ip() {
@@ -1217,6 +1312,7 @@ mod tests {
             type_: "LoadBalancer".into(),
             load_balancer_class: None,
             ip_families: vec!["IPv4".into()],
+            cluster_ips: Vec::new(),
             local_endpoints: None,
             annotations: [(harvester::IPAM.to_string(), "dhcp".to_string())].into(),
             ports: ports.iter().map(|p| port(*p)).collect(),
@@ -1253,6 +1349,7 @@ mod tests {
         networks: NetworkMap,
         classes: ClassPolicy,
         ip_mode: bool,
+        node_networks: NodeNetworks,
     }
 
     impl Sim {
@@ -1268,6 +1365,7 @@ mod tests {
                 networks: NetworkMap::parse(Some(r#"{"default/net123":"enp2s0"}"#)),
                 classes: ClassPolicy::default(),
                 ip_mode: true,
+                node_networks: NodeNetworks::default(),
             };
             sim.settle();
             sim
@@ -1282,6 +1380,7 @@ mod tests {
                 networks: &self.networks,
                 classes: &self.classes,
                 ip_mode: self.ip_mode,
+                node_networks: &self.node_networks,
             })
         }
 
@@ -2100,6 +2199,52 @@ mod tests {
         sim.settle();
         assert_eq!(sim.holders("web")[0].1.mac, mac);
         assert!(!sim.holders("web")[0].1.release);
+    }
+
+    #[test]
+    fn an_implausible_reported_address_is_not_published() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.node_networks.add(&["10.77.0.10", "fd00::10"], &["10.42.0.0/24"]);
+        let mut kubernetes = dhcp("kubernetes", &[443]);
+        kubernetes.type_ = "ClusterIP".into();
+        kubernetes.annotations.clear();
+        kubernetes.cluster_ips = vec!["10.96.0.1".into()];
+        let mut pool = dhcp("pool", &[80]);
+        pool.annotations = [(harvester::IPAM.to_string(), "pool".to_string())].into();
+        pool.ingress = vec![Ingress {
+            ip: "10.77.0.9".into(),
+            ip_mode: None,
+            ports: vec![port(80)],
+        }];
+        sim.services.extend([kubernetes, pool]);
+        // What a node with stolen credentials could report.
+        let lies = [
+            ("a", "10.96.0.1", "cluster IP"),
+            ("b", "10.77.0.10", "Node's own address"),
+            ("c", "10.42.0.7", "Pod CIDR 10.42.0.0/24"),
+            ("d", "10.77.0.9", "another Service's"),
+            ("e", "127.0.0.1", "not a unicast host address"),
+        ];
+        for (name, lie, _) in lies {
+            let s = dhcp(name, &[80]);
+            sim.given.insert(s.uid.clone(), lie.into());
+            sim.services.push(s);
+        }
+        let plans = sim.settle();
+        for (name, lie, why) in lies {
+            assert!(sim.svc(name).ingress.is_empty(), "{name} published {lie}");
+            assert!(
+                plans.iter().flat_map(|p| &p.events).any(|e| e.service == key(name)
+                    && e.reason == reason::ADDRESS_IMPLAUSIBLE
+                    && e.message.contains(why)),
+                "{name}: {plans:?}"
+            );
+        }
+        assert_eq!(sim.svc("pool").ingress[0].ip, "10.77.0.9");
+        // A plausible report is published.
+        sim.given.insert(uid("a"), "10.77.0.150".into());
+        sim.settle();
+        assert_eq!(sim.svc("a").ingress[0].ip, "10.77.0.150");
     }
 
     #[test]

@@ -914,7 +914,9 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
             {
                 Ok(())
             }
-            other => Err(anyhow::anyhow!("{what}: not refused by the policy: {other:?}")),
+            other => Err(anyhow::anyhow!(
+                "{what}: not refused by the policy: {other:?}"
+            )),
         };
         let spec_change = json!({ "spec": { "externalTrafficPolicy": "Local" } });
         // The policy is enforced once the API server has loaded it: a dry
@@ -942,7 +944,10 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
             .await?;
         for (what, patch) in [
             ("spec", spec_change.clone()),
-            ("a label", json!({ "metadata": { "labels": { "team": "x" } } })),
+            (
+                "a label",
+                json!({ "metadata": { "labels": { "team": "x" } } }),
+            ),
             (
                 "another annotation",
                 json!({ "metadata": { "annotations": { "cloudprovider.harvesterhci.io/ipam": "dhcp" } } }),
@@ -987,7 +992,9 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
             {
                 Ok(())
             }
-            other => Err(anyhow::anyhow!("{what}: not refused by the policy: {other:?}")),
+            other => Err(anyhow::anyhow!(
+                "{what}: not refused by the policy: {other:?}"
+            )),
         };
         // node-1's Role granting node-2's object; the same rules under
         // another name; and the controller's own Role bound to a stranger:
@@ -1003,7 +1010,10 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
         let (mut renamed, _) = node_role("node-1")?;
         renamed.metadata.name = Some("anything".into());
         refused(
-            roles.create(&PostParams::default(), &renamed).await.map(drop),
+            roles
+                .create(&PostParams::default(), &renamed)
+                .await
+                .map(drop),
             "a Role of another name",
         )?;
         let stranger: RoleBinding = serde_json::from_value(json!({
@@ -1013,7 +1023,10 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
             "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "mallory" }]
         }))?;
         refused(
-            bindings.create(&PostParams::default(), &stranger).await.map(drop),
+            bindings
+                .create(&PostParams::default(), &stranger)
+                .await
+                .map(drop),
             "its own Role bound to another user",
         )?;
         // A node's own access, as the controller grants it, passes.
