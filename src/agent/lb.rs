@@ -97,6 +97,10 @@ pub struct NodeView {
     /// set down). Leases on them are handed over and not held until the
     /// carrier is back: their node cannot answer for them, another can.
     pub no_carrier: BTreeSet<String>,
+    /// The node's own network cards (`link::network_cards`): with
+    /// `default_uplink`, the only parents a macvlan is made on, whatever an
+    /// assignment names.
+    pub nics: BTreeSet<String>,
 }
 
 /// The task's settings.
@@ -346,6 +350,18 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                     match parent {
                         _ if self.fenced && !w.release => {
                             cut_off.insert(w.interface.clone(), self.fence_message());
+                        }
+                        // The controller allows only uplinks; the node
+                        // checks again, as root, against its own cards.
+                        Some(p)
+                            if !w.release
+                                && Some(p) != node.default_uplink.as_ref()
+                                && !node.nics.contains(p) =>
+                        {
+                            cut_off.insert(
+                                w.interface.clone(),
+                                format!("{p} is neither this node's uplink nor a network card of its own (a bridge, a veth, a tunnel or an enslaved port): no macvlan is made on it"),
+                            );
                         }
                         Some(p) if !w.release && node.no_carrier.contains(p) => {
                             cut_off.insert(

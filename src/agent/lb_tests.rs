@@ -96,6 +96,7 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
         macvlan_reason: String::new(),
         default_uplink: Some("eth0".into()),
         no_carrier: BTreeSet::new(),
+        nics: ["eth0".to_string(), "eth1".to_string(), "enp2s0".to_string()].into(),
     }));
     let shared = view.clone();
     let node = move || shared.lock().unwrap().clone();
@@ -214,6 +215,44 @@ async fn an_assignment_that_moves_away_is_handed_over_not_released() {
         name: "hlb-bbbbbbbb".into(),
         mode: StopMode::Handover
     }));
+}
+
+/// Whatever an assignment names, a macvlan is made only on the node's
+/// uplink or one of its own network cards: never on a CNI bridge or a
+/// Pod's veth.
+#[tokio::test(start_paused = true)]
+async fn a_parent_that_is_no_uplink_nor_card_of_the_node_is_refused() {
+    let r = rig();
+    let on = |uid8: &str, parent: &str| Assignment {
+        uplink: Some(parent.into()),
+        ..assignment(uid8)
+    };
+    r.tx.send(spec(&[on("aaaaaaaa", "cni0"), on("bbbbbbbb", "enp2s0")]))
+        .await
+        .unwrap();
+    until("the card's lease", || {
+        r.engine.running() == vec!["hlb-bbbbbbbb"]
+    })
+    .await;
+    until("the refusal in the status", || {
+        r.writes.last().is_some_and(|s| {
+            s.leases.iter().any(|l| {
+                l.interface == "hlb-aaaaaaaa"
+                    && l.message
+                        .as_deref()
+                        .is_some_and(|m| m.contains("cni0") && m.contains("no macvlan"))
+            })
+        })
+    })
+    .await;
+    assert!(
+        !r.engine
+            .calls()
+            .iter()
+            .any(|c| matches!(c, Call::Start { name, .. } if name == "hlb-aaaaaaaa")),
+        "a lease was started on cni0: {:?}",
+        r.engine.calls()
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -441,6 +480,7 @@ fn the_report_without_macvlan_or_uplink_says_why() {
         macvlan_reason: "macvlan ModuleNotFound".into(),
         default_uplink: None,
         no_carrier: BTreeSet::new(),
+        nics: BTreeSet::new(),
     };
     let s = report(&[], &BTreeMap::new(), &BTreeMap::new(), &[], &node, true);
     assert!(!s.ready);

@@ -444,6 +444,10 @@ fn spawn_lb(
                 std::path::Path::new("/sys/class/net"),
                 crate::contract::INTERFACE_PREFIX,
             ),
+            nics: crate::dhcp::link::network_cards(
+                std::path::Path::new("/sys/class/net"),
+                crate::contract::INTERFACE_PREFIX,
+            ),
         }
     };
     let settings = lb::LbSettings {

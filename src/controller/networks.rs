@@ -16,7 +16,7 @@
 //! cannot be resolved is refused rather than put on the default uplink,
 //! where DHCP would answer from the wrong network.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::contract::{Annotations, harvester, kube_vip};
 
@@ -69,13 +69,47 @@ pub enum NoUplink {
 }
 
 /// The uplink a Service asks for: `Ok(None)` means the node's default.
-pub fn uplink_of(annotations: &Annotations, map: &NetworkMap) -> Result<Option<String>, NoUplink> {
+///
+/// `kube-vip.io/serviceInterface` is taken only from an allow-list: an
+/// interface the network map names, or one of `node_uplinks` (the uplinks
+/// the nodes report, their configured or default-route interface). Any
+/// other (a CNI bridge, a Pod's veth, a storage NIC) is refused: it is a
+/// tenant's annotation, and the agent runs as root.
+pub fn uplink_of(
+    annotations: &Annotations,
+    map: &NetworkMap,
+    node_uplinks: &BTreeSet<String>,
+) -> Result<Option<String>, NoUplink> {
     let named = annotations
         .get(kube_vip::SERVICE_INTERFACE)
         .map(|v| v.trim())
         .filter(|v| !v.is_empty() && *v != "auto");
     if let Some(iface) = named {
-        return Ok(Some(iface.to_string()));
+        let mapped: BTreeSet<&str> = match map {
+            NetworkMap::Known(m) => m.values().map(String::as_str).collect(),
+            _ => BTreeSet::new(),
+        };
+        if node_uplinks.contains(iface) || mapped.contains(iface) {
+            return Ok(Some(iface.to_string()));
+        }
+        // Not yet known to be wrong: the map or the nodes' reports may
+        // still be on their way.
+        if matches!(map, NetworkMap::Unknown) || node_uplinks.is_empty() {
+            return Err(NoUplink::Wait);
+        }
+        let list = |set: BTreeSet<&str>| {
+            if set.is_empty() {
+                "none".to_string()
+            } else {
+                set.into_iter().collect::<Vec<_>>().join(", ")
+            }
+        };
+        return Err(NoUplink::Refused(format!(
+            "{} `{iface}` is not an uplink: a LoadBalancer address may live only on a node's uplink ({}) or on an interface {CONFIG_MAP_NAMESPACE}/{CONFIG_MAP_NAME} names ({}); remove the annotation or set it to one of those",
+            kube_vip::SERVICE_INTERFACE,
+            list(node_uplinks.iter().map(String::as_str).collect()),
+            list(mapped),
+        )));
     }
     let Some(network) = annotations
         .get(harvester::NETWORK)
@@ -147,36 +181,65 @@ mod tests {
             (kube_vip::SERVICE_INTERFACE, "eth9"),
             (harvester::NETWORK, "default/net123"),
         ]);
-        assert_eq!(uplink_of(&both, &known()), Ok(Some("eth9".into())));
+        let uplinks: BTreeSet<String> = ["eth9".to_string()].into();
+        assert_eq!(uplink_of(&both, &known(), &uplinks), Ok(Some("eth9".into())));
         assert_eq!(
-            uplink_of(&both, &NetworkMap::Unknown),
+            uplink_of(&both, &NetworkMap::Unknown, &uplinks),
             Ok(Some("eth9".into())),
-            "no need to wait for the map"
+            "a node's uplink: no need to wait for the map"
         );
         let net = ann(&[
             (kube_vip::SERVICE_INTERFACE, "auto"),
             (harvester::NETWORK, "default/net123"),
         ]);
-        assert_eq!(uplink_of(&net, &known()), Ok(Some("enp2s0".into())));
-        assert_eq!(uplink_of(&ann(&[]), &NetworkMap::Missing), Ok(None));
+        assert_eq!(uplink_of(&net, &known(), &uplinks), Ok(Some("enp2s0".into())));
+        assert_eq!(uplink_of(&ann(&[]), &NetworkMap::Missing, &uplinks), Ok(None));
+    }
+
+    #[test]
+    fn a_named_interface_must_be_an_uplink_or_a_mapped_one() {
+        let uplinks: BTreeSet<String> = ["eth0".to_string()].into();
+        let named = |iface: &str| ann(&[(kube_vip::SERVICE_INTERFACE, iface)]);
+        assert_eq!(
+            uplink_of(&named("enp2s0"), &known(), &uplinks),
+            Ok(Some("enp2s0".into())),
+            "mapped"
+        );
+        assert_eq!(uplink_of(&named("eth0"), &known(), &uplinks), Ok(Some("eth0".into())));
+        for hostile in ["cni0", "cali1234", "flannel.1", "lo"] {
+            let Err(NoUplink::Refused(m)) = uplink_of(&named(hostile), &known(), &uplinks) else {
+                panic!("{hostile} accepted")
+            };
+            assert!(m.contains(hostile) && m.contains("eth0") && m.contains("enp1s0, enp2s0"), "{m}");
+        }
+        // Before the map or any node's report: wait, do not refuse.
+        assert_eq!(
+            uplink_of(&named("cni0"), &NetworkMap::Unknown, &uplinks),
+            Err(NoUplink::Wait)
+        );
+        assert_eq!(
+            uplink_of(&named("cni0"), &known(), &BTreeSet::new()),
+            Err(NoUplink::Wait)
+        );
     }
 
     #[test]
     fn an_unresolvable_network_waits_for_the_map_then_is_refused_with_the_fix() {
         let net = ann(&[(harvester::NETWORK, "default/other")]);
-        assert_eq!(uplink_of(&net, &NetworkMap::Unknown), Err(NoUplink::Wait));
+        let none = BTreeSet::new();
+        assert_eq!(uplink_of(&net, &NetworkMap::Unknown, &none), Err(NoUplink::Wait));
         for map in [
             known(),
             NetworkMap::Missing,
             NetworkMap::Unreadable("bad".into()),
         ] {
-            let Err(NoUplink::Refused(m)) = uplink_of(&net, &map) else {
+            let Err(NoUplink::Refused(m)) = uplink_of(&net, &map, &none) else {
                 panic!("{map:?}")
             };
             assert!(m.contains("default/other"), "{m}");
             assert!(m.contains(kube_vip::SERVICE_INTERFACE), "{m}");
         }
-        let Err(NoUplink::Refused(m)) = uplink_of(&net, &known()) else {
+        let Err(NoUplink::Refused(m)) = uplink_of(&net, &known(), &none) else {
             panic!()
         };
         assert!(m.contains("default/mgmt, default/net123"), "{m}");

@@ -648,6 +648,12 @@ pub fn reconcile(world: World<'_>) -> Plan {
     plan.summary.nodes_eligible = eligible.len();
 
     let mut specs = Specs::new(&live);
+    // The interfaces the nodes report as their uplink: with the network
+    // map's, the only ones a Service may name.
+    let uplinks: BTreeSet<String> = live
+        .values()
+        .filter_map(|o| o.status.default_uplink.clone())
+        .collect();
 
     let mut services: Vec<&ServiceIn> = world.services.iter().collect();
     services.sort_by(|a, b| a.key.cmp(&b.key));
@@ -757,7 +763,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
                 } else {
                     let identity = contract::address_identity(&s.uid, &s.annotations);
                     match identity
-                        .map(|id| (id, networks::uplink_of(&s.annotations, world.networks)))
+                        .map(|id| (id, networks::uplink_of(&s.annotations, world.networks, &uplinks)))
                     {
                         Err(e) => {
                             plan.summary.refused += 1;
@@ -783,7 +789,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
             }
             // What runs is kept while the Service cannot be made sense of.
             Selection::Primary => match contract::address_identity(&s.uid, &s.annotations) {
-                Ok(id) => match networks::uplink_of(&s.annotations, world.networks) {
+                Ok(id) => match networks::uplink_of(&s.annotations, world.networks, &uplinks) {
                     Ok(uplink) => needs.push((s, id, uplink)),
                     Err(NoUplink::Wait) => plan.summary.pending += 1,
                     Err(NoUplink::Refused(why)) => {

@@ -540,6 +540,27 @@ pub fn without_carrier(
         .collect()
 }
 
+/// The network cards under `sys_class_net`: interfaces backed by a device
+/// (`device`), not enslaved to a bridge or bond (`master`) and not bridges
+/// themselves; names starting with `skip_prefix` are left out. Bridges,
+/// veths, tunnels and our own macvlans have no `device`.
+pub fn network_cards(
+    sys_class_net: &std::path::Path,
+    skip_prefix: &str,
+) -> std::collections::BTreeSet<String> {
+    let Ok(dir) = std::fs::read_dir(sys_class_net) else {
+        return std::collections::BTreeSet::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| !n.starts_with(skip_prefix))
+        .filter(|n| {
+            let d = sys_class_net.join(n);
+            d.join("device").exists() && !d.join("master").exists() && !d.join("bridge").exists()
+        })
+        .collect()
+}
+
 pub fn default_route_interface(proc_net_route: &str) -> Option<String> {
     proc_net_route
         .lines()
@@ -588,6 +609,27 @@ pub fn random_vip_mac() -> [u8; 6] {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn network_cards_are_devices_neither_enslaved_nor_bridges() {
+        let dir = tempfile::tempdir().unwrap();
+        let link = |name: &str, files: &[&str]| {
+            let d = dir.path().join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            for f in files {
+                std::fs::create_dir_all(d.join(f)).unwrap();
+            }
+        };
+        link("enp1s0", &["device"]);
+        link("enp2s0", &["device"]);
+        link("enp3s0", &["device", "master"]); // a bond's or bridge's port
+        link("cni0", &["bridge"]);
+        link("veth1234", &[]);
+        link("flannel.1", &[]);
+        link("hlb-3f2a9c1e", &["device"]);
+        let cards = super::network_cards(dir.path(), "hlb-");
+        assert_eq!(cards.into_iter().collect::<Vec<_>>(), ["enp1s0", "enp2s0"]);
+    }
+
     #[test]
     fn without_carrier_reads_sysfs_and_skips_our_links() {
         let dir = tempfile::tempdir().unwrap();
