@@ -857,6 +857,15 @@ pub fn reconcile(world: World<'_>) -> Plan {
                     if release_holders(s, &holders, &live, &mut specs, &mut event) {
                         continue;
                     }
+                    // Released at the DHCP server, the address may go to
+                    // anyone: the status no longer claims it. kube-vip's
+                    // record stays, so kube-vip asks for the same one.
+                    if !s.ingress.is_empty() {
+                        statuses.push(Write::ServiceStatus {
+                            service: s.key.clone(),
+                            ingress: Vec::new(),
+                        });
+                    }
                     if ours {
                         remove_finalizers.push(Write::RemoveFinalizer(s.key.clone()));
                     }
@@ -865,7 +874,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
                         EventType::Normal,
                         reason::HANDED_OVER,
                         format!(
-                            "{}: address released and handed over; status and kube-vip.io annotations kept, so kube-vip asks for the same address",
+                            "{}: address released and handed over; status cleared, kube-vip.io annotations kept, so kube-vip asks for the same address",
                             contract::IGNORE
                         ),
                     );
@@ -1902,10 +1911,11 @@ mod tests {
             "handover releases, so the next implementation finds the address free"
         );
         let web = sim.svc("web");
-        assert_eq!(
-            web.ingress[0].ip.as_str(),
-            web.annotations[kube_vip::REQUESTED_IP].as_str(),
-            "opt-out keeps status and record"
+        assert!(web.ingress.is_empty(), "a released address is not claimed");
+        assert!(
+            web.annotations.contains_key(kube_vip::REQUESTED_IP)
+                && web.annotations.contains_key(kube_vip::HWADDR),
+            "opt-out keeps kube-vip's record"
         );
         assert!(
             sim.svc("gone").ingress.is_empty(),
