@@ -101,6 +101,9 @@ pub struct NodeView {
     /// `default_uplink`, the only parents a macvlan is made on, whatever an
     /// assignment names.
     pub nics: BTreeSet<String>,
+    /// The MACs (lower case) of the node's own interfaces, with their
+    /// names: never a Service's.
+    pub own_macs: BTreeMap<String, String>,
 }
 
 /// The task's settings.
@@ -350,6 +353,20 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                     match parent {
                         _ if self.fenced && !w.release => {
                             cut_off.insert(w.interface.clone(), self.fence_message());
+                        }
+                        // A Service's MAC on a link of this node would
+                        // steal the node's own traffic.
+                        _ if !w.release
+                            && node.own_macs.contains_key(&crate::mac::format(&w.mac)) =>
+                        {
+                            let mac = crate::mac::format(&w.mac);
+                            cut_off.insert(
+                                w.interface.clone(),
+                                format!(
+                                    "MAC {mac} is already this node's interface {}'s (kube-vip's vip-* link left behind, or the node's own): no macvlan is made with it",
+                                    node.own_macs[&mac]
+                                ),
+                            );
                         }
                         // The controller allows only uplinks; the node
                         // checks again, as root, against its own cards.

@@ -2,7 +2,7 @@
 //! does to the engine and what it writes, told apart by the test's own
 //! record of calls and writes.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -97,6 +97,7 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
         default_uplink: Some("eth0".into()),
         no_carrier: BTreeSet::new(),
         nics: ["eth0".to_string(), "eth1".to_string(), "enp2s0".to_string()].into(),
+        own_macs: [("52:54:00:00:00:01".to_string(), "eth0".to_string())].into(),
     }));
     let shared = view.clone();
     let node = move || shared.lock().unwrap().clone();
@@ -253,6 +254,27 @@ async fn a_parent_that_is_no_uplink_nor_card_of_the_node_is_refused() {
         "a lease was started on cni0: {:?}",
         r.engine.calls()
     );
+}
+
+/// An assignment with the node's own MAC is never brought up.
+#[tokio::test(start_paused = true)]
+async fn the_nodes_own_mac_is_never_a_services() {
+    let r = rig();
+    let stolen = Assignment {
+        mac: "52:54:00:00:00:01".into(),
+        ..assignment("aaaaaaaa")
+    };
+    r.tx.send(spec(&[stolen, assignment("bbbbbbbb")])).await.unwrap();
+    until("the other lease", || r.engine.running() == vec!["hlb-bbbbbbbb"]).await;
+    until("the refusal in the status", || {
+        r.writes.last().is_some_and(|s| {
+            s.leases.iter().any(|l| {
+                l.interface == "hlb-aaaaaaaa"
+                    && l.message.as_deref().is_some_and(|m| m.contains("eth0"))
+            })
+        })
+    })
+    .await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -481,6 +503,7 @@ fn the_report_without_macvlan_or_uplink_says_why() {
         default_uplink: None,
         no_carrier: BTreeSet::new(),
         nics: BTreeSet::new(),
+        own_macs: BTreeMap::new(),
     };
     let s = report(&[], &BTreeMap::new(), &BTreeMap::new(), &[], &node, true);
     assert!(!s.ready);

@@ -448,6 +448,10 @@ fn spawn_lb(
                 std::path::Path::new("/sys/class/net"),
                 crate::contract::INTERFACE_PREFIX,
             ),
+            own_macs: crate::dhcp::link::interface_macs(
+                std::path::Path::new("/sys/class/net"),
+                crate::contract::INTERFACE_PREFIX,
+            ),
         }
     };
     let settings = lb::LbSettings {

@@ -561,6 +561,27 @@ pub fn network_cards(
         .collect()
 }
 
+/// The MAC addresses (lower case) of the interfaces under `sys_class_net`,
+/// each with its interface's name; names starting with `skip_prefix` left
+/// out.
+pub fn interface_macs(
+    sys_class_net: &std::path::Path,
+    skip_prefix: &str,
+) -> std::collections::BTreeMap<String, String> {
+    let Ok(dir) = std::fs::read_dir(sys_class_net) else {
+        return std::collections::BTreeMap::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| !n.starts_with(skip_prefix))
+        .filter_map(|n| {
+            let mac = std::fs::read_to_string(sys_class_net.join(&n).join("address")).ok()?;
+            let mac = mac.trim().to_ascii_lowercase();
+            (!mac.is_empty() && mac != "00:00:00:00:00:00").then_some((mac, n))
+        })
+        .collect()
+}
+
 pub fn default_route_interface(proc_net_route: &str) -> Option<String> {
     proc_net_route
         .lines()
@@ -626,6 +647,18 @@ mod tests {
         link("veth1234", &[]);
         link("flannel.1", &[]);
         link("hlb-3f2a9c1e", &["device"]);
+        for (name, mac) in [
+            ("enp1s0", "52:54:00:AA:BB:01\n"),
+            ("hlb-3f2a9c1e", "02:00:00:00:00:01\n"),
+        ] {
+            std::fs::write(dir.path().join(name).join("address"), mac).unwrap();
+        }
+        assert_eq!(
+            super::interface_macs(dir.path(), "hlb-")
+                .into_iter()
+                .collect::<Vec<_>>(),
+            [("52:54:00:aa:bb:01".to_string(), "enp1s0".to_string())]
+        );
         let cards = super::network_cards(dir.path(), "hlb-");
         assert_eq!(cards.into_iter().collect::<Vec<_>>(), ["enp1s0", "enp2s0"]);
     }
