@@ -92,6 +92,10 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
             .unwrap_or_default(),
         finalizers: meta.finalizers.clone().unwrap_or_default(),
         deleting: meta.deletion_timestamp.is_some(),
+        deleting_since: meta
+            .deletion_timestamp
+            .as_ref()
+            .map_or(0, |t| t.0.as_second()),
     })
 }
 

@@ -330,7 +330,15 @@ async fn reconcile_loop(
         let now = Instant::now();
         let (objects, object_versions) = objects_from(&caches, &mut alive, now);
         let leading = leadership.leading();
+        let wall = k8s_openapi::jiff::Timestamp::now().as_second();
         let inputs = Inputs {
+            overdue: caches
+                .services
+                .state()
+                .iter()
+                .filter_map(|s| kube_edge::service_in(s))
+                .filter(|s| reconcile::release_overdue(s, wall))
+                .count(),
             services: kube_edge::fingerprint(caches.services.state().iter().map(|s| &s.metadata)),
             nodes: kube_edge::fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),
             endpoints: caches.endpoints.fingerprint(),
@@ -362,6 +370,7 @@ async fn reconcile_loop(
             classes: &opts.classes,
             ip_mode,
             node_networks: &node_networks,
+            now: wall,
         });
         coalesce = coalesce_window(now.elapsed());
         {
@@ -438,6 +447,9 @@ async fn reconcile_loop(
 /// leadership.
 #[derive(Debug, PartialEq)]
 struct Inputs {
+    /// Deletions that have waited past the release timeout: time alone
+    /// changes a decision there.
+    overdue: usize,
     services: Vec<(String, String)>,
     nodes: Vec<(String, String)>,
     endpoints: Vec<(String, String)>,

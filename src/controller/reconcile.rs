@@ -83,6 +83,8 @@ pub struct ServiceIn {
     pub finalizers: Vec<String>,
     /// `metadata.deletionTimestamp` is set.
     pub deleting: bool,
+    /// `metadata.deletionTimestamp` in seconds (0 unknown).
+    pub deleting_since: i64,
     /// `metadata.creationTimestamp` in seconds (0 unknown): between two
     /// Services asking for one identity, the older one has it.
     pub created: i64,
@@ -152,6 +154,9 @@ pub struct World<'a> {
     /// The Nodes' own addresses and Pod CIDRs: never a load-balancer
     /// address.
     pub node_networks: &'a NodeNetworks,
+    /// Now, in seconds on the controller's wall clock (for how long a
+    /// deletion has waited).
+    pub now: i64,
     /// The API server knows `status.loadBalancer.ingress[].ipMode`
     /// (Kubernetes 1.30 and later): it is written as [`IP_MODE_VIP`].
     pub ip_mode: bool,
@@ -226,6 +231,16 @@ fn shares(other: &ServiceIn, s: &ServiceIn) -> bool {
         .get(harvester::PRIMARY_SERVICE)
         .and_then(|p| contract::parse_service_key(p))
         .is_some_and(|p| p == s.key)
+}
+
+/// How long a deleted Service waits for its holder's DHCPRELEASE. A holder
+/// that does not let go in that time (a wedged or hostile node) no longer
+/// holds the deletion: its assignment is dropped and the Service goes.
+pub const RELEASE_TIMEOUT_SECS: i64 = 30;
+
+/// Whether `s` is being deleted and has waited [`RELEASE_TIMEOUT_SECS`].
+pub fn release_overdue(s: &ServiceIn, now: i64) -> bool {
+    s.deleting && s.deleting_since > 0 && now - s.deleting_since >= RELEASE_TIMEOUT_SECS
 }
 
 /// One write, in the order of [`Plan::writes`].
@@ -458,13 +473,13 @@ fn identity_clashes(
                 kube_vip::LOADBALANCER_HOSTNAME,
                 id.hostname.as_deref().unwrap_or_default()
             ))
-        } else if let Some(ip) = id.requested_ip.filter(|ip| addresses.contains(ip)) {
-            Some(format!(
-                "{} {ip} is already asked for by another Service: remove the annotation to let the DHCP server choose",
-                kube_vip::REQUESTED_IP
-            ))
         } else {
-            None
+            id.requested_ip.filter(|ip| addresses.contains(ip)).map(|ip| {
+                format!(
+                    "{} {ip} is already asked for by another Service: remove the annotation to let the DHCP server choose",
+                    kube_vip::REQUESTED_IP
+                )
+            })
         };
         match why {
             Some(why) => {
@@ -713,7 +728,21 @@ pub fn reconcile(world: World<'_>) -> Plan {
                 );
                 continue;
             }
-            let waiting = release_holders(s, &holders, &live, &mut specs, &mut event);
+            let mut waiting = release_holders(s, &holders, &live, &mut specs, &mut event);
+            if waiting && release_overdue(s, world.now) {
+                for (node, _) in &holders {
+                    specs.remove(node, &s.uid, &s.key);
+                    event(
+                        s,
+                        EventType::Warning,
+                        reason::RELEASED_WITHOUT_DHCPRELEASE,
+                        format!(
+                            "released without DHCPRELEASE: holder {node} did not let go within {RELEASE_TIMEOUT_SECS} s"
+                        ),
+                    );
+                }
+                waiting = false;
+            }
             if !waiting {
                 clear_service(s, &mut statuses, &mut annotations);
                 remove_finalizers.push(Write::RemoveFinalizer(s.key.clone()));
@@ -1334,6 +1363,7 @@ mod tests {
             ingress: Vec::new(),
             finalizers: Vec::new(),
             deleting: false,
+            deleting_since: 0,
             created: 0,
         }
     }
@@ -1365,6 +1395,7 @@ mod tests {
         classes: ClassPolicy,
         ip_mode: bool,
         node_networks: NodeNetworks,
+        now: i64,
     }
 
     impl Sim {
@@ -1381,6 +1412,7 @@ mod tests {
                 classes: ClassPolicy::default(),
                 ip_mode: true,
                 node_networks: NodeNetworks::default(),
+                now: 1_000_000,
             };
             sim.settle();
             sim
@@ -1396,6 +1428,7 @@ mod tests {
                 classes: &self.classes,
                 ip_mode: self.ip_mode,
                 node_networks: &self.node_networks,
+                now: self.now,
             })
         }
 
@@ -2261,6 +2294,35 @@ mod tests {
         sim.given.insert(uid("a"), "10.77.0.150".into());
         sim.settle();
         assert_eq!(sim.svc("a").ingress[0].ip, "10.77.0.150");
+    }
+
+    /// A holder that stays up but never lets go holds a deletion for
+    /// [`RELEASE_TIMEOUT_SECS`] only.
+    #[test]
+    fn a_holder_that_never_releases_holds_a_deletion_for_a_bounded_time() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        sim.svc_mut("web").deleting = true;
+        sim.svc_mut("web").deleting_since = sim.now;
+        let (node, _) = sim.holders("web")[0].clone();
+        let p = sim.plan();
+        sim.apply(&p);
+        assert!(sim.holders("web")[0].1.release, "asked to release");
+        // The agent stays eligible and keeps listing the lease: it ignores
+        // `release` (its report is left as it was).
+        sim.now += RELEASE_TIMEOUT_SECS - 1;
+        let p = sim.plan();
+        assert!(p.writes.is_empty(), "still waiting: {p:?}");
+        sim.now += 1;
+        sim.now += RELEASE_TIMEOUT_SECS;
+        let p = sim.plan();
+        assert!(
+            p.events.iter().any(|e| e.reason == reason::RELEASED_WITHOUT_DHCPRELEASE
+                && e.message.contains(&node)),
+            "{p:?}"
+        );
+        assert!(p.writes.contains(&Write::RemoveFinalizer(key("web"))), "{p:?}");
     }
 
     #[test]

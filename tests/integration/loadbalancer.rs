@@ -342,7 +342,7 @@ fn going_back_to_kube_vip_keeps_the_address() -> Result<()> {
     let mark = lb.dnsmasq_log_len();
 
     lb.annotate("web", contract::IGNORE, Some("true"))?;
-    let handed = wait_for(WITHIN, || {
+    wait_for(WITHIN, || {
         lb.service("web").filter(|s| {
             !s.metadata
                 .finalizers
