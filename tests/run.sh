@@ -49,7 +49,14 @@ fi
 # whole run (no test filter given) and when the servers are the ones
 # prereqs.sh builds, not KUBEBUILDER_ASSETS's.
 if [[ $(id -u) -eq 0 && $# -eq 0 && -z "$assets_given" ]]; then
-    KUBEBUILDER_ASSETS="$(HNA_KUBE_RELEASE=oldest bash tests/rig/prereqs.sh | tail -n1)"
+    # (Without the KUBEBUILDER_ASSETS of the first run, which prereqs.sh
+    # would take as an override.)
+    newest="$KUBEBUILDER_ASSETS"
+    KUBEBUILDER_ASSETS="$(env -u KUBEBUILDER_ASSETS HNA_KUBE_RELEASE=oldest bash tests/rig/prereqs.sh | tail -n1)"
+    if [[ "$KUBEBUILDER_ASSETS" == "$newest" ]]; then
+        echo "run.sh: prereqs.sh gave the newest release's folder for the oldest" >&2
+        exit 1
+    fi
     echo "run.sh: ${OLDEST_SUITES[*]} on $KUBEBUILDER_ASSETS" >&2
     HNA_TEST_FILTERS="${OLDEST_SUITES[*]}" cargo test --locked --test integration | tee -a "$log"
 elif [[ -n "$assets_given" ]]; then
