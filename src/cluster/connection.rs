@@ -177,6 +177,17 @@ pub fn after_probe(
     }
 }
 
+/// Whether the session's client stays published after a round that ended
+/// in `state`. A failed health probe of a working session (one slow, 429
+/// or 5xx `/version`) only reports the cluster unreachable: taking the
+/// client away would stop the node's heartbeat and move all its Services,
+/// or make the controller give up its Lease, for one bad answer. Requests
+/// made with the client fail or succeed on their own. Only a round that
+/// could not build a session, or found no credentials, takes it away.
+pub fn keep_client(state: &ClusterState, probed: bool) -> bool {
+    matches!(state, ClusterState::Connected { .. }) || probed
+}
+
 /// How the watcher runs.
 #[derive(Debug, Clone)]
 pub struct WatchOptions {
@@ -226,7 +237,9 @@ pub async fn watch(
         // published even when a client already was: holders of the old
         // client must move to the new one.
         let mut new_session = false;
-        let next = match plan(&now, session.as_ref().map(|s| &s.basis)) {
+        let step = plan(&now, session.as_ref().map(|s| &s.basis));
+        let probed = matches!(step, Step::Probe);
+        let next = match step {
             Step::Wait(state) => {
                 session = None;
                 state
@@ -279,10 +292,7 @@ pub async fn watch(
                 }
             }
         };
-        let usable = match &next {
-            ClusterState::Connected { .. } => session.as_ref().map(|s| s.client.clone()),
-            _ => None,
-        };
+        let usable = keep_client(&next, probed).then(|| session.as_ref().map(|s| s.client.clone())).flatten();
         client_out.send_if_modified(|current| {
             let changed = current.is_some() != usable.is_some() || new_session;
             *current = usable;
@@ -319,6 +329,18 @@ mod tests {
             _ => Fingerprint::default(),
         };
         Basis { found, fingerprint }
+    }
+
+    #[test]
+    fn a_failed_probe_keeps_the_client_a_failed_connect_does_not() {
+        let unreachable = after_probe(&file("/a"), "https://x", Ok(Err("429".into())));
+        assert!(matches!(unreachable, ClusterState::Unreachable { .. }));
+        assert!(keep_client(&unreachable, true), "a probe of a working session");
+        assert!(!keep_client(&unreachable, false), "no session could be built");
+        let timed_out = after_probe(&file("/a"), "https://x", Err(Duration::from_secs(5)));
+        assert!(keep_client(&timed_out, true));
+        let connected = after_probe(&file("/a"), "https://x", Ok(Ok("v1.37.2".into())));
+        assert!(keep_client(&connected, false));
     }
 
     #[test]
