@@ -256,6 +256,48 @@ async fn a_parent_that_is_no_uplink_nor_card_of_the_node_is_refused() {
     );
 }
 
+/// 30 Services moving onto this node at once, each start behind a guard
+/// probe that takes 300 ms: the heartbeat keeps its period (one after
+/// another the starts took 9 s, during which no status was written and the
+/// node could be judged stale in turn).
+#[tokio::test(start_paused = true)]
+async fn thirty_takeovers_at_once_leave_no_heartbeat_gap() {
+    let engine = FakeEngine::new();
+    let r = rig_with_leases(
+        engine.clone(),
+        Settings {
+            takeover_guard: Duration::from_millis(150),
+            ..Settings::default()
+        },
+    );
+    engine.set_guard_delay(Duration::from_millis(300));
+    until("the first heartbeat", || !r.writes.all().is_empty()).await;
+    let moved: Vec<Assignment> = (0..30)
+        .map(|i| Assignment {
+            requested_ip: Some(format!("10.77.0.{}", 100 + i)),
+            mac: format!("02:11:22:33:44:{i:02x}"),
+            ..assignment(&format!("{i:08x}"))
+        })
+        .collect();
+    let sent = Instant::now();
+    r.tx.send(spec(&moved)).await.unwrap();
+    until("all 30 started", || r.engine.running().len() == 30).await;
+    let took = sent.elapsed();
+    // Two heartbeat periods more, then the longest gap between writes.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let at: Vec<Instant> = r.writes.all().into_iter().map(|(t, _)| t).collect();
+    let gap = at
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or_default();
+    assert!(
+        gap <= Duration::from_secs(5),
+        "{gap:?} without a status write (starts took {took:?})"
+    );
+    assert!(took < Duration::from_secs(2), "30 starts took {took:?}");
+}
+
 /// An assignment with the node's own MAC is never brought up.
 #[tokio::test(start_paused = true)]
 async fn the_nodes_own_mac_is_never_a_services() {

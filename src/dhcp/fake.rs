@@ -65,6 +65,8 @@ struct World {
     stop_failures: BTreeMap<String, VecDeque<EngineError>>,
     /// Addresses somebody on the LAN answers for ([`LeaseEngine::answered`]).
     answering: BTreeSet<Ipv4Addr>,
+    /// How long a guard probe takes (the real one waits for ARP replies).
+    guard_delay: std::time::Duration,
 }
 
 /// Behaves like the real engine where a caller can tell: a start makes or
@@ -118,6 +120,12 @@ impl FakeEngine {
         } else {
             w.answering.remove(&addr);
         }
+    }
+
+    /// Every guard probe ([`LeaseEngine::answered`]) takes `delay` from
+    /// now on, as the real one waits for replies.
+    pub fn set_guard_delay(&self, delay: std::time::Duration) {
+        self.world().guard_delay = delay;
     }
 
     /// Names of the running leases.
@@ -248,12 +256,16 @@ impl LeaseEngine for FakeEngine {
         addr: Ipv4Addr,
         _probe: ProbeConfig,
     ) -> Result<bool, EngineError> {
-        let mut w = self.world();
-        w.calls.push(Call::Guard {
-            parent: parent.into(),
-            addr,
-        });
-        Ok(w.answering.contains(&addr))
+        let delay = {
+            let mut w = self.world();
+            w.calls.push(Call::Guard {
+                parent: parent.into(),
+                addr,
+            });
+            w.guard_delay
+        };
+        tokio::time::sleep(delay).await;
+        Ok(self.world().answering.contains(&addr))
     }
 
     async fn announce(&self, name: &str) -> Result<(), EngineError> {
