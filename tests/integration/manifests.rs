@@ -950,7 +950,7 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
             ),
             (
                 "another annotation",
-                json!({ "metadata": { "annotations": { "cloudprovider.harvesterhci.io/ipam": "dhcp" } } }),
+                json!({ "metadata": { "annotations": { "example.com/owner": "x" } } }),
             ),
             (
                 "another finalizer",
