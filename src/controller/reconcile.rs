@@ -389,21 +389,34 @@ fn status_write(s: &ServiceIn, ip: &str, ip_mode: bool) -> Option<Write> {
 }
 
 /// What DHCP can give a Service of its `ipFamilies`: DHCP-mode addresses
-/// are IPv4, so an IPv6-only Service is refused and a dual-stack one gets
-/// its IPv4 address only. `Err`: refused, with the Event's message; `Ok`
-/// with a message: served, and the Event says what is not.
-fn ip_families(s: &ServiceIn) -> Result<Option<String>, String> {
+/// are IPv4, so an IPv6-only Service is refused (`false`, a Warning) and a
+/// dual-stack one gets its IPv4 address only (`true`, a Normal Event
+/// saying so).
+fn ip_families(s: &ServiceIn) -> (bool, Option<(EventType, &'static str, String)>) {
     let has = |f: &str| s.ip_families.iter().any(|x| x == f);
+    let families = s.ip_families.join(", ");
     match (has("IPv4"), has("IPv6")) {
-        (false, true) => Err(format!(
-            "DHCP-mode addresses are IPv4 and this Service asks for IPv6 only (ipFamilies: [{}]): no address is requested; on a dual-stack cluster set spec.ipFamilyPolicy: PreferDualStack to add the IPv4 family, or recreate the Service with ipFamilies: [IPv4]",
-            s.ip_families.join(", ")
-        )),
-        (true, true) => Ok(Some(format!(
-            "DHCP-mode addresses are IPv4: the IPv4 family is served and the IPv6 family gets no load-balancer address (ipFamilies: [{}])",
-            s.ip_families.join(", ")
-        ))),
-        _ => Ok(None),
+        (false, true) => (
+            false,
+            Some((
+                EventType::Warning,
+                reason::IPV4_REQUIRED,
+                format!(
+                    "DHCP-mode addresses are IPv4 and this Service asks for IPv6 only (ipFamilies: [{families}]): no address is requested; on a dual-stack cluster set spec.ipFamilyPolicy: PreferDualStack to add the IPv4 family, or recreate the Service with ipFamilies: [IPv4]"
+                ),
+            )),
+        ),
+        (true, true) => (
+            true,
+            Some((
+                EventType::Normal,
+                reason::IPV6_NOT_SERVED,
+                format!(
+                    "DHCP-mode addresses are IPv4: the IPv4 family is served and the IPv6 family gets no load-balancer address (ipFamilies: [{families}])"
+                ),
+            )),
+        ),
+        _ => (true, None),
     }
 }
 
@@ -760,17 +773,16 @@ pub fn reconcile(world: World<'_>) -> Plan {
         }
 
         if matches!(selection, Selection::Primary) {
-            match ip_families(s) {
-                // What runs is kept, as for any Service that cannot be
-                // made sense of (the primary family is immutable, so an
-                // IPv6-only Service was never served).
-                Err(why) => {
-                    plan.summary.refused += 1;
-                    event(s, EventType::Warning, reason::IPV4_REQUIRED, why);
-                    continue;
-                }
-                Ok(Some(note)) => event(s, EventType::Normal, reason::IPV6_NOT_SERVED, note),
-                Ok(None) => {}
+            // Refused, what runs is kept, as for any Service that cannot be
+            // made sense of (the primary family is immutable, so an
+            // IPv6-only Service was never served).
+            let (serve, said) = ip_families(s);
+            if let Some((type_, why, message)) = said {
+                event(s, type_, why, message);
+            }
+            if !serve {
+                plan.summary.refused += 1;
+                continue;
             }
         }
         match selection {
@@ -1070,14 +1082,13 @@ pub fn reconcile(world: World<'_>) -> Plan {
         let Selection::Secondary { primary } = &selections[&s.key] else {
             continue;
         };
-        match ip_families(s) {
-            Err(why) => {
-                plan.summary.refused += 1;
-                event(s, EventType::Warning, reason::IPV4_REQUIRED, why);
-                continue;
-            }
-            Ok(Some(note)) => event(s, EventType::Normal, reason::IPV6_NOT_SERVED, note),
-            Ok(None) => {}
+        let (serve, said) = ip_families(s);
+        if let Some((type_, why, message)) = said {
+            event(s, type_, why, message);
+        }
+        if !serve {
+            plan.summary.refused += 1;
+            continue;
         }
         // Across namespaces only with the primary's consent, and a refusal
         // that reads the same whether the primary exists or not: a tenant

@@ -516,8 +516,17 @@ impl AddressConfig for IfAddrs {
     }
 }
 
-/// The interface of the IPv4 default route, from `/proc/net/route` text
-/// (the lowest metric wins).
+/// The names of the interfaces under `sys_class_net` but those starting
+/// with `skip_prefix`; none when it cannot be read.
+fn interfaces(sys_class_net: &std::path::Path, skip_prefix: &str) -> impl Iterator<Item = String> {
+    std::fs::read_dir(sys_class_net)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(move |n| !n.starts_with(skip_prefix))
+}
+
 /// The interfaces under `sys_class_net` (`/sys/class/net`, this network
 /// namespace's when sysfs was mounted in it) whose `carrier` is not 1: no
 /// carrier, or set down (the file then cannot be read). Names starting
@@ -526,12 +535,7 @@ pub fn without_carrier(
     sys_class_net: &std::path::Path,
     skip_prefix: &str,
 ) -> std::collections::BTreeSet<String> {
-    let Ok(dir) = std::fs::read_dir(sys_class_net) else {
-        return std::collections::BTreeSet::new();
-    };
-    dir.filter_map(Result::ok)
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| !n.starts_with(skip_prefix))
+    interfaces(sys_class_net, skip_prefix)
         .filter(|n| {
             std::fs::read_to_string(sys_class_net.join(n).join("carrier"))
                 .map(|c| c.trim() != "1")
@@ -548,12 +552,7 @@ pub fn network_cards(
     sys_class_net: &std::path::Path,
     skip_prefix: &str,
 ) -> std::collections::BTreeSet<String> {
-    let Ok(dir) = std::fs::read_dir(sys_class_net) else {
-        return std::collections::BTreeSet::new();
-    };
-    dir.filter_map(Result::ok)
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| !n.starts_with(skip_prefix))
+    interfaces(sys_class_net, skip_prefix)
         .filter(|n| {
             let d = sys_class_net.join(n);
             d.join("device").exists() && !d.join("master").exists() && !d.join("bridge").exists()
@@ -568,12 +567,7 @@ pub fn interface_macs(
     sys_class_net: &std::path::Path,
     skip_prefix: &str,
 ) -> std::collections::BTreeMap<String, String> {
-    let Ok(dir) = std::fs::read_dir(sys_class_net) else {
-        return std::collections::BTreeMap::new();
-    };
-    dir.filter_map(Result::ok)
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| !n.starts_with(skip_prefix))
+    interfaces(sys_class_net, skip_prefix)
         .filter_map(|n| {
             let mac = std::fs::read_to_string(sys_class_net.join(&n).join("address")).ok()?;
             let mac = mac.trim().to_ascii_lowercase();
@@ -582,6 +576,8 @@ pub fn interface_macs(
         .collect()
 }
 
+/// The interface of the IPv4 default route, from `/proc/net/route` text
+/// (the lowest metric wins).
 pub fn default_route_interface(proc_net_route: &str) -> Option<String> {
     proc_net_route
         .lines()

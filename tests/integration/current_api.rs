@@ -257,6 +257,20 @@ fn kubectl(lb: &LbRig, args: &[&str]) -> Result<std::result::Result<String, Stri
     })
 }
 
+/// `kubectl -n default annotate --overwrite service web <change>` (`key=value`,
+/// or `key-` to remove).
+fn annotate_web(change: &str) -> [&str; 7] {
+    [
+        "-n",
+        "default",
+        "annotate",
+        "--overwrite",
+        "service",
+        "web",
+        change,
+    ]
+}
+
 fn refused(lb: &LbRig, args: &[&str], says: &[&str]) -> Result<()> {
     match kubectl(lb, args)? {
         Ok(out) => bail!("kubectl {args:?} was admitted: {out}"),
@@ -283,15 +297,7 @@ fn the_admission_policy_refuses_a_real_kubectl_request() -> Result<()> {
 
     // The policy is enforced from the moment the API server has loaded
     // it; a refused change of the IPAM mode is the handshake.
-    let ipam = [
-        "-n",
-        "default",
-        "annotate",
-        "--overwrite",
-        "service",
-        "web",
-        "cloudprovider.harvesterhci.io/ipam=pool",
-    ];
+    let ipam = annotate_web("cloudprovider.harvesterhci.io/ipam=pool");
     let loaded = wait_for(WITHIN, || kubectl(&lb, &ipam).ok()?.err());
     ensure!(loaded.is_some(), "the IPAM change was never refused");
     refused(
@@ -302,40 +308,17 @@ fn the_admission_policy_refuses_a_real_kubectl_request() -> Result<()> {
     // Removing the annotation is a change to pool mode too.
     refused(
         &lb,
-        &[
-            "-n",
-            "default",
-            "annotate",
-            "service",
-            "web",
-            "cloudprovider.harvesterhci.io/ipam-",
-        ],
+        &annotate_web("cloudprovider.harvesterhci.io/ipam-"),
         &["from dhcp to pool"],
     )?;
     refused(
         &lb,
-        &[
-            "-n",
-            "default",
-            "annotate",
-            "--overwrite",
-            "service",
-            "web",
-            "kube-vip.io/hwaddr=01:00:5e:00:00:01",
-        ],
+        &annotate_web("kube-vip.io/hwaddr=01:00:5e:00:00:01"),
         &["kube-vip.io/hwaddr", "not a unicast MAC"],
     )?;
     refused(
         &lb,
-        &[
-            "-n",
-            "default",
-            "annotate",
-            "--overwrite",
-            "service",
-            "web",
-            "kube-vip.io/requestedIP=10.77.0.300",
-        ],
+        &annotate_web("kube-vip.io/requestedIP=10.77.0.300"),
         &["kube-vip.io/requestedIP", "not an IPv4 address"],
     )?;
     // At creation too: a manifest with a malformed record.
@@ -355,18 +338,7 @@ fn the_admission_policy_refuses_a_real_kubectl_request() -> Result<()> {
     // What the policy admits: the controller's own record and a valid
     // change of another annotation.
     ensure!(
-        kubectl(
-            &lb,
-            &[
-                "-n",
-                "default",
-                "annotate",
-                "service",
-                "web",
-                "example.com/owner=team-a"
-            ]
-        )?
-        .is_ok(),
+        kubectl(&lb, &annotate_web("example.com/owner=team-a"))?.is_ok(),
         "a harmless annotation was refused"
     );
     // Nothing served changed.
