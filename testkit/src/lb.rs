@@ -90,14 +90,17 @@ impl Drop for Proc {
     }
 }
 
+/// Fields drop in order: the agents, the controllers and the admin client
+/// go before the rig, so its kube-apiserver stops with no client connected
+/// (with clients it waits out its 5 s grace and is killed).
 pub struct LbRig {
-    pub rig: Rig,
     pub client_ns: String,
-    rt: tokio::runtime::Runtime,
-    admin: kube::Client,
     agents: Vec<Option<Proc>>,
     controllers: Vec<Option<Proc>>,
+    admin: kube::Client,
+    rt: tokio::runtime::Runtime,
     opts: Options,
+    pub rig: Rig,
 }
 
 impl LbRig {
