@@ -78,6 +78,17 @@ fn rig_with(engine: FakeEngine) -> Rig {
     rig_with_leases(engine, Settings::default())
 }
 
+/// [`rig_with`] with the takeover guard on (150 ms), as the daemon runs.
+fn guarded_rig(engine: FakeEngine) -> Rig {
+    rig_with_leases(
+        engine,
+        Settings {
+            takeover_guard: Duration::from_millis(150),
+            ..Settings::default()
+        },
+    )
+}
+
 fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
     let writes = Writes::default();
     let (tx, rx) = mpsc::channel(8);
@@ -263,13 +274,7 @@ async fn a_parent_that_is_no_uplink_nor_card_of_the_node_is_refused() {
 #[tokio::test(start_paused = true)]
 async fn thirty_takeovers_at_once_leave_no_heartbeat_gap() {
     let engine = FakeEngine::new();
-    let r = rig_with_leases(
-        engine.clone(),
-        Settings {
-            takeover_guard: Duration::from_millis(150),
-            ..Settings::default()
-        },
-    );
+    let r = guarded_rig(engine.clone());
     engine.set_guard_delay(Duration::from_millis(300));
     until("the first heartbeat", || !r.writes.all().is_empty()).await;
     let moved: Vec<Assignment> = (0..30)
@@ -611,13 +616,7 @@ async fn stopping_hands_every_address_over_then_says_not_ready() {
 #[tokio::test(start_paused = true)]
 async fn a_takeover_is_guarded_while_the_address_answers_then_taken() {
     let engine = FakeEngine::new();
-    let r = rig_with_leases(
-        engine.clone(),
-        Settings {
-            takeover_guard: Duration::from_millis(150),
-            ..Settings::default()
-        },
-    );
+    let r = guarded_rig(engine.clone());
     let a = assignment("aaaaaaaa");
     let addr: Ipv4Addr = a.requested_ip.as_deref().unwrap().parse().unwrap();
     engine.set_answering(addr, true);

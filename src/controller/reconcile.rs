@@ -420,6 +420,23 @@ fn ip_families(s: &ServiceIn) -> (bool, Option<(EventType, &'static str, String)
     }
 }
 
+/// [`ip_families`] applied: its Event told, a refusal counted; whether
+/// the Service is served.
+fn families_served(
+    s: &ServiceIn,
+    event: &mut impl FnMut(&ServiceIn, EventType, &'static str, String),
+    refused: &mut usize,
+) -> bool {
+    let (serve, said) = ip_families(s);
+    if let Some((type_, why, message)) = said {
+        event(s, type_, why, message);
+    }
+    if !serve {
+        *refused += 1;
+    }
+    serve
+}
+
 /// `default/api, default/db and 2 Services in other namespaces`: the names
 /// of `namespace`'s own Services only, the others counted.
 fn describe_sharers(namespace: &str, sharers: &[&ServiceKey]) -> String {
@@ -776,12 +793,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
             // Refused, what runs is kept, as for any Service that cannot be
             // made sense of (the primary family is immutable, so an
             // IPv6-only Service was never served).
-            let (serve, said) = ip_families(s);
-            if let Some((type_, why, message)) = said {
-                event(s, type_, why, message);
-            }
-            if !serve {
-                plan.summary.refused += 1;
+            if !families_served(s, &mut event, &mut plan.summary.refused) {
                 continue;
             }
         }
@@ -1082,12 +1094,7 @@ pub fn reconcile(world: World<'_>) -> Plan {
         let Selection::Secondary { primary } = &selections[&s.key] else {
             continue;
         };
-        let (serve, said) = ip_families(s);
-        if let Some((type_, why, message)) = said {
-            event(s, type_, why, message);
-        }
-        if !serve {
-            plan.summary.refused += 1;
+        if !families_served(s, &mut event, &mut plan.summary.refused) {
             continue;
         }
         // Across namespaces only with the primary's consent, and a refusal
