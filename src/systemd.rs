@@ -168,15 +168,36 @@ pub async fn run_watchdog(
     }
 }
 
+/// The longest any one awaited step of a main loop may take and still count
+/// as alive: past every bounded wait there is (the 60 s macvlan preflight is
+/// the longest). A netlink or API call that hangs longer stops the beats, so
+/// the watchdog restarts the daemon instead of hiding the hang.
+pub const LONGEST_STEP: Duration = Duration::from_secs(90);
+
 /// Drives `fut` to completion while beating, so a loop waiting on bounded
-/// network I/O still counts as alive.
+/// I/O still counts as alive; for [`LONGEST_STEP`] at most.
 pub async fn beating<F: std::future::Future>(hb: &Heartbeat, every: Duration, fut: F) -> F::Output {
+    beating_for(hb, every, LONGEST_STEP, fut).await
+}
+
+async fn beating_for<F: std::future::Future>(
+    hb: &Heartbeat,
+    every: Duration,
+    limit: Duration,
+    fut: F,
+) -> F::Output {
     tokio::pin!(fut);
     let mut tick = tokio::time::interval(every);
+    let give_up = tokio::time::sleep(limit);
+    tokio::pin!(give_up);
     loop {
         tokio::select! {
             out = &mut fut => return out,
             _ = tick.tick() => hb.beat(),
+            _ = &mut give_up => {
+                tracing::error!(limit = %humantime::format_duration(limit), "a step of a main loop has not finished in time; it no longer counts as alive, so the watchdog restarts the daemon");
+                return fut.await;
+            }
         }
     }
 }
@@ -184,6 +205,30 @@ pub async fn beating<F: std::future::Future>(hb: &Heartbeat, every: Duration, fu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_step_stops_beating_after_the_limit() {
+        let liveness = Liveness::default();
+        let hb = liveness.register("lb");
+        let every = Duration::from_secs(1);
+        let limit = Duration::from_secs(10);
+        let hung = tokio::spawn({
+            let hb = hb.clone();
+            async move { beating_for(&hb, every, limit, std::future::pending::<()>()).await }
+        });
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        assert!(liveness.stalled(Instant::now(), Duration::from_secs(2)).is_empty());
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(
+            liveness.stalled(Instant::now(), Duration::from_secs(2)),
+            ["lb"],
+            "a step hung past its limit still counts as alive"
+        );
+        hung.abort();
+
+        // A step that ends in time returns its output.
+        assert_eq!(beating_for(&hb, every, limit, async { 7 }).await, 7);
+    }
 
     #[derive(Default)]
     struct Recorder(Mutex<Vec<String>>);

@@ -216,7 +216,13 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                     lb.report(false).await;
                     next_settle = Instant::now() + lb.settle_period();
                 }
-                None => updates_open = false,
+                None => {
+                    // Only a stopping daemon drops the sender; otherwise the
+                    // loop would go on blind to new assignments. No more
+                    // beats: the watchdog restarts the daemon.
+                    tracing::error!("the assignments' feed ended; this loop no longer counts as alive");
+                    updates_open = false;
+                }
             },
             _ = tokio::time::sleep_until(adoption_deadline), if lb.swept.is_none() => {
                 tracing::warn!(
@@ -245,7 +251,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                     next_settle = Instant::now() + lb.settle_period();
                 }
             }
-            _ = beat.tick() => hb.beat(),
+            _ = beat.tick(), if updates_open => hb.beat(),
             _ = shutdown.changed() => {
                 lb.hand_over_all().await;
                 return;
@@ -815,15 +821,34 @@ pub async fn follow(
                 },
             ))
         });
-        let changed = client.changed().await;
-        if let Some(t) = task {
-            t.abort();
-        }
-        if changed.is_err() {
-            return;
+        let Some(mut task) = task else {
+            if client.changed().await.is_err() {
+                return;
+            }
+            continue;
+        };
+        tokio::select! {
+            changed = client.changed() => {
+                task.abort();
+                if changed.is_err() {
+                    return;
+                }
+            }
+            // The watch never ends by itself; a panic would otherwise leave
+            // the loop on its last assignments while the heartbeat goes on.
+            ended = &mut task => {
+                tracing::error!(outcome = ?ended.map(|_| "returned"), "the watch of this node's object ended; starting it again");
+                if tx.is_closed() {
+                    return;
+                }
+                tokio::time::sleep(FOLLOW_RESTART).await;
+            }
         }
     }
 }
+
+/// Between a watch of the node's object that ended and its restart.
+const FOLLOW_RESTART: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 #[path = "lb_tests.rs"]

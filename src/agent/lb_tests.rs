@@ -51,6 +51,7 @@ struct Rig {
     out: watch::Receiver<LbStatus>,
     /// What the node closure returns.
     view: Arc<Mutex<NodeView>>,
+    liveness: Liveness,
     _stop: watch::Sender<bool>,
 }
 
@@ -112,6 +113,7 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
     }));
     let shared = view.clone();
     let node = move || shared.lock().unwrap().clone();
+    let liveness = Liveness::default();
     tokio::spawn(run_loop(
         Arc::new(engine.clone()),
         writes.clone(),
@@ -119,7 +121,7 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
         node,
         rx,
         out_tx,
-        Liveness::default().register("lb"),
+        liveness.register("lb"),
         Duration::from_secs(1),
         shutdown,
     ));
@@ -129,6 +131,7 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
         tx,
         out,
         view,
+        liveness,
         _stop: stop,
     }
 }
@@ -770,4 +773,27 @@ async fn a_holder_that_cannot_write_for_the_fence_period_lets_go() {
         r.engine.running() == vec![a.interface.clone()]
     })
     .await;
+}
+
+/// Issue #22: the feed of assignments ending (the follow task gone) must not
+/// leave a loop that beats on, blind to new assignments.
+#[tokio::test(start_paused = true)]
+async fn a_feed_that_ends_stops_the_loops_beats() {
+    let r = rig();
+    r.tx.send(spec(&[assignment("aaaaaaaa")])).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let max_age = Duration::from_secs(3);
+    assert!(r.liveness.stalled(Instant::now(), max_age).is_empty());
+    // Everything else stays, the shutdown sender above all.
+    let Rig {
+        tx,
+        liveness,
+        _stop: still_running,
+        out: _out,
+        ..
+    } = r;
+    drop(tx);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(liveness.stalled(Instant::now(), max_age), ["lb"]);
+    assert!(!*still_running.borrow());
 }

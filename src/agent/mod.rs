@@ -430,16 +430,27 @@ fn spawn_lb(
         tx,
     ));
     let uplink = cfg.uplink.clone();
+    let last_uplink = std::sync::Mutex::new(None::<String>);
     let node = move || {
         let m = macvlan.borrow();
+        let sys_class_net = std::path::Path::new("/sys/class/net");
+        let default_uplink = {
+            let mut last = last_uplink.lock().unwrap_or_else(|p| p.into_inner());
+            let now = crate::dhcp::link::current_uplink(
+                uplink.as_deref(),
+                std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
+                    .ok()
+                    .and_then(|t| crate::dhcp::link::default_route_interface(&t)),
+                last.as_deref(),
+                |name| sys_class_net.join(name).exists(),
+            );
+            last.clone_from(&now);
+            now
+        };
         lb::NodeView {
             macvlan_ready: m.ready,
             macvlan_reason: m.short(),
-            default_uplink: uplink.clone().or_else(|| {
-                std::fs::read_to_string("/proc/net/route")
-                    .ok()
-                    .and_then(|t| crate::dhcp::link::default_route_interface(&t))
-            }),
+            default_uplink,
             no_carrier: crate::dhcp::link::without_carrier(
                 std::path::Path::new("/sys/class/net"),
                 crate::contract::INTERFACE_PREFIX,

@@ -178,7 +178,7 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
     use anyhow::Context;
     let parent = match args.parent.clone() {
         Some(p) => p,
-        None => std::fs::read_to_string("/proc/net/route")
+        None => std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
             .ok()
             .and_then(|t| default_route_interface(&t))
             .context("no default route to find the uplink; name it with --parent")?,

@@ -174,10 +174,27 @@ impl Ensured {
     }
 }
 
-/// An rtnetlink connection (its task runs on the current runtime).
+/// An rtnetlink connection (its task runs on the current runtime). The
+/// task ending (a socket error, a panic) would fail every later call while
+/// the daemon looks alive; the next call reconnects instead.
 #[derive(Clone)]
 pub struct Netlink {
+    conn: std::sync::Arc<std::sync::Mutex<Connection>>,
+}
+
+struct Connection {
     handle: Handle,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Connection {
+    fn open() -> Result<Connection, LinkError> {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(LinkError::Connect)?;
+        Ok(Connection {
+            handle,
+            task: tokio::spawn(conn),
+        })
+    }
 }
 
 /// A link as seen over netlink.
@@ -221,14 +238,29 @@ impl LinkInfo {
 
 impl Netlink {
     pub fn connect() -> Result<Netlink, LinkError> {
-        let (conn, handle, _) = rtnetlink::new_connection().map_err(LinkError::Connect)?;
-        tokio::spawn(conn);
-        Ok(Netlink { handle })
+        Ok(Netlink {
+            conn: std::sync::Arc::new(std::sync::Mutex::new(Connection::open()?)),
+        })
+    }
+
+    /// The live connection's handle, reconnecting first if its task ended.
+    fn handle(&self) -> Result<Handle, LinkError> {
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if conn.task.is_finished() {
+            tracing::error!("the netlink connection's task ended; reconnecting");
+            *conn = Connection::open()?;
+        }
+        Ok(conn.handle.clone())
+    }
+
+    #[cfg(test)]
+    fn end_connection_task(&self) {
+        self.conn.lock().unwrap().task.abort();
     }
 
     pub async fn link(&self, name: &str) -> Result<Option<LinkInfo>, LinkError> {
         let mut s = self
-            .handle
+            .handle()?
             .link()
             .get()
             .match_name(name.to_string())
@@ -248,7 +280,7 @@ impl Netlink {
     /// Every link in the namespace.
     pub async fn links(&self) -> Result<Vec<LinkInfo>, LinkError> {
         let msgs: Vec<LinkMessage> = self
-            .handle
+            .handle()?
             .link()
             .get()
             .execute()
@@ -293,7 +325,7 @@ impl Netlink {
             }
             self.delete(name).await?;
         }
-        self.handle
+        self.handle()?
             .link()
             .add(
                 LinkMacVlan::new(name, parent_info.index, MacVlanMode::Bridge)
@@ -320,7 +352,7 @@ impl Netlink {
     }
 
     async fn set_up(&self, name: &str, index: u32) -> Result<(), LinkError> {
-        self.handle
+        self.handle()?
             .link()
             .set(LinkUnspec::new_with_index(index).up().build())
             .execute()
@@ -344,7 +376,7 @@ impl Netlink {
             .push(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet(vec![
                 AfSpecInet::DevConfRequest(conf.request()),
             ])]));
-        self.handle
+        self.handle()?
             .link()
             .set(msg)
             .execute()
@@ -361,7 +393,7 @@ impl Netlink {
         let Some(info) = self.link(name).await? else {
             return Ok(());
         };
-        match self.handle.link().del(info.index).execute().await {
+        match self.handle()?.link().del(info.index).execute().await {
             Ok(()) => Ok(()),
             Err(e) if errno(&e) == libc::ENODEV => Ok(()),
             Err(e) => Err(LinkError::Netlink {
@@ -375,7 +407,7 @@ impl Netlink {
     /// The addresses configured on interface `index`.
     pub async fn addresses(&self, index: u32) -> Result<Vec<Ipv4Addr>, LinkError> {
         let msgs: Vec<_> = self
-            .handle
+            .handle()?
             .address()
             .get()
             .set_link_index_filter(index)
@@ -468,7 +500,7 @@ impl AddressConfig for IfAddrs {
     async fn add(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
         let mut req = self
             .nl
-            .handle
+            .handle()?
             .address()
             .add(self.index, IpAddr::V4(addr), VIP_PREFIX_LEN);
         // A /32 makes no prefix route anyway; the flag says so to every
@@ -490,7 +522,7 @@ impl AddressConfig for IfAddrs {
     async fn remove(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
         let msgs: Vec<_> = self
             .nl
-            .handle
+            .handle()?
             .address()
             .get()
             .set_link_index_filter(self.index)
@@ -500,7 +532,7 @@ impl AddressConfig for IfAddrs {
             .await
             .unwrap_or_default();
         for m in msgs {
-            match self.nl.handle.address().del(m).execute().await {
+            match self.nl.handle()?.address().del(m).execute().await {
                 Ok(()) => {}
                 Err(e) if matches!(errno(&e), libc::EADDRNOTAVAIL | libc::ENODEV) => {}
                 Err(e) => {
@@ -576,6 +608,28 @@ pub fn interface_macs(
         .collect()
 }
 
+/// The default uplink now: the configured one, else the default route's
+/// interface, else the one the route last named while that interface still
+/// exists. A default route is briefly gone whenever the node's own network
+/// service renews or restarts; believing that moment would drop every
+/// address the node holds. An uplink that loses carrier or disappears is
+/// noticed through the carrier and the interface, not the route.
+pub fn current_uplink(
+    configured: Option<&str>,
+    route: Option<String>,
+    last: Option<&str>,
+    exists: impl Fn(&str) -> bool,
+) -> Option<String> {
+    if let Some(c) = configured {
+        return Some(c.to_string());
+    }
+    route.or_else(|| last.filter(|l| exists(l)).map(str::to_string))
+}
+
+/// The IPv4 routing table as text. Through `self`: the daemon's unit sets
+/// `ProcSubset=pid`, which hides the top-level `/proc/net` link.
+pub const ROUTE_TABLE: &str = "/proc/self/net/route";
+
 /// The interface of the IPv4 default route, from `/proc/net/route` text
 /// (the lowest metric wins).
 pub fn default_route_interface(proc_net_route: &str) -> Option<String> {
@@ -622,6 +676,55 @@ pub fn random_vip_mac() -> [u8; 6] {
         fastrand::u8(..),
         fastrand::u8(..),
     ]
+}
+
+#[cfg(test)]
+mod netlink_tests {
+    use super::Netlink;
+
+    /// Listing links needs no privilege, so this runs anywhere.
+    #[tokio::test]
+    async fn a_dead_connection_task_is_replaced_on_the_next_call() {
+        let nl = Netlink::connect().unwrap();
+        assert!(nl.links().await.unwrap().iter().any(|l| l.name == "lo"));
+        nl.end_connection_task();
+        tokio::task::yield_now().await;
+        let links = nl.links().await.expect("a call after the task ended");
+        assert!(links.iter().any(|l| l.name == "lo"));
+    }
+}
+
+#[cfg(test)]
+mod uplink_tests {
+    use super::current_uplink;
+
+    #[test]
+    fn a_moment_without_a_default_route_keeps_the_uplink() {
+        let exists = |n: &str| n == "eth0";
+        assert_eq!(
+            current_uplink(None, Some("eth0".into()), None, exists).as_deref(),
+            Some("eth0")
+        );
+        // The route is gone for a moment: the interface is still there.
+        assert_eq!(
+            current_uplink(None, None, Some("eth0"), exists).as_deref(),
+            Some("eth0")
+        );
+        // The interface itself is gone: so is the uplink.
+        assert_eq!(current_uplink(None, None, Some("eth1"), exists), None);
+        // Never had a route: none.
+        assert_eq!(current_uplink(None, None, None, exists), None);
+        // The route moved: the new one.
+        assert_eq!(
+            current_uplink(None, Some("eth1".into()), Some("eth0"), exists).as_deref(),
+            Some("eth1")
+        );
+        // Configured wins over all.
+        assert_eq!(
+            current_uplink(Some("bond0"), Some("eth0".into()), None, exists).as_deref(),
+            Some("bond0")
+        );
+    }
 }
 
 #[cfg(test)]

@@ -144,7 +144,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
         counters: Counters::default(),
     };
     let parent = match opts.parent.clone().or_else(|| {
-        std::fs::read_to_string("/proc/net/route")
+        std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
             .ok()
             .and_then(|t| default_route_interface(&t))
     }) {

@@ -27,12 +27,14 @@ pub async fn gather<S: ServiceManager>(root: &Path, sm: Option<&S>) -> Facts {
         None => (None, false),
     };
     let vport = find_vport(root);
+    let dev_link = root.join("dev/virtio-ports").join(PORT_NAME).exists()
+        || vport.as_deref().is_some_and(|v| udev_made_link(root, v));
     Facts {
         binary: BINARIES.iter().map(|b| root.join(b)).find(|p| p.is_file()),
         unit,
         service_manager,
         process_running: process_running(root, "qemu-ga"),
-        dev_link: root.join("dev/virtio-ports").join(PORT_NAME).exists(),
+        dev_link,
         port_flags: vport.as_deref().and_then(|v| port_flags(root, v)),
         vport,
     }
@@ -45,6 +47,19 @@ fn find_vport(root: &Path) -> Option<String> {
         let name = std::fs::read_to_string(e.path().join("name")).ok()?;
         (name.trim() == PORT_NAME).then(|| e.file_name().to_string_lossy().to_string())
     })
+}
+
+/// Whether udev's database records the `virtio-ports/<name>` link for the
+/// port. The daemon's unit sets `PrivateDevices=yes`, so its own `/dev` has
+/// no such link even where udev made it; udev's database under /run says.
+fn udev_made_link(root: &Path, vport: &str) -> bool {
+    let Ok(dev) = std::fs::read_to_string(root.join("sys/class/virtio-ports").join(vport).join("dev"))
+    else {
+        return false;
+    };
+    let link = format!("S:virtio-ports/{PORT_NAME}");
+    std::fs::read_to_string(root.join("run/udev/data").join(format!("c{}", dev.trim())))
+        .is_ok_and(|db| db.lines().any(|l| l.trim() == link))
 }
 
 /// `guest_connected`/`host_connected` from debugfs, when mounted and
@@ -131,5 +146,16 @@ mod tests {
         assert!(f.process_running && f.service_manager && !f.dev_link);
         // No unit known, but the process runs (started by hand or by udev).
         assert_eq!(super::super::assess(&f).reason, super::super::Reason::Ready);
+
+        // Under PrivateDevices= the link is not in this /dev; udev's
+        // database still records it.
+        std::fs::write(r.join("sys/class/virtio-ports/vport1p1/dev"), "246:1\n").unwrap();
+        std::fs::create_dir_all(r.join("run/udev/data")).unwrap();
+        std::fs::write(
+            r.join("run/udev/data/c246:1"),
+            "S:char/246:1\nS:virtio-ports/org.qemu.guest_agent.0\nI:123\n",
+        )
+        .unwrap();
+        assert!(gather(r, Some(&NoUnits)).await.dev_link);
     }
 }

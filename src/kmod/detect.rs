@@ -22,6 +22,26 @@ pub struct Facts {
     pub existing_files: Vec<PathBuf>,
     /// Blacklist entries that name the module (see [`super::blacklist`]).
     pub blacklisted_by: Vec<String>,
+    /// `/sys/module/<module>`, which stays visible where a sandbox hides
+    /// `/proc/modules` and the module tree.
+    pub sys_module: SysModule,
+    /// The module tree (and maybe `/proc/modules`) is hidden from this
+    /// process, as systemd's `ProtectKernelModules=` and `ProcSubset=pid`
+    /// hide them from the daemon: only the kernel's own autoload can tell
+    /// whether the module is on disk.
+    pub tree_hidden: bool,
+}
+
+/// What `/sys/module/<module>` says.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SysModule {
+    /// No such directory: not loaded (or built in without parameters).
+    #[default]
+    Absent,
+    /// A directory without `initstate`: built into the kernel.
+    BuiltIn,
+    /// `initstate` is `live` (or `coming`): a loaded module.
+    Live,
 }
 
 /// What detection found, before any load or probe.
@@ -40,6 +60,10 @@ pub enum Detection {
     Blacklisted { path: PathBuf, by: Vec<String> },
     /// Not on disk for this kernel.
     ModuleNotFound { detail: String },
+    /// Neither loaded nor built in, and the module tree is hidden from this
+    /// process: whether it can be loaded is for the kernel's autoload to
+    /// say. `blacklisted_by` is what modprobe.d (still readable) says.
+    Hidden { blacklisted_by: Vec<String> },
 }
 
 /// Kernel module names treat `-` and `_` alike.
@@ -115,11 +139,25 @@ pub fn files_needed(facts: &Facts, module: &str) -> Vec<PathBuf> {
 }
 
 pub fn detect(facts: &Facts, module: &str) -> Detection {
-    let Some(proc_modules) = &facts.proc_modules else {
-        return Detection::NoModuleSupport;
-    };
-    if is_loaded(proc_modules, module) {
+    match facts.sys_module {
+        SysModule::Live => return Detection::Loaded,
+        SysModule::BuiltIn => return Detection::BuiltIn,
+        SysModule::Absent => {}
+    }
+    if facts
+        .proc_modules
+        .as_deref()
+        .is_some_and(|p| is_loaded(p, module))
+    {
         return Detection::Loaded;
+    }
+    if facts.tree_hidden {
+        return Detection::Hidden {
+            blacklisted_by: facts.blacklisted_by.clone(),
+        };
+    }
+    if facts.proc_modules.is_none() {
+        return Detection::NoModuleSupport;
     }
     if facts
         .modules_builtin
@@ -195,6 +233,8 @@ mod tests {
                 format!("{DIR}/kernel/drivers/net/macvtap.ko").into(),
             ],
             blacklisted_by: vec![],
+            sys_module: SysModule::Absent,
+            tree_hidden: false,
         }
     }
 
@@ -247,6 +287,39 @@ mod tests {
         f.proc_modules = Some("macvlan 40960 0 - Live 0x0\n".into());
         f.blacklisted_by = vec!["/etc/modprobe.d/x.conf: blacklist macvlan".into()];
         assert_eq!(detect(&f, "macvlan"), Detection::Loaded);
+    }
+
+    #[test]
+    fn sysfs_answers_where_proc_modules_is_hidden() {
+        let mut f = facts();
+        f.proc_modules = None;
+        f.tree_hidden = true;
+        f.sys_module = SysModule::Live;
+        assert_eq!(detect(&f, "macvlan"), Detection::Loaded);
+        f.sys_module = SysModule::BuiltIn;
+        assert_eq!(detect(&f, "macvlan"), Detection::BuiltIn);
+    }
+
+    #[test]
+    fn a_hidden_tree_leaves_it_to_the_kernel_and_keeps_the_blacklist() {
+        let mut f = facts();
+        f.proc_modules = None;
+        f.modules_dep = None;
+        f.tree_hidden = true;
+        f.blacklisted_by = vec!["/etc/modprobe.d/no.conf: blacklist macvlan".into()];
+        assert_eq!(
+            detect(&f, "macvlan"),
+            Detection::Hidden {
+                blacklisted_by: f.blacklisted_by.clone()
+            }
+        );
+        // Not the "run depmod" advice a missing modules.dep gets otherwise.
+        f.tree_hidden = false;
+        f.proc_modules = Some(String::new());
+        assert!(matches!(
+            detect(&f, "macvlan"),
+            Detection::ModuleNotFound { .. }
+        ));
     }
 
     #[test]

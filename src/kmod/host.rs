@@ -15,7 +15,7 @@ use rtnetlink::packet_route::route::{RouteAttribute, RouteHeader, RouteMessage};
 use rtnetlink::{LinkMacVlan, RouteMessageBuilder};
 
 use super::KernelHost;
-use super::detect::{self, Facts};
+use super::detect::{self, Facts, SysModule};
 use super::modprobe_d;
 use super::probe::{self, LinkFacts, ProbeError};
 use super::remedy::OsRelease;
@@ -76,6 +76,58 @@ fn find_modprobe() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+impl Host {
+    fn sys_module(&self, module: &str) -> SysModule {
+        let dir = self.path("/sys/module").join(detect::normalize(module));
+        if !dir.is_dir() {
+            return SysModule::Absent;
+        }
+        match std::fs::read_to_string(dir.join("initstate")) {
+            Ok(state) if matches!(state.trim(), "live" | "coming") => SysModule::Live,
+            // Going away: as good as absent for a probe.
+            Ok(_) => SysModule::Absent,
+            Err(_) => SysModule::BuiltIn,
+        }
+    }
+
+    /// Whether a sandbox hides what detection reads: the kernel loads
+    /// modules (some `/sys/module/*/initstate` exists) yet `/proc/modules`
+    /// cannot be read or no module directory of any kernel can be listed
+    /// (systemd mounts an empty one over both).
+    fn tree_hidden(&self, facts: &Facts) -> bool {
+        let listed = |p: &str| {
+            std::fs::read_dir(self.path(p))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .next()
+                .is_some()
+        };
+        let kernel_loads_modules = std::fs::read_dir(self.path("/sys/module"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| e.path().join("initstate").is_file());
+        kernel_loads_modules
+            && (facts.proc_modules.is_none() || !(listed("/lib/modules") || listed("/usr/lib/modules")))
+    }
+}
+
+/// Whether this process may load modules itself (CAP_SYS_MODULE in its
+/// effective set). The daemon's unit takes it away; `check --fix` run by
+/// root has it.
+fn may_load_modules() -> bool {
+    const CAP_SYS_MODULE: u32 = 16;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|eff| eff & (1 << CAP_SYS_MODULE) != 0)
+}
+
 impl KernelHost for Host {
     fn facts(&self, module: &str) -> Facts {
         let release = uname_release();
@@ -96,7 +148,10 @@ impl KernelHost for Host {
             release,
             existing_files: Vec::new(),
             blacklisted_by: Vec::new(),
+            sys_module: self.sys_module(module),
+            tree_hidden: false,
         };
+        facts.tree_hidden = self.tree_hidden(&facts);
         facts.existing_files = detect::files_needed(&facts, module)
             .into_iter()
             .filter(|p| p.is_file())
@@ -133,6 +188,14 @@ impl KernelHost for Host {
     }
 
     fn load(&self, module: &str) -> Result<(), String> {
+        if !may_load_modules() {
+            // Without CAP_SYS_MODULE the kernel still loads it on request:
+            // creating a macvlan link makes it run modprobe for the alias
+            // `rtnl-link-macvlan`, which honours modprobe.d's blacklist.
+            return self
+                .probe()
+                .map_err(|e| format!("the kernel did not load it when asked for a {module} link ({e}); run `harvester-node-agent check {module} --fix` as root to load it with modprobe and see why"));
+        }
         let Some(modprobe) = find_modprobe() else {
             return Err(
                 "modprobe is not installed (package kmod); install it or load the module with insmod".into(),
@@ -296,8 +359,17 @@ async fn default_route(handle: &rtnetlink::Handle) -> Option<u32> {
         .map(|(_, oif)| oif)
 }
 
+/// By signal 0, not by /proc: the daemon's unit hides other users'
+/// processes there (`ProtectProc=invisible`), and a root `check` probing at
+/// the same time must not look dead to it.
 fn pid_alive(pid: u32) -> bool {
-    std::path::Path::new("/proc").join(pid.to_string()).exists()
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    !matches!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
+        Err(nix::errno::Errno::ESRCH)
+    )
 }
 
 async fn delete_link(handle: &rtnetlink::Handle, index: u32) -> Result<(), rtnetlink::Error> {

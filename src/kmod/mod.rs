@@ -177,6 +177,70 @@ pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
                 probe_remedy(&e),
             ),
         },
+        Detection::Hidden { blacklisted_by } if !blacklisted_by.is_empty() => state(
+            Status::Fail,
+            Reason::Blacklisted,
+            format!(
+                "macvlan is not loaded and is disabled by {}; the agent does not load a blacklisted module",
+                blacklisted_by.join(" and ")
+            ),
+            "remove that line if DHCP-mode LoadBalancers are wanted on this node, then `systemctl reload harvester-node-agent`",
+        ),
+        Detection::Hidden { .. } if !fix => state(
+            Status::Warn,
+            Reason::NotLoaded,
+            format!(
+                "macvlan is not loaded, and this process cannot see kernel {kernel}'s module files{boot_note}"
+            ),
+            "run `harvester-node-agent check macvlan` as root to see whether it is on disk",
+        ),
+        Detection::Hidden { .. } => {
+            // The sandboxed daemon: the probe's macvlan link makes the kernel
+            // load the module itself (modprobe of `rtnl-link-macvlan`), which
+            // needs no CAP_SYS_MODULE here.
+            match host.probe() {
+                Ok(()) => {
+                    let (reason, what) = match host.facts(MACVLAN).sys_module {
+                        detect::SysModule::BuiltIn => {
+                            (Reason::BuiltIn, "macvlan is built into the kernel")
+                        }
+                        _ => (
+                            Reason::LoadedByAgent,
+                            "the kernel loaded macvlan for the agent's test link",
+                        ),
+                    };
+                    state(
+                        Status::Ok,
+                        reason,
+                        format!(
+                            "{what} in kernel {kernel}; a test macvlan link was created and removed{boot_note}"
+                        ),
+                        "",
+                    )
+                }
+                Err(e @ ProbeError::Unsupported(_)) => {
+                    let os = host.os_release();
+                    let r = remedy::module_not_found(&os, &kernel);
+                    state(
+                        Status::Fail,
+                        Reason::ModuleNotFound,
+                        format!(
+                            "the kernel could not load macvlan when asked for a macvlan link ({e}): it is not installed for kernel {kernel} (package {}) or the kernel refused it; `harvester-node-agent check macvlan` run as root says which",
+                            r.package
+                        ),
+                        &r.remediation,
+                    )
+                }
+                Err(e) => state(
+                    Status::Fail,
+                    Reason::ProbeFailed,
+                    format!(
+                        "macvlan was not loaded and creating a macvlan link failed: {e}"
+                    ),
+                    probe_remedy(&e),
+                ),
+            }
+        }
         Detection::Blacklisted { path, by } => state(
             Status::Fail,
             Reason::Blacklisted,
@@ -289,6 +353,8 @@ mod tests {
                     modules_dep: Some(dep.into()),
                     existing_files: vec![format!("{dir}/kernel/drivers/net/macvlan.ko").into()],
                     blacklisted_by: vec![],
+                    sys_module: detect::SysModule::Absent,
+                    tree_hidden: false,
                 }),
                 load_result: Ok(()),
                 probe_result: Ok(()),
@@ -318,8 +384,64 @@ mod tests {
         }
         fn probe(&self) -> Result<(), ProbeError> {
             *self.probes.borrow_mut() += 1;
+            if self.probe_result.is_ok() {
+                // A macvlan link makes the kernel load the module.
+                self.facts.borrow_mut().sys_module = detect::SysModule::Live;
+            }
             self.probe_result.clone()
         }
+    }
+
+    /// The daemon's view under its unit: no /proc/modules, no module tree.
+    fn sandboxed() -> Fake {
+        let host = Fake::new(None, DEP);
+        {
+            let mut f = host.facts.borrow_mut();
+            f.modules_dep = None;
+            f.existing_files.clear();
+            f.tree_hidden = true;
+        }
+        host
+    }
+
+    #[test]
+    fn the_sandboxed_daemon_has_the_kernel_load_it_through_the_probe() {
+        let host = sandboxed();
+        let s = preflight(&host, true);
+        assert_eq!(
+            (s.status, s.reason, s.ready),
+            (Status::Ok, Reason::LoadedByAgent, true),
+            "{s:?}"
+        );
+        assert_eq!((*host.loads.borrow(), *host.probes.borrow()), (0, 1));
+
+        // Loaded already: sysfs says so without /proc/modules.
+        let s = preflight(&host, true);
+        assert_eq!((s.status, s.reason), (Status::Ok, Reason::Loaded));
+    }
+
+    #[test]
+    fn the_sandboxed_daemon_reports_what_it_cannot_see_with_the_way_to_see_it() {
+        let mut host = sandboxed();
+        host.probe_result = Err(ProbeError::Unsupported("Operation not supported".into()));
+        let s = preflight(&host, true);
+        assert_eq!((s.status, s.reason), (Status::Fail, Reason::ModuleNotFound));
+        assert!(s.message.contains("check macvlan` run as root"), "{}", s.message);
+        assert!(s.message.contains("linux-image"), "{}", s.message);
+
+        // Without --fix nothing is probed (a probe would load it).
+        let host = sandboxed();
+        let s = preflight(&host, false);
+        assert_eq!((s.status, s.reason), (Status::Warn, Reason::NotLoaded));
+        assert_eq!(*host.probes.borrow(), 0);
+
+        // modprobe.d is still readable: a blacklist is honoured, not probed.
+        let host = sandboxed();
+        host.facts.borrow_mut().blacklisted_by =
+            vec!["/etc/modprobe.d/no.conf: blacklist macvlan".into()];
+        let s = preflight(&host, true);
+        assert_eq!((s.status, s.reason), (Status::Fail, Reason::Blacklisted));
+        assert_eq!(*host.probes.borrow(), 0);
     }
 
     const DEP: &str = "kernel/drivers/net/macvlan.ko:\n";

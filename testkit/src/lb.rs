@@ -61,6 +61,9 @@ pub struct Options {
     /// binding (default). Without them, a change the policy refuses at
     /// admission reaches the controller, which must refuse it itself.
     pub admission_policy: bool,
+    /// Leave `uplink` out of the agents' configuration: each takes its
+    /// guest's default route's interface (eth0), as a node does by default.
+    pub uplink_from_route: bool,
 }
 
 impl Options {
@@ -74,6 +77,7 @@ impl Options {
             controller_args: Vec::new(),
             endpoint_slices: false,
             admission_policy: true,
+            uplink_from_route: false,
         }
     }
 }
@@ -260,7 +264,12 @@ impl LbRig {
         fs::write(
             &config,
             format!(
-                "uplink = \"eth0\"\nnamespace = \"{NAMESPACE}\"\n{}\n",
+                "{}namespace = \"{NAMESPACE}\"\n{}\n",
+                if self.opts.uplink_from_route {
+                    ""
+                } else {
+                    "uplink = \"eth0\"\n"
+                },
                 self.opts.agent_config
             ),
         )?;

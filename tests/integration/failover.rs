@@ -21,6 +21,7 @@ tests! {
     a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_moment_without_a_default_route_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     the_leader_dying_with_the_holder_still_moves_it_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_local_service_is_held_where_its_endpoint_is_and_follows_it: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_local_service_follows_its_endpoint_slices_where_the_api_has_them: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -229,6 +230,67 @@ fn a_dead_holders_address_moves_within_five_seconds() -> Result<()> {
 /// wrong: every address stays where it is, with no gap, and clients keep
 /// connecting throughout; after each restart, a whole staleness period and
 /// more passes without a move.
+/// Issue #22: every node's default route gone for a while, as when the
+/// node's network service restarts, with the uplink taken from the route
+/// (the default). The uplink is still there with carrier: nothing is
+/// dropped, nothing moves, every node stays ready.
+fn a_moment_without_a_default_route_drops_and_moves_nothing() -> Result<()> {
+    let mut opts = options();
+    opts.uplink_from_route = true;
+    let lb = LbRig::start(opts)?;
+    let mut served_by = Vec::new();
+    for n in ["a", "b", "c"] {
+        served_by.push(served(&lb, n)?);
+    }
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    let route = |verb: &str| -> Result<()> {
+        for ns in guest_namespaces(&lb) {
+            hna_testkit::rig::process::run_args(
+                "ip",
+                [
+                    "-n",
+                    &ns,
+                    "route",
+                    verb,
+                    "default",
+                    "via",
+                    hna_testkit::rig::LAN_ADDR,
+                ],
+            )?;
+        }
+        Ok(())
+    };
+    route("del")?;
+    // Twice the staleness bound, with no default route anywhere.
+    let dropped = wait_for(Duration::from_secs(6), || {
+        served_by.iter().find_map(|(ip, holder)| {
+            let holders = watch.holders(*ip);
+            (holders.len() != 1 || holders[0].1 != [*holder].into()).then_some(*ip)
+        })
+    });
+    let not_ready: Vec<String> = (0..3)
+        .map(|i| lb.node_name(i))
+        .filter(|n| {
+            lb.node_object(n)
+                .is_none_or(|o| o["status"]["ready"] != true)
+        })
+        .collect();
+    route("add")?;
+    if let Some(ip) = dropped {
+        anyhow::bail!(
+            "{ip} was dropped or moved without a default route:\n{}",
+            timeline(&watch, ip, t0)
+        );
+    }
+    ensure!(
+        not_ready.is_empty(),
+        "not ready without a default route: {not_ready:?}\n{}",
+        lb.diagnostics()
+    );
+    Ok(())
+}
+
 fn an_api_server_outage_drops_and_moves_nothing() -> Result<()> {
     let mut lb = LbRig::start(options())?;
     let names = ["a", "b", "c"];

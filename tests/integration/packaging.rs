@@ -14,8 +14,9 @@
 //! `cargo build` line of build.sh is not run here.
 //!
 //! Maintainer scripts and scriptlets are run with stub `systemctl`,
-//! `deb-systemd-helper` and `deb-systemd-invoke` first in `PATH`, which only
-//! log their arguments: the host's units are never touched.
+//! `deb-systemd-helper`, `deb-systemd-invoke` and `systemd-sysusers` first
+//! in `PATH`, which only log their arguments: the host's units and users
+//! are never touched.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -73,6 +74,10 @@ fn expected_files(deb: bool) -> BTreeMap<String, Option<PathBuf>> {
         (
             "/usr/lib/modules-load.d/harvester-node-agent.conf",
             Some("packaging/modules-load.d/harvester-node-agent.conf"),
+        ),
+        (
+            "/usr/lib/sysusers.d/harvester-node-agent.conf",
+            Some("packaging/sysusers.d/harvester-node-agent.conf"),
         ),
         (
             "/usr/lib/systemd/system-preset/90-harvester-node-agent.preset",
@@ -345,6 +350,9 @@ fn assert_contents(root: &Path, deb: bool) -> Result<()> {
     Ok(())
 }
 
+/// The daemon's user (the unit's `User=`).
+const SYSUSERS: &str = "/usr/lib/sysusers.d/harvester-node-agent.conf";
+
 /// Runs a maintainer script or scriptlet with stub systemd tools that log
 /// their arguments; returns the log lines (`tool args...`).
 fn run_with_stub_systemd(script: &str, args: &[&str], with_tools: bool) -> Result<Vec<String>> {
@@ -364,7 +372,12 @@ fn run_with_stub_systemd(script: &str, args: &[&str], with_tools: bool) -> Resul
     let bin = dir.path().join("bin");
     std::fs::create_dir(&bin)?;
     if with_tools {
-        for tool in ["systemctl", "deb-systemd-helper", "deb-systemd-invoke"] {
+        for tool in [
+            "systemctl",
+            "deb-systemd-helper",
+            "deb-systemd-invoke",
+            "systemd-sysusers",
+        ] {
             let stub = bin.join(tool);
             std::fs::write(
                 &stub,
@@ -451,6 +464,10 @@ fn deb_holds_the_files_keeps_the_conffile_and_enables_the_unit() -> Result<()> {
         .arg(control.path()))?;
     let postinst = std::fs::read_to_string(control.path().join("postinst"))?;
     let calls = run_with_stub_systemd(&postinst, &["configure"], true)?;
+    ensure!(
+        calls.first() == Some(&format!("systemd-sysusers {SYSUSERS}")),
+        "postinst configure did not create the daemon's user first; it ran {calls:?}"
+    );
     ensure!(
         calls.contains(&format!("deb-systemd-helper enable {UNIT}")),
         "postinst configure did not enable {UNIT}; it ran {calls:?}"
@@ -544,6 +561,10 @@ fn assert_rpm(rpm: &Path, what: &str) -> Result<()> {
     );
     let post = query("%{POSTIN}")?;
     let calls = run_with_stub_systemd(&post, &["1"], true)?;
+    ensure!(
+        calls.first() == Some(&format!("systemd-sysusers {SYSUSERS}")),
+        "{what}: %post 1 did not create the daemon's user first: {calls:?}"
+    );
     ensure!(
         calls.contains(&format!("systemctl --no-reload preset {UNIT}")),
         "{what}: %post 1 ran {calls:?}"

@@ -379,10 +379,15 @@ fn cloud_init_installs_a_running_agent_in_a_debian_image() -> Result<()> {
                 && msg.contains("guest and host connected"),
             "the guest-agent check did not go through systemd's D-Bus and the port flags: {ga}"
         );
+        ensure!(
+            !msg.contains("is udev running"),
+            "the udev link was not found from inside PrivateDevices=: {ga}"
+        );
         g.ping()?;
 
         dhcp_probe_through_the_nic(g, &rig)?;
         watchdog_restarts_a_frozen_agent(g)?;
+        sandboxed_without_module_privilege(g)?;
         Ok(())
     })?;
     eprintln!(
@@ -484,6 +489,80 @@ fn watchdog_restarts_a_frozen_agent(g: &mut Guest) -> Result<()> {
         "watchdog (WatchdogUSec={watchdog}) restarted the frozen agent (pid {pid} -> {}) {:.1}s after SIGSTOP",
         after["MainPID"],
         frozen.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The running daemon as the kernel sees it (issue #22): not root, exactly
+/// the unit's three capabilities, no module privilege; the cluster-admin
+/// kubeconfig's folder empty in its view; and macvlan, unloaded, loaded
+/// again by the kernel for the daemon's probe link.
+fn sandboxed_without_module_privilege(g: &mut Guest) -> Result<()> {
+    let pid = g
+        .show("MainPID")?
+        .get("MainPID")
+        .cloned()
+        .unwrap_or_default();
+    ensure!(pid != "0" && !pid.is_empty(), "no MainPID");
+    let status = g.sh(&format!("cat /proc/{pid}/status"))?;
+    let field = |key: &str| {
+        status
+            .stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .map(|v| v.split_whitespace().collect::<Vec<_>>())
+            .unwrap_or_default()
+    };
+    let uid = field("Uid:");
+    ensure!(
+        uid.len() == 4 && uid.iter().all(|u| *u != "0"),
+        "the daemon runs with uid {uid:?}"
+    );
+    // CAP_DAC_READ_SEARCH (2), CAP_NET_ADMIN (12), CAP_NET_RAW (13).
+    const CAPS: u64 = (1 << 2) | (1 << 12) | (1 << 13);
+    for key in ["CapEff:", "CapPrm:", "CapBnd:", "CapAmb:"] {
+        let v = field(key);
+        let caps = u64::from_str_radix(v.first().copied().unwrap_or("x"), 16)
+            .with_context(|| format!("{key} in {status}"))?;
+        ensure!(caps == CAPS, "{key} {caps:#x}, expected {CAPS:#x}");
+    }
+    ensure!(field("NoNewPrivs:") == ["1"], "{status}");
+    ensure!(field("Seccomp:") == ["2"], "{status}");
+
+    // Written after the start, so also past what the unit's start step made.
+    let secret = "hna-test-admin-kubeconfig";
+    let view = g.sh(&format!(
+        "mkdir -p /etc/rancher/rke2 && echo {secret} > /etc/rancher/rke2/rke2.yaml && \
+         cat /etc/rancher/rke2/rke2.yaml; echo daemon-view; ls -A /proc/{pid}/root/etc/rancher; \
+         cat /proc/{pid}/root/etc/rancher/rke2/rke2.yaml 2>&1; true"
+    ))?;
+    let (host, daemon) = view
+        .stdout
+        .split_once("daemon-view")
+        .with_context(|| format!("{view}"))?;
+    ensure!(host.contains(secret), "the test could not write it: {view}");
+    ensure!(
+        !daemon.contains(secret) && daemon.contains("No such file"),
+        "the daemon's view of /etc/rancher shows the admin kubeconfig: {view}"
+    );
+
+    let reload = g.sh("systemctl stop harvester-node-agent && rmmod macvlan; \
+         grep -c '^macvlan ' /proc/modules; systemctl start harvester-node-agent")?;
+    ensure!(
+        reload.stdout.lines().next() == Some("0"),
+        "macvlan could not be unloaded: {reload}"
+    );
+    let line = g.status_line_when(Duration::from_secs(120), |l| {
+        l.contains("macvlan LoadedByAgent")
+    })?;
+    let loaded = g.sh("grep -c '^macvlan ' /proc/modules")?;
+    ensure!(
+        loaded.stdout.trim() == "1",
+        "not in /proc/modules: {loaded}"
+    );
+    eprintln!(
+        "sandboxed daemon (uid {}), macvlan loaded by the kernel for it: {line}",
+        uid[0]
     );
     Ok(())
 }
