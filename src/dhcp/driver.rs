@@ -256,20 +256,23 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                         self.error(format!("ARP announce of {address}: {e}"));
                     }
                 }
+                // On the blocking pool: an fsync can take a slow disk
+                // hundreds of milliseconds, which on a runtime worker would
+                // stall every lease and the heartbeat sharing it.
                 Action::Persist(lease) => {
-                    if let Some(store) = &self.store {
+                    if let Some(store) = self.store.clone() {
                         let rec =
                             LeaseRecord::from_lease(&self.name, self.machine.identity(), &lease);
-                        if let Err(e) = store.save(&rec) {
-                            self.error(e.to_string());
-                        }
+                        let saved = tokio::task::spawn_blocking(move || store.save(&rec)).await;
+                        self.note_store("save", saved);
                     }
                 }
                 Action::Forget => {
-                    if let Some(store) = &self.store
-                        && let Err(e) = store.remove(&self.name)
-                    {
-                        self.error(e.to_string());
+                    if let Some(store) = self.store.clone() {
+                        let name = self.name.clone();
+                        let removed =
+                            tokio::task::spawn_blocking(move || store.remove(&name)).await;
+                        self.note_store("remove", removed);
                     }
                 }
                 // Recorded by `note_transitions` before the step's work.
@@ -277,6 +280,18 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
             }
         }
         self.publish();
+    }
+
+    fn note_store(
+        &mut self,
+        what: &str,
+        done: Result<Result<(), super::store::StoreError>, tokio::task::JoinError>,
+    ) {
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => self.error(e.to_string()),
+            Err(e) => self.error(format!("{what} of the lease file: {e}")),
+        }
     }
 
     /// Logs and records state changes when the machine decides them, not

@@ -235,7 +235,31 @@ impl<L: Links> Engine<L> {
             cfg,
             claim,
         );
-        finish(&name, tokio::spawn(work)).await?
+        let started = finish(&name, tokio::spawn(work)).await?;
+        self.prune_lease_files().await;
+        started
+    }
+
+    /// Removes lease files that handovers left and whose lease ran out
+    /// ([`Store::prune_expired`]); the running and starting ones are kept.
+    async fn prune_lease_files(&self) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let in_use: std::collections::BTreeSet<String> =
+            lock(&self.table).keys().cloned().collect();
+        let pruned = tokio::task::spawn_blocking(move || {
+            store.prune_expired(&in_use, std::time::SystemTime::now())
+        })
+        .await;
+        match pruned {
+            Ok(Ok(names)) if !names.is_empty() => {
+                tracing::info!(leases = ?names, "removed lease files whose lease ran out after a handover");
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "pruning lease files"),
+            Err(e) => tracing::warn!(error = %e, "pruning lease files"),
+        }
     }
 
     /// Stops a lease and deletes its macvlan. `Release` sends DHCPRELEASE
@@ -267,12 +291,14 @@ impl<L: Links> Engine<L> {
             drop(claim);
             deleted
         };
-        finish(name, tokio::spawn(work))
+        let stopped = finish(name, tokio::spawn(work))
             .await?
             .map_err(|source| EngineError::Link {
                 name: name.into(),
                 source,
-            })
+            });
+        self.prune_lease_files().await;
+        stopped
     }
 
     /// Stops every lease, all at once: a daemon stopping (or handing over)
@@ -405,10 +431,19 @@ async fn bring_up<L: Links>(
     // Read before the kernel is touched: an unreadable lease file fails
     // the start with nothing to undo.
     let stored = match &store {
-        Some(s) => s
-            .load(&name)?
-            .filter(|r| r.identity.mac == cfg.identity.mac)
-            .map(|r| r.to_lease()),
+        Some(s) => match s.load(&name) {
+            Ok(r) => r
+                .filter(|r| r.identity.mac == cfg.identity.mac)
+                .map(|r| r.to_lease()),
+            // Half-written by a crash or edited by hand: failing every
+            // start would block the Service forever; it starts afresh.
+            Err(StoreError::Corrupt { path, source }) => {
+                let aside = s.set_aside(&name)?;
+                tracing::warn!(lease = %name, file = %path.display(), error = %source, kept = %aside.display(), "the lease file cannot be read; set aside, the lease starts afresh");
+                None
+            }
+            Err(e) => return Err(e.into()),
+        },
         None => None,
     };
     let link = links

@@ -949,3 +949,27 @@ mod real {
             .unwrap();
     }
 }
+
+/// Issue #22: a corrupt lease file (a crash mid-write on a filesystem that
+/// lost the rename, a hand edit) is set aside and the lease starts afresh;
+/// before, every start failed and the Service was never served here.
+#[tokio::test]
+async fn a_corrupt_lease_file_is_set_aside_and_the_lease_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = super::store::Store::open(dir.path()).unwrap();
+    std::fs::write(store.path(NAME), b"{\"name\": \"vip-").unwrap();
+    let links = FakeLinks::new();
+    let engine = Engine::with_links(links.clone(), Some(store.clone()));
+    let mut rx = engine
+        .start(cfg(NAME, "eth0"))
+        .await
+        .expect("starts despite the corrupt file");
+    let st = first_state(&mut rx).await;
+    assert_eq!(st.state, super::machine::State::Selecting);
+    assert!(
+        dir.path()
+            .join(format!("leases/{NAME}.json.corrupt"))
+            .is_file()
+    );
+    engine.stop(NAME, StopMode::Handover).await.unwrap();
+}

@@ -767,7 +767,7 @@ impl Machine {
             self.drop_packet("ACK without a server identifier (option 54)".into());
             return None;
         };
-        let lease_time = Duration::from_secs(u64::from(secs));
+        let lease_time = Duration::from_secs(u64::from(secs.max(MIN_LEASE_SECS)));
         let (t1, t2) = timers(lease_time, reply.t1_secs, reply.t2_secs);
         let prefix_len = reply
             .subnet_mask
@@ -921,6 +921,12 @@ impl Machine {
 
 /// T1/T2 from options 58/59 when they are consistent (T1 ≤ T2 ≤ lease),
 /// else RFC 2131's 0.5 and 0.875 of the lease.
+/// The shortest lease taken: a server's 0 or 1 s (a misconfiguration, or
+/// a hostile server) would otherwise have every lease renewed in a tight
+/// loop and the address expire between two packets. dhcpcd floors it at 20 s
+/// too; a server that means a shorter lease NAKs the next renewal.
+pub const MIN_LEASE_SECS: u32 = 20;
+
 pub fn timers(lease: Duration, t1: Option<u32>, t2: Option<u32>) -> (Duration, Duration) {
     let secs = |s: u32| Duration::from_secs(u64::from(s));
     let t2 = t2

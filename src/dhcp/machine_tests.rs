@@ -901,3 +901,29 @@ async fn an_expired_lease_is_not_adopted() {
     let (r, _, _) = sent(&a);
     assert_eq!(r.opts().msg_type(), Some(MessageType::Request));
 }
+
+/// Issue #22: a server's lease of 0 or 1 s is not taken as given (every
+/// lease would renew in a tight loop); it is floored, T1 and T2 with it.
+#[tokio::test(start_paused = true)]
+async fn a_lease_of_zero_or_one_second_is_floored() {
+    for secs in [0, 1] {
+        let mut m = machine(no_probe());
+        m.handle(Instant::now(), Event::Start { stored: None });
+        let offer = reply(&m, MessageType::Offer, &lease_opts(secs, None, None));
+        feed(&mut m, &offer);
+        let t0 = Instant::now();
+        let ack = reply(&m, MessageType::Ack, &lease_opts(secs, None, None));
+        let a = feed(&mut m, &ack);
+        assert_eq!(m.state(), State::Bound, "{secs} s");
+        let lease = m.lease().expect("bound");
+        assert_eq!(
+            lease.lease_time,
+            Duration::from_secs(u64::from(MIN_LEASE_SECS))
+        );
+        let renew_at = timer(&a) - t0;
+        assert!(
+            renew_at >= Duration::from_secs(u64::from(MIN_LEASE_SECS) / 2),
+            "{secs} s lease: renewal after {renew_at:?}"
+        );
+    }
+}

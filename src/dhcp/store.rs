@@ -193,6 +193,46 @@ impl Store {
         }
     }
 
+    /// Moves a lease file that cannot be read aside (`<name>.json.corrupt`,
+    /// kept for a look, never read again) so its lease starts afresh
+    /// instead of failing every start.
+    pub fn set_aside(&self, name: &str) -> Result<PathBuf, StoreError> {
+        validate_name(name)?;
+        let path = self.path(name);
+        let aside = self.dir.join(format!("{name}.json.corrupt"));
+        fs::rename(&path, &aside).map_err(io("set aside", &path))?;
+        Ok(aside)
+    }
+
+    /// Removes the lease files that no running lease uses and whose lease
+    /// ran out before `now`: what handovers leave behind. A file still in
+    /// its lease is kept, so a Service coming back is asked for by
+    /// INIT-REBOOT. Returns the names removed.
+    pub fn prune_expired(
+        &self,
+        in_use: &std::collections::BTreeSet<String>,
+        now: SystemTime,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut removed = Vec::new();
+        for name in self.list()? {
+            if in_use.contains(&name) {
+                continue;
+            }
+            let ended = match self.load(&name) {
+                Ok(Some(r)) => r.acquired_unix_ms.saturating_add(r.lease_ms) < unix_ms(now),
+                Ok(None) => false,
+                // Unreadable: of no use to anyone.
+                Err(StoreError::Corrupt { .. }) => true,
+                Err(e) => return Err(e),
+            };
+            if ended {
+                self.remove(&name)?;
+                removed.push(name);
+            }
+        }
+        Ok(removed)
+    }
+
     /// Names of all stored leases.
     pub fn list(&self) -> Result<Vec<String>, StoreError> {
         let mut names = Vec::new();
@@ -226,6 +266,40 @@ mod tests {
             t2: Duration::from_secs(35),
             acquired: Instant::now() - Duration::from_secs(30),
         }
+    }
+
+    #[test]
+    fn a_corrupt_file_is_set_aside_and_expired_unused_files_are_pruned() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let id = Identity::new([0, 0, 0x6c, 1, 2, 3]);
+        fs::write(store.path("hlb-corrupt"), b"{\"name\": tru").unwrap();
+        assert!(matches!(
+            store.load("hlb-corrupt"),
+            Err(StoreError::Corrupt { .. })
+        ));
+        let aside = store.set_aside("hlb-corrupt").unwrap();
+        assert!(aside.is_file());
+        assert!(store.load("hlb-corrupt").unwrap().is_none());
+        assert!(!store.list().unwrap().contains(&"hlb-corrupt".to_string()));
+
+        // Acquired 30 s ago for 120 s: running; for 20 s: over.
+        store
+            .save(&LeaseRecord::from_lease("hlb-running", &id, &lease()))
+            .unwrap();
+        let mut short = lease();
+        short.lease_time = Duration::from_secs(20);
+        for name in ["hlb-over", "hlb-over-in-use"] {
+            store
+                .save(&LeaseRecord::from_lease(name, &id, &short))
+                .unwrap();
+        }
+        let in_use = ["hlb-over-in-use".to_string()].into();
+        assert_eq!(
+            store.prune_expired(&in_use, SystemTime::now()).unwrap(),
+            ["hlb-over"]
+        );
+        assert_eq!(store.list().unwrap(), ["hlb-over-in-use", "hlb-running"]);
     }
 
     #[test]
