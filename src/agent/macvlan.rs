@@ -11,7 +11,7 @@ use crate::health::Status;
 use crate::kmod::{self, MacvlanState, Reason};
 use crate::systemd::beating;
 
-/// The longest one preflight (modprobe + probe) may take.
+/// The longest one preflight (a module load + probe) may take.
 pub const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One preflight, loading the module when it is on disk.

@@ -45,7 +45,7 @@ use status::{AgentStatus, LbStatus, StateDirStatus};
 /// the first qemu-guest-agent assessment, which run side by side. What is
 /// unfinished by then is reported as `Checking` (in `STATUS=`, `status` and
 /// the Node conditions) and completes after READY. Well below the unit's
-/// `TimeoutStartSec=60`, so a slow modprobe never gets the daemon killed.
+/// `TimeoutStartSec=60`, so a slow module load never gets the daemon killed.
 /// The rest of start-up (state directory, control socket, the DHCP
 /// engine) is local and takes milliseconds.
 pub const READY_BUDGET: Duration = Duration::from_secs(20);
