@@ -156,10 +156,16 @@ struct Lb<E: LeaseEngine, W: StatusWriter> {
     stopping: bool,
     /// The interfaces without carrier at the last look.
     no_carrier: BTreeSet<String>,
+    /// The default uplink at the last round: a new one moves the leases
+    /// that follow it.
+    uplink: Option<String>,
     /// When a status write last succeeded (or the loop started).
     last_write_ok: Instant,
     /// Self-fenced: nothing is held until a status write succeeds again.
     fenced: bool,
+    /// How each lease this loop started was started (parent, identity), so
+    /// a change of either restarts it.
+    started: BTreeMap<String, plan::StartedAs>,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -199,8 +205,10 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         beat_due: Instant::now(),
         stopping: false,
         no_carrier: BTreeSet::new(),
+        uplink: None,
         last_write_ok: Instant::now(),
         fenced: false,
+        started: BTreeMap::new(),
     };
     let mut carrier = tokio::time::interval(CARRIER_POLL);
     carrier.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -245,7 +253,8 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 next_settle = Instant::now() + lb.settle_period();
             }
             _ = carrier.tick() => {
-                if (lb.node)().no_carrier != lb.no_carrier {
+                let node = (lb.node)();
+                if node.no_carrier != lb.no_carrier || node.default_uplink != lb.uplink {
                     systemd::beating(&hb, beat_every, lb.reconcile()).await;
                     lb.report(false).await;
                     next_settle = Instant::now() + lb.settle_period();
@@ -349,13 +358,19 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
         }
         let node = (self.node)();
         self.no_carrier = node.no_carrier.clone();
+        self.uplink = node.default_uplink.clone();
         let mut wants = Vec::new();
         let mut untouched = BTreeSet::new();
         let mut cut_off = BTreeMap::new();
         for a in &assignments {
             match plan::want(a) {
-                Ok(w) => {
-                    let parent = w.uplink.as_ref().or(node.default_uplink.as_ref());
+                Ok(mut w) => {
+                    // Resolved here, so a moved default uplink shows in the
+                    // plan as a changed parent (`apply` resolves the same).
+                    if w.uplink.is_none() {
+                        w.uplink.clone_from(&node.default_uplink);
+                    }
+                    let parent = w.uplink.as_ref();
                     match parent {
                         _ if self.fenced && !w.release => {
                             cut_off.insert(w.interface.clone(), self.fence_message());
@@ -410,6 +425,7 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             .filter_map(|l| {
                 Some(Running {
                     mac: crate::mac::parse(&l.mac)?,
+                    started_as: self.started.get(&l.name).cloned(),
                     interface: l.name,
                 })
             })
@@ -434,13 +450,23 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             default_uplink: node.default_uplink.clone(),
             ..self.settings.leases.clone()
         };
-        for (a, o) in actions
+        for (action, o) in actions
             .iter()
-            .map(describe)
             .zip(apply::apply(&*self.engine, actions.clone(), &settings).await)
         {
+            let a = describe(action);
             match o.result {
-                Ok(()) => tracing::info!(interface = %o.interface, "{a}"),
+                Ok(()) => {
+                    match action {
+                        Action::Start(w) => {
+                            self.started.insert(w.interface.clone(), w.started_as());
+                        }
+                        Action::Stop { interface, .. } => {
+                            self.started.remove(interface);
+                        }
+                    }
+                    tracing::info!(interface = %o.interface, "{a}")
+                }
                 Err(e) if o.guarded => {
                     if !self.guarded.contains_key(&o.interface) {
                         tracing::warn!(interface = %o.interface, "{e}");

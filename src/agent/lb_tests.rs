@@ -797,3 +797,52 @@ async fn a_feed_that_ends_stops_the_loops_beats() {
     assert_eq!(liveness.stalled(Instant::now(), max_age), ["lb"]);
     assert!(!*still_running.borrow());
 }
+
+/// Issue #22: a changed `serviceInterface` (or network mapping) and a moved
+/// default uplink reach a running lease: handed over on the old parent and
+/// started on the new one, never released.
+#[tokio::test(start_paused = true)]
+async fn a_changed_parent_reaches_a_running_lease() {
+    let r = rig();
+    let a = assignment("aaaaaaaa");
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the lease on eth0", || {
+        r.engine.config("hlb-aaaaaaaa").is_some_and(|c| c.parent == "eth0")
+    })
+    .await;
+
+    // The default route moves to eth1; the carrier poll looks again.
+    r.view.lock().unwrap().default_uplink = Some("eth1".into());
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the lease on eth1", || {
+        r.engine.config("hlb-aaaaaaaa").is_some_and(|c| c.parent == "eth1")
+    })
+    .await;
+
+    // The Service names enp2s0.
+    let named = Assignment {
+        uplink: Some("enp2s0".into()),
+        ..a
+    };
+    r.tx.send(spec(std::slice::from_ref(&named))).await.unwrap();
+    until("the lease on enp2s0", || {
+        r.engine.config("hlb-aaaaaaaa").is_some_and(|c| c.parent == "enp2s0")
+    })
+    .await;
+    let stops: Vec<Call> = r
+        .engine
+        .calls()
+        .into_iter()
+        .filter(|c| matches!(c, Call::Stop { .. }))
+        .collect();
+    assert_eq!(
+        stops,
+        vec![
+            Call::Stop {
+                name: "hlb-aaaaaaaa".into(),
+                mode: StopMode::Handover
+            };
+            2
+        ]
+    );
+}

@@ -206,7 +206,11 @@ mod tests {
             .into_iter()
             .map(|interface| {
                 let mac = engine.config(&interface).unwrap().identity.mac;
-                Running { interface, mac }
+                Running {
+                    interface,
+                    mac,
+                    started_as: None,
+                }
             })
             .collect()
     }

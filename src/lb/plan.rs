@@ -68,11 +68,46 @@ fn hex_bytes(v: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+impl Want {
+    /// What a lease started for this assignment runs with, besides its MAC.
+    pub fn started_as(&self) -> StartedAs {
+        StartedAs {
+            parent: self.uplink.clone(),
+            client_id: self.client_id.clone(),
+            hostname: self.hostname.clone(),
+        }
+    }
+}
+
+/// The identity and parent a running lease was started with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartedAs {
+    pub parent: Option<String>,
+    pub client_id: Vec<u8>,
+    pub hostname: Option<String>,
+}
+
 /// A lease the engine runs now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Running {
     pub interface: String,
     pub mac: [u8; 6],
+    /// `None` when not known (nothing restarts for it then).
+    pub started_as: Option<StartedAs>,
+}
+
+/// Whether a running lease no longer matches its assignment: another MAC,
+/// client identifier or hostname, or another parent (a changed
+/// `serviceInterface` or network mapping, or the default uplink moved; the
+/// caller resolves `uplink` to the default one). A `None` parent wanted
+/// (none can be resolved now) keeps the lease where it runs.
+fn outdated(w: &Want, r: &Running) -> bool {
+    w.mac != r.mac
+        || r.started_as.as_ref().is_some_and(|s| {
+            s.client_id != w.client_id
+                || s.hostname != w.hostname
+                || (w.uplink.is_some() && s.parent != w.uplink)
+        })
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -99,7 +134,7 @@ pub fn plan(wanted: &[Want], running: &[Running]) -> Vec<Action> {
             // for the same lease, so nothing may be released.
             None => stops.push(stop(StopMode::Handover)),
             Some(w) if w.release => stops.push(stop(StopMode::Release)),
-            Some(w) if w.mac != r.mac => {
+            Some(w) if outdated(w, r) => {
                 stops.push(stop(StopMode::Handover));
                 starts.push(Action::Start((*w).clone()));
             }
@@ -137,6 +172,7 @@ mod tests {
         Running {
             interface: w.interface.clone(),
             mac: w.mac,
+            started_as: Some(w.started_as()),
         }
     }
 
@@ -231,6 +267,7 @@ mod tests {
         let now = vec![Running {
             interface: a.interface.clone(),
             mac: [0x02, 0, 0, 0, 0, 1],
+            started_as: None,
         }];
         assert_eq!(
             plan(std::slice::from_ref(&a), &now),
@@ -242,5 +279,57 @@ mod tests {
                 Action::Start(a)
             ]
         );
+    }
+
+    /// Issue #22: a changed parent, client identifier or hostname reaches a
+    /// running lease (handed over and started again, never released).
+    #[test]
+    fn a_changed_parent_or_identity_restarts_the_lease() {
+        let mut a = want(&assignment("aaaaaaaa")).unwrap();
+        a.uplink = Some("eth0".into());
+        let now = vec![running(&a)];
+        assert_eq!(plan(std::slice::from_ref(&a), &now), vec![]);
+        let restart = |w: &Want| {
+            vec![
+                Action::Stop {
+                    interface: "hlb-aaaaaaaa".into(),
+                    mode: StopMode::Handover,
+                },
+                Action::Start(w.clone()),
+            ]
+        };
+        for changed in [
+            Want {
+                uplink: Some("eth1".into()),
+                ..a.clone()
+            },
+            Want {
+                hostname: Some("web".into()),
+                ..a.clone()
+            },
+            Want {
+                client_id: vec![1, 2],
+                ..a.clone()
+            },
+        ] {
+            assert_eq!(plan(std::slice::from_ref(&changed), &now), restart(&changed));
+        }
+        // No parent can be resolved now (no default route, none named):
+        // the lease stays where it runs.
+        let unresolved = Want {
+            uplink: None,
+            ..a.clone()
+        };
+        assert_eq!(plan(&[unresolved], &now), vec![]);
+        // Started before this process knew (adopted): left alone.
+        let adopted = vec![Running {
+            started_as: None,
+            ..running(&a)
+        }];
+        let moved = Want {
+            uplink: Some("eth1".into()),
+            ..a
+        };
+        assert_eq!(plan(&[moved], &adopted), vec![]);
     }
 }
