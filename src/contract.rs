@@ -142,6 +142,13 @@ pub mod node_object {
         /// it changed, on its own clock, never its value.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub heartbeat: Option<String>,
+        /// How often the agent rewrites `heartbeat` (its `lb_heartbeat`), in
+        /// milliseconds. The controller gives no address to a node whose
+        /// period does not fit twice in its `--node-stale-after`: such a node
+        /// would look dead between two heartbeats and its addresses would
+        /// move back and forth.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub heartbeat_period_ms: Option<u64>,
         /// The agent can hold addresses: macvlan usable and, if set, the
         /// default uplink present.
         #[serde(default)]

@@ -560,6 +560,7 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             status.ready = false;
             status.reason = STOPPING.to_string();
         }
+        status.heartbeat_period_ms = u64::try_from(self.settings.heartbeat.as_millis()).ok();
         let due =
             heartbeat || self.written.as_ref().map(settled_view) != Some(settled_view(&status));
         if due {
@@ -769,6 +770,7 @@ pub fn report(
     };
     Status {
         heartbeat: None,
+        heartbeat_period_ms: None,
         ready,
         reason,
         macvlan_ready: node.macvlan_ready,

@@ -92,6 +92,18 @@ impl Liveness {
         ready && self.fresh(node, now)
     }
 
+    /// Whether a heartbeat period (the node's `heartbeatPeriodMs`) is too
+    /// slow for the staleness bound: less than two heartbeats fit in it, so
+    /// one late write would make a live node look dead. `None` (an agent
+    /// that does not say) is taken as fitting.
+    pub fn too_slow(&self, period: Option<Duration>) -> bool {
+        period.is_some_and(|p| p.saturating_mul(2) > self.stale_after)
+    }
+
+    pub fn stale_after(&self) -> Duration {
+        self.stale_after
+    }
+
     /// The next moment a node now fresh turns stale if nothing changes:
     /// when to decide again without news.
     pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
@@ -111,6 +123,16 @@ impl Liveness {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_heartbeat_period_must_fit_twice_in_the_staleness_bound() {
+        let l = Liveness::new(Duration::from_secs(3), Duration::from_secs(3));
+        assert!(!l.too_slow(None));
+        assert!(!l.too_slow(Some(Duration::from_secs(1))));
+        assert!(!l.too_slow(Some(Duration::from_millis(1500))));
+        assert!(l.too_slow(Some(Duration::from_millis(1501))));
+        assert!(l.too_slow(Some(Duration::from_secs(10))));
+    }
 
     const STALE: Duration = Duration::from_secs(3);
     const QUIET: Duration = Duration::from_millis(1500);

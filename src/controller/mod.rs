@@ -302,6 +302,7 @@ async fn reconcile_loop(
     });
     tracing::info!(ip_mode, "watch caches loaded: reconciling");
     let mut alive = liveness::Liveness::new(opts.node_stale_after, opts.watch_quiet_after);
+    let mut slow_warned: BTreeSet<String> = BTreeSet::new();
     let mut writes = writer::WriteMemo::default();
     let mut told = writer::EventMemo::default();
     let mut access_ensured: BTreeSet<String> = BTreeSet::new();
@@ -328,7 +329,7 @@ async fn reconcile_loop(
             }
         }
         let now = Instant::now();
-        let (objects, object_versions) = objects_from(&caches, &mut alive, now);
+        let (objects, object_versions) = objects_from(&caches, &mut alive, &mut slow_warned, now);
         let leading = leadership.leading();
         let wall = k8s_openapi::jiff::Timestamp::now().as_second();
         let inputs = Inputs {
@@ -530,6 +531,7 @@ fn node_networks(caches: &kube_edge::Caches) -> reconcile::NodeNetworks {
 fn objects_from(
     caches: &kube_edge::Caches,
     alive: &mut liveness::Liveness,
+    slow_warned: &mut BTreeSet<String>,
     now: Instant,
 ) -> (Vec<reconcile::NodeIn>, HashMap<String, String>) {
     let mut versions = HashMap::new();
@@ -541,7 +543,21 @@ fn objects_from(
         };
         let status = o.status.as_ref();
         alive.observe(&name, status.and_then(|s| s.heartbeat.as_deref()), now);
-        let eligible = alive.eligible(&name, status.is_some_and(|s| s.ready), now);
+        let period = status
+            .and_then(|s| s.heartbeat_period_ms)
+            .map(Duration::from_millis);
+        let too_slow = alive.too_slow(period);
+        if too_slow && slow_warned.insert(name.clone()) {
+            tracing::warn!(
+                node = %name,
+                heartbeat = ?period,
+                node_stale_after = ?alive.stale_after(),
+                "this node's agent writes its heartbeat too seldom for --node-stale-after (two must fit in it): it gets no addresses; lower `lb_heartbeat` in its configuration"
+            );
+        } else if !too_slow {
+            slow_warned.remove(&name);
+        }
+        let eligible = !too_slow && alive.eligible(&name, status.is_some_and(|s| s.ready), now);
         if let Some(rv) = &o.metadata.resource_version {
             versions.insert(format!("node/{name}"), rv.clone());
         }

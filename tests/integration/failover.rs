@@ -22,6 +22,7 @@ tests! {
     a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_moment_without_a_default_route_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_node_whose_heartbeat_is_too_slow_gets_no_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     the_leader_dying_with_the_holder_still_moves_it_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_local_service_is_held_where_its_endpoint_is_and_follows_it: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_local_service_follows_its_endpoint_slices_where_the_api_has_them: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -287,6 +288,46 @@ fn a_moment_without_a_default_route_drops_and_moves_nothing() -> Result<()> {
         not_ready.is_empty(),
         "not ready without a default route: {not_ready:?}\n{}",
         lb.diagnostics()
+    );
+    Ok(())
+}
+
+/// Issue #22: `lb_heartbeat` 2 s against the controller's default
+/// `--node-stale-after` of 3 s: less than two heartbeats fit, so the node
+/// would look dead between two writes. It gets no address, and the
+/// controller says why; the other node takes them all.
+fn a_node_whose_heartbeat_is_too_slow_gets_no_address() -> Result<()> {
+    let mut opts = options();
+    opts.guests = 2;
+    let mut lb = LbRig::start(opts)?;
+    lb.stop_agent(1);
+    lb.set_agent_config("lb_heartbeat = \"2s\"");
+    lb.start_agent(1)?;
+    let slow = lb.node_name(1);
+    let said = wait_for(WITHIN, || {
+        lb.node_object(&slow)
+            .and_then(|o| o["status"]["heartbeatPeriodMs"].as_u64())
+    });
+    ensure!(
+        said == Some(2000),
+        "the slow node's status does not carry its period: {:?}",
+        lb.node_object(&slow)
+    );
+    for n in ["a", "b", "c", "d"] {
+        let (ip, holder) = served(&lb, n)?;
+        ensure!(
+            holder == 0,
+            "{n} ({ip}) went to the node with the slow heartbeat"
+        );
+    }
+    let told = wait_for(WITHIN, || {
+        (0..2)
+            .map(|i| lb.controller_log(i))
+            .find(|log| log.contains("writes its heartbeat too seldom") && log.contains(&slow))
+    });
+    ensure!(
+        told.is_some(),
+        "no controller said why {slow} gets no address"
     );
     Ok(())
 }
