@@ -170,7 +170,7 @@ pub const KEYS: &[KeySpec] = &[
         env: "HNA_LB_HEARTBEAT",
         flag: "--lb-heartbeat",
         default: "1s",
-        doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status. The controller counts a node whose heartbeat has not changed for 3s (its --node-stale-after) as dead and moves its addresses, so keep it well below that. Between 200ms and 10s.",
+        doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status. The controller counts a node whose heartbeat has not changed for 3s (its --node-stale-after) as dead and moves its addresses, and gives no address at all to a node whose period does not fit twice in that bound (the period is in the status), so keep it well below half of it. Between 200ms and 10s.",
         kind: Kind::Duration,
     },
     KeySpec {

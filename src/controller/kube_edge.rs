@@ -18,7 +18,7 @@ use crate::contract::node_object::{self, LoadBalancerNode};
 use crate::controller::endpoints::{self, EndpointCache, EndpointSetting};
 use crate::controller::networks::{self, NetworkMap};
 use crate::controller::reconcile::{EventOut, EventType, Ingress, NodeIn, Port, ServiceIn};
-use crate::controller::writer::{FIELD_MANAGER, Kind, PatchKind, Request, Requests, Verb};
+use crate::controller::writer::{FIELD_MANAGER, Kind, PatchKind, Request, Requests, SendError, Verb};
 
 /// How long one write may take.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -148,47 +148,74 @@ impl KubeApi {
         Api::namespaced_with(self.client.clone(), namespace, &ar)
     }
 
-    async fn send_now(&self, r: &Request) -> Result<(), kube::Error> {
+    async fn send_now(
+        &self,
+        r: &Request,
+        precondition: Option<&str>,
+    ) -> Result<Option<String>, kube::Error> {
         let api = self.api(r.kind, &r.namespace);
         match &r.verb {
             Verb::Create(body) => {
                 let obj: DynamicObject =
                     serde_json::from_value(body.clone()).map_err(kube::Error::SerdeError)?;
                 match api.create(&PostParams::default(), &obj).await {
-                    Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-                    other => other.map(|_| ()),
+                    Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
+                    other => other.map(|o| o.metadata.resource_version),
                 }
             }
             Verb::Patch(kind, body) => {
+                // A resourceVersion in a merge or strategic-merge patch is a
+                // precondition: the server answers 409 if it changed.
+                let mut body = body.clone();
+                if let (Some(v), Some(obj)) = (precondition, body.as_object_mut()) {
+                    let meta = obj
+                        .entry("metadata")
+                        .or_insert_with(|| serde_json::json!({}));
+                    if let Some(meta) = meta.as_object_mut() {
+                        meta.insert("resourceVersion".into(), v.into());
+                    }
+                }
                 let (pp, patch) = match kind {
-                    PatchKind::Merge => (PatchParams::default(), Patch::Merge(body)),
-                    PatchKind::Strategic => (PatchParams::default(), Patch::Strategic(body)),
+                    PatchKind::Merge => (PatchParams::default(), Patch::Merge(&body)),
+                    PatchKind::Strategic => (PatchParams::default(), Patch::Strategic(&body)),
                     PatchKind::Apply => (
                         PatchParams::apply(FIELD_MANAGER).force(),
-                        Patch::Apply(body),
+                        Patch::Apply(&body),
                     ),
                 };
                 match r.subresource {
                     Some(sub) => api
                         .patch_subresource(sub, &r.name, &pp, &patch)
                         .await
-                        .map(|_| ()),
-                    None => api.patch(&r.name, &pp, &patch).await.map(|_| ()),
+                        .map(|o| o.metadata.resource_version),
+                    None => api
+                        .patch(&r.name, &pp, &patch)
+                        .await
+                        .map(|o| o.metadata.resource_version),
                 }
             }
             Verb::Delete => match api.delete(&r.name, &DeleteParams::default()).await {
-                Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-                other => other.map(|_| ()),
+                Err(kube::Error::Api(e)) if e.code == 404 => Ok(None),
+                other => other.map(|_| None),
             },
         }
     }
 }
 
 impl Requests for KubeApi {
-    async fn send(&self, r: &Request) -> Result<(), String> {
-        match tokio::time::timeout(WRITE_TIMEOUT, self.send_now(r)).await {
-            Ok(result) => result.map_err(|e| e.to_string()),
-            Err(_) => Err(format!("timed out after {WRITE_TIMEOUT:?}")),
+    async fn send(
+        &self,
+        r: &Request,
+        precondition: Option<&str>,
+    ) -> Result<Option<String>, SendError> {
+        match tokio::time::timeout(WRITE_TIMEOUT, self.send_now(r, precondition)).await {
+            Ok(result) => result.map_err(|e| SendError {
+                conflict: matches!(&e, kube::Error::Api(a) if a.code == 409),
+                message: e.to_string(),
+            }),
+            Err(_) => Err(SendError::from(
+                format!("timed out after {WRITE_TIMEOUT:?}").as_str(),
+            )),
         }
     }
 

@@ -432,12 +432,21 @@ async fn reconcile_loop(
         for e in &out.published {
             tracing::info!(service = %e.service, reason = e.reason, "{}", e.message);
         }
+        if out.conflicts > 0 {
+            tracing::debug!(
+                conflicts = out.conflicts,
+                "writes refused: their objects changed since this plan; the next plan redoes them"
+            );
+        }
         backoff = if out.errors.is_empty() {
             Duration::ZERO
         } else {
             (backoff * 2).clamp(Duration::from_secs(1), MAX_BACKOFF)
         };
-        settled = (plan.writes.is_empty() && out.errors.is_empty() && !out.stopped)
+        settled = (plan.writes.is_empty()
+            && out.errors.is_empty()
+            && out.conflicts == 0
+            && !out.stopped)
             .then_some(inputs);
     }
 }

@@ -54,9 +54,41 @@ pub struct Request {
     pub verb: Verb,
 }
 
+/// Why a request failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendError {
+    pub message: String,
+    /// The precondition did not hold (409): the object changed since the
+    /// plan was decided; the watch brings the change and a new plan. Not a
+    /// reason to back off.
+    pub conflict: bool,
+}
+
+impl From<&str> for SendError {
+    fn from(message: &str) -> SendError {
+        SendError {
+            message: message.to_string(),
+            conflict: false,
+        }
+    }
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 /// The API edge.
 pub trait Requests: Sync {
-    fn send(&self, r: &Request) -> impl Future<Output = Result<(), String>> + Send;
+    /// Sends `r`; a `precondition` (a resourceVersion) makes a PATCH fail
+    /// with a conflict when the object changed since. Returns the object's
+    /// resourceVersion after the write, when the answer has one.
+    fn send(
+        &self,
+        r: &Request,
+        precondition: Option<&str>,
+    ) -> impl Future<Output = Result<Option<String>, SendError>> + Send;
     fn event(&self, e: &EventOut) -> impl Future<Output = Result<(), String>> + Send;
 }
 
@@ -314,6 +346,9 @@ pub struct Outcome {
     pub skipped: u64,
     /// Leadership lapsed before everything was written.
     pub stopped: bool,
+    /// Writes refused because their object changed since the plan (a
+    /// precondition); the next plan redoes them. Not in `errors`.
+    pub conflicts: u64,
     /// The nodes whose Role and RoleBinding were applied.
     pub access_ensured: BTreeSet<String>,
 }
@@ -332,6 +367,12 @@ pub async fn execute<R: Requests>(
 ) -> Outcome {
     let mut out = Outcome::default();
     let mut failed: BTreeSet<ServiceKey> = BTreeSet::new();
+    // Each object's resourceVersion as this plan knows it: the one it was
+    // decided on, then the one each of our writes left. Every PATCH of a
+    // Service or a node object carries it as a precondition, so a write
+    // that a deposed leader sent (and the server handled late) cannot land
+    // over what the new leader wrote since: it fails with a conflict.
+    let mut versions: BTreeMap<String, String> = BTreeMap::new();
     'writes: for w in &plan.writes {
         if w.services().iter().any(|s| failed.contains(*s)) {
             out.skipped += 1;
@@ -341,16 +382,40 @@ pub async fn execute<R: Requests>(
         if memo.already_sent(w, &version) {
             continue;
         }
+        let object = target(w);
         for r in requests(namespace, w) {
             if !leading() {
                 out.stopped = true;
                 return out;
             }
-            if let Err(e) = api.send(&r).await {
-                out.errors
-                    .push(format!("{} {}/{}: {e}", w.kind(), r.namespace, r.name));
-                failed.extend(w.services().into_iter().cloned());
-                continue 'writes;
+            let guarded = matches!(
+                r.verb,
+                Verb::Patch(PatchKind::Merge | PatchKind::Strategic, _)
+            );
+            let precondition = guarded
+                .then(|| {
+                    versions
+                        .get(&object)
+                        .cloned()
+                        .unwrap_or_else(|| version.clone())
+                })
+                .filter(|v| !v.is_empty());
+            match api.send(&r, precondition.as_deref()).await {
+                Ok(after) => {
+                    if let (true, Some(v)) = (guarded, after) {
+                        versions.insert(object.clone(), v);
+                    }
+                }
+                Err(e) => {
+                    if e.conflict {
+                        out.conflicts += 1;
+                    } else {
+                        out.errors
+                            .push(format!("{} {}/{}: {e}", w.kind(), r.namespace, r.name));
+                    }
+                    failed.extend(w.services().into_iter().cloned());
+                    continue 'writes;
+                }
             }
         }
         memo.record(w, &version);
@@ -388,17 +453,28 @@ mod tests {
     #[derive(Default)]
     struct Recording {
         sent: Mutex<Vec<Request>>,
+        preconditions: Mutex<Vec<Option<String>>>,
         events: Mutex<Vec<EventOut>>,
         fail: Mutex<Option<(Kind, Option<&'static str>)>>,
     }
 
     impl Requests for Recording {
-        async fn send(&self, r: &Request) -> Result<(), String> {
+        async fn send(
+            &self,
+            r: &Request,
+            precondition: Option<&str>,
+        ) -> Result<Option<String>, SendError> {
             if *self.fail.lock().unwrap() == Some((r.kind, r.subresource)) {
                 return Err("injected".into());
             }
-            self.sent.lock().unwrap().push(r.clone());
-            Ok(())
+            let mut sent = self.sent.lock().unwrap();
+            sent.push(r.clone());
+            self.preconditions
+                .lock()
+                .unwrap()
+                .push(precondition.map(str::to_string));
+            // As the server does: every write makes a new version.
+            Ok(Some(format!("after-{}", sent.len())))
         }
         async fn event(&self, e: &EventOut) -> Result<(), String> {
             self.events.lock().unwrap().push(e.clone());
@@ -530,15 +606,52 @@ mod tests {
         assert_eq!(api.events.lock().unwrap().len(), 1);
     }
 
+    /// Issue #22: every PATCH of a Service carries the resourceVersion the
+    /// plan was decided on, then the one the previous write left.
+    #[tokio::test]
+    async fn service_patches_carry_the_version_as_a_precondition() {
+        let api = Recording::default();
+        let (mut memo, mut ev) = Default::default();
+        let out = execute(
+            "hna",
+            &served("web"),
+            &api,
+            &|| true,
+            &mut memo,
+            &mut ev,
+            &|t| (t == "service/default/web").then(|| "41".to_string()),
+        )
+        .await;
+        assert!(out.errors.is_empty(), "{:?}", out.errors);
+        let sent = api.sent.lock().unwrap();
+        let pre = api.preconditions.lock().unwrap();
+        assert!(sent.len() >= 2, "{sent:?}");
+        assert_eq!(pre[0].as_deref(), Some("41"));
+        for i in 1..sent.len() {
+            if sent[i].kind == Kind::Service {
+                assert_eq!(
+                    pre[i].as_deref(),
+                    Some(format!("after-{i}").as_str()),
+                    "request {i}: {:?}",
+                    sent[i]
+                );
+            }
+        }
+    }
+
     #[tokio::test]
     async fn a_lapsed_leader_stops_at_once() {
         let api = Recording::default();
         let leading = AtomicBool::new(true);
         struct Lapsing<'a>(&'a Recording, &'a AtomicBool);
         impl Requests for Lapsing<'_> {
-            async fn send(&self, r: &Request) -> Result<(), String> {
+            async fn send(
+                &self,
+                r: &Request,
+                p: Option<&str>,
+            ) -> Result<Option<String>, SendError> {
                 self.1.store(false, Ordering::SeqCst);
-                self.0.send(r).await
+                self.0.send(r, p).await
             }
             async fn event(&self, e: &EventOut) -> Result<(), String> {
                 self.0.event(e).await

@@ -27,6 +27,7 @@ use crate::harness::tests;
 
 tests! {
     a_dhcp_service_gets_its_holders_address_and_is_released_on_delete: Root, Iproute2, ApiServer;
+    a_write_decided_on_an_old_version_is_refused: Root, Iproute2, ApiServer;
 }
 
 const NS: &str = contract::DEFAULT_NAMESPACE;
@@ -529,4 +530,93 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
     )
     .await?;
     Ok(())
+}
+
+/// Issue #22: the controller's writes carry the resourceVersion their plan
+/// was decided on. A write a deposed leader sent, landing after the new
+/// leader's, is one decided on an older version: the real API server
+/// refuses it as a conflict and the status stays the new leader's.
+fn a_write_decided_on_an_old_version_is_refused() -> Result<()> {
+    use harvester_node_agent::contract::ServiceKey;
+    use harvester_node_agent::controller::kube_edge::KubeApi;
+    use harvester_node_agent::controller::reconcile::{Ingress, Plan, Write};
+    use harvester_node_agent::controller::writer::{self, EventMemo, WriteMemo};
+
+    let rig = Rig::start(RigOptions {
+        guests: 1,
+        dhcp: false,
+        apiserver: true,
+        ..Default::default()
+    })?;
+    let api = rig.apiserver().expect("rig with API server");
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(async {
+            let admin = rig::kube_client(api.admin_kubeconfig()).await?;
+            let services: Api<Service> = Api::namespaced(admin.clone(), "default");
+            let created = services
+                .create(
+                    &PostParams::default(),
+                    &from_json(json!({
+                        "apiVersion": "v1", "kind": "Service",
+                        "metadata": {"name": "web"},
+                        "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}
+                    })),
+                )
+                .await?;
+            let decided_on = created.metadata.resource_version.clone().context("rv")?;
+            let status = |ip: &str| Plan {
+                writes: vec![Write::ServiceStatus {
+                    service: ServiceKey {
+                        namespace: "default".into(),
+                        name: "web".into(),
+                    },
+                    ingress: vec![Ingress {
+                        ip: ip.into(),
+                        ip_mode: None,
+                        ports: vec![],
+                    }],
+                }],
+                ..Plan::default()
+            };
+            let edge = KubeApi::new(admin.clone(), "test");
+            let write = |plan: Plan, version: String| {
+                let edge = &edge;
+                async move {
+                    let (mut memo, mut told) = (WriteMemo::default(), EventMemo::default());
+                    writer::execute(
+                        "default",
+                        &plan,
+                        edge,
+                        &|| true,
+                        &mut memo,
+                        &mut told,
+                        &move |_| Some(version.clone()),
+                    )
+                    .await
+                }
+            };
+            // The new leader writes first, on the current version...
+            let newer = write(status("10.77.0.160"), decided_on.clone()).await;
+            anyhow::ensure!(newer.errors.is_empty() && newer.conflicts == 0, "{newer:?}");
+            // ...then the deposed leader's write, decided on the same
+            // (now old) version, arrives.
+            let late = write(status("10.77.0.150"), decided_on).await;
+            anyhow::ensure!(
+                late.conflicts == 1,
+                "the late write was not refused: {late:?}"
+            );
+            let now = services.get_status("web").await?;
+            let ip = now
+                .status
+                .and_then(|s| s.load_balancer)
+                .and_then(|l| l.ingress)
+                .and_then(|i| i.first().and_then(|i| i.ip.clone()));
+            anyhow::ensure!(
+                ip.as_deref() == Some("10.77.0.160"),
+                "the late write landed: ingress {ip:?}"
+            );
+            Ok(())
+        })
 }
