@@ -120,7 +120,7 @@ impl EndpointCache {
     /// `(uid, resourceVersion)` of every cached object, sorted: changes
     /// whenever what [`EndpointCache::ready_nodes`] says may change.
     pub fn fingerprint(&self) -> Vec<(String, String)> {
-        use super::kube_edge::fingerprint;
+        use super::watches::fingerprint;
         match &*self.chosen.borrow() {
             Some(Chosen::Slices(store)) => fingerprint(store.state().iter().map(|o| &o.metadata)),
             Some(Chosen::Endpoints(store)) => {
@@ -201,7 +201,7 @@ pub fn watch(
                 let ar = slice_resource(version);
                 let writer = reflector::store::Writer::<DynamicObject>::new(ar.clone());
                 let store = writer.as_reader();
-                super::kube_edge::spawn_watch(
+                super::watches::spawn_watch(
                     &mut inner,
                     "EndpointSlices",
                     writer,
@@ -214,7 +214,7 @@ pub fn watch(
             }
             EndpointSource::Endpoints => {
                 let (store, writer) = reflector::store::<Endpoints>();
-                super::kube_edge::spawn_watch(
+                super::watches::spawn_watch(
                     &mut inner,
                     "Endpoints",
                     writer,

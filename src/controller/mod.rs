@@ -17,6 +17,7 @@ pub mod liveness;
 pub mod networks;
 pub mod placement;
 pub mod reconcile;
+pub mod watches;
 pub mod stats;
 pub mod writer;
 
@@ -340,8 +341,8 @@ async fn reconcile_loop(
                 .filter_map(|s| kube_edge::service_in(s))
                 .filter(|s| reconcile::release_overdue(s, wall))
                 .count(),
-            services: kube_edge::fingerprint(caches.services.state().iter().map(|s| &s.metadata)),
-            nodes: kube_edge::fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),
+            services: watches::fingerprint(caches.services.state().iter().map(|s| &s.metadata)),
+            nodes: watches::fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),
             endpoints: caches.endpoints.fingerprint(),
             objects,
             networks: caches.networks.lock().expect("network map lock").clone(),

@@ -19,45 +19,13 @@ use std::net::Ipv4Addr;
 
 use super::driver::{Begin, Command, Driver, LeaseStatus};
 use super::io::{ProbeConfig, Transport};
+// The trait and the types of its surface live with the trait; the engine
+// implements it (no import back from there).
+pub use super::lease_engine::{EngineError, LeaseConfig};
 use super::lease_engine::{LeaseEngine, SweepReport};
 use super::link::{Ensured, Ipv4Conf, LinkError, Links, Netlink};
-use super::machine::{Machine, StopMode, Timing};
-use super::packet::Identity;
+use super::machine::{Machine, StopMode};
 use super::store::{Store, StoreError, validate_name};
-
-/// One LB address to hold.
-#[derive(Debug, Clone)]
-pub struct LeaseConfig {
-    /// The macvlan's name (`hlb-<8 hex>`), also the lease file's name.
-    pub interface: String,
-    /// The uplink the macvlan sits on.
-    pub parent: String,
-    pub identity: Identity,
-    /// Asked for in INIT-REBOOT when there is no lease file (kube-vip's
-    /// `requestedIP`, see [`Machine::requesting`]).
-    pub requested_ip: Option<Ipv4Addr>,
-    pub timing: Timing,
-    pub probe: ProbeConfig,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("lease {0} is already starting or running")]
-    Exists(String),
-    #[error("no lease {0}")]
-    Unknown(String),
-    #[error("macvlan not ready for {name}: {source}")]
-    Link { name: String, source: LinkError },
-    #[error("packet socket on {name}: {source}")]
-    Socket {
-        name: String,
-        source: std::io::Error,
-    },
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error("lease {0}: the engine's runtime shut down before the operation finished")]
-    Aborted(String),
-}
 
 struct Running {
     cmds: mpsc::Sender<Command>,

@@ -13,9 +13,46 @@ use std::net::Ipv4Addr;
 use tokio::sync::watch;
 
 use super::driver::LeaseStatus;
-use super::engine::{EngineError, LeaseConfig};
 use super::io::ProbeConfig;
+use super::link::LinkError;
 use super::machine::StopMode;
+use super::machine::Timing;
+use super::packet::Identity;
+use super::store::StoreError;
+
+/// One LB address to hold.
+#[derive(Debug, Clone)]
+pub struct LeaseConfig {
+    /// The macvlan's name (`hlb-<8 hex>`), also the lease file's name.
+    pub interface: String,
+    /// The uplink the macvlan sits on.
+    pub parent: String,
+    pub identity: Identity,
+    /// Asked for in INIT-REBOOT when there is no lease file (kube-vip's
+    /// `requestedIP`, see [`Machine::requesting`](super::machine::Machine::requesting)).
+    pub requested_ip: Option<Ipv4Addr>,
+    pub timing: Timing,
+    pub probe: ProbeConfig,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("lease {0} is already starting or running")]
+    Exists(String),
+    #[error("no lease {0}")]
+    Unknown(String),
+    #[error("macvlan not ready for {name}: {source}")]
+    Link { name: String, source: LinkError },
+    #[error("packet socket on {name}: {source}")]
+    Socket {
+        name: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("lease {0}: the engine's runtime shut down before the operation finished")]
+    Aborted(String),
+}
 
 /// What [`LeaseEngine::sweep`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
