@@ -217,7 +217,11 @@ mod tests {
             async move { beating_for(&hb, every, limit, std::future::pending::<()>()).await }
         });
         tokio::time::sleep(Duration::from_secs(9)).await;
-        assert!(liveness.stalled(Instant::now(), Duration::from_secs(2)).is_empty());
+        assert!(
+            liveness
+                .stalled(Instant::now(), Duration::from_secs(2))
+                .is_empty()
+        );
         tokio::time::sleep(Duration::from_secs(5)).await;
         assert_eq!(
             liveness.stalled(Instant::now(), Duration::from_secs(2)),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Bounded cargo-fuzz run of the DHCP receive path (fuzz/fuzz_targets/
-# dhcp_reply.rs, which calls harvester_node_agent::dhcp::fuzzing::exercise)
+# Bounded cargo-fuzz run of the DHCP receive path (crates/dhcp/fuzz/fuzz_targets/
+# dhcp_reply.rs, which calls hna_dhcp::fuzzing::exercise)
 # on the stable toolchain, for CI.
 #
 #   bash tests/fuzz.sh                      # 60 s
@@ -27,6 +27,8 @@
 # install and build. Runs as any user that can write $HNA_CACHE_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The fuzz target lives with the DHCP client crate (crates/dhcp/fuzz/).
+cd crates/dhcp
 
 CARGO_FUZZ_VERSION=0.13.2
 TARGET=dhcp_reply

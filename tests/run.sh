@@ -38,12 +38,12 @@ else
 fi
 # The test binaries' output (stdout) is kept to repeat the summary at the end.
 echo "run.sh: the whole suite on ${KUBEBUILDER_ASSETS:-no API server}" >&2
-cargo test --locked "$@" | tee -a "$log"
+cargo test --locked --workspace "$@" | tee -a "$log"
 # Unit tests that need root (private network namespaces) are #[ignore]d so
 # that a plain `cargo test` counts them instead of passing them silently;
 # as root they run here.
 if [[ $(id -u) -eq 0 ]]; then
-    cargo test --locked --lib -- --ignored
+    cargo test --locked --workspace --lib -- --ignored
 fi
 # The API-facing suites again on the oldest supported release: only for a
 # whole run (no test filter given) and when the servers are the ones
@@ -62,6 +62,9 @@ if [[ $(id -u) -eq 0 && $# -eq 0 && -z "$assets_given" ]]; then
 elif [[ -n "$assets_given" ]]; then
     echo "run.sh: KUBEBUILDER_ASSETS is set: the oldest supported release is not tried" >&2
 fi
+# The API docs of every crate build without a warning (broken or private
+# links, unclosed tags).
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps
 # The fuzz target of the DHCP receive path, for a bounded time (60 s by
 # default, HNA_FUZZ_SECONDS to change); a crash fails the run.
 bash tests/fuzz.sh

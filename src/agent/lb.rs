@@ -6,10 +6,10 @@
 //!   field selector, all the node's Role allows), as [`Update`]s of its
 //!   spec. An unreadable object (cluster unreachable, forbidden) changes
 //!   nothing: every running lease stays.
-//! - Each round: the assignments are checked ([`lb::plan::want`]); an
+//! - Each round: the assignments are checked ([`crate::lb::plan::want`]); an
 //!   invalid one is reported and its interface left exactly as it is; the
-//!   rest is planned against the running leases ([`lb::plan::plan`]) and
-//!   carried out ([`lb::apply::apply`]). A failed action makes another
+//!   rest is planned against the running leases ([`crate::lb::plan::plan`]) and
+//!   carried out ([`crate::lb::apply::apply`]). A failed action makes another
 //!   round after a backoff (1 s doubling to 30 s), not at once.
 //! - Start-up adoption: links an earlier run left (`hlb-*`) are kept until
 //!   the assignments are first read, then [`LeaseEngine::sweep`] removes the
@@ -25,7 +25,7 @@
 //!
 //! The loop is generic over the engine ([`LeaseEngine`]) and the status
 //! writer ([`StatusWriter`]) so it is tested with the fake engine and paused
-//! time; [`run`] wires it to the API server.
+//! time; [`run_loop`] wires it to the API server.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;

@@ -294,11 +294,7 @@ async fn thirty_takeovers_at_once_leave_no_heartbeat_gap() {
     // Two heartbeat periods more, then the longest gap between writes.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let at: Vec<Instant> = r.writes.all().into_iter().map(|(t, _)| t).collect();
-    let gap = at
-        .windows(2)
-        .map(|w| w[1] - w[0])
-        .max()
-        .unwrap_or_default();
+    let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default();
     assert!(
         gap <= Duration::from_secs(5),
         "{gap:?} without a status write (starts took {took:?})"
@@ -314,8 +310,13 @@ async fn the_nodes_own_mac_is_never_a_services() {
         mac: "52:54:00:00:00:01".into(),
         ..assignment("aaaaaaaa")
     };
-    r.tx.send(spec(&[stolen, assignment("bbbbbbbb")])).await.unwrap();
-    until("the other lease", || r.engine.running() == vec!["hlb-bbbbbbbb"]).await;
+    r.tx.send(spec(&[stolen, assignment("bbbbbbbb")]))
+        .await
+        .unwrap();
+    until("the other lease", || {
+        r.engine.running() == vec!["hlb-bbbbbbbb"]
+    })
+    .await;
     until("the refusal in the status", || {
         r.writes.last().is_some_and(|s| {
             s.leases.iter().any(|l| {
@@ -807,7 +808,9 @@ async fn a_changed_parent_reaches_a_running_lease() {
     let a = assignment("aaaaaaaa");
     r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
     until("the lease on eth0", || {
-        r.engine.config("hlb-aaaaaaaa").is_some_and(|c| c.parent == "eth0")
+        r.engine
+            .config("hlb-aaaaaaaa")
+            .is_some_and(|c| c.parent == "eth0")
     })
     .await;
 
@@ -815,7 +818,9 @@ async fn a_changed_parent_reaches_a_running_lease() {
     r.view.lock().unwrap().default_uplink = Some("eth1".into());
     r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
     until("the lease on eth1", || {
-        r.engine.config("hlb-aaaaaaaa").is_some_and(|c| c.parent == "eth1")
+        r.engine
+            .config("hlb-aaaaaaaa")
+            .is_some_and(|c| c.parent == "eth1")
     })
     .await;
 
@@ -826,7 +831,9 @@ async fn a_changed_parent_reaches_a_running_lease() {
     };
     r.tx.send(spec(std::slice::from_ref(&named))).await.unwrap();
     until("the lease on enp2s0", || {
-        r.engine.config("hlb-aaaaaaaa").is_some_and(|c| c.parent == "enp2s0")
+        r.engine
+            .config("hlb-aaaaaaaa")
+            .is_some_and(|c| c.parent == "enp2s0")
     })
     .await;
     let stops: Vec<Call> = r

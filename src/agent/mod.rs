@@ -6,14 +6,14 @@
 //! the daemon must do its local work on a node that has not joined yet.
 //!
 //! One task per subsystem, sharing a small [`Context`]:
-//! - [`macvlan`]: the preflight and its re-checks;
+//! - `macvlan`: the preflight and its re-checks;
 //! - the guest-agent watch ([`crate::guest::watch`]);
 //! - the credentials watcher ([`crate::cluster::connection`]);
 //! - the topology relay ([`crate::topology`]);
-//! - [`conditions`]: this node's Node conditions;
+//! - `conditions`: this node's Node conditions;
 //! - [`lb`]: the LoadBalancer addresses this node's `LoadBalancerNode`
 //!   assigns, held through the DHCP engine, and that object's status;
-//! - [`publish`]: the `STATUS=` line;
+//! - `publish`: the `STATUS=` line;
 //! - the control socket and the optional metrics endpoint.
 
 mod conditions;
@@ -581,12 +581,12 @@ async fn serve_control(ctx: Context, listener: tokio::net::UnixListener, snapsho
 async fn serve_metrics(ctx: Context, listener: tokio::net::TcpListener, snapshot: Snapshot) {
     let (liveness, every) = (ctx.liveness.clone(), ctx.beat_every);
     // The watchdog's rule: every main loop beat within a few periods.
-    let health: Arc<dyn Fn() -> Result<(), String> + Send + Sync> = Arc::new(move || {
-        match liveness.stalled(tokio::time::Instant::now(), every * 5) {
+    let health: Arc<dyn Fn() -> Result<(), String> + Send + Sync> = Arc::new(
+        move || match liveness.stalled(tokio::time::Instant::now(), every * 5) {
             stalled if stalled.is_empty() => Ok(()),
             stalled => Err(format!("main loops stalled: {}", stalled.join(", "))),
-        }
-    });
+        },
+    );
     let pages = crate::metrics::Pages {
         metrics: Arc::new(move || status::metrics(&snapshot.take())),
         live: health.clone(),

@@ -304,7 +304,8 @@ mod tests {
             guest(crate::guest::Reason::Ready, Status::Ok, ""),
             topology_relayed(),
             lb(2, 2, true, "Ready"),
-            connected()));
+            connected(),
+        ));
         assert_eq!(
             line,
             "node rke2-pool1-7f9c4-x2k8p: macvlan Loaded; qemu-ga Ready; lb 2/2 held; \
@@ -329,7 +330,8 @@ mod tests {
             guest(crate::guest::Reason::Ready, Status::Ok, ""),
             topology_relayed(),
             lb(0, 2, false, "macvlan not ready: macvlan ModuleNotFound"),
-            connected()));
+            connected(),
+        ));
         assert_eq!(
             line,
             "node rke2-pool1-7f9c4-x2k8p: macvlan ModuleNotFound; qemu-ga Ready; \

@@ -219,7 +219,7 @@ pub struct ControllerArgs {
     #[arg(long, value_name = "NAMESPACE", env = "HNA_NAMESPACE", default_value = crate::contract::DEFAULT_NAMESPACE)]
     pub namespace: String,
     /// This replica's name in the leader-election Lease (a Deployment sets
-    /// POD_NAME from metadata.name) [default: <hostname>-<pid>]
+    /// POD_NAME from metadata.name); unset: `<hostname>-<pid>`
     #[arg(long, value_name = "NAME", env = "POD_NAME")]
     pub identity: Option<String>,
     /// Leader election: how long a Lease not renewed (as seen on this
@@ -285,7 +285,9 @@ impl ControllerArgs {
 fn class_arg(v: &str) -> Result<String, String> {
     crate::k8s_names::validate_label_key(v)
         .map(|()| v.to_string())
-        .map_err(|e| format!("{e} (spec.loadBalancerClass is a label-style name, e.g. example.com/dhcp)"))
+        .map_err(|e| {
+            format!("{e} (spec.loadBalancerClass is a label-style name, e.g. example.com/dhcp)")
+        })
 }
 
 fn election_arg(v: &str) -> Result<Duration, String> {

@@ -3,7 +3,7 @@
 //! change. Both the node daemon and the controller run it.
 //!
 //! Each round is decided by [`plan`], a pure function of what was found now
-//! and what the current session was built from; the loop in [`watch`] only
+//! and what the current session was built from; the loop in [`watch()`] only
 //! performs the chosen step. A change is detected by content
 //! ([`Fingerprint`]), not modification time: a kubeconfig (or a client
 //! certificate it names, which RKE2 rotates in place) replaced within the
@@ -292,7 +292,9 @@ pub async fn watch(
                 }
             }
         };
-        let usable = keep_client(&next, probed).then(|| session.as_ref().map(|s| s.client.clone())).flatten();
+        let usable = keep_client(&next, probed)
+            .then(|| session.as_ref().map(|s| s.client.clone()))
+            .flatten();
         client_out.send_if_modified(|current| {
             let changed = current.is_some() != usable.is_some() || new_session;
             *current = usable;
@@ -335,8 +337,14 @@ mod tests {
     fn a_failed_probe_keeps_the_client_a_failed_connect_does_not() {
         let unreachable = after_probe(&file("/a"), "https://x", Ok(Err("429".into())));
         assert!(matches!(unreachable, ClusterState::Unreachable { .. }));
-        assert!(keep_client(&unreachable, true), "a probe of a working session");
-        assert!(!keep_client(&unreachable, false), "no session could be built");
+        assert!(
+            keep_client(&unreachable, true),
+            "a probe of a working session"
+        );
+        assert!(
+            !keep_client(&unreachable, false),
+            "no session could be built"
+        );
         let timed_out = after_probe(&file("/a"), "https://x", Err(Duration::from_secs(5)));
         assert!(keep_client(&timed_out, true));
         let connected = after_probe(&file("/a"), "https://x", Ok(Ok("v1.37.2".into())));

@@ -4,7 +4,7 @@
 //!
 //! The choice is a pure function of the setting and of what the API's
 //! discovery says it serves ([`choose`]); the cached objects are cut down to
-//! what the decision reads ([`strip_endpoints`], [`strip_slice`]); the
+//! what the decision reads (`strip_endpoints`, `strip_slice`); the
 //! readers of both forms are plain functions over one object.
 
 use std::collections::{BTreeSet, HashMap};
@@ -507,7 +507,12 @@ mod tests {
             // Kubernetes 1.17 to 1.20: Endpoints unless asked.
             (Auto, api(false, true), read_endpoints, false),
             (Auto, api(false, false), read_endpoints, false),
-            (EndpointSetting::Endpoints, api(true, true), read_endpoints, false),
+            (
+                EndpointSetting::Endpoints,
+                api(true, true),
+                read_endpoints,
+                false,
+            ),
             (EndpointSlices, api(true, true), Slices("v1"), false),
             (EndpointSlices, api(false, true), Slices("v1beta1"), false),
             (EndpointSlices, api(false, false), read_endpoints, true),

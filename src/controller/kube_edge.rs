@@ -16,10 +16,12 @@ use tokio::sync::Notify;
 use crate::contract::ServiceKey;
 use crate::contract::node_object::{self, LoadBalancerNode};
 use crate::controller::endpoints::{self, EndpointCache, EndpointSetting};
-use crate::controller::watches::{spawn_watch, watch_config};
 use crate::controller::networks::{self, NetworkMap};
 use crate::controller::reconcile::{EventOut, EventType, Ingress, NodeIn, Port, ServiceIn};
-use crate::controller::writer::{FIELD_MANAGER, Kind, PatchKind, Request, Requests, SendError, Verb};
+use crate::controller::watches::{spawn_watch, watch_config};
+use crate::controller::writer::{
+    FIELD_MANAGER, Kind, PatchKind, Request, Requests, SendError, Verb,
+};
 
 /// How long one write may take.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -37,12 +39,8 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
             .and_then(|s| s.type_.clone())
             .unwrap_or_else(|| "ClusterIP".into()),
         load_balancer_class: spec.and_then(|s| s.load_balancer_class.clone()),
-        ip_families: spec
-            .and_then(|s| s.ip_families.clone())
-            .unwrap_or_default(),
-        cluster_ips: spec
-            .and_then(|s| s.cluster_ips.clone())
-            .unwrap_or_default(),
+        ip_families: spec.and_then(|s| s.ip_families.clone()).unwrap_or_default(),
+        cluster_ips: spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default(),
         // Filled in from the Endpoints by the caller (`world_from`).
         local_endpoints: (spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local"))
             .then(Default::default),
@@ -359,8 +357,7 @@ fn spawn_network_map_watch(
 ) {
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), networks::CONFIG_MAP_NAMESPACE);
     // By name, so that the Role may name the one ConfigMap it grants.
-    let config =
-        watch_config().fields(&format!("metadata.name={}", networks::CONFIG_MAP_NAME));
+    let config = watch_config().fields(&format!("metadata.name={}", networks::CONFIG_MAP_NAME));
     let stream = watcher(api, config).default_backoff();
     let of = |cm: &ConfigMap| {
         NetworkMap::parse(
@@ -417,4 +414,3 @@ fn spawn_network_map_watch(
         }
     });
 }
-

@@ -257,6 +257,9 @@ mod duration_tests {
         assert_eq!(lease_duration_seconds(Duration::from_millis(100)), 1);
         assert_eq!(lease_duration_seconds(Duration::from_millis(1500)), 2);
         assert_eq!(lease_duration_seconds(Duration::from_secs(3)), 3);
-        assert_eq!(lease_duration_seconds(Duration::from_secs(u64::MAX)), i32::MAX);
+        assert_eq!(
+            lease_duration_seconds(Duration::from_secs(u64::MAX)),
+            i32::MAX
+        );
     }
 }

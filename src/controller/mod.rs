@@ -17,8 +17,8 @@ pub mod liveness;
 pub mod networks;
 pub mod placement;
 pub mod reconcile;
-pub mod watches;
 pub mod stats;
+pub mod watches;
 pub mod writer;
 
 use std::collections::{BTreeSet, HashMap};
@@ -444,11 +444,9 @@ async fn reconcile_loop(
         } else {
             (backoff * 2).clamp(Duration::from_secs(1), MAX_BACKOFF)
         };
-        settled = (plan.writes.is_empty()
-            && out.errors.is_empty()
-            && out.conflicts == 0
-            && !out.stopped)
-            .then_some(inputs);
+        settled =
+            (plan.writes.is_empty() && out.errors.is_empty() && out.conflicts == 0 && !out.stopped)
+                .then_some(inputs);
     }
 }
 

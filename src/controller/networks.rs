@@ -182,7 +182,10 @@ mod tests {
             (harvester::NETWORK, "default/net123"),
         ]);
         let uplinks: BTreeSet<String> = ["eth9".to_string()].into();
-        assert_eq!(uplink_of(&both, &known(), &uplinks), Ok(Some("eth9".into())));
+        assert_eq!(
+            uplink_of(&both, &known(), &uplinks),
+            Ok(Some("eth9".into()))
+        );
         assert_eq!(
             uplink_of(&both, &NetworkMap::Unknown, &uplinks),
             Ok(Some("eth9".into())),
@@ -192,8 +195,14 @@ mod tests {
             (kube_vip::SERVICE_INTERFACE, "auto"),
             (harvester::NETWORK, "default/net123"),
         ]);
-        assert_eq!(uplink_of(&net, &known(), &uplinks), Ok(Some("enp2s0".into())));
-        assert_eq!(uplink_of(&ann(&[]), &NetworkMap::Missing, &uplinks), Ok(None));
+        assert_eq!(
+            uplink_of(&net, &known(), &uplinks),
+            Ok(Some("enp2s0".into()))
+        );
+        assert_eq!(
+            uplink_of(&ann(&[]), &NetworkMap::Missing, &uplinks),
+            Ok(None)
+        );
     }
 
     #[test]
@@ -205,12 +214,18 @@ mod tests {
             Ok(Some("enp2s0".into())),
             "mapped"
         );
-        assert_eq!(uplink_of(&named("eth0"), &known(), &uplinks), Ok(Some("eth0".into())));
+        assert_eq!(
+            uplink_of(&named("eth0"), &known(), &uplinks),
+            Ok(Some("eth0".into()))
+        );
         for hostile in ["cni0", "cali1234", "flannel.1", "lo"] {
             let Err(NoUplink::Refused(m)) = uplink_of(&named(hostile), &known(), &uplinks) else {
                 panic!("{hostile} accepted")
             };
-            assert!(m.contains(hostile) && m.contains("eth0") && m.contains("enp1s0, enp2s0"), "{m}");
+            assert!(
+                m.contains(hostile) && m.contains("eth0") && m.contains("enp1s0, enp2s0"),
+                "{m}"
+            );
         }
         // Before the map or any node's report: wait, do not refuse.
         assert_eq!(
@@ -227,7 +242,10 @@ mod tests {
     fn an_unresolvable_network_waits_for_the_map_then_is_refused_with_the_fix() {
         let net = ann(&[(harvester::NETWORK, "default/other")]);
         let none = BTreeSet::new();
-        assert_eq!(uplink_of(&net, &NetworkMap::Unknown, &none), Err(NoUplink::Wait));
+        assert_eq!(
+            uplink_of(&net, &NetworkMap::Unknown, &none),
+            Err(NoUplink::Wait)
+        );
         for map in [
             known(),
             NetworkMap::Missing,

@@ -179,7 +179,10 @@ impl NodeNetworks {
             .extend(addresses.iter().filter_map(|a| a.parse::<Ipv4Addr>().ok()));
         self.pod_cidrs.extend(pod_cidrs.iter().filter_map(|c| {
             let (net, len) = c.split_once('/')?;
-            Some((net.parse().ok()?, len.parse().ok().filter(|l: &u8| *l <= 32)?))
+            Some((
+                net.parse().ok()?,
+                len.parse().ok().filter(|l: &u8| *l <= 32)?,
+            ))
         }));
     }
 
@@ -815,9 +818,12 @@ pub fn reconcile(world: World<'_>) -> Plan {
                     );
                 } else {
                     let identity = contract::address_identity(&s.uid, &s.annotations);
-                    match identity
-                        .map(|id| (id, networks::uplink_of(&s.annotations, world.networks, &uplinks)))
-                    {
+                    match identity.map(|id| {
+                        (
+                            id,
+                            networks::uplink_of(&s.annotations, world.networks, &uplinks),
+                        )
+                    }) {
                         Err(e) => {
                             plan.summary.refused += 1;
                             event(s, EventType::Warning, reason::INVALID, e);
@@ -1213,7 +1219,9 @@ pub fn reconcile(world: World<'_>) -> Plan {
             && !s.has_our_finalizer()
             && !sharing.contains(&s.key)
             && !matches!(selections[&s.key], Selection::Primary)
-            && s.load_balancer_class.as_deref().is_none_or(|c| c == world.classes.class)
+            && s.load_balancer_class
+                .as_deref()
+                .is_none_or(|c| c == world.classes.class)
             && s.first_ip().is_some_and(|ip| served_ips.contains(ip));
         if ours_to_clear {
             statuses.push(Write::ServiceStatus {
@@ -2089,12 +2097,12 @@ mod tests {
     #[test]
     fn sharing_across_namespaces_needs_consent_and_reveals_nothing() {
         let mut sim = Sim::new(&["n1"]);
-        sim.services.push(in_namespace(dhcp("web", &[80]), "team-b"));
+        sim.services
+            .push(in_namespace(dhcp("web", &[80]), "team-b"));
         let mut thief = in_namespace(secondary("thief", "web", &[8080]), "team-a");
-        thief.annotations.insert(
-            harvester::PRIMARY_SERVICE.into(),
-            "team-b/web".into(),
-        );
+        thief
+            .annotations
+            .insert(harvester::PRIMARY_SERVICE.into(), "team-b/web".into());
         let mut probe = thief.clone();
         probe.key.name = "probe".into();
         probe.uid = uid("team-a/probe");
@@ -2104,9 +2112,17 @@ mod tests {
         sim.services.push(thief.clone());
         sim.services.push(probe);
         let plans = sim.settle();
-        let web = sim.services.iter().find(|s| s.key == ns_key("team-b", "web")).unwrap();
+        let web = sim
+            .services
+            .iter()
+            .find(|s| s.key == ns_key("team-b", "web"))
+            .unwrap();
         let ip = web.ingress[0].ip.clone();
-        let thief_now = sim.services.iter().find(|s| s.key == ns_key("team-a", "thief")).unwrap();
+        let thief_now = sim
+            .services
+            .iter()
+            .find(|s| s.key == ns_key("team-a", "thief"))
+            .unwrap();
         assert!(thief_now.ingress.is_empty(), "no address without consent");
         // One message whether the primary exists or not.
         let said = |name: &str| {
@@ -2137,7 +2153,11 @@ mod tests {
             .annotations
             .insert(contract::SHARE_WITH.into(), "team-a".into());
         sim.settle();
-        let thief_now = sim.services.iter().find(|s| s.key == ns_key("team-a", "thief")).unwrap();
+        let thief_now = sim
+            .services
+            .iter()
+            .find(|s| s.key == ns_key("team-a", "thief"))
+            .unwrap();
         assert_eq!(thief_now.ingress[0].ip, ip);
 
         // A same-namespace clash names the other Service only when it is of
@@ -2154,7 +2174,9 @@ mod tests {
             .find(|e| e.service == ns_key("team-b", "clash"))
             .unwrap();
         assert!(
-            clash_said.message.contains("used by a Service in another namespace")
+            clash_said
+                .message
+                .contains("used by a Service in another namespace")
                 && !clash_said.message.contains("team-a"),
             "{clash_said:?}"
         );
@@ -2168,7 +2190,11 @@ mod tests {
             .annotations
             .remove(contract::SHARE_WITH);
         let plans = sim.settle();
-        let thief_now = sim.services.iter().find(|s| s.key == ns_key("team-a", "thief")).unwrap();
+        let thief_now = sim
+            .services
+            .iter()
+            .find(|s| s.key == ns_key("team-a", "thief"))
+            .unwrap();
         assert!(thief_now.ingress.is_empty(), "{plans:?}");
         assert!(reasons(&plans).contains(&reason::SHARING_ENDED));
         sim.services.retain(|s| s.key.name != "clash");
@@ -2179,7 +2205,9 @@ mod tests {
             .deleting = true;
         sim.settle();
         assert!(
-            sim.services.iter().all(|s| s.key != ns_key("team-b", "web")),
+            sim.services
+                .iter()
+                .all(|s| s.key != ns_key("team-b", "web")),
             "released although team-a still names it"
         );
     }
@@ -2211,7 +2239,9 @@ mod tests {
         // its address, and two newcomers one hostname.
         let mut copy_mac = in_namespace(dhcp("copy-mac", &[80]), "team-a");
         copy_mac.created = 200;
-        copy_mac.annotations.insert(kube_vip::HWADDR.into(), mac.clone());
+        copy_mac
+            .annotations
+            .insert(kube_vip::HWADDR.into(), mac.clone());
         let mut copy_ip = in_namespace(dhcp("copy-ip", &[80]), "team-a");
         copy_ip.created = 300;
         copy_ip
@@ -2219,9 +2249,10 @@ mod tests {
             .insert(kube_vip::REQUESTED_IP.into(), ip.clone());
         let mut host_a = dhcp("host-a", &[80]);
         host_a.created = 400;
-        host_a
-            .annotations
-            .insert(kube_vip::LOADBALANCER_HOSTNAME.into(), "lb.example.com".into());
+        host_a.annotations.insert(
+            kube_vip::LOADBALANCER_HOSTNAME.into(),
+            "lb.example.com".into(),
+        );
         let mut host_b = host_a.clone();
         host_b.key.name = "host-b".into();
         host_b.uid = uid("host-b");
@@ -2235,8 +2266,15 @@ mod tests {
             .map(|e| (e.service.name.clone(), e.message.clone()))
             .collect();
         let names: BTreeSet<&str> = refused.iter().map(|(n, _)| n.as_str()).collect();
-        assert_eq!(names, ["copy-ip", "copy-mac", "host-b"].into(), "{refused:?}");
-        assert!(refused.iter().all(|(_, m)| !m.contains("web")), "{refused:?}");
+        assert_eq!(
+            names,
+            ["copy-ip", "copy-mac", "host-b"].into(),
+            "{refused:?}"
+        );
+        assert!(
+            refused.iter().all(|(_, m)| !m.contains("web")),
+            "{refused:?}"
+        );
         for name in ["copy-mac", "copy-ip", "host-b"] {
             let s = sim.services.iter().find(|s| s.key.name == name).unwrap();
             assert!(s.ingress.is_empty() && s.finalizers.is_empty(), "{name}");
@@ -2253,9 +2291,12 @@ mod tests {
         sim.services.push(twin);
         let plans = sim.settle();
         assert!(
-            plans.iter().flat_map(|p| &p.events).any(|e| e.service == key("twin")
-                && e.reason == reason::IDENTITY_IN_USE
-                && e.message.contains("link name")),
+            plans
+                .iter()
+                .flat_map(|p| &p.events)
+                .any(|e| e.service == key("twin")
+                    && e.reason == reason::IDENTITY_IN_USE
+                    && e.message.contains("link name")),
             "{plans:?}"
         );
         assert!(sim.holders("twin").is_empty());
@@ -2271,7 +2312,8 @@ mod tests {
     #[test]
     fn an_implausible_reported_address_is_not_published() {
         let mut sim = Sim::new(&["n1"]);
-        sim.node_networks.add(&["10.77.0.10", "fd00::10"], &["10.42.0.0/24"]);
+        sim.node_networks
+            .add(&["10.77.0.10", "fd00::10"], &["10.42.0.0/24"]);
         let mut kubernetes = dhcp("kubernetes", &[443]);
         kubernetes.type_ = "ClusterIP".into();
         kubernetes.annotations.clear();
@@ -2301,9 +2343,12 @@ mod tests {
         for (name, lie, why) in lies {
             assert!(sim.svc(name).ingress.is_empty(), "{name} published {lie}");
             assert!(
-                plans.iter().flat_map(|p| &p.events).any(|e| e.service == key(name)
-                    && e.reason == reason::ADDRESS_IMPLAUSIBLE
-                    && e.message.contains(why)),
+                plans
+                    .iter()
+                    .flat_map(|p| &p.events)
+                    .any(|e| e.service == key(name)
+                        && e.reason == reason::ADDRESS_IMPLAUSIBLE
+                        && e.message.contains(why)),
                 "{name}: {plans:?}"
             );
         }
@@ -2336,11 +2381,16 @@ mod tests {
         sim.now += RELEASE_TIMEOUT_SECS;
         let p = sim.plan();
         assert!(
-            p.events.iter().any(|e| e.reason == reason::RELEASED_WITHOUT_DHCPRELEASE
-                && e.message.contains(&node)),
+            p.events
+                .iter()
+                .any(|e| e.reason == reason::RELEASED_WITHOUT_DHCPRELEASE
+                    && e.message.contains(&node)),
             "{p:?}"
         );
-        assert!(p.writes.contains(&Write::RemoveFinalizer(key("web"))), "{p:?}");
+        assert!(
+            p.writes.contains(&Write::RemoveFinalizer(key("web"))),
+            "{p:?}"
+        );
     }
 
     #[test]

@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use kube::Api;
+use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector;
 use kube::runtime::watcher::{self, watcher};
-use kube::runtime::WatchStreamExt;
 use tokio::sync::Notify;
 
 /// `(uid, resourceVersion)` of each object, sorted (a store's order is

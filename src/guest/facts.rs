@@ -53,7 +53,8 @@ fn find_vport(root: &Path) -> Option<String> {
 /// port. The daemon's unit sets `PrivateDevices=yes`, so its own `/dev` has
 /// no such link even where udev made it; udev's database under /run says.
 fn udev_made_link(root: &Path, vport: &str) -> bool {
-    let Ok(dev) = std::fs::read_to_string(root.join("sys/class/virtio-ports").join(vport).join("dev"))
+    let Ok(dev) =
+        std::fs::read_to_string(root.join("sys/class/virtio-ports").join(vport).join("dev"))
     else {
         return false;
     };

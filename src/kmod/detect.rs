@@ -20,7 +20,7 @@ pub struct Facts {
     /// Module files (absolute paths) that exist on disk, among those
     /// `modules.dep` names for the module and its dependencies.
     pub existing_files: Vec<PathBuf>,
-    /// Blacklist entries that name the module (see [`super::blacklist`]).
+    /// Blacklist entries that name the module (see [`super::modprobe_d`]).
     pub blacklisted_by: Vec<String>,
     /// `/sys/module/<module>`, which stays visible where a sandbox hides
     /// `/proc/modules` and the module tree.

@@ -109,7 +109,8 @@ impl Host {
             .flatten()
             .any(|e| e.path().join("initstate").is_file());
         kernel_loads_modules
-            && (facts.proc_modules.is_none() || !(listed("/lib/modules") || listed("/usr/lib/modules")))
+            && (facts.proc_modules.is_none()
+                || !(listed("/lib/modules") || listed("/usr/lib/modules")))
     }
 }
 

@@ -234,9 +234,7 @@ pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
                 Err(e) => state(
                     Status::Fail,
                     Reason::ProbeFailed,
-                    format!(
-                        "macvlan was not loaded and creating a macvlan link failed: {e}"
-                    ),
+                    format!("macvlan was not loaded and creating a macvlan link failed: {e}"),
                     probe_remedy(&e),
                 ),
             }
@@ -426,7 +424,11 @@ mod tests {
         host.probe_result = Err(ProbeError::Unsupported("Operation not supported".into()));
         let s = preflight(&host, true);
         assert_eq!((s.status, s.reason), (Status::Fail, Reason::ModuleNotFound));
-        assert!(s.message.contains("check macvlan` run as root"), "{}", s.message);
+        assert!(
+            s.message.contains("check macvlan` run as root"),
+            "{}",
+            s.message
+        );
         assert!(s.message.contains("linux-image"), "{}", s.message);
 
         // Without --fix nothing is probed (a probe would load it).

@@ -312,7 +312,10 @@ mod tests {
                 ..a.clone()
             },
         ] {
-            assert_eq!(plan(std::slice::from_ref(&changed), &now), restart(&changed));
+            assert_eq!(
+                plan(std::slice::from_ref(&changed), &now),
+                restart(&changed)
+            );
         }
         // No parent can be resolved now (no default route, none named):
         // the lease stays where it runs.

@@ -359,10 +359,10 @@ mod tests {
     use dhcproto::{Decodable, Decoder};
 
     use super::*;
-    use crate::dhcp::io::Inbound;
-    use crate::dhcp::link::LinkError;
-    use crate::dhcp::machine::{Destination, Timing};
-    use crate::dhcp::packet::{Identity, build_reply};
+    use crate::io::Inbound;
+    use crate::link::LinkError;
+    use crate::machine::{Destination, Timing};
+    use crate::packet::{Identity, build_reply};
 
     const MAC: [u8; 6] = [0, 0, 0x6c, 9, 9, 9];
     const SRV: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);

@@ -311,8 +311,8 @@ impl LeaseEngine for FakeEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dhcp::io::ProbeConfig;
-    use crate::dhcp::machine::Timing;
+    use crate::io::ProbeConfig;
+    use crate::machine::Timing;
 
     const MAC: [u8; 6] = [0, 0, 0x6c, 1, 2, 3];
 

@@ -1,6 +1,6 @@
 //! What a LoadBalancer layer needs from the DHCP engine, as a trait: the
 //! real [`Engine`](super::engine::Engine) implements it, and
-//! [`FakeEngine`](super::fake::FakeEngine) (unit tests) records every call
+//! `fake::FakeEngine` (unit tests, feature `fake`) records every call
 //! and injects failures, so the LB reconcile is tested without root.
 //!
 //! Generic use (`E: LeaseEngine`), not `dyn`: the methods return

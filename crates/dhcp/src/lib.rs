@@ -20,18 +20,53 @@
 //! - [`lease_engine`]: the engine as the LoadBalancer layer sees it, a
 //!   trait (`fake::FakeEngine`, in unit tests, records calls and injects
 //!   failures).
+//!
+//! No Kubernetes, D-Bus or systemd in here: `cargo tree -p hna-dhcp` shows
+//! it. A program that gets a lease on a macvlan of `eth0` (as root, or with
+//! CAP_NET_ADMIN and CAP_NET_RAW) and keeps it until it ends:
+//!
+//! ```no_run
+//! use hna_dhcp::io::ProbeConfig;
+//! use hna_dhcp::store::Store;
+//! use hna_dhcp::{Engine, Identity, LeaseConfig, StopMode, Timing};
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     // Lease files: a restart asks for the same address (INIT-REBOOT).
+//!     let engine = Engine::new(Some(Store::open("/var/lib/example".as_ref())?))?;
+//!     let mut status = engine
+//!         .start(LeaseConfig {
+//!             interface: "hlb-example".into(), // the macvlan made for it
+//!             parent: "eth0".into(),
+//!             identity: Identity::new([0x02, 0, 0, 0, 0, 0x01]),
+//!             requested_ip: None,
+//!             timing: Timing::default(),
+//!             probe: ProbeConfig::default(),
+//!         })
+//!         .await?;
+//!     let bound = status.wait_for(|s| s.state.holds_address()).await?.clone();
+//!     println!("{:?} from {:?}", bound.address, bound.server);
+//!     tokio::signal::ctrl_c().await?;
+//!     // Release: DHCPRELEASE, the macvlan and the lease file go.
+//!     engine.stop("hlb-example", StopMode::Release).await?;
+//!     Ok(())
+//! }
+//! ```
 
 pub mod driver;
 pub mod engine;
 #[cfg(test)]
 mod engine_tests;
-#[cfg(test)]
+/// A recording, failure-injecting [`LeaseEngine`] for unit tests of the
+/// layers above (feature `fake`).
+#[cfg(any(test, feature = "fake"))]
 pub mod fake;
 pub mod frame;
 pub mod fuzzing;
 pub mod io;
 pub mod lease_engine;
 pub mod link;
+pub mod mac;
 pub mod machine;
 pub mod packet;
 pub mod probe;

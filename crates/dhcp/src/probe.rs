@@ -144,7 +144,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
         counters: Counters::default(),
     };
     let parent = match opts.parent.clone().or_else(|| {
-        std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
+        std::fs::read_to_string(crate::link::ROUTE_TABLE)
             .ok()
             .and_then(|t| default_route_interface(&t))
     }) {
@@ -312,7 +312,7 @@ impl ProbeReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dhcp::driver::Transition;
+    use crate::driver::Transition;
 
     #[test]
     fn timings_come_from_the_transitions() {

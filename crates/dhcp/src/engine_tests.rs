@@ -640,8 +640,8 @@ mod real {
     use rtnetlink::{LinkMacVlan, LinkUnspec, LinkVeth};
 
     use super::*;
-    use crate::dhcp::io::AfPacket;
-    use crate::dhcp::link::{IfAddrs, Netlink};
+    use crate::io::AfPacket;
+    use crate::link::{IfAddrs, Netlink};
 
     /// Netlink whose packet socket opening can be made to fail: a failure
     /// after the real link was made.
@@ -866,10 +866,7 @@ mod real {
             "other links untouched"
         );
         // A fresh link with a lease file: INIT-REBOOT (nobody answers).
-        assert_eq!(
-            first_state(&mut rx).await.state,
-            crate::dhcp::State::InitReboot
-        );
+        assert_eq!(first_state(&mut rx).await.state, crate::State::InitReboot);
         engine.stop(NAME, StopMode::Handover).await.unwrap();
 
         // What a killed daemon leaves: the link with the address on it.
@@ -878,7 +875,7 @@ mod real {
         assert_eq!(nl.addresses(link.index()).await.unwrap(), vec![ADDR]);
         let mut rx = engine.start(cfg(NAME, "hna-up0")).await.unwrap();
         let st = first_state(&mut rx).await;
-        assert_eq!(st.state, crate::dhcp::State::Bound);
+        assert_eq!(st.state, crate::State::Bound);
         assert_eq!(st.counters.sent, 0, "adopted: no DHCP message");
         let now = nl.link(NAME).await.unwrap().unwrap();
         assert_eq!(now.index, link.index(), "the same link");

@@ -2,7 +2,7 @@
 //! clients `udhcpc` (busybox), `dhclient` (ISC) and `dhcpcd`, all against
 //! the same dnsmasq on the rig, each through its own macvlan, in one run.
 //!
-//! `sudo cargo bench --bench dhcp` (needs the rig's prerequisites:
+//! `sudo cargo bench -p hna-dhcp --bench dhcp` (needs the rig's prerequisites:
 //! `sudo tests/rig/prereqs.sh`, which installs the peers too). Options after
 //! `--`: `--runs N` single acquisitions per client (default 15),
 //! `--batches N` batches per client (default 3), `--batch N` leases per
@@ -30,10 +30,13 @@
 //!
 //! Memory: resident and proportional set size (VmRSS, Pss of
 //! `/proc/<pid>/smaps_rollup`, summed over every process a client runs)
-//! holding 100 leases: the engine in one `dhcp-hold` process (and holding 1,
+//! holding 100 leases: the engine alone in one process (this bench, run with
+//! `--hold-leases`; holding 1,
 //! for the cost per lease), 100 `udhcpc` and 100 `dhclient` daemons, and one
 //! `dhcpcd` manager for 100 interfaces.
 
+// The benches' shared helpers, beside the root package's other benches.
+#[path = "../../../benches/common/mod.rs"]
 mod common;
 
 use std::collections::BTreeSet;
@@ -46,13 +49,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use common::{Killed, kib_field, ms, percentile};
-use harvester_node_agent::dhcp::driver::LeaseStatus;
-use harvester_node_agent::dhcp::engine::{Engine, LeaseConfig};
-use harvester_node_agent::dhcp::io::ProbeConfig;
-use harvester_node_agent::dhcp::{Identity, StopMode, Timing};
+use hna_dhcp::driver::LeaseStatus;
+use hna_dhcp::engine::{Engine, LeaseConfig};
+use hna_dhcp::io::ProbeConfig;
+use hna_dhcp::{Identity, StopMode, Timing};
 use hna_testkit::rig::{Rig, RigOptions, find_program, in_netns};
-
-const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
 
 /// Room for 253 clients: the rig's range plus the rest of the /24.
 const WIDE_RANGES: &[&str] = &[
@@ -281,7 +282,7 @@ impl Bench {
         let store = self.dir.path().join("engine-state");
         let ns = self.ns.clone();
         in_netns(&ns, async || -> Result<Duration> {
-            let store = harvester_node_agent::dhcp::store::Store::open(&store)?;
+            let store = hna_dhcp::store::Store::open(&store)?;
             let engine = Engine::new(Some(store))?;
             let t0 = Instant::now();
             let starts = ids.iter().map(|(name, mac)| {
@@ -422,27 +423,26 @@ fn wait_until(within: Duration, what: &str, mut f: impl FnMut() -> Result<bool>)
     Ok(())
 }
 
-/// Memory of `dhcp-hold` holding `count` leases (no ARP probe), once all
+/// Memory of the engine alone holding `count` leases (no ARP probe), once all
 /// are BOUND.
 fn engine_memory(b: &mut Bench, count: u32, set: u8) -> Result<(u64, u64)> {
     b.fresh_server()?;
     let d = b.dir.path().join(format!("hold-{set}"));
     std::fs::create_dir_all(&d)?;
     let status = d.join("status.json");
-    let mut cmd = Command::new(BIN);
-    cmd.args(["dhcp-hold", "--parent", "eth0", "--no-arp-probe", "--count"])
+    // This bench itself, holding the leases with the engine and nothing
+    // else in the process (see `hold`).
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args([HOLD, "eth0"])
         .arg(count.to_string())
-        .arg("--set")
         .arg(set.to_string())
-        .arg("--state-dir")
         .arg(&d)
-        .arg("--status-file")
         .arg(&status)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     enter_netns(&mut cmd, &b.ns_fd);
     let mut hold = Killed(cmd.spawn()?);
-    wait_until(Duration::from_secs(60), "dhcp-hold leases BOUND", || {
+    wait_until(Duration::from_secs(60), "the held leases BOUND", || {
         let leases: Vec<LeaseStatus> = std::fs::read(&status)
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
@@ -498,7 +498,65 @@ fn peer_memory(b: &mut Bench, client: Client, n: usize) -> Result<(u64, u64, usi
     Ok((rss, pss, bound))
 }
 
+/// The first argument that makes this binary hold leases instead of
+/// benchmarking: `--hold-leases PARENT COUNT SET STATE_DIR STATUS_FILE`.
+const HOLD: &str = "--hold-leases";
+
+/// Holds `count` leases on `parent` (no ARP check) with the engine, writing
+/// their status to `status_file` every 100 ms, until SIGTERM: the engine's
+/// memory with nothing else in the process.
+fn hold(mut args: impl Iterator<Item = String>) -> Result<()> {
+    let mut next = |what: &str| args.next().with_context(|| format!("{HOLD}: {what}"));
+    let parent = next("PARENT")?;
+    let count: u32 = next("COUNT")?.parse()?;
+    let set: u8 = next("SET")?.parse()?;
+    let state_dir = PathBuf::from(next("STATE_DIR")?);
+    let status_file = PathBuf::from(next("STATUS_FILE")?);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(async move {
+            let store = hna_dhcp::store::Store::open(&state_dir)?;
+            let engine = Engine::new(Some(store))?;
+            for i in 0..count {
+                let mac = [0, 0, 0x6c, set, (i >> 8) as u8, i as u8];
+                engine
+                    .start(LeaseConfig {
+                        interface: format!("vip-{set:02x}{i:06x}"),
+                        parent: parent.clone(),
+                        identity: Identity::new(mac),
+                        requested_ip: None,
+                        timing: Timing {
+                            arp_probe: false,
+                            ..Timing::default()
+                        },
+                        probe: ProbeConfig::default(),
+                    })
+                    .await?;
+            }
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {
+                        let body = serde_json::to_vec(&engine.snapshot())?;
+                        std::fs::write(&status_file, body)?;
+                    }
+                    _ = term.recv() => break,
+                }
+            }
+            for e in engine.stop_all(StopMode::Handover).await {
+                eprintln!("{e}");
+            }
+            Ok(())
+        })
+}
+
 fn main() -> Result<()> {
+    if std::env::args().nth(1).as_deref() == Some(HOLD) {
+        return hold(std::env::args().skip(2));
+    }
     let mut runs = 15usize;
     let mut batches = 3usize;
     let mut batch = 100usize;
@@ -642,11 +700,11 @@ fn main() -> Result<()> {
         println!("  {:<48} {:>9} {:>9}", "client", "VmRSS", "Pss");
         println!(
             "  {:<48} {:>9} {:>9}",
-            "harvester-node-agent dhcp-hold, 1 lease", one_rss, one_pss
+            "hna-dhcp engine alone, 1 lease", one_rss, one_pss
         );
         println!(
             "  {:<48} {:>9} {:>9}",
-            format!("harvester-node-agent dhcp-hold, {batch} leases"),
+            format!("hna-dhcp engine alone, {batch} leases"),
             rss,
             pss
         );

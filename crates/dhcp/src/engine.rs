@@ -624,7 +624,7 @@ pub fn render_metrics(leases: &[LeaseStatus]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dhcp::machine::State;
+    use crate::machine::State;
 
     #[test]
     fn metrics_have_one_series_per_lease() {

@@ -1,14 +1,18 @@
 //! The contract between the node daemon and the controller, and with the
 //! Harvester cloud provider and kube-vip: annotation keys, which Services
 //! are ours, and the identity (link name, MAC, client identifier) under
-//! which any node asks for a Service's lease. A leaf module: the daemon and
-//! the controller share this and nothing else, and never import each other.
+//! which any node asks for a Service's lease. A crate of its own: the daemon
+//! and the controller share this and nothing else, and never import each
+//! other. Besides the Kubernetes types it needs only the DHCP client's MAC
+//! text form.
 //!
 //! What kube-vip and the cloud provider do with these keys is written up in
 //! `docs/kube-vip-contract.md`.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
+
+pub mod k8s_names;
 
 /// `spec.loadBalancerClass` that selects this agent on clusters without the
 /// Harvester cloud provider (Kubernetes 1.24+; the field is immutable).
@@ -90,7 +94,7 @@ pub mod node_object {
         if full.len() <= 253 {
             return full;
         }
-        let hash = crate::contract::fnv1a(&[node.as_bytes()]);
+        let hash = crate::fnv1a(&[node.as_bytes()]);
         format!("{}-{hash:016x}", &full[..253 - 17])
     }
 
@@ -361,7 +365,7 @@ pub fn address_identity(uid: &str, annotations: &Annotations) -> Result<AddressI
         return Err(format!("Service UID `{uid}` has fewer than 8 hex digits"));
     }
     let mac = match annotations.get(kube_vip::HWADDR) {
-        Some(v) => crate::mac::parse_unicast(v).ok_or_else(|| {
+        Some(v) => hna_dhcp::mac::parse_unicast(v).ok_or_else(|| {
             format!(
                 "{}: `{v}` is not a unicast MAC like 00:00:6c:12:34:56",
                 kube_vip::HWADDR
@@ -601,7 +605,7 @@ mod tests {
         let id = address_identity(UID, &a).unwrap();
         assert_eq!(id.mac, [0x00, 0x00, 0x6c, 0xab, 0xcd, 0xef]);
         assert_eq!(
-            crate::mac::format(&id.mac),
+            hna_dhcp::mac::format(&id.mac),
             "00:00:6c:ab:cd:ef",
             "kube-vip's format"
         );
@@ -618,7 +622,7 @@ mod tests {
         let with = |mac: String| -> Annotations { [(kube_vip::HWADDR.to_string(), mac)].into() };
         let theirs = address_identity(UID, &with("00:00:6c:ab:cd:ef".into())).unwrap();
         assert!(theirs.client_id.is_empty());
-        let ours = address_identity(UID, &with(crate::mac::format(&derived_mac(UID)))).unwrap();
+        let ours = address_identity(UID, &with(hna_dhcp::mac::format(&derived_mac(UID)))).unwrap();
         assert_eq!(ours, address_identity(UID, &Annotations::new()).unwrap());
     }
 

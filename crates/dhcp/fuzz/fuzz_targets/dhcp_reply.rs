@@ -3,7 +3,7 @@
 //! strict parser and to a state machine in every receiving state.
 #![no_main]
 
-use harvester_node_agent::dhcp::fuzzing::exercise;
+use hna_dhcp::fuzzing::exercise;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
