@@ -102,7 +102,7 @@ pub fn config_check(loaded: &Result<Config, ConfigError>) -> Check {
             Status::Fail,
             "Invalid",
             e.to_string(),
-            "correct the named key (see `harvester-node-agent run --help` and the README's configuration reference); the daemon refuses to start until then",
+            "correct the named key (see `harvester-node-agent run --help` and the configuration reference in docs/operations.md); the daemon refuses to start until then",
         ),
     }
 }

@@ -26,7 +26,7 @@ skipped_summary() {
 trap skipped_summary EXIT
 
 # The suites that run a second time on the oldest supported Kubernetes
-# release (the README's "Kubernetes versions").
+# release (docs/testing.md, "Kubernetes versions").
 OLDEST_SUITES=(manifests:: loadbalancer:: current_api:: tenants:: failover::)
 
 assets_given="${KUBEBUILDER_ASSETS:-}"

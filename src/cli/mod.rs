@@ -30,7 +30,7 @@ health and relays Harvester topology labels to the guest Node.
 
 Configuration comes from /etc/harvester-node-agent/config.toml (optional),
 environment variables HNA_* and flags, in increasing precedence. Every key is
-listed under `run --help` and in the README.
+listed under `run --help` and in docs/operations.md.
 
 Typical use:
   harvester-node-agent check                 # is this node ready?

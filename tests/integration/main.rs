@@ -25,6 +25,7 @@ mod current_api;
 mod daemon;
 mod dhcp_probe;
 mod dhcp_rig;
+mod docs;
 mod failover;
 mod kiwi;
 mod loadbalancer;
@@ -47,6 +48,7 @@ fn main() -> std::process::ExitCode {
     let tests = [
         daemon::tests(),
         unit_file::tests(),
+        docs::tests(),
         cluster::tests(),
         controller::tests(),
         topology::tests(),

@@ -16,7 +16,7 @@
 # Prints the folder of the named release (newest for `all`) on its last line.
 set -euo pipefail
 
-# The releases the rig runs (keep in step with the README's "Kubernetes
+# The releases the rig runs (keep in step with docs/testing.md, "Kubernetes
 # versions" and testkit/src/rig/apiserver.rs):
 #   newest: the newest release the Go module proxy serves; every test.
 #   oldest: the oldest minor the product supports (k8s-openapi's floor,
