@@ -10,9 +10,14 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use crate::find_program;
-use crate::rig::DNSMASQ;
 use crate::rig::apiserver::{Binaries, is_executable};
-use crate::vm;
+// The kernel and image lookups only, never `vm` itself: the VM harness
+// checks its prerequisites here, and this file must not import it back.
+use crate::vm::image::cached as cached_image;
+use crate::vm::kernel::find_kernel;
+
+/// dnsmasq, the rig's DHCP server.
+pub const DNSMASQ: &str = "/usr/sbin/dnsmasq";
 
 /// The command that installs every prerequisite.
 pub const INSTALL_ALL: &str = "sudo tests/rig/prereqs.sh";
@@ -44,7 +49,7 @@ pub enum Prereq {
     /// The VM harness's programs: `qemu-system-x86_64`, kmod's `modprobe`
     /// and `depmod`, `cpio`, `busybox`, `ldd` and `strip`.
     Qemu,
-    /// Debian's kernel package unpacked in the cache (see [`vm::kernel`]).
+    /// Debian's kernel package unpacked in the cache (see [`crate::vm::kernel()`]).
     VmKernel,
     /// `/usr/sbin/qemu-ga`, Debian's qemu-guest-agent.
     QemuGuestAgent,
@@ -64,7 +69,7 @@ pub enum Prereq {
     /// [`Prereq::VmImage`]).
     ImageTools,
     /// The Debian image `tests/rig/image.sh` builds and caches
-    /// ([`vm::image::cached`]).
+    /// ([`crate::vm::image::cached`]).
     VmImage,
     /// `cargo-deb` ([`CARGO_DEB_VERSION`]), in `PATH` or cargo's `bin`.
     CargoDeb,
@@ -212,7 +217,7 @@ impl Prereq {
                 }
                 Ok(())
             }
-            Prereq::VmKernel => match vm::find_kernel() {
+            Prereq::VmKernel => match find_kernel() {
                 Ok(_) => Ok(()),
                 Err(e) => missing(
                     format!("the VM kernel ({e:#})"),
@@ -260,7 +265,7 @@ impl Prereq {
                 }
                 Ok(())
             }
-            Prereq::VmImage => match vm::image::cached() {
+            Prereq::VmImage => match cached_image() {
                 Ok(_) => Ok(()),
                 Err(e) => missing(
                     format!("the VM image ({e:#})"),

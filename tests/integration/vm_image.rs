@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use hna_testkit::rig::{self, Rig, RigOptions};
 use hna_testkit::vm;
-use hna_testkit::vm::image::{Image, Machine, MachineOptions};
+use hna_testkit::vm::image::Image;
+use hna_testkit::vm::machine::{Machine, MachineOptions};
 use hna_testkit::vm::qga::{ExecOutput, Qga};
 
 use crate::BIN;
@@ -102,7 +103,7 @@ impl Guest {
     /// NIC on the rig's LAN, waits for qemu-ga, then for cloud-init.
     fn boot(image: &Image, rig: &Rig, dir: &Path, disk: &Path, name: &str) -> Result<Guest> {
         let deb = agent_deb(dir)?;
-        let seed = vm::image::nocloud_seed(
+        let seed = vm::machine::nocloud_seed(
             dir,
             &format!("{name}-seed"),
             &user_data()?,

@@ -54,8 +54,8 @@ use crate::prereq::Prereq;
 use forward::Forwarder;
 use process::{ChildProc, pid_alive, run, run_args, tail};
 
-/// The DHCP server binary the rig runs.
-pub const DNSMASQ: &str = "/usr/sbin/dnsmasq";
+/// The rig's DHCP server (where the prerequisite check looks for it).
+pub use crate::prereq::DNSMASQ;
 /// The LAN subnet.
 pub const SUBNET: &str = "10.77.0.0/24";
 /// Address of `br0` in the LAN namespace (the DHCP server).
