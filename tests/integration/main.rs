@@ -26,6 +26,7 @@ mod daemon;
 mod dhcp_probe;
 mod dhcp_rig;
 mod failover;
+mod flaky_api;
 mod kiwi;
 mod loadbalancer;
 mod manifests;
@@ -58,6 +59,7 @@ fn main() -> std::process::ExitCode {
         current_api::tests(),
         tenants::tests(),
         failover::tests(),
+        flaky_api::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),
