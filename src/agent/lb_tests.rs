@@ -20,12 +20,21 @@ const SERVER: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
 struct Writes {
     log: Arc<Mutex<Vec<(Instant, Status)>>>,
     fail: Arc<AtomicBool>,
+    /// How the next writes answer: after this long, written or failed.
+    script: Arc<Mutex<std::collections::VecDeque<(Duration, bool)>>>,
 }
 
 impl StatusWriter for Writes {
     async fn write(&self, status: &Status) -> Result<(), String> {
         if self.fail.load(Ordering::SeqCst) {
             return Err("connection refused".into());
+        }
+        let scripted = self.script.lock().unwrap().pop_front();
+        if let Some((after, written)) = scripted {
+            tokio::time::sleep(after).await;
+            if !written {
+                return Err("injected: 503 Service Unavailable".into());
+            }
         }
         self.log
             .lock()
@@ -770,4 +779,31 @@ async fn a_holder_that_cannot_write_for_the_fence_period_lets_go() {
         r.engine.running() == vec![a.interface.clone()]
     })
     .await;
+}
+
+/// A flaky API server (issue #22): a heartbeat write that fails is written
+/// again at once, and one that hangs gets another beside it. Written a
+/// period after each failure, three failures in a row (or one and a slow
+/// answer) made a gap past the controller's staleness bound: it moved
+/// every Service off this healthy node.
+#[tokio::test(start_paused = true)]
+async fn a_failed_or_slow_heartbeat_write_is_repeated_within_the_period() {
+    let r = rig();
+    let period = Duration::from_secs(5);
+    until("the first heartbeat", || !r.writes.all().is_empty()).await;
+    let failed = (Duration::from_millis(5), false);
+    let slow = (period * 9 / 10, true);
+    r.writes
+        .script
+        .lock()
+        .unwrap()
+        .extend([failed, failed, failed, slow]);
+    tokio::time::sleep(period * 6).await;
+    assert!(r.writes.script.lock().unwrap().is_empty(), "the script ran");
+    let at: Vec<Instant> = r.writes.all().into_iter().map(|(t, _)| t).collect();
+    let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default();
+    assert!(
+        gap < period + period / 2,
+        "{gap:?} between two status writes, heartbeat {period:?}"
+    );
 }
