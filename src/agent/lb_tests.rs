@@ -279,7 +279,9 @@ async fn a_parent_that_is_no_uplink_nor_card_of_the_node_is_refused() {
 /// 30 Services moving onto this node at once, each start behind a guard
 /// probe that takes 300 ms: the heartbeat keeps its period (one after
 /// another the starts took 9 s, during which no status was written and the
-/// node could be judged stale in turn).
+/// node could be judged stale in turn), and nothing moves a second time:
+/// each lease is started once, none is stopped, and every status written
+/// from then on reports all 30.
 #[tokio::test(start_paused = true)]
 async fn thirty_takeovers_at_once_leave_no_heartbeat_gap() {
     let engine = FakeEngine::new();
@@ -310,6 +312,32 @@ async fn thirty_takeovers_at_once_leave_no_heartbeat_gap() {
         "{gap:?} without a status write (starts took {took:?})"
     );
     assert!(took < Duration::from_secs(2), "30 starts took {took:?}");
+    let calls = r.engine.calls();
+    for a in &moved {
+        let starts = calls
+            .iter()
+            .filter(|c| matches!(c, Call::Start { name, .. } if *name == a.interface))
+            .count();
+        assert_eq!(starts, 1, "{} started {starts} times", a.interface);
+        assert!(
+            !calls
+                .iter()
+                .any(|c| matches!(c, Call::Stop { name, .. } if *name == a.interface)),
+            "{} stopped: {calls:?}",
+            a.interface
+        );
+    }
+    assert_eq!(r.engine.running().len(), 30);
+    let all_started = sent + took;
+    for (at, s) in r.writes.all().into_iter().filter(|(at, _)| *at > all_started) {
+        assert_eq!(
+            s.leases.len(),
+            30,
+            "a status written {:?} after the starts reports {} leases",
+            at - all_started,
+            s.leases.len()
+        );
+    }
 }
 
 /// An assignment with the node's own MAC is never brought up.
