@@ -103,8 +103,13 @@ const AFTER_FAILED_ROUND: Duration = Duration::from_millis(100);
 ///   lapses by itself at the renew deadline, before any other replica may
 ///   take over ([`Timing`]).
 /// - A leader renews from the Lease it last wrote, without reading it first
-///   (as client-go does): one request per renewal, not two, to fail.
+///   (as client-go does): one request per renewal, not two, to fail. Only a
+///   conflict makes it read first again.
 /// - A failed round is tried again at once ([`AFTER_FAILED_ROUND`]).
+/// - A request may take up to a lease duration less a retry period (2.5 s
+///   by default): a renewal held up for 1.5 s still keeps the Lease alive
+///   when it lands, while one given up after 1 s was lost, and the next
+///   attempt with it.
 ///
 /// And a follower stamps what it read with the time the answer came, not
 /// the time it asked: a read held up for 2 s shows a renewal up to 2 s
@@ -119,7 +124,10 @@ pub async fn run(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut elector = Elector::new(identity.clone(), timing);
-    let call = timing.retry_period.max(Duration::from_secs(1));
+    let call = timing
+        .lease_duration
+        .saturating_sub(timing.retry_period)
+        .max(Duration::from_secs(1));
     // The Lease as this replica last wrote it, while that is the latest it
     // knows of: what the next renewal is written over.
     let mut written: Option<Lease> = None;
@@ -133,8 +141,7 @@ pub async fn run(
         }
         pause = Some(AFTER_FAILED_ROUND.min(elector.next_round()));
         let started = Instant::now();
-        let fast = written.take().filter(|_| leadership.leading_at(started));
-        let (current, decision) = match fast {
+        let (current, decision) = match written.clone() {
             Some(lease) => {
                 let transitions = record_of(&lease).transitions;
                 let hold = Decision::Hold {
@@ -220,7 +227,11 @@ pub async fn run(
                 );
             }
             Ok(Err(e)) => {
-                // Read again before anything else: the read says who holds it.
+                if matches!(&e, kube::Error::Api(s) if s.code == 409) {
+                    // Written since we read it (by another replica, or by
+                    // our own write that timed out): read who holds it.
+                    written = None;
+                }
                 tracing::info!(lease = %name, "did not write the controller Lease: {e}");
             }
             Err(_) => tracing::warn!(lease = %name, "writing the controller Lease timed out"),
@@ -389,9 +400,9 @@ mod tests {
         (leadership, stop)
     }
 
-    /// A leader whose renewals fail (500, 503, 429, then one held up
-    /// 1.5 s) keeps leading and keeps its Lease fresh: it gave up the lead
-    /// at the first failed write.
+    /// A leader whose renewals fail (500, 503, 429) keeps leading and
+    /// keeps its Lease fresh: it gave up the lead at the first failed
+    /// write.
     #[tokio::test(start_paused = true)]
     async fn failed_renewals_neither_end_the_lead_nor_let_the_lease_expire() {
         let fake = FakeApi::new(None);
@@ -405,7 +416,6 @@ mod tests {
             Fault(1, Some(500)),
             Fault(1, Some(503)),
             Fault(1, Some(429)),
-            Fault(1_500, None),
         ]);
         let led = Instant::now();
         while led.elapsed() < Duration::from_secs(10) {
@@ -422,6 +432,40 @@ mod tests {
         assert!(writes.iter().all(|(_, h)| h.as_deref() == Some("b")));
         let gap = writes.windows(2).map(|w| w[1].0 - w[0].0).max().unwrap();
         assert!(gap < TIMING.renew_deadline, "{gap:?} between renewals");
+    }
+
+    /// An API server that answers every renewal 1.5 s late: each lands,
+    /// and the leader keeps its lead. Given up after 1 s, none landed and
+    /// the Lease expired under a live leader.
+    #[tokio::test(start_paused = true)]
+    async fn renewals_that_answer_late_still_keep_the_lease() {
+        let fake = FakeApi::new(None);
+        let (leadership, _stop) = elect(&fake, "b");
+        let t0 = Instant::now();
+        while !leadership.leading() {
+            assert!(t0.elapsed() < Duration::from_secs(5), "never led");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        fake.puts
+            .lock()
+            .unwrap()
+            .extend([Fault(1_500, None); 20]);
+        let slow = Instant::now();
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        let writes: Vec<Instant> = fake
+            .writes
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(at, _)| *at)
+            .filter(|at| *at > slow)
+            .collect();
+        assert!(writes.len() >= 8, "{} renewals landed in 15 s", writes.len());
+        let mut gaps = vec![writes[0] - slow];
+        gaps.extend(writes.windows(2).map(|w| w[1] - w[0]));
+        let gap = gaps.into_iter().max().unwrap();
+        assert!(gap < TIMING.lease_duration, "{gap:?} between renewals");
+        assert_eq!(fake.holder().as_deref(), Some("b"));
     }
 
     /// A follower's read held up 950 ms shows the leader's renewal of just
