@@ -568,11 +568,17 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             let beat = next_beat(self.last_beat, SystemTime::now());
             self.last_beat = Some(beat);
             status.heartbeat = Some(humantime::format_rfc3339_millis(beat).to_string());
-            let result = match tokio::time::timeout(WRITE_TIMEOUT, self.writer.write(&status)).await
-            {
-                Ok(r) => r,
-                Err(_) => Err(format!("no answer within {WRITE_TIMEOUT:?}")),
+            // Repeated until it lands (a heartbeat that waits a period after
+            // each failure goes stale on a flaky API server); after a failed
+            // write, a single attempt per period, so an outage gets no burst.
+            let policy =
+                super::delivery::Policy::for_period(self.settings.heartbeat, WRITE_TIMEOUT);
+            let policy = if self.write_error.is_some() {
+                policy.single()
+            } else {
+                policy
             };
+            let result = super::delivery::deliver(&policy, || self.writer.write(&status)).await;
             match result {
                 Ok(()) => {
                     self.last_write_ok = Instant::now();

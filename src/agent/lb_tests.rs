@@ -20,12 +20,21 @@ const SERVER: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
 struct Writes {
     log: Arc<Mutex<Vec<(Instant, Status)>>>,
     fail: Arc<AtomicBool>,
+    /// How the next writes answer: after this long, written or failed.
+    script: Arc<Mutex<std::collections::VecDeque<(Duration, bool)>>>,
 }
 
 impl StatusWriter for Writes {
     async fn write(&self, status: &Status) -> Result<(), String> {
         if self.fail.load(Ordering::SeqCst) {
             return Err("connection refused".into());
+        }
+        let scripted = self.script.lock().unwrap().pop_front();
+        if let Some((after, written)) = scripted {
+            tokio::time::sleep(after).await;
+            if !written {
+                return Err("injected: 503 Service Unavailable".into());
+            }
         }
         self.log
             .lock()
@@ -273,7 +282,9 @@ async fn a_parent_that_is_no_uplink_nor_card_of_the_node_is_refused() {
 /// 30 Services moving onto this node at once, each start behind a guard
 /// probe that takes 300 ms: the heartbeat keeps its period (one after
 /// another the starts took 9 s, during which no status was written and the
-/// node could be judged stale in turn).
+/// node could be judged stale in turn), and nothing moves a second time:
+/// each lease is started once, none is stopped, and every status written
+/// from then on reports all 30.
 #[tokio::test(start_paused = true)]
 async fn thirty_takeovers_at_once_leave_no_heartbeat_gap() {
     let engine = FakeEngine::new();
@@ -300,6 +311,37 @@ async fn thirty_takeovers_at_once_leave_no_heartbeat_gap() {
         "{gap:?} without a status write (starts took {took:?})"
     );
     assert!(took < Duration::from_secs(2), "30 starts took {took:?}");
+    let calls = r.engine.calls();
+    for a in &moved {
+        let starts = calls
+            .iter()
+            .filter(|c| matches!(c, Call::Start { name, .. } if *name == a.interface))
+            .count();
+        assert_eq!(starts, 1, "{} started {starts} times", a.interface);
+        assert!(
+            !calls
+                .iter()
+                .any(|c| matches!(c, Call::Stop { name, .. } if *name == a.interface)),
+            "{} stopped: {calls:?}",
+            a.interface
+        );
+    }
+    assert_eq!(r.engine.running().len(), 30);
+    let all_started = sent + took;
+    for (at, s) in r
+        .writes
+        .all()
+        .into_iter()
+        .filter(|(at, _)| *at > all_started)
+    {
+        assert_eq!(
+            s.leases.len(),
+            30,
+            "a status written {:?} after the starts reports {} leases",
+            at - all_started,
+            s.leases.len()
+        );
+    }
 }
 
 /// An assignment with the node's own MAC is never brought up.
@@ -851,5 +893,32 @@ async fn a_changed_parent_reaches_a_running_lease() {
             };
             2
         ]
+    );
+}
+
+/// A flaky API server (issue #22): a heartbeat write that fails is written
+/// again at once, and one that hangs gets another beside it. Written a
+/// period after each failure, three failures in a row (or one and a slow
+/// answer) made a gap past the controller's staleness bound: it moved
+/// every Service off this healthy node.
+#[tokio::test(start_paused = true)]
+async fn a_failed_or_slow_heartbeat_write_is_repeated_within_the_period() {
+    let r = rig();
+    let period = Duration::from_secs(5);
+    until("the first heartbeat", || !r.writes.all().is_empty()).await;
+    let failed = (Duration::from_millis(5), false);
+    let slow = (period * 9 / 10, true);
+    r.writes
+        .script
+        .lock()
+        .unwrap()
+        .extend([failed, failed, failed, slow]);
+    tokio::time::sleep(period * 6).await;
+    assert!(r.writes.script.lock().unwrap().is_empty(), "the script ran");
+    let at: Vec<Instant> = r.writes.all().into_iter().map(|(t, _)| t).collect();
+    let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default();
+    assert!(
+        gap < period + period / 2,
+        "{gap:?} between two status writes, heartbeat {period:?}"
     );
 }

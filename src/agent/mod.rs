@@ -17,6 +17,7 @@
 //! - the control socket and the optional metrics endpoint.
 
 mod conditions;
+mod delivery;
 pub mod lb;
 mod macvlan;
 mod publish;

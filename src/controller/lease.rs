@@ -86,7 +86,35 @@ fn now_micro() -> MicroTime {
     MicroTime(k8s_openapi::jiff::Timestamp::now())
 }
 
+/// After a round that failed (an error, a timeout), the next one comes
+/// this soon rather than a retry period later: a failed answer comes at
+/// once, and a leader that waited a whole period after each of a few in a
+/// row would let its Lease expire on a merely flaky API server.
+const AFTER_FAILED_ROUND: Duration = Duration::from_millis(100);
+
 /// Runs the election until `shutdown`; then a leader releases the Lease.
+///
+/// Three things keep a leader's Lease through a flaky API server (issue
+/// #22), where each request may fail (5xx, 429) or be held up:
+///
+/// - Only a read that shows another holder ends leading early. A failed
+///   write, even a conflict (our own write that timed out may have landed,
+///   changing the resourceVersion), is followed by a fresh read: leading
+///   lapses by itself at the renew deadline, before any other replica may
+///   take over ([`Timing`]).
+/// - A leader renews from the Lease it last wrote, without reading it first
+///   (as client-go does): one request per renewal, not two, to fail. Only a
+///   conflict makes it read first again.
+/// - A failed round is tried again at once ([`AFTER_FAILED_ROUND`]).
+/// - A request may take up to a lease duration less a retry period (2.5 s
+///   by default): a renewal held up for 1.5 s still keeps the Lease alive
+///   when it lands, while one given up after 1 s was lost, and the next
+///   attempt with it.
+///
+/// And a follower stamps what it read with the time the answer came, not
+/// the time it asked: a read held up for 2 s shows a renewal up to 2 s
+/// younger than the asking time says, and counting from the asking time
+/// took a live leader's Lease.
 pub async fn run(
     api: Api<Lease>,
     name: String,
@@ -96,30 +124,49 @@ pub async fn run(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut elector = Elector::new(identity.clone(), timing);
-    let call = timing.retry_period.max(Duration::from_secs(1));
-    let mut first = true;
+    let call = timing
+        .lease_duration
+        .saturating_sub(timing.retry_period)
+        .max(Duration::from_secs(1));
+    // The Lease as this replica last wrote it, while that is the latest it
+    // knows of: what the next renewal is written over.
+    let mut written: Option<Lease> = None;
+    let mut pause: Option<Duration> = None;
     loop {
-        if !first {
+        if let Some(p) = pause {
             tokio::select! {
-                _ = tokio::time::sleep(elector.next_round()) => {}
+                _ = tokio::time::sleep(p) => {}
                 _ = shutdown.changed() => break,
             }
         }
-        first = false;
+        pause = Some(AFTER_FAILED_ROUND.min(elector.next_round()));
         let started = Instant::now();
-        let current = match tokio::time::timeout(call, api.get_opt(&name)).await {
-            Ok(Ok(l)) => l,
-            Ok(Err(e)) => {
-                tracing::warn!(lease = %name, "cannot read the controller Lease: {e}");
-                continue;
+        let (current, decision) = match written.clone() {
+            Some(lease) => {
+                let transitions = record_of(&lease).transitions;
+                let hold = Decision::Hold {
+                    transitions,
+                    takeover: false,
+                };
+                (Some(lease), hold)
             }
-            Err(_) => {
-                tracing::warn!(lease = %name, "reading the controller Lease timed out");
-                continue;
+            None => {
+                let current = match tokio::time::timeout(call, api.get_opt(&name)).await {
+                    Ok(Ok(l)) => l,
+                    Ok(Err(e)) => {
+                        tracing::warn!(lease = %name, "cannot read the controller Lease: {e}");
+                        continue;
+                    }
+                    Err(_) => {
+                        tracing::warn!(lease = %name, "reading the controller Lease timed out");
+                        continue;
+                    }
+                };
+                let record = current.as_ref().map(record_of);
+                let decision = elector.decide(record.as_ref(), Instant::now());
+                (current, decision)
             }
         };
-        let record = current.as_ref().map(record_of);
-        let decision = elector.decide(record.as_ref(), started);
         let duration_secs = lease_duration_seconds(timing.lease_duration);
         let result = match decision {
             Decision::Follow { holder } => {
@@ -128,6 +175,7 @@ pub async fn run(
                 }
                 elector.lost();
                 leadership.follow(Some(holder));
+                pause = Some(elector.next_round());
                 continue;
             }
             Decision::Create => {
@@ -151,9 +199,7 @@ pub async fn run(
                 transitions,
                 takeover,
             } => {
-                let mut lease = current
-                    .clone()
-                    .expect("Hold is decided on an existing Lease");
+                let mut lease = current.expect("Hold is decided on an existing Lease");
                 let spec = lease.spec.get_or_insert_with(Default::default);
                 spec.holder_identity = Some(identity.clone());
                 spec.lease_duration_seconds = Some(duration_secs);
@@ -168,17 +214,25 @@ pub async fn run(
             }
         };
         match result {
-            Ok(Ok(_)) => {
+            Ok(Ok(lease)) => {
                 if !leadership.leading_at(started) {
                     tracing::info!(%identity, "leading: holding the controller Lease");
                 }
                 elector.renewed(started);
                 leadership.renewed(started, timing.renew_deadline, &identity);
+                written = Some(lease);
+                // The next renewal a retry period after this one began.
+                pause = Some(
+                    (started + elector.next_round()).saturating_duration_since(Instant::now()),
+                );
             }
             Ok(Err(e)) => {
-                tracing::info!(lease = %name, "did not get the controller Lease: {e}");
-                elector.lost();
-                leadership.follow(record.and_then(|r| r.holder));
+                if matches!(&e, kube::Error::Api(s) if s.code == 409) {
+                    // Written since we read it (by another replica, or by
+                    // our own write that timed out): read who holds it.
+                    written = None;
+                }
+                tracing::info!(lease = %name, "did not write the controller Lease: {e}");
             }
             Err(_) => tracing::warn!(lease = %name, "writing the controller Lease timed out"),
         }
@@ -217,6 +271,229 @@ async fn release(api: &Api<Lease>, name: &str, identity: &str, leadership: &Lead
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::VecDeque;
+    use std::sync::Arc;
+
+    use http_body_util::BodyExt;
+    use kube::client::Body;
+
+    const TIMING: Timing = Timing {
+        lease_duration: Duration::from_secs(3),
+        renew_deadline: Duration::from_secs(2),
+        retry_period: Duration::from_millis(500),
+    };
+
+    /// How one request is treated: held up this long, then answered with
+    /// this error code or served.
+    #[derive(Debug, Clone, Copy)]
+    struct Fault(u64, Option<u16>);
+
+    /// An API server holding one Lease, with faults scripted per method.
+    #[derive(Default)]
+    struct FakeApi {
+        lease: Mutex<(u64, LeaseSpec)>,
+        gets: Mutex<VecDeque<Fault>>,
+        puts: Mutex<VecDeque<Fault>>,
+        /// Every write that landed: when, and the holder it wrote.
+        writes: Mutex<Vec<(Instant, Option<String>)>>,
+    }
+
+    impl FakeApi {
+        fn new(holder: Option<&str>) -> Arc<FakeApi> {
+            let api = Arc::new(FakeApi::default());
+            api.set_holder(holder, 0);
+            api
+        }
+
+        /// Another replica writes the Lease (a renewal numbered `n`).
+        fn set_holder(&self, holder: Option<&str>, n: i64) {
+            let mut l = self.lease.lock().unwrap();
+            l.0 += 1;
+            let at = k8s_openapi::jiff::Timestamp::from_second(1_700_000_000 + n).unwrap();
+            l.1 = LeaseSpec {
+                holder_identity: holder.map(String::from),
+                lease_duration_seconds: Some(3),
+                renew_time: Some(MicroTime(at)),
+                lease_transitions: Some(0),
+                ..Default::default()
+            };
+        }
+
+        fn holder(&self) -> Option<String> {
+            self.lease.lock().unwrap().1.holder_identity.clone()
+        }
+
+        fn object(&self) -> serde_json::Value {
+            let l = self.lease.lock().unwrap();
+            serde_json::json!({
+                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": "l", "namespace": "ns", "resourceVersion": l.0.to_string()},
+                "spec": l.1,
+            })
+        }
+
+        async fn serve(&self, req: http::Request<Body>) -> http::Response<Body> {
+            let method = req.method().clone();
+            let script = if method == http::Method::GET {
+                &self.gets
+            } else {
+                &self.puts
+            };
+            let Fault(delay, code) = script.lock().unwrap().pop_front().unwrap_or(Fault(0, None));
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            if let Some(code) = code {
+                return status(code);
+            }
+            if method == http::Method::GET {
+                return json(200, &self.object());
+            }
+            let bytes = req.into_body().collect().await.unwrap().to_bytes();
+            let lease: Lease = serde_json::from_slice(&bytes).unwrap();
+            let mut l = self.lease.lock().unwrap();
+            if lease.metadata.resource_version != Some(l.0.to_string()) {
+                return status(409);
+            }
+            l.0 += 1;
+            l.1 = lease.spec.unwrap_or_default();
+            self.writes
+                .lock()
+                .unwrap()
+                .push((Instant::now(), l.1.holder_identity.clone()));
+            drop(l);
+            json(200, &self.object())
+        }
+    }
+
+    fn json(code: u16, body: &serde_json::Value) -> http::Response<Body> {
+        http::Response::builder()
+            .status(code)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string().into_bytes()))
+            .unwrap()
+    }
+
+    fn status(code: u16) -> http::Response<Body> {
+        json(
+            code,
+            &serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "message": "injected", "reason": "InternalError", "code": code}),
+        )
+    }
+
+    /// Runs the election of `identity` against `fake`.
+    fn elect(fake: &Arc<FakeApi>, identity: &str) -> (Arc<Leadership>, watch::Sender<bool>) {
+        let served = fake.clone();
+        let service = tower::service_fn(move |req| {
+            let fake = served.clone();
+            async move { Ok::<_, std::convert::Infallible>(fake.serve(req).await) }
+        });
+        let client = kube::Client::new(service, "ns");
+        let leadership = Arc::new(Leadership::default());
+        let (stop, shutdown) = watch::channel(false);
+        tokio::spawn(run(
+            Api::namespaced(client, "ns"),
+            "l".into(),
+            identity.into(),
+            TIMING,
+            leadership.clone(),
+            shutdown,
+        ));
+        (leadership, stop)
+    }
+
+    /// A leader whose renewals fail (500, 503, 429) keeps leading and
+    /// keeps its Lease fresh: it gave up the lead at the first failed
+    /// write.
+    #[tokio::test(start_paused = true)]
+    async fn failed_renewals_neither_end_the_lead_nor_let_the_lease_expire() {
+        let fake = FakeApi::new(None);
+        let (leadership, _stop) = elect(&fake, "b");
+        let t0 = Instant::now();
+        while !leadership.leading() {
+            assert!(t0.elapsed() < Duration::from_secs(5), "never led");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        fake.puts.lock().unwrap().extend([
+            Fault(1, Some(500)),
+            Fault(1, Some(503)),
+            Fault(1, Some(429)),
+        ]);
+        let led = Instant::now();
+        while led.elapsed() < Duration::from_secs(10) {
+            assert!(
+                leadership.leading(),
+                "stopped leading {:?} after the failures began",
+                led.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(leadership.term(), 1);
+        assert!(fake.puts.lock().unwrap().is_empty(), "the script ran");
+        let writes = fake.writes.lock().unwrap().clone();
+        assert!(writes.iter().all(|(_, h)| h.as_deref() == Some("b")));
+        let gap = writes.windows(2).map(|w| w[1].0 - w[0].0).max().unwrap();
+        assert!(gap < TIMING.renew_deadline, "{gap:?} between renewals");
+    }
+
+    /// An API server that answers every renewal 1.5 s late: each lands,
+    /// and the leader keeps its lead. Given up after 1 s, none landed and
+    /// the Lease expired under a live leader.
+    #[tokio::test(start_paused = true)]
+    async fn renewals_that_answer_late_still_keep_the_lease() {
+        let fake = FakeApi::new(None);
+        let (leadership, _stop) = elect(&fake, "b");
+        let t0 = Instant::now();
+        while !leadership.leading() {
+            assert!(t0.elapsed() < Duration::from_secs(5), "never led");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        fake.puts.lock().unwrap().extend([Fault(1_500, None); 20]);
+        let slow = Instant::now();
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        let writes: Vec<Instant> = fake
+            .writes
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(at, _)| *at)
+            .filter(|at| *at > slow)
+            .collect();
+        assert!(
+            writes.len() >= 8,
+            "{} renewals landed in 15 s",
+            writes.len()
+        );
+        let mut gaps = vec![writes[0] - slow];
+        gaps.extend(writes.windows(2).map(|w| w[1] - w[0]));
+        let gap = gaps.into_iter().max().unwrap();
+        assert!(gap < TIMING.lease_duration, "{gap:?} between renewals");
+        assert_eq!(fake.holder().as_deref(), Some("b"));
+    }
+
+    /// A follower's read held up 950 ms shows the leader's renewal of just
+    /// before the answer. Counting its age from when the read was sent,
+    /// the follower took the Lease of a leader renewing every 2.8 s, within
+    /// its 3 s.
+    #[tokio::test(start_paused = true)]
+    async fn a_delayed_read_does_not_make_a_live_leaders_lease_look_expired() {
+        let fake = FakeApi::new(Some("a"));
+        fake.gets.lock().unwrap().push_back(Fault(950, None));
+        let t0 = Instant::now();
+        let leader = fake.clone();
+        tokio::spawn(async move {
+            for n in 1..=4 {
+                tokio::time::sleep_until(t0 + Duration::from_millis(900 + 2_800 * (n - 1))).await;
+                leader.set_holder(Some("a"), n as i64);
+            }
+        });
+        let (leadership, _stop) = elect(&fake, "b");
+        while t0.elapsed() < Duration::from_secs(10) {
+            assert_eq!(fake.holder().as_deref(), Some("a"), "at {:?}", t0.elapsed());
+            assert!(!leadership.leading());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(leadership.holder().as_deref(), Some("a"));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn leading_lapses_at_the_renew_deadline_and_terms_count() {

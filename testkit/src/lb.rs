@@ -28,6 +28,8 @@ use kube::api::{
     PostParams,
 };
 
+use crate::rig::faultproxy::{FaultProxy, seed_from_env};
+use crate::rig::forward::Forwarder;
 use crate::rig::{self, Rig, RigOptions};
 
 /// The controller's namespace in `packaging/kubernetes/` (the agent's
@@ -64,6 +66,12 @@ pub struct Options {
     /// Leave `uplink` out of the agents' configuration: each takes its
     /// guest's default route's interface (eth0), as a node does by default.
     pub uplink_from_route: bool,
+    /// Put a [`FaultProxy`] in front of the API server and give the agents
+    /// and controllers kubeconfigs that point at it (the test's own admin
+    /// client still talks to the API server directly). Its faults are off
+    /// until the test turns them on ([`LbRig::fault_proxy`]); its seed is
+    /// `HNA_FAULT_SEED`, else a fresh one, printed either way.
+    pub fault_proxy: bool,
 }
 
 impl Options {
@@ -78,6 +86,7 @@ impl Options {
             endpoint_slices: false,
             admission_policy: true,
             uplink_from_route: false,
+            fault_proxy: false,
         }
     }
 }
@@ -94,13 +103,18 @@ impl Drop for Proc {
     }
 }
 
-/// Fields drop in order: the agents, the controllers and the admin client
-/// go before the rig, so its kube-apiserver stops with no client connected
-/// (with clients it waits out its 5 s grace and is killed).
+/// Fields drop in order: the agents, the controllers, the fault proxy and
+/// the admin client go before the rig, so its kube-apiserver stops with no
+/// client connected (with clients it waits out its 5 s grace and is
+/// killed).
 pub struct LbRig {
     pub client_ns: String,
     agents: Vec<Option<Proc>>,
     controllers: Vec<Option<Proc>>,
+    /// The proxy's port made reachable in each guest, as the rig does for
+    /// the API server's.
+    proxy_forwarders: Vec<Forwarder>,
+    proxy: Option<FaultProxy>,
     admin: kube::Client,
     rt: tokio::runtime::Runtime,
     opts: Options,
@@ -139,8 +153,13 @@ impl LbRig {
             admin,
             agents: Vec::new(),
             controllers: Vec::new(),
+            proxy_forwarders: Vec::new(),
+            proxy: None,
             opts,
         };
+        if lb.opts.fault_proxy {
+            lb.start_fault_proxy()?;
+        }
         for i in 0..lb.opts.guests {
             // A node's own address on its uplink, as a VM has from its
             // network: replies from a LoadBalancer address (a /32 without a
@@ -163,6 +182,44 @@ impl LbRig {
             lb.start_controller(i)?;
         }
         Ok(lb)
+    }
+
+    fn start_fault_proxy(&mut self) -> Result<()> {
+        let api = self.rig.apiserver().context("API server")?;
+        let seed = seed_from_env()?;
+        let (cert, key) = api.serving_cert();
+        let proxy = FaultProxy::start(api.port(), &cert, &key, api.ca_path(), seed)
+            .context("starting the fault proxy")?;
+        println!(
+            "fault proxy on {} in front of {}: seed {seed} (replay with {}={seed})",
+            proxy.url(),
+            api.url(),
+            rig::faultproxy::SEED_ENV
+        );
+        for ns in self.rig.guest_namespaces().to_vec() {
+            let fwd = Forwarder::start(&ns, proxy.port())
+                .with_context(|| format!("forward the proxy's port into {ns}"))?;
+            self.proxy_forwarders.push(fwd);
+        }
+        self.proxy = Some(proxy);
+        Ok(())
+    }
+
+    /// The fault proxy the agents and controllers talk through, with
+    /// [`Options::fault_proxy`].
+    pub fn fault_proxy(&self) -> Option<&FaultProxy> {
+        self.proxy.as_ref()
+    }
+
+    /// The kubeconfig of node `node` (`Some`) or of the controllers: through
+    /// the fault proxy when there is one.
+    fn kubeconfig(&self, node: Option<&str>) -> Result<PathBuf> {
+        let api = self.rig.apiserver().context("API server")?;
+        match (&self.proxy, node) {
+            (Some(p), _) => api.kubeconfig_via(node, &p.url(), "via-proxy"),
+            (None, Some(n)) => Ok(api.node_kubeconfig(n).to_path_buf()),
+            (None, None) => Ok(api.controller_kubeconfig().to_path_buf()),
+        }
     }
 
     pub fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
@@ -273,7 +330,7 @@ impl LbRig {
                 self.opts.agent_config
             ),
         )?;
-        let api = self.rig.apiserver().context("API server")?;
+        let kubeconfig = self.kubeconfig(Some(&node))?;
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -288,7 +345,7 @@ impl LbRig {
             .arg("--socket")
             .arg(dir.join("agent.sock"))
             .arg("--kubeconfig")
-            .arg(api.node_kubeconfig(&node))
+            .arg(&kubeconfig)
             .env("HNA_LOG_TARGET", "stderr")
             .env("RUST_LOG", "info,harvester_node_agent=debug")
             .stdout(Stdio::null())
@@ -313,6 +370,10 @@ impl LbRig {
     /// Guest `i` is switched off ([`Rig::delete_guest`]): its agent,
     /// listener and links die with its namespace.
     pub fn delete_guest(&mut self, i: usize) -> Result<()> {
+        let ns = self.rig.guest_ns(i).to_string();
+        if let Some(f) = self.proxy_forwarders.iter_mut().find(|f| f.netns() == ns) {
+            f.stop();
+        }
         self.rig.delete_guest(i)?;
         if let Some(mut p) = self.agents[i].take() {
             let _ = p.child.wait();
@@ -347,7 +408,7 @@ impl LbRig {
     }
 
     pub fn start_controller(&mut self, i: usize) -> Result<()> {
-        let api = self.rig.apiserver().context("API server")?;
+        let kubeconfig = self.kubeconfig(None)?;
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -362,7 +423,7 @@ impl LbRig {
             ])
             .args(["--identity", &Self::controller_identity(i)])
             .arg("--kubeconfig")
-            .arg(api.controller_kubeconfig())
+            .arg(&kubeconfig)
             .args(&self.opts.controller_args)
             // Slices: the default (`auto`), which reads v1 EndpointSlices
             // on every supported server. Endpoints: asked for, as `auto`

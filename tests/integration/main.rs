@@ -27,6 +27,7 @@ mod dhcp_probe;
 mod dhcp_rig;
 mod docs;
 mod failover;
+mod flaky_api;
 mod kiwi;
 mod loadbalancer;
 mod manifests;
@@ -60,6 +61,7 @@ fn main() -> std::process::ExitCode {
         current_api::tests(),
         tenants::tests(),
         failover::tests(),
+        flaky_api::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),

@@ -171,6 +171,26 @@ impl ApiServer {
         &self.ca_path
     }
 
+    /// The serving certificate and its key (PEM, next to [`Self::ca_path`]),
+    /// for a stand-in that answers as the API server (the fault proxy).
+    pub fn serving_cert(&self) -> (PathBuf, PathBuf) {
+        let pki = self.ca_path.parent().unwrap_or(Path::new("."));
+        (pki.join("apiserver.crt"), pki.join("apiserver.key"))
+    }
+
+    /// Writes a kubeconfig like [`Self::node_kubeconfig`] (node `Some`) or
+    /// [`Self::controller_kubeconfig`] (`None`), with the same credentials,
+    /// but pointing at `url` (a proxy in front of this server); `tag` keeps
+    /// the file apart from the direct one.
+    pub fn kubeconfig_via(&self, node: Option<&str>, url: &str, tag: &str) -> Result<PathBuf> {
+        let (creds, file) = match node {
+            Some(n) => (self.node(n), format!("node-{n}-{tag}")),
+            None => (&self.controller, format!("controller-{tag}")),
+        };
+        let dir = self.log.parent().context("the rig directory")?;
+        write_kubeconfig(dir, &file, url, &self.ca_pem, creds)
+    }
+
     /// Kubeconfig of user `hna-rig-admin`, group `system:masters`.
     pub fn admin_kubeconfig(&self) -> &Path {
         &self.admin.kubeconfig

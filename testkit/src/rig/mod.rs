@@ -31,6 +31,7 @@
 //! leases) after the rig is dropped.
 
 pub mod apiserver;
+pub mod faultproxy;
 pub mod forward;
 pub mod manifests;
 pub mod process;

@@ -1,0 +1,199 @@
+//! One status write, delivered through a flaky API server in time.
+//!
+//! The controller counts a node as dead when its heartbeat has not changed
+//! for 3 s, three heartbeat periods. Written once per period, a heartbeat
+//! whose write fails waits a whole period for the next one: three failed
+//! writes in a row (a 429, a 503 and a 500, at a fifth of requests failing
+//! a few times an hour per node), or a failed write followed by one held up
+//! for 2 s, and the controller moves every Service off a healthy node.
+//!
+//! So a write is an [`attempt`](deliver) that is repeated: a failed attempt
+//! is followed by another a moment later, and one that has not answered
+//! for a while gets an identical one beside it (the first answer wins; a
+//! merge patch of the same status twice is the same status). Failed answers
+//! come at once, so the repeats cost milliseconds; a slow answer no longer
+//! decides alone when the heartbeat lands.
+
+use std::future::Future;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::time::Instant;
+
+/// How one write is delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    /// No answer for this long from the latest attempt: another goes out
+    /// beside it.
+    pub hedge_after: Duration,
+    /// After a failed attempt, the next goes out this much later.
+    pub retry_after: Duration,
+    pub max_in_flight: usize,
+    /// Attempts in all (1: a single request, as after an outage began).
+    pub max_attempts: usize,
+    /// New attempts go out only this long after the first: then the next
+    /// write is due anyway.
+    pub window: Duration,
+    /// The whole write ends after this long, answered or not.
+    pub timeout: Duration,
+}
+
+impl Policy {
+    /// For a status written every `period`.
+    pub fn for_period(period: Duration, timeout: Duration) -> Policy {
+        Policy {
+            hedge_after: period / 4,
+            retry_after: Duration::from_millis(50),
+            max_in_flight: 4,
+            max_attempts: 8,
+            window: period,
+            timeout,
+        }
+    }
+
+    /// One attempt, no repeats.
+    pub fn single(self) -> Policy {
+        Policy {
+            max_attempts: 1,
+            ..self
+        }
+    }
+}
+
+/// Runs `attempt` until one succeeds, as `policy` says; the error is the
+/// last attempt's, or the timeout.
+pub async fn deliver<F, Fut>(policy: &Policy, mut attempt: F) -> Result<(), String>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    let start = Instant::now();
+    let deadline = start + policy.timeout;
+    let window_end = start + policy.window;
+    let mut in_flight = FuturesUnordered::new();
+    in_flight.push(attempt());
+    let mut launched = 1;
+    let mut last_launch = start;
+    let mut retry_at: Option<Instant> = None;
+    let mut last_error: Option<String> = None;
+    loop {
+        let may_launch = launched < policy.max_attempts && in_flight.len() < policy.max_in_flight;
+        let hedge_at = (!in_flight.is_empty()).then(|| last_launch + policy.hedge_after);
+        let next_launch = [retry_at, hedge_at]
+            .into_iter()
+            .flatten()
+            .min()
+            .filter(|at| may_launch && *at < window_end);
+        if in_flight.is_empty() && next_launch.is_none() {
+            return Err(last_error.unwrap_or_else(|| "not written".into()));
+        }
+        tokio::select! {
+            Some(result) = in_flight.next(), if !in_flight.is_empty() => match result {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    last_error = Some(e);
+                    retry_at = Some(Instant::now() + policy.retry_after);
+                }
+            },
+            _ = sleep_until_opt(next_launch) => {
+                in_flight.push(attempt());
+                launched += 1;
+                last_launch = Instant::now();
+                retry_at = None;
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                return Err(format!("no answer within {:?}", policy.timeout));
+            }
+        }
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    const POLICY: Policy = Policy {
+        hedge_after: Duration::from_millis(250),
+        retry_after: Duration::from_millis(50),
+        max_in_flight: 4,
+        max_attempts: 8,
+        window: Duration::from_secs(1),
+        timeout: Duration::from_secs(10),
+    };
+
+    type Attempt = std::pin::Pin<Box<dyn Future<Output = Result<(), String>>>>;
+
+    /// Attempts answer as scripted (delay, success), in order; past the
+    /// script, at once with success. Records when each went out.
+    fn scripted(script: Vec<(u64, bool)>) -> (Arc<Mutex<Vec<Instant>>>, impl FnMut() -> Attempt) {
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let log = sent.clone();
+        let mut script = script.into_iter();
+        let attempt = move || {
+            log.lock().unwrap().push(Instant::now());
+            let (ms, ok) = script.next().unwrap_or((0, true));
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                if ok { Ok(()) } else { Err("500".to_string()) }
+            }) as Attempt
+        };
+        (sent, attempt)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_attempts_are_repeated_at_once() {
+        let (sent, attempt) = scripted(vec![(1, false), (1, false), (1, false)]);
+        let t0 = Instant::now();
+        assert_eq!(deliver(&POLICY, attempt).await, Ok(()));
+        assert_eq!(sent.lock().unwrap().len(), 4);
+        assert!(
+            t0.elapsed() < Duration::from_millis(200),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_attempt_gets_a_second_beside_it_and_the_first_answer_wins() {
+        let (sent, attempt) = scripted(vec![(1_900, true), (5, true)]);
+        let t0 = Instant::now();
+        assert_eq!(deliver(&POLICY, attempt).await, Ok(()));
+        let took = t0.elapsed();
+        assert!(took < Duration::from_millis(300), "{took:?}");
+        assert_eq!(sent.lock().unwrap().len(), 2);
+    }
+
+    /// An outage: every attempt fails. A bounded burst, then the error;
+    /// a single attempt is just that.
+    #[tokio::test(start_paused = true)]
+    async fn every_attempt_failing_ends_in_the_last_error() {
+        let (sent, attempt) = scripted(vec![(1, false); 20]);
+        assert_eq!(deliver(&POLICY, attempt).await, Err("500".into()));
+        assert_eq!(sent.lock().unwrap().len(), POLICY.max_attempts);
+        let (sent, attempt) = scripted(vec![(1, false); 20]);
+        assert_eq!(deliver(&POLICY.single(), attempt).await, Err("500".into()));
+        assert_eq!(sent.lock().unwrap().len(), 1);
+    }
+
+    /// Nothing answers: at most `max_in_flight` at once, none after the
+    /// window, and the whole write ends at the timeout.
+    #[tokio::test(start_paused = true)]
+    async fn hung_attempts_are_bounded_and_time_out() {
+        let (sent, attempt) = scripted(vec![(60_000, true); 20]);
+        let t0 = Instant::now();
+        assert!(deliver(&POLICY, attempt).await.is_err());
+        assert_eq!(t0.elapsed(), POLICY.timeout);
+        let sent = sent.lock().unwrap();
+        assert_eq!(sent.len(), POLICY.max_in_flight);
+        assert!(sent.iter().all(|at| *at - t0 < POLICY.window));
+    }
+}
