@@ -105,7 +105,7 @@ const AFTER_FAILED_ROUND: Duration = Duration::from_millis(100);
 /// - A leader renews from the Lease it last wrote, without reading it first
 ///   (as client-go does): one request per renewal, not two, to fail. Only a
 ///   conflict makes it read first again.
-/// - A failed round is tried again at once ([`AFTER_FAILED_ROUND`]).
+/// - A failed round is tried again at once (`AFTER_FAILED_ROUND`).
 /// - A request may take up to a lease duration less a retry period (2.5 s
 ///   by default): a renewal held up for 1.5 s still keeps the Lease alive
 ///   when it lands, while one given up after 1 s was lost, and the next
