@@ -17,6 +17,7 @@ pub mod addrwatch;
 pub mod arpprobe;
 pub mod failover;
 pub mod lb;
+pub mod locate;
 pub mod prereq;
 pub mod rig;
 pub mod vm;
@@ -44,5 +45,5 @@ pub fn find_program(name: &str) -> Option<PathBuf> {
             .map(PathBuf::from),
         )
         .map(|dir| dir.join(name))
-        .find(|p| rig::apiserver::is_executable(p))
+        .find(|p| locate::is_executable(p))
 }

@@ -10,14 +10,11 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use crate::find_program;
-use crate::rig::apiserver::{Binaries, is_executable};
-// The kernel and image lookups only, never `vm` itself: the VM harness
-// checks its prerequisites here, and this file must not import it back.
-use crate::vm::image::cached as cached_image;
-use crate::vm::kernel::find_kernel;
-
-/// dnsmasq, the rig's DHCP server.
-pub const DNSMASQ: &str = "/usr/sbin/dnsmasq";
+// Where things are, never `rig` or `vm` themselves: they check their
+// prerequisites here, and this file must not import them back.
+use crate::locate::image::cached as cached_image;
+use crate::locate::kernel::find_kernel;
+use crate::locate::{Binaries, DNSMASQ, is_executable};
 
 /// The command that installs every prerequisite.
 pub const INSTALL_ALL: &str = "sudo tests/rig/prereqs.sh";
@@ -49,7 +46,7 @@ pub enum Prereq {
     /// The VM harness's programs: `qemu-system-x86_64`, kmod's `modprobe`
     /// and `depmod`, `cpio`, `busybox`, `ldd` and `strip`.
     Qemu,
-    /// Debian's kernel package unpacked in the cache (see [`crate::vm::kernel()`]).
+    /// Debian's kernel package unpacked in the cache (see `vm::kernel()`).
     VmKernel,
     /// `/usr/sbin/qemu-ga`, Debian's qemu-guest-agent.
     QemuGuestAgent,
@@ -69,7 +66,7 @@ pub enum Prereq {
     /// [`Prereq::VmImage`]).
     ImageTools,
     /// The Debian image `tests/rig/image.sh` builds and caches
-    /// ([`crate::vm::image::cached`]).
+    /// (`locate::image::cached`).
     VmImage,
     /// `cargo-deb` ([`CARGO_DEB_VERSION`]), in `PATH` or cargo's `bin`.
     CargoDeb,

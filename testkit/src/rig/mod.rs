@@ -56,7 +56,7 @@ use forward::Forwarder;
 use process::{ChildProc, pid_alive, run, run_args, tail};
 
 /// The rig's DHCP server (where the prerequisite check looks for it).
-pub use crate::prereq::DNSMASQ;
+pub use crate::locate::DNSMASQ;
 /// The LAN subnet.
 pub const SUBNET: &str = "10.77.0.0/24";
 /// Address of `br0` in the LAN namespace (the DHCP server).

@@ -1,4 +1,4 @@
-//! Booting the cached image ([`super::image`]): the NoCloud seed and qemu.
+//! Booting the cached image ([`crate::locate::image`]): the NoCloud seed and qemu.
 //! Apart from the image lookup, so that finding the image (which the
 //! prerequisite check does) needs nothing that checks prerequisites.
 
@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use super::image::{Image, run};
 use super::qga::Qga;
 use super::require_program;
+use crate::locate::image::{Image, run};
 
 /// A NoCloud seed ISO (`cidata`) at `<dir>/<name>.iso` with `user-data`,
 /// `meta-data` and `files` (name in the ISO, file on the host).

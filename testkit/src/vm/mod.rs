@@ -46,9 +46,7 @@
 //! used, or the folder named by `HNA_VM_KERNEL_DIR`. When one is missing,
 //! [`kernel()`] fails naming it and its install command.
 
-pub mod image;
 mod initramfs;
-pub mod kernel;
 pub mod machine;
 mod qemu;
 pub mod qga;
@@ -58,9 +56,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 
 pub use crate::find_program;
+pub use crate::locate::kernel::{DEFAULT_CACHE_DIR, Kernel, find_kernel, version_cmp};
+pub use crate::locate::{image, kernel};
 use crate::prereq::{INSTALL_ALL, Prereq, require};
 pub use initramfs::Initramfs;
-pub use kernel::{DEFAULT_CACHE_DIR, Kernel, find_kernel, version_cmp};
 pub use qemu::{VmOptions, VmRun, boot};
 
 /// What booting a VM needs from the machine.

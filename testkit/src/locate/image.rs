@@ -10,12 +10,12 @@
 //! - [`Image::variant_without`]: another raw disk made with `mkfs.ext4 -d`
 //!   from a hard-linked copy of the cached rootfs minus some files (e.g.
 //!   `macvlan.ko`, with `depmod` re-run on the host);
-//! - [`super::machine::nocloud_seed`]: a NoCloud seed ISO (label `cidata`) with `user-data`,
+//! - `vm::machine::nocloud_seed`: a NoCloud seed ISO (label `cidata`) with `user-data`,
 //!   `meta-data` and any other file (the agent's `.deb`);
-//! - [`super::machine::Machine::boot`]: qemu (TCG, direct kernel boot from the image's
+//! - `vm::machine::Machine::boot`: qemu (TCG, direct kernel boot from the image's
 //!   `/boot`, `root=/dev/vda`), the console in a file, a virtio-serial
 //!   `org.qemu.guest_agent.0` channel whose host end is a socket
-//!   ([`super::machine::Machine::qga`]), and optionally a NIC on a tap device in a network
+//!   (`Machine::qga`), and optionally a NIC on a tap device in a network
 //!   namespace (qemu runs inside it).
 
 use std::fs;
@@ -90,7 +90,7 @@ pub fn cached() -> Result<Image> {
 }
 
 /// Runs `cmd`, failing with its output when it fails.
-pub(super) fn run(cmd: &mut Command) -> Result<String> {
+pub(crate) fn run(cmd: &mut Command) -> Result<String> {
     let out = cmd
         .output()
         .with_context(|| format!("cannot run {cmd:?}"))?;
