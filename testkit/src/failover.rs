@@ -26,6 +26,10 @@ pub enum Fault {
     Graceful,
     /// Its uplink loses carrier (the LAN side of its veth goes down).
     CablePulled,
+    /// Its uplink is set down by its owner (`ip link set eth0 down`, as a
+    /// network service restart does): the carrier cannot be read and the
+    /// default route goes with it.
+    UplinkSetDown,
     /// Its VM is gone: the namespace deleted with everything in it.
     GuestDeleted,
     /// `GuestDeleted`, and the controller leader killed at the same moment.
@@ -33,9 +37,10 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 4] = [
+    pub const ALL: [Fault; 5] = [
         Fault::Graceful,
         Fault::CablePulled,
+        Fault::UplinkSetDown,
         Fault::GuestDeleted,
         Fault::LeaderAndHolder,
     ];
@@ -44,6 +49,7 @@ impl Fault {
         match self {
             Fault::Graceful => "graceful stop (SIGTERM)",
             Fault::CablePulled => "uplink down (no carrier)",
+            Fault::UplinkSetDown => "uplink set down by its owner",
             Fault::GuestDeleted => "holder's namespace deleted",
             Fault::LeaderAndHolder => "leader killed + namespace deleted",
         }
@@ -129,6 +135,25 @@ pub fn set_cable(lb: &LbRig, i: usize, up: bool) -> Result<()> {
     Ok(())
 }
 
+/// Guest `i`'s uplink set down or up from inside the guest, as its owner
+/// does (`ip link set eth0 down`); up also puts back the default route the
+/// kernel dropped with it, as the node's network service would.
+pub fn set_uplink(lb: &LbRig, i: usize, up: bool) -> Result<()> {
+    let ns = lb.rig.guest_ns(i);
+    let st = Command::new("ip")
+        .args(["-n", ns, "link", "set", "eth0"])
+        .arg(if up { "up" } else { "down" })
+        .status()?;
+    ensure!(st.success(), "ip -n {ns} link set eth0: {st}");
+    if up {
+        let st = Command::new("ip")
+            .args(["-n", ns, "route", "replace", "default", "via", crate::rig::LAN_ADDR])
+            .status()?;
+        ensure!(st.success(), "ip -n {ns} route replace default: {st}");
+    }
+    Ok(())
+}
+
 /// Serves Service `name`, does `fault` to its holder and waits up to
 /// `within` for another guest to hold the address.
 pub fn fail_over(lb: &mut LbRig, name: &str, fault: Fault, within: Duration) -> Result<Failover> {
@@ -168,6 +193,7 @@ pub fn fail_over_after(
             ensure!(status.success(), "the agent's stop: {status}");
         }
         Fault::CablePulled => set_cable(lb, from, false)?,
+        Fault::UplinkSetDown => set_uplink(lb, from, false)?,
         Fault::GuestDeleted | Fault::LeaderAndHolder => {
             if let Some(c) = leader {
                 lb.kill_controller(c);

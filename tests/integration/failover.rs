@@ -19,6 +19,7 @@ tests! {
     a_stopped_holder_hands_its_address_over_within_a_second: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_frozen_holder_keeps_its_address_until_it_is_gone: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_holder_whose_uplink_is_set_down_hands_over_and_comes_back_without_the_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_moment_without_a_default_route_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -210,6 +211,51 @@ fn a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back() -> Result<
         f.story()
     );
     clean(&f, Duration::MAX)
+}
+
+/// Issue #20: the holder's owner sets its uplink down (a network service
+/// restart), which is not a carrier loss: the default route goes too. The
+/// holder hands over at once; when the uplink comes back up, its old link
+/// holds no address, so no ARP request is answered twice and the address
+/// stays with the new holder.
+fn a_holder_whose_uplink_is_set_down_hands_over_and_comes_back_without_the_address() -> Result<()> {
+    let mut lb = LbRig::start(options())?;
+    let f = fail_over(&mut lb, "web", Fault::UplinkSetDown, Duration::from_secs(10))?;
+    clean(&f, Duration::from_secs(3))?;
+    reachable(&lb, &f)?;
+
+    let prober = failover::arp_prober(&lb, f.ip)?;
+    let back = Instant::now();
+    failover::set_uplink(&lb, f.from, true)?;
+    let ready = wait_for(WITHIN, || {
+        lb.node_object(&lb.node_name(f.from))
+            .is_some_and(|o| o["status"]["ready"] == true)
+            .then_some(())
+    });
+    ensure!(ready.is_some(), "guest {} never ready again", f.from);
+    // A whole staleness period and more after it is ready again.
+    std::thread::sleep(Duration::from_secs(4).saturating_sub(back.elapsed()));
+    let arp = prober.finish()?;
+    let twice = arp.doubly_answered();
+    ensure!(
+        twice.is_empty(),
+        "{} ARP requests answered twice after the uplink came back (first at +{:?}):\n{}",
+        twice.len(),
+        twice[0] - back,
+        f.story()
+    );
+    ensure!(
+        f.watch.taken_by_other(f.ip, f.to, back).is_none() && f.watch.overlaps(f.ip).is_empty(),
+        "the old holder took the address back:\n{}",
+        timeline(&f.watch, f.ip, f.t0)
+    );
+    ensure!(
+        lb.carriers(f.ip).len() == 1,
+        "{} on {:?}",
+        f.ip,
+        lb.carriers(f.ip)
+    );
+    reachable(&lb, &f)
 }
 
 /// The holder's VM is switched off (its namespace deleted with everything

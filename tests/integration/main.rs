@@ -28,6 +28,7 @@ mod dhcp_rig;
 mod docs;
 mod failover;
 mod flaky_api;
+mod hostile_node;
 mod kiwi;
 mod loadbalancer;
 mod manifests;
@@ -62,6 +63,7 @@ fn main() -> std::process::ExitCode {
         tenants::tests(),
         failover::tests(),
         flaky_api::tests(),
+        hostile_node::tests(),
         rig_selftest::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),

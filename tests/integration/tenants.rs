@@ -2,7 +2,8 @@
 //! own namespace (issue #22), on the rig's real API server with the shipped
 //! manifests: it cannot take another namespace's address without that
 //! namespace's consent, cannot learn whether another namespace's Service
-//! exists, and cannot clone another Service's MAC or address.
+//! exists, cannot clone another Service's MAC or address, and cannot make
+//! the root agent build a macvlan on a host interface of its choosing.
 
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use crate::harness::tests;
 tests! {
     a_tenant_cannot_take_another_namespaces_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_tenant_cannot_clone_another_services_mac_or_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_tenant_cannot_put_an_address_on_a_host_interface: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
@@ -183,5 +185,89 @@ fn a_tenant_cannot_clone_another_services_mac_or_address() -> Result<()> {
     );
     ensure!(links_with_mac(&mac) == 1 && lb.carriers(ip).len() == 1);
     ensure!(lb.ingress_ip("team-b/web") == Some(ip));
+    Ok(())
+}
+
+/// The macvlans on `parent` in every guest, by guest: `ip -d link` reads
+/// the kernel, whatever the agents report.
+pub fn macvlans_on(lb: &LbRig, parent: &str) -> Vec<(usize, String)> {
+    (0..lb.rig.guest_count())
+        .flat_map(|g| {
+            let out = std::process::Command::new("ip")
+                .args(["-n", lb.rig.guest_ns(g), "-j", "-d", "link", "show"])
+                .output()
+                .expect("ip link");
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            v.as_array()
+                .into_iter()
+                .flatten()
+                .filter(|l| {
+                    l["link"] == parent && l["linkinfo"]["info_kind"] == "macvlan"
+                })
+                .filter_map(|l| l["ifname"].as_str().map(|n| (g, n.to_string())))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// `net.ipv4.conf.<iface>.<key>` in guest `g`, read from the kernel.
+pub fn ipv4_conf(lb: &LbRig, g: usize, iface: &str, key: &str) -> String {
+    let out = lb
+        .rig
+        .netns_cmd(lb.rig.guest_ns(g), "cat")
+        .arg(format!("/proc/sys/net/ipv4/conf/{iface}/{key}"))
+        .output()
+        .expect("cat");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// Every guest gets a CNI bridge, as every node of a real cluster has one.
+pub fn add_cni_bridges(lb: &LbRig) -> Result<()> {
+    for g in 0..lb.rig.guest_count() {
+        let ns = lb.rig.guest_ns(g);
+        hna_testkit::rig::process::run_args(
+            "ip",
+            ["-n", ns, "link", "add", "cni0", "type", "bridge"],
+        )?;
+        hna_testkit::rig::process::run_args("ip", ["-n", ns, "link", "set", "cni0", "up"])?;
+    }
+    Ok(())
+}
+
+fn a_tenant_cannot_put_an_address_on_a_host_interface() -> Result<()> {
+    let lb = LbRig::start(options())?;
+    add_cni_bridges(&lb)?;
+    let before: Vec<String> = (0..3).map(|g| ipv4_conf(&lb, g, "cni0", "arp_ignore")).collect();
+    lb.create_namespace("team-a")?;
+    lb.create_service(
+        "team-a/bridged",
+        &[
+            (harvester::IPAM, "dhcp"),
+            (kube_vip::SERVICE_INTERFACE, "cni0"),
+        ],
+        &[LISTEN_PORT],
+    )?;
+    let why = lb.wait_warning("team-a/bridged", "NetworkNotResolved", WITHIN);
+    ensure!(
+        why.contains("cni0") && why.contains(kube_vip::SERVICE_INTERFACE) && why.contains("eth0"),
+        "the refusal does not say what is wrong and what to use instead: {why}"
+    );
+    // A Service created after it is served: the controller has decided
+    // the bridged one long since.
+    lb.create_service("team-a/plain", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT + 1])?;
+    lb.wait_ingress("team-a/plain", ADDRESS_WITHIN);
+    ensure!(
+        ingress_is_empty(&lb, "team-a/bridged"),
+        "the bridged Service got an address"
+    );
+    let s = lb.service("team-a/bridged").unwrap();
+    ensure!(
+        s.metadata.finalizers.unwrap_or_default().is_empty(),
+        "the refused Service carries a finalizer"
+    );
+    let on_bridge = macvlans_on(&lb, "cni0");
+    ensure!(on_bridge.is_empty(), "macvlans on cni0: {on_bridge:?}");
+    let after: Vec<String> = (0..3).map(|g| ipv4_conf(&lb, g, "cni0", "arp_ignore")).collect();
+    ensure!(before == after, "cni0's arp_ignore changed: {before:?} -> {after:?}");
     Ok(())
 }
