@@ -17,182 +17,24 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::Ipv4Addr;
 
-use crate::contract::node_object::{Assignment, Spec, Status};
-use crate::contract::{
-    self, AddressIdentity, Annotations, ClassPolicy, FINALIZER, Selection, ServiceKey, ServiceView,
-    harvester, kube_vip,
-};
-use crate::controller::networks::{self, NetworkMap, NoUplink};
+use crate::contract::node_object::{Assignment, Spec};
+use crate::contract::{self, AddressIdentity, Selection, ServiceKey, harvester, kube_vip};
+use crate::controller::networks::{self, NoUplink};
 use crate::controller::placement::{self, ServiceNeed};
+
+mod events;
+mod plan;
+mod world;
+
+use events::describe_sharers;
+pub use events::{EventOut, EventType, reason};
+pub use plan::{Plan, Summary, Write};
+pub use world::{BOUND, IP_MODE_VIP, Ingress, NodeIn, NodeNetworks, Port, ServiceIn, World};
 
 /// The annotations the controller writes on a Service it serves (kube-vip's
 /// record, so that moving back to kube-vip keeps the address).
 pub const OUR_ANNOTATIONS: [&str; 3] =
     [kube_vip::HWADDR, kube_vip::REQUESTED_IP, kube_vip::VIP_HOST];
-
-/// The DHCP state of a lease that holds its address.
-pub const BOUND: &str = "BOUND";
-
-/// One port of a Service (`spec.ports[]`, as the ingress lists it).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Port {
-    pub port: i32,
-    pub protocol: String,
-}
-
-impl std::fmt::Display for Port {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.port, self.protocol)
-    }
-}
-
-/// One entry of `status.loadBalancer.ingress`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Ingress {
-    pub ip: String,
-    /// `ipMode` ([`IP_MODE_VIP`] when written by us on a server that knows
-    /// the field).
-    pub ip_mode: Option<String>,
-    pub ports: Vec<Port>,
-}
-
-/// `ipMode: VIP`: the address is delivered to the nodes with the
-/// destination unchanged (it is held on a node's macvlan), so kube-proxy
-/// may short-circuit traffic from inside the cluster to it.
-pub const IP_MODE_VIP: &str = "VIP";
-
-/// A Service as the decision needs it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ServiceIn {
-    pub key: ServiceKey,
-    pub uid: String,
-    /// `spec.type`.
-    pub type_: String,
-    pub load_balancer_class: Option<String>,
-    /// `spec.ipFamilies` (empty: not set, IPv4 on an IPv4 cluster).
-    pub ip_families: Vec<String>,
-    /// `spec.clusterIPs`: never a load-balancer address.
-    pub cluster_ips: Vec<String>,
-    /// `externalTrafficPolicy: Local`: the nodes with a ready endpoint,
-    /// the only ones that may hold the address. `None`: `Cluster`.
-    pub local_endpoints: Option<BTreeSet<String>>,
-    pub annotations: Annotations,
-    pub ports: Vec<Port>,
-    /// `status.loadBalancer.ingress` now.
-    pub ingress: Vec<Ingress>,
-    pub finalizers: Vec<String>,
-    /// `metadata.deletionTimestamp` is set.
-    pub deleting: bool,
-    /// `metadata.deletionTimestamp` in seconds (0 unknown).
-    pub deleting_since: i64,
-    /// `metadata.creationTimestamp` in seconds (0 unknown): between two
-    /// Services asking for one identity, the older one has it.
-    pub created: i64,
-}
-
-impl ServiceIn {
-    fn view(&self) -> ServiceView {
-        ServiceView {
-            type_: self.type_.clone(),
-            load_balancer_class: self.load_balancer_class.clone(),
-            annotations: self.annotations.clone(),
-        }
-    }
-
-    fn has_our_finalizer(&self) -> bool {
-        self.finalizers.iter().any(|f| f == FINALIZER)
-    }
-
-    fn first_ip(&self) -> Option<&str> {
-        self.ingress.first().map(|i| i.ip.as_str())
-    }
-}
-
-/// A `LoadBalancerNode` as the decision needs it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NodeIn {
-    pub name: String,
-    pub spec: Spec,
-    pub status: Status,
-    /// Ready and heartbeating, judged on the controller's clock
-    /// (`controller::liveness`).
-    pub eligible: bool,
-}
-
-impl NodeIn {
-    /// The address of the lease for `service` on `interface`, if BOUND.
-    fn bound_address(&self, service: &str, interface: &str) -> Option<&str> {
-        self.status
-            .leases
-            .iter()
-            .find(|l| l.service == service && l.interface == interface && l.state == BOUND)
-            .and_then(|l| l.address.as_deref())
-    }
-
-    /// Whether the agent still reports a lease (in any state) there.
-    fn lists_lease(&self, service: &str, interface: &str) -> bool {
-        self.status
-            .leases
-            .iter()
-            .any(|l| l.service == service && l.interface == interface)
-    }
-}
-
-/// Everything one decision reads.
-#[derive(Debug, Clone, Copy)]
-pub struct World<'a> {
-    pub services: &'a [ServiceIn],
-    /// The names of the Kubernetes Nodes.
-    pub nodes: &'a [String],
-    pub node_objects: &'a [NodeIn],
-    /// The nodes whose Role and RoleBinding this process has applied.
-    pub access_ensured: &'a BTreeSet<String>,
-    /// VM network → interface (`cloudprovider.harvesterhci.io/network`).
-    pub networks: &'a NetworkMap,
-    /// Which `loadBalancerClass` values are ours.
-    pub classes: &'a ClassPolicy,
-    /// The Nodes' own addresses and Pod CIDRs: never a load-balancer
-    /// address.
-    pub node_networks: &'a NodeNetworks,
-    /// Now, in seconds on the controller's wall clock (for how long a
-    /// deletion has waited).
-    pub now: i64,
-    /// The API server knows `status.loadBalancer.ingress[].ipMode`
-    /// (Kubernetes 1.30 and later): it is written as [`IP_MODE_VIP`].
-    pub ip_mode: bool,
-}
-
-/// What the Nodes say of their own networks (`status.addresses`,
-/// `spec.podCIDRs`), IPv4 only.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NodeNetworks {
-    pub addresses: BTreeSet<Ipv4Addr>,
-    /// `(network, prefix length)`.
-    pub pod_cidrs: Vec<(Ipv4Addr, u8)>,
-}
-
-impl NodeNetworks {
-    /// Adds a Node's `status.addresses[].address` and `spec.podCIDRs`
-    /// (IPv6 and malformed entries are skipped).
-    pub fn add(&mut self, addresses: &[&str], pod_cidrs: &[&str]) {
-        self.addresses
-            .extend(addresses.iter().filter_map(|a| a.parse::<Ipv4Addr>().ok()));
-        self.pod_cidrs.extend(pod_cidrs.iter().filter_map(|c| {
-            let (net, len) = c.split_once('/')?;
-            Some((
-                net.parse().ok()?,
-                len.parse().ok().filter(|l: &u8| *l <= 32)?,
-            ))
-        }));
-    }
-
-    fn pod_cidr_of(&self, ip: Ipv4Addr) -> Option<(Ipv4Addr, u8)> {
-        self.pod_cidrs.iter().copied().find(|(net, len)| {
-            let mask = u32::MAX.checked_shl(32 - u32::from(*len)).unwrap_or(0);
-            u32::from(ip) & mask == u32::from(*net) & mask
-        })
-    }
-}
 
 /// Why `ip`, reported by a holder for `s`, cannot be its load-balancer
 /// address: a node credential could otherwise publish any address (the API
@@ -244,137 +86,6 @@ pub const RELEASE_TIMEOUT_SECS: i64 = 30;
 /// Whether `s` is being deleted and has waited [`RELEASE_TIMEOUT_SECS`].
 pub fn release_overdue(s: &ServiceIn, now: i64) -> bool {
     s.deleting && s.deleting_since > 0 && now - s.deleting_since >= RELEASE_TIMEOUT_SECS
-}
-
-/// One write, in the order of [`Plan::writes`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Write {
-    /// Strategic merge patch appending [`FINALIZER`].
-    AddFinalizer(ServiceKey),
-    /// A `LoadBalancerNode` with an empty spec, plus the node's Role and
-    /// RoleBinding.
-    CreateNodeObject(String),
-    /// The node's Role and RoleBinding (applied, so also repaired).
-    EnsureNodeAccess(String),
-    /// The whole `spec.assignments` of a node object (merge patch).
-    /// `services`: whose assignments changed; their later writes wait for
-    /// this one.
-    SetSpec {
-        node: String,
-        spec: Spec,
-        services: Vec<ServiceKey>,
-    },
-    /// `status.loadBalancer.ingress` (status subresource, merge patch);
-    /// empty clears it.
-    ServiceStatus {
-        service: ServiceKey,
-        ingress: Vec<Ingress>,
-    },
-    /// Merge patch of annotations; `None` removes the key.
-    ServiceAnnotations {
-        service: ServiceKey,
-        set: BTreeMap<String, Option<String>>,
-    },
-    /// Strategic merge patch `$deleteFromPrimitiveList` of [`FINALIZER`]
-    /// (other finalizers stay).
-    RemoveFinalizer(ServiceKey),
-    /// The node is gone: its object, Role and RoleBinding.
-    DeleteNodeObject(String),
-}
-
-impl Write {
-    /// The Services whose later writes depend on this one succeeding.
-    pub fn services(&self) -> Vec<&ServiceKey> {
-        match self {
-            Write::AddFinalizer(s) | Write::RemoveFinalizer(s) => vec![s],
-            Write::ServiceStatus { service, .. } | Write::ServiceAnnotations { service, .. } => {
-                vec![service]
-            }
-            Write::SetSpec { services, .. } => services.iter().collect(),
-            Write::CreateNodeObject(_)
-            | Write::EnsureNodeAccess(_)
-            | Write::DeleteNodeObject(_) => Vec::new(),
-        }
-    }
-
-    /// A short name for metrics and logs.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Write::AddFinalizer(_) => "add_finalizer",
-            Write::CreateNodeObject(_) => "create_node_object",
-            Write::EnsureNodeAccess(_) => "node_access",
-            Write::SetSpec { .. } => "node_spec",
-            Write::ServiceStatus { .. } => "service_status",
-            Write::ServiceAnnotations { .. } => "service_annotations",
-            Write::RemoveFinalizer(_) => "remove_finalizer",
-            Write::DeleteNodeObject(_) => "delete_node_object",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum EventType {
-    Normal,
-    Warning,
-}
-
-/// An Event on a Service.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EventOut {
-    pub service: ServiceKey,
-    pub uid: String,
-    pub type_: EventType,
-    pub reason: &'static str,
-    pub message: String,
-}
-
-/// Event reasons (the `reason` field: CamelCase, stable).
-pub mod reason {
-    pub const HOLDER_CHOSEN: &str = "HolderChosen";
-    pub const MOVED: &str = "HolderMoved";
-    pub const ADDRESS_ASSIGNED: &str = "AddressAssigned";
-    pub const ADDRESS_SHARED: &str = "AddressShared";
-    pub const NO_ELIGIBLE_NODE: &str = "NoEligibleNode";
-    pub const RELEASING: &str = "Releasing";
-    pub const RELEASED: &str = "Released";
-    pub const RELEASED_WITHOUT_DHCPRELEASE: &str = "ReleasedWithoutDHCPRelease";
-    pub const SECONDARIES_LIVE: &str = "SecondariesStillShareAddress";
-    pub const IPAM_CHANGE_REFUSED: &str = "IPAMChangeRefused";
-    pub const PORTS_OVERLAP: &str = "PortsOverlap";
-    pub const PRIMARY_IS_SECONDARY: &str = "PrimaryIsSecondary";
-    pub const PRIMARY_NOT_OURS: &str = "PrimaryNotOurs";
-    pub const INVALID: &str = "InvalidConfiguration";
-    pub const HANDED_OVER: &str = "HandedOver";
-    pub const NETWORK_UNRESOLVED: &str = "NetworkNotResolved";
-    pub const IPV4_REQUIRED: &str = "IPv4Required";
-    pub const IPV6_NOT_SERVED: &str = "IPv6NotServed";
-    pub const SHARING_ENDED: &str = "SharingEnded";
-    pub const IDENTITY_IN_USE: &str = "AddressIdentityInUse";
-    pub const ADDRESS_IMPLAUSIBLE: &str = "AddressImplausible";
-}
-
-/// How the Services stand, for the `STATUS=` line and metrics.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Summary {
-    /// Primaries whose status carries their holder's address.
-    pub served: usize,
-    /// Primaries waiting for a holder or a lease.
-    pub pending: usize,
-    /// Secondaries sharing their primary's address.
-    pub shared: usize,
-    /// Services being released (deleted, finalizer still ours).
-    pub releasing: usize,
-    /// Services refused or invalid (a Warning says why).
-    pub refused: usize,
-    pub nodes_eligible: usize,
-    pub nodes_total: usize,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Plan {
-    pub writes: Vec<Write>,
-    pub events: Vec<EventOut>,
-    pub summary: Summary,
 }
 
 /// The status write that gives `s` the address `ip` with its own ports,
@@ -438,20 +149,6 @@ fn families_served(
         *refused += 1;
     }
     serve
-}
-
-/// `default/api, default/db and 2 Services in other namespaces`: the names
-/// of `namespace`'s own Services only, the others counted.
-fn describe_sharers(namespace: &str, sharers: &[&ServiceKey]) -> String {
-    let (own, others): (Vec<&&ServiceKey>, Vec<&&ServiceKey>) =
-        sharers.iter().partition(|k| k.namespace == namespace);
-    let mut parts: Vec<String> = own.iter().map(|k| k.to_string()).collect();
-    match others.len() {
-        0 => {}
-        1 => parts.push("1 Service in another namespace".into()),
-        n => parts.push(format!("{n} Services in other namespaces")),
-    }
-    parts.join(", ")
 }
 
 /// The primaries among `needs` that ask for a link name, a MAC, a client
@@ -1352,6 +1049,8 @@ fn clear_service(s: &ServiceIn, statuses: &mut Vec<Write>, annotations: &mut Vec
 mod tests {
     use super::*;
     use crate::contract::node_object::LeaseReport;
+    use crate::contract::{Annotations, ClassPolicy, FINALIZER};
+    use crate::controller::networks::NetworkMap;
 
     const NS: &str = "default";
 
