@@ -3,6 +3,8 @@
 
 use crate::contract::ServiceKey;
 
+use super::world::ServiceIn;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum EventType {
     Normal,
@@ -42,6 +44,32 @@ pub mod reason {
     pub const SHARING_ENDED: &str = "SharingEnded";
     pub const IDENTITY_IN_USE: &str = "AddressIdentityInUse";
     pub const ADDRESS_IMPLAUSIBLE: &str = "AddressImplausible";
+}
+
+/// The Events of one decision, in the order it came to them.
+#[derive(Debug, Default)]
+pub(super) struct Events(Vec<EventOut>);
+
+impl Events {
+    pub(super) fn tell(
+        &mut self,
+        s: &ServiceIn,
+        type_: EventType,
+        reason: &'static str,
+        message: String,
+    ) {
+        self.0.push(EventOut {
+            service: s.key.clone(),
+            uid: s.uid.clone(),
+            type_,
+            reason,
+            message,
+        })
+    }
+
+    pub(super) fn into_vec(self) -> Vec<EventOut> {
+        self.0
+    }
 }
 
 /// `default/api, default/db and 2 Services in other namespaces`: the names
