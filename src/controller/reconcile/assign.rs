@@ -137,3 +137,70 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
         pass.annotations.extend(record(s, id, ip, holder));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use crate::contract::kube_vip;
+    use crate::controller::reconcile::reason;
+    use crate::controller::reconcile::test_support::{Sim, dhcp, reasons};
+
+    #[test]
+    fn a_healthy_holder_is_kept_a_dead_ones_services_move_and_keep_their_address() {
+        let mut sim = Sim::new(&["n1", "n2", "n3"]);
+        for i in 0..6 {
+            sim.services.push(dhcp(&format!("s{i}"), &[80]));
+        }
+        sim.settle();
+        let before: BTreeMap<String, String> = (0..6)
+            .map(|i| (format!("s{i}"), sim.holders(&format!("s{i}"))[0].0.clone()))
+            .collect();
+        let ips: Vec<String> = sim
+            .services
+            .iter()
+            .map(|s| s.ingress[0].ip.clone())
+            .collect();
+        // A node that comes back or a new one changes nothing.
+        sim.nodes.push("n4".into());
+        sim.up.insert("n4".into());
+        sim.settle();
+        let dead = before["s0"].clone();
+        sim.up.remove(&dead);
+        let plans = sim.settle();
+        for (name, was) in &before {
+            let now = sim.holders(name);
+            assert_eq!(now.len(), 1, "{name}: {now:?}");
+            if *was == dead {
+                assert_ne!(now[0].0, dead, "{name} moved");
+                assert_eq!(sim.svc(name).annotations[kube_vip::VIP_HOST], now[0].0);
+            } else {
+                assert_eq!(now[0].0, *was, "{name} stays on its healthy holder");
+            }
+        }
+        let ips_after: Vec<String> = sim
+            .services
+            .iter()
+            .map(|s| s.ingress[0].ip.clone())
+            .collect();
+        assert_eq!(ips, ips_after, "the same address after the move");
+        assert!(reasons(&plans).contains(&reason::MOVED));
+        assert!(
+            !reasons(&plans).contains(&reason::ADDRESS_ASSIGNED),
+            "same address: no new status"
+        );
+    }
+
+    #[test]
+    fn without_an_eligible_node_nothing_moves_and_a_warning_says_so() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        sim.up.clear();
+        let p = sim.settle();
+        assert_eq!(p.len(), 1, "no writes");
+        assert_eq!(sim.holders("web")[0].0, "n1");
+        assert_eq!(sim.svc("web").ingress[0].ip, "10.77.0.150", "status kept");
+        assert_eq!(reasons(&p), vec![reason::NO_ELIGIBLE_NODE]);
+    }
+}

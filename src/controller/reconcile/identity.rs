@@ -125,3 +125,96 @@ pub(super) fn assignment_of(
         release: false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use crate::contract::kube_vip;
+    use crate::controller::reconcile::reason;
+    use crate::controller::reconcile::test_support::{Sim, dhcp, in_namespace, key, uid};
+
+    #[test]
+    fn a_mac_client_or_address_in_use_is_refused_and_the_first_keeps_it() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        let mut web = dhcp("web", &[80]);
+        web.created = 100;
+        sim.services.push(web);
+        sim.settle();
+        let mac = sim.holders("web")[0].1.mac.clone();
+        let ip = sim.svc("web").ingress[0].ip.clone();
+
+        // A newer Service copies web's MAC (kube-vip's record), another
+        // its address, and two newcomers one hostname.
+        let mut copy_mac = in_namespace(dhcp("copy-mac", &[80]), "team-a");
+        copy_mac.created = 200;
+        copy_mac
+            .annotations
+            .insert(kube_vip::HWADDR.into(), mac.clone());
+        let mut copy_ip = in_namespace(dhcp("copy-ip", &[80]), "team-a");
+        copy_ip.created = 300;
+        copy_ip
+            .annotations
+            .insert(kube_vip::REQUESTED_IP.into(), ip.clone());
+        let mut host_a = dhcp("host-a", &[80]);
+        host_a.created = 400;
+        host_a.annotations.insert(
+            kube_vip::LOADBALANCER_HOSTNAME.into(),
+            "lb.example.com".into(),
+        );
+        let mut host_b = host_a.clone();
+        host_b.key.name = "host-b".into();
+        host_b.uid = uid("host-b");
+        host_b.created = 500;
+        sim.services.extend([copy_mac, copy_ip, host_a, host_b]);
+        let plans = sim.settle();
+        let refused: Vec<(String, String)> = plans
+            .iter()
+            .flat_map(|p| &p.events)
+            .filter(|e| e.reason == reason::IDENTITY_IN_USE)
+            .map(|e| (e.service.name.clone(), e.message.clone()))
+            .collect();
+        let names: BTreeSet<&str> = refused.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            ["copy-ip", "copy-mac", "host-b"].into(),
+            "{refused:?}"
+        );
+        assert!(
+            refused.iter().all(|(_, m)| !m.contains("web")),
+            "{refused:?}"
+        );
+        for name in ["copy-mac", "copy-ip", "host-b"] {
+            let s = sim.services.iter().find(|s| s.key.name == name).unwrap();
+            assert!(s.ingress.is_empty() && s.finalizers.is_empty(), "{name}");
+            assert!(sim.holders(name).is_empty(), "{name}");
+        }
+        assert_eq!(sim.holders("web")[0].1.mac, mac, "web keeps its MAC");
+        assert_eq!(sim.svc("web").ingress[0].ip, ip);
+        assert_eq!(sim.holders("host-a").len(), 1);
+
+        // Two UIDs with the same first 8 hex digits: one link name.
+        let mut twin = dhcp("twin", &[80]);
+        twin.uid = format!("{}-ffff-4fff-8fff-ffffffffffff", &sim.svc("web").uid[..8]);
+        twin.created = 600;
+        sim.services.push(twin);
+        let plans = sim.settle();
+        assert!(
+            plans
+                .iter()
+                .flat_map(|p| &p.events)
+                .any(|e| e.service == key("twin")
+                    && e.reason == reason::IDENTITY_IN_USE
+                    && e.message.contains("link name")),
+            "{plans:?}"
+        );
+        assert!(sim.holders("twin").is_empty());
+        sim.services.retain(|s| s.key.name != "twin");
+
+        // Deleting the copy releases nothing of web's.
+        sim.services.retain(|s| s.key.name != "copy-mac");
+        sim.settle();
+        assert_eq!(sim.holders("web")[0].1.mac, mac);
+        assert!(!sim.holders("web")[0].1.release);
+    }
+}

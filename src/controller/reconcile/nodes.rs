@@ -73,3 +73,46 @@ impl<'a> Nodes<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::controller::reconcile::Write;
+    use crate::controller::reconcile::test_support::{Sim, dhcp};
+
+    #[test]
+    fn nodes_get_an_object_and_access_and_lose_them_with_the_node() {
+        let mut sim = Sim::new(&[]);
+        sim.nodes = vec!["n1".into(), "n2".into()];
+        let p = sim.plan();
+        assert_eq!(
+            p.writes,
+            vec![
+                Write::CreateNodeObject("n1".into()),
+                Write::CreateNodeObject("n2".into()),
+                Write::EnsureNodeAccess("n1".into()),
+                Write::EnsureNodeAccess("n2".into()),
+            ]
+        );
+        sim.settle();
+        assert_eq!(sim.objects.len(), 2);
+        sim.nodes.retain(|n| n != "n2");
+        assert_eq!(
+            sim.plan().writes,
+            vec![Write::DeleteNodeObject("n2".into())]
+        );
+    }
+
+    #[test]
+    fn a_deleted_nodes_services_move() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let (was, _) = sim.holders("web")[0].clone();
+        sim.nodes.retain(|n| *n != was);
+        sim.settle();
+        let now = sim.holders("web");
+        assert_eq!(now.len(), 1);
+        assert_ne!(now[0].0, was);
+        assert!(sim.objects.iter().all(|o| o.name != was));
+    }
+}

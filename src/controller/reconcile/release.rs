@@ -186,3 +186,113 @@ pub(super) fn orphans(pass: &mut Pass<'_>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::controller::reconcile::test_support::{Sim, dhcp, events, key, reasons};
+    use crate::controller::reconcile::{OUR_ANNOTATIONS, RELEASE_TIMEOUT_SECS, Write, reason};
+
+    #[test]
+    fn delete_releases_first_then_clears_and_removes_the_finalizer() {
+        let mut sim = Sim::new(&["n1"]);
+        let mut web = dhcp("web", &[80]);
+        web.finalizers
+            .push("service.kubernetes.io/load-balancer-cleanup".into());
+        sim.services.push(web);
+        sim.settle();
+        sim.svc_mut("web").deleting = true;
+        let p = sim.plan();
+        assert_eq!(p.writes.len(), 1, "{p:?}");
+        let Write::SetSpec { spec, .. } = &p.writes[0] else {
+            panic!("{p:?}")
+        };
+        assert!(spec.assignments[0].release, "release: true first");
+        sim.apply(&p);
+        // Until the holder reports the lease gone, nothing else happens.
+        assert!(sim.plan().writes.is_empty());
+        let plans = sim.settle();
+        assert!(sim.holders("web").is_empty());
+        let s = sim.svc("web");
+        assert!(s.ingress.is_empty(), "status cleared");
+        for k in OUR_ANNOTATIONS {
+            assert!(!s.annotations.contains_key(k), "{k} cleared");
+        }
+        assert_eq!(
+            s.finalizers,
+            vec!["service.kubernetes.io/load-balancer-cleanup".to_string()],
+            "only our finalizer removed"
+        );
+        assert_eq!(reasons(&plans), vec![reason::RELEASED]);
+        assert!(sim.given.is_empty(), "DHCPRELEASE sent");
+    }
+
+    #[test]
+    fn delete_with_a_dead_holder_finishes_with_a_warning() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        sim.up.clear();
+        sim.svc_mut("web").deleting = true;
+        let plans = sim.settle();
+        assert!(sim.services.is_empty(), "deleted");
+        assert!(sim.holders("web").is_empty());
+        assert_eq!(
+            events(&plans)[0],
+            (
+                reason::RELEASED_WITHOUT_DHCPRELEASE,
+                "released without DHCPRELEASE: holder n1 is down".to_string()
+            )
+        );
+    }
+
+    /// A holder that stays up but never lets go holds a deletion for
+    /// [`RELEASE_TIMEOUT_SECS`] only.
+    #[test]
+    fn a_holder_that_never_releases_holds_a_deletion_for_a_bounded_time() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        sim.svc_mut("web").deleting = true;
+        sim.svc_mut("web").deleting_since = sim.now;
+        let (node, _) = sim.holders("web")[0].clone();
+        let p = sim.plan();
+        sim.apply(&p);
+        assert!(sim.holders("web")[0].1.release, "asked to release");
+        // The agent stays eligible and keeps listing the lease: it ignores
+        // `release` (its report is left as it was).
+        sim.now += RELEASE_TIMEOUT_SECS - 1;
+        let p = sim.plan();
+        assert!(p.writes.is_empty(), "still waiting: {p:?}");
+        sim.now += 1;
+        sim.now += RELEASE_TIMEOUT_SECS;
+        let p = sim.plan();
+        assert!(
+            p.events
+                .iter()
+                .any(|e| e.reason == reason::RELEASED_WITHOUT_DHCPRELEASE
+                    && e.message.contains(&node)),
+            "{p:?}"
+        );
+        assert!(
+            p.writes.contains(&Write::RemoveFinalizer(key("web"))),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn assignments_of_vanished_services_are_released() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        // Someone removed our finalizer and the Service is gone.
+        sim.services.clear();
+        let p = sim.plan();
+        let Write::SetSpec { spec, .. } = &p.writes[0] else {
+            panic!("{p:?}")
+        };
+        assert!(spec.assignments[0].release);
+        sim.settle();
+        assert!(sim.holders("web").is_empty());
+        assert!(sim.given.is_empty(), "released");
+    }
+}

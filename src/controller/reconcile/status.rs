@@ -110,3 +110,115 @@ pub(super) fn families_served(s: &ServiceIn, events: &mut Events, refused: &mut 
     }
     serve
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::contract::harvester;
+    use crate::controller::reconcile::test_support::{
+        Sim, dhcp, events, key, port, secondary, uid,
+    };
+    use crate::controller::reconcile::{IP_MODE_VIP, Ingress, reason};
+
+    #[test]
+    fn an_implausible_reported_address_is_not_published() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.node_networks
+            .add(&["10.77.0.10", "fd00::10"], &["10.42.0.0/24"]);
+        let mut kubernetes = dhcp("kubernetes", &[443]);
+        kubernetes.type_ = "ClusterIP".into();
+        kubernetes.annotations.clear();
+        kubernetes.cluster_ips = vec!["10.96.0.1".into()];
+        let mut pool = dhcp("pool", &[80]);
+        pool.annotations = [(harvester::IPAM.to_string(), "pool".to_string())].into();
+        pool.ingress = vec![Ingress {
+            ip: "10.77.0.9".into(),
+            ip_mode: None,
+            ports: vec![port(80)],
+        }];
+        sim.services.extend([kubernetes, pool]);
+        // What a node with stolen credentials could report.
+        let lies = [
+            ("a", "10.96.0.1", "cluster IP"),
+            ("b", "10.77.0.10", "Node's own address"),
+            ("c", "10.42.0.7", "Pod CIDR 10.42.0.0/24"),
+            ("d", "10.77.0.9", "another Service's"),
+            ("e", "127.0.0.1", "not a unicast host address"),
+        ];
+        for (name, lie, _) in lies {
+            let s = dhcp(name, &[80]);
+            sim.given.insert(s.uid.clone(), lie.into());
+            sim.services.push(s);
+        }
+        let plans = sim.settle();
+        for (name, lie, why) in lies {
+            assert!(sim.svc(name).ingress.is_empty(), "{name} published {lie}");
+            assert!(
+                plans
+                    .iter()
+                    .flat_map(|p| &p.events)
+                    .any(|e| e.service == key(name)
+                        && e.reason == reason::ADDRESS_IMPLAUSIBLE
+                        && e.message.contains(why)),
+                "{name}: {plans:?}"
+            );
+        }
+        assert_eq!(sim.svc("pool").ingress[0].ip, "10.77.0.9");
+        // A plausible report is published.
+        sim.given.insert(uid("a"), "10.77.0.150".into());
+        sim.settle();
+        assert_eq!(sim.svc("a").ingress[0].ip, "10.77.0.150");
+    }
+
+    #[test]
+    fn ip_mode_is_written_only_where_the_server_knows_it() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.ip_mode = false;
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        assert_eq!(sim.svc("web").ingress[0].ip_mode, None);
+        // A server that learned the field (an upgrade): written once.
+        sim.ip_mode = true;
+        let plans = sim.settle();
+        assert_eq!(
+            sim.svc("web").ingress[0].ip_mode.as_deref(),
+            Some(IP_MODE_VIP)
+        );
+        assert_eq!(plans.len(), 2, "one write, then settled: {plans:?}");
+    }
+
+    #[test]
+    fn dhcp_serves_the_ipv4_family_and_refuses_ipv6_only() {
+        let mut sim = Sim::new(&["n1"]);
+        let mut v6 = dhcp("v6", &[80]);
+        v6.ip_families = vec!["IPv6".into()];
+        let mut dual = dhcp("dual", &[80]);
+        dual.ip_families = vec!["IPv6".into(), "IPv4".into()];
+        let mut v6_secondary = secondary("v6-secondary", "dual", &[81]);
+        v6_secondary.ip_families = vec!["IPv6".into()];
+        sim.services.extend([v6, dual, v6_secondary]);
+        let plans = sim.settle();
+        let said: Vec<(&str, String)> = events(&plans);
+        let about = |name: &str, reason: &str| {
+            plans.iter().flat_map(|p| &p.events).any(|e| {
+                e.service == key(name)
+                    && e.reason == reason
+                    && e.message.contains("DHCP-mode addresses are IPv4")
+            })
+        };
+        assert!(about("v6", reason::IPV4_REQUIRED), "{said:?}");
+        assert!(about("v6-secondary", reason::IPV4_REQUIRED), "{said:?}");
+        assert!(about("dual", reason::IPV6_NOT_SERVED), "{said:?}");
+        let v6 = sim.svc("v6");
+        assert!(v6.ingress.is_empty() && v6.finalizers.is_empty());
+        assert!(sim.holders("v6").is_empty());
+        assert!(sim.svc("v6-secondary").ingress.is_empty());
+        let dual = sim.svc("dual");
+        assert_eq!(dual.ingress.len(), 1);
+        assert!(dual.ingress[0].ip.parse::<std::net::Ipv4Addr>().is_ok());
+        assert_eq!(plans.last().unwrap().summary.refused, 2);
+        // The IPv4 family added (ipFamilyPolicy: PreferDualStack): served.
+        sim.svc_mut("v6").ip_families.push("IPv4".into());
+        sim.settle();
+        assert_eq!(sim.svc("v6").ingress.len(), 1);
+    }
+}
