@@ -1,0 +1,220 @@
+//! The address identity of a primary: the link name, MAC, client
+//! identifier and requested address it asks for, each its own, and the
+//! assignment that carries them to its holder.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::contract::node_object::Assignment;
+use crate::contract::{AddressIdentity, ServiceKey, kube_vip};
+
+use super::events::{EventType, reason};
+use super::pass::{Need, Pass};
+use super::plan::Write;
+use super::specs::Specs;
+use super::world::ServiceIn;
+
+/// One identity, one Service (harvester#11122: the same MAC on two
+/// nodes): a Service asking for a MAC, client identifier or address
+/// another served Service has is refused, and what runs of it is kept.
+pub(super) fn refuse_clashes(pass: &mut Pass<'_>) {
+    let clashes = identity_clashes(&pass.needs, &pass.specs);
+    pass.add_finalizers
+        .retain(|w| !matches!(w, Write::AddFinalizer(k) if clashes.contains_key(k)));
+    pass.needs.retain(|(s, _, _)| match clashes.get(&s.key) {
+        Some(why) => {
+            pass.summary.refused += 1;
+            pass.events
+                .tell(s, EventType::Warning, reason::IDENTITY_IN_USE, why.clone());
+            false
+        }
+        None => true,
+    });
+}
+
+/// The primaries among `needs` that ask for a link name, a MAC, a client
+/// identifier or a requested address another of them has, each with the Event's message.
+/// Who keeps it: a Service whose holder already runs that MAC, then the
+/// older Service, then the first by name. The messages never name the
+/// other Service: it may be another tenant's.
+fn identity_clashes(needs: &[Need<'_>], specs: &Specs) -> BTreeMap<ServiceKey, String> {
+    let mut order: Vec<(bool, i64, &ServiceKey, usize)> = needs
+        .iter()
+        .enumerate()
+        .map(|(i, (s, id, _))| {
+            let mac = crate::mac::format(&id.mac);
+            let holding = specs
+                .holders_of(&s.uid)
+                .iter()
+                .any(|(_, a)| a.mac == mac && !a.release);
+            (!holding, s.created, &s.key, i)
+        })
+        .collect();
+    order.sort();
+    let mut links = BTreeSet::new();
+    let mut macs = BTreeSet::new();
+    let mut clients = BTreeSet::new();
+    let mut addresses = BTreeSet::new();
+    let mut out = BTreeMap::new();
+    for (_, _, key, i) in order {
+        let id = &needs[i].1;
+        let why = if links.contains(&id.interface) {
+            // 32 bits of the UID name the link: two Services can meet.
+            Some(format!(
+                "the link name {} (from the first 8 hex digits of the UID) is already another Service's: delete and create this Service again to get another UID",
+                id.interface
+            ))
+        } else if macs.contains(&id.mac) {
+            Some(format!(
+                "MAC {} is already used by another Service ({}): remove the annotation {} so that this Service gets a MAC of its own",
+                crate::mac::format(&id.mac),
+                if needs[i].0.annotations.contains_key(kube_vip::HWADDR) {
+                    "from kube-vip.io/hwaddr"
+                } else {
+                    "derived from the UID"
+                },
+                kube_vip::HWADDR
+            ))
+        } else if !id.client_id.is_empty() && clients.contains(&id.client_id) {
+            Some(format!(
+                "the DHCP client identifier from {} `{}` is already used by another Service: choose another hostname",
+                kube_vip::LOADBALANCER_HOSTNAME,
+                id.hostname.as_deref().unwrap_or_default()
+            ))
+        } else {
+            id.requested_ip.filter(|ip| addresses.contains(ip)).map(|ip| {
+                format!(
+                    "{} {ip} is already asked for by another Service: remove the annotation to let the DHCP server choose",
+                    kube_vip::REQUESTED_IP
+                )
+            })
+        };
+        match why {
+            Some(why) => {
+                out.insert(key.clone(), why);
+            }
+            None => {
+                links.insert(id.interface.clone());
+                macs.insert(id.mac);
+                if !id.client_id.is_empty() {
+                    clients.insert(id.client_id.clone());
+                }
+                if let Some(ip) = id.requested_ip {
+                    addresses.insert(ip);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// What a Service's own holder should carry.
+pub(super) fn assignment_of(
+    s: &ServiceIn,
+    id: &AddressIdentity,
+    uplink: Option<String>,
+) -> Assignment {
+    Assignment {
+        service: s.key.to_string(),
+        uid: s.uid.clone(),
+        interface: id.interface.clone(),
+        mac: crate::mac::format(&id.mac),
+        client_id: id.client_id.iter().map(|b| format!("{b:02x}")).collect(),
+        hostname: id.hostname.clone(),
+        requested_ip: id.requested_ip.map(|ip| ip.to_string()),
+        uplink,
+        release: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use crate::contract::kube_vip;
+    use crate::controller::reconcile::reason;
+    use crate::controller::reconcile::test_support::{Sim, dhcp, in_namespace, key, uid};
+
+    #[test]
+    fn a_mac_client_or_address_in_use_is_refused_and_the_first_keeps_it() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        let mut web = dhcp("web", &[80]);
+        web.created = 100;
+        sim.services.push(web);
+        sim.settle();
+        let mac = sim.holders("web")[0].1.mac.clone();
+        let ip = sim.svc("web").ingress[0].ip.clone();
+
+        // A newer Service copies web's MAC (kube-vip's record), another
+        // its address, and two newcomers one hostname.
+        let mut copy_mac = in_namespace(dhcp("copy-mac", &[80]), "team-a");
+        copy_mac.created = 200;
+        copy_mac
+            .annotations
+            .insert(kube_vip::HWADDR.into(), mac.clone());
+        let mut copy_ip = in_namespace(dhcp("copy-ip", &[80]), "team-a");
+        copy_ip.created = 300;
+        copy_ip
+            .annotations
+            .insert(kube_vip::REQUESTED_IP.into(), ip.clone());
+        let mut host_a = dhcp("host-a", &[80]);
+        host_a.created = 400;
+        host_a.annotations.insert(
+            kube_vip::LOADBALANCER_HOSTNAME.into(),
+            "lb.example.com".into(),
+        );
+        let mut host_b = host_a.clone();
+        host_b.key.name = "host-b".into();
+        host_b.uid = uid("host-b");
+        host_b.created = 500;
+        sim.services.extend([copy_mac, copy_ip, host_a, host_b]);
+        let plans = sim.settle();
+        let refused: Vec<(String, String)> = plans
+            .iter()
+            .flat_map(|p| &p.events)
+            .filter(|e| e.reason == reason::IDENTITY_IN_USE)
+            .map(|e| (e.service.name.clone(), e.message.clone()))
+            .collect();
+        let names: BTreeSet<&str> = refused.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            ["copy-ip", "copy-mac", "host-b"].into(),
+            "{refused:?}"
+        );
+        assert!(
+            refused.iter().all(|(_, m)| !m.contains("web")),
+            "{refused:?}"
+        );
+        for name in ["copy-mac", "copy-ip", "host-b"] {
+            let s = sim.services.iter().find(|s| s.key.name == name).unwrap();
+            assert!(s.ingress.is_empty() && s.finalizers.is_empty(), "{name}");
+            assert!(sim.holders(name).is_empty(), "{name}");
+        }
+        assert_eq!(sim.holders("web")[0].1.mac, mac, "web keeps its MAC");
+        assert_eq!(sim.svc("web").ingress[0].ip, ip);
+        assert_eq!(sim.holders("host-a").len(), 1);
+
+        // Two UIDs with the same first 8 hex digits: one link name.
+        let mut twin = dhcp("twin", &[80]);
+        twin.uid = format!("{}-ffff-4fff-8fff-ffffffffffff", &sim.svc("web").uid[..8]);
+        twin.created = 600;
+        sim.services.push(twin);
+        let plans = sim.settle();
+        assert!(
+            plans
+                .iter()
+                .flat_map(|p| &p.events)
+                .any(|e| e.service == key("twin")
+                    && e.reason == reason::IDENTITY_IN_USE
+                    && e.message.contains("link name")),
+            "{plans:?}"
+        );
+        assert!(sim.holders("twin").is_empty());
+        sim.services.retain(|s| s.key.name != "twin");
+
+        // Deleting the copy releases nothing of web's.
+        sim.services.retain(|s| s.key.name != "copy-mac");
+        sim.settle();
+        assert_eq!(sim.holders("web")[0].1.mac, mac);
+        assert!(!sim.holders("web")[0].1.release);
+    }
+}

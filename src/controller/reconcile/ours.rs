@@ -1,0 +1,424 @@
+//! Which Services are ours: a DHCP-mode primary of our class is taken on
+//! with a finalizer; one that is no longer ours (another class, no longer
+//! a LoadBalancer) or that opts out is released and handed over; a change
+//! of IPAM mode is refused, and what cannot be made sense of is left
+//! running as it is.
+
+use crate::contract::node_object::Assignment;
+use crate::contract::{self, Selection, harvester, kube_vip};
+use crate::controller::networks::{self, NoUplink};
+
+use super::events::{EventType, reason};
+use super::pass::Pass;
+use super::plan::Write;
+use super::release::release_holders;
+use super::status::families_served;
+use super::world::ServiceIn;
+
+/// A Service not being deleted: a primary to place, a refusal, a handover,
+/// or nothing (a secondary waits for the primaries).
+pub(super) fn admit<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
+    let selection = &pass.selections[&s.key];
+    let ours = s.has_our_finalizer();
+    let holders = pass.specs.holders_of(&s.uid);
+
+    if matches!(selection, Selection::Primary) {
+        // Refused, what runs is kept, as for any Service that cannot be
+        // made sense of (the primary family is immutable, so an
+        // IPv6-only Service was never served).
+        if !families_served(s, &mut pass.events, &mut pass.summary.refused) {
+            return;
+        }
+    }
+    match selection {
+        Selection::Primary if !ours => take_on(pass, s),
+        // What runs is kept while the Service cannot be made sense of.
+        Selection::Primary => match contract::address_identity(&s.uid, &s.annotations) {
+            Ok(id) => {
+                match networks::uplink_of(&s.annotations, pass.world.networks, &pass.nodes.uplinks)
+                {
+                    Ok(uplink) => pass.needs.push((s, id, uplink)),
+                    Err(NoUplink::Wait) => pass.summary.pending += 1,
+                    Err(NoUplink::Refused(why)) => {
+                        pass.summary.refused += 1;
+                        pass.events
+                            .tell(s, EventType::Warning, reason::NETWORK_UNRESOLVED, why);
+                    }
+                }
+            }
+            Err(e) => {
+                pass.summary.refused += 1;
+                pass.events.tell(s, EventType::Warning, reason::INVALID, e);
+            }
+        },
+        Selection::Invalid(e) => {
+            pass.summary.refused += 1;
+            pass.events
+                .tell(s, EventType::Warning, reason::INVALID, e.clone());
+        }
+        Selection::Secondary { .. } => {} // in `sharing`, once primaries are decided
+        Selection::PoolMode if ours => {
+            pass.summary.refused += 1;
+            pass.events.tell(
+                s,
+                EventType::Warning,
+                reason::IPAM_CHANGE_REFUSED,
+                format!(
+                    "{} changed to pool mode: not supported; keeping the DHCP address{}",
+                    harvester::IPAM,
+                    s.first_ip().map(|ip| format!(" {ip}")).unwrap_or_default()
+                ),
+            );
+        }
+        Selection::NotOurs(_) | Selection::PoolMode => {
+            let why = match selection {
+                Selection::NotOurs(why) => why,
+                _ => "pool mode",
+            };
+            if ours || !holders.is_empty() {
+                // An address on a Service that is no LoadBalancer is
+                // false information; a LoadBalancer of another class
+                // keeps what its new implementation may reuse.
+                let clear_status = s.type_ != "LoadBalancer";
+                let message = format!("{why}: address released and handed over");
+                hand_over(pass, s, &holders, clear_status, message);
+            }
+        }
+        Selection::OptedOut => {
+            if ours || !holders.is_empty() {
+                // Released at the DHCP server, the address may go to
+                // anyone: the status no longer claims it. kube-vip's
+                // record stays, so kube-vip asks for the same one.
+                let message = format!(
+                    "{}: address released and handed over; status cleared, kube-vip.io annotations kept, so kube-vip asks for the same address",
+                    contract::IGNORE
+                );
+                hand_over(pass, s, &holders, true, message);
+            }
+        }
+    }
+}
+
+/// A new primary: taken on, unless its address came from Harvester's pool
+/// or it cannot be made sense of.
+fn take_on<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
+    // A status address we did not record: Harvester's pool gave it.
+    let pool_address = s
+        .first_ip()
+        .filter(|ip| s.annotations.get(kube_vip::REQUESTED_IP).map(|v| v.trim()) != Some(*ip));
+    if let Some(ip) = pool_address {
+        pass.summary.refused += 1;
+        pass.events.tell(
+            s,
+            EventType::Warning,
+            reason::IPAM_CHANGE_REFUSED,
+            format!(
+                "{ip} was allocated by Harvester's pool: changing the IPAM mode from pool to dhcp is not supported; recreate the Service to use DHCP"
+            ),
+        );
+    } else {
+        let identity = contract::address_identity(&s.uid, &s.annotations);
+        match identity.map(|id| {
+            (
+                id,
+                networks::uplink_of(&s.annotations, pass.world.networks, &pass.nodes.uplinks),
+            )
+        }) {
+            Err(e) => {
+                pass.summary.refused += 1;
+                pass.events.tell(s, EventType::Warning, reason::INVALID, e);
+            }
+            Ok((_, Err(NoUplink::Wait))) => pass.summary.pending += 1,
+            Ok((_, Err(NoUplink::Refused(why)))) => {
+                pass.summary.refused += 1;
+                pass.events
+                    .tell(s, EventType::Warning, reason::NETWORK_UNRESOLVED, why);
+            }
+            // The finalizer and the holder in one pass: the
+            // finalizer is written first, and a failure there
+            // holds back every later write naming the Service
+            // (the writer's rule), so nothing is ever assigned
+            // without it. Not waiting for its echo saves a
+            // round trip on the way to an address.
+            Ok((id, Ok(uplink))) => {
+                pass.add_finalizers.push(Write::AddFinalizer(s.key.clone()));
+                pass.needs.push((s, id, uplink));
+            }
+        }
+    }
+}
+
+/// Released, not just dropped: whoever serves the Service next (kube-vip
+/// with its option 50, or another class) finds the address free at the
+/// server. Then our finalizer goes, and the status with it where
+/// `clear_status`.
+fn hand_over(
+    pass: &mut Pass<'_>,
+    s: &ServiceIn,
+    holders: &[(String, Assignment)],
+    clear_status: bool,
+    message: String,
+) {
+    if release_holders(
+        s,
+        holders,
+        &pass.nodes.live,
+        &mut pass.specs,
+        &mut pass.events,
+    ) {
+        return;
+    }
+    if clear_status && !s.ingress.is_empty() {
+        pass.statuses.push(Write::ServiceStatus {
+            service: s.key.clone(),
+            ingress: Vec::new(),
+        });
+    }
+    if s.has_our_finalizer() {
+        pass.remove_finalizers
+            .push(Write::RemoveFinalizer(s.key.clone()));
+    }
+    pass.events
+        .tell(s, EventType::Normal, reason::HANDED_OVER, message);
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::contract::{self, ClassPolicy, harvester, kube_vip};
+    use crate::controller::networks::NetworkMap;
+    use crate::controller::reconcile::test_support::{
+        Sim, dhcp, events, key, port, reasons, secondary,
+    };
+    use crate::controller::reconcile::{Ingress, reason};
+
+    #[test]
+    fn ipam_mode_changes_are_refused_and_change_nothing() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let before = sim.clone();
+        // dhcp -> pool: the running address stays.
+        sim.svc_mut("web")
+            .annotations
+            .insert(harvester::IPAM.into(), "pool".into());
+        let p = sim.plan();
+        assert!(p.writes.is_empty(), "{p:?}");
+        assert_eq!(
+            reasons(std::slice::from_ref(&p)),
+            vec![reason::IPAM_CHANGE_REFUSED]
+        );
+        assert_eq!(sim.holders("web"), before.holders("web"));
+
+        // pool -> dhcp: an address from Harvester's pool, never recorded by us.
+        let mut old = dhcp("old", &[80]);
+        old.ingress = vec![Ingress {
+            ip: "10.0.0.9".into(),
+            ip_mode: None,
+            ports: vec![port(80)],
+        }];
+        sim.services.push(old);
+        sim.svc_mut("web")
+            .annotations
+            .insert(harvester::IPAM.into(), "dhcp".into());
+        let p = sim.plan();
+        assert!(p.writes.is_empty(), "{p:?}");
+        assert!(
+            p.events
+                .iter()
+                .any(|e| e.service == key("old") && e.reason == reason::IPAM_CHANGE_REFUSED),
+            "{p:?}"
+        );
+
+        // But a Service kube-vip served (status == its requestedIP) moves to us.
+        let mut migrated = dhcp("migrated", &[80]);
+        migrated.ingress = vec![Ingress {
+            ip: "10.77.0.200".into(),
+            ip_mode: None,
+            ports: vec![port(80)],
+        }];
+        migrated
+            .annotations
+            .insert(kube_vip::REQUESTED_IP.into(), "10.77.0.200".into());
+        migrated
+            .annotations
+            .insert(kube_vip::HWADDR.into(), "00:00:6c:ab:cd:ef".into());
+        sim.services.push(migrated);
+        sim.settle();
+        let (_, a) = &sim.holders("migrated")[0];
+        assert_eq!(a.requested_ip.as_deref(), Some("10.77.0.200"));
+        assert_eq!(a.mac, "00:00:6c:ab:cd:ef", "kube-vip's MAC kept");
+        assert_eq!(sim.svc("migrated").ingress[0].ip, "10.77.0.200");
+    }
+
+    #[test]
+    fn opting_out_releases_and_keeps_the_record_leaving_lb_clears_status() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.services.push(dhcp("gone", &[80]));
+        sim.settle();
+        sim.svc_mut("web")
+            .annotations
+            .insert(contract::IGNORE.into(), "true".into());
+        sim.svc_mut("gone").type_ = "ClusterIP".into();
+        let plans = sim.settle();
+        for name in ["web", "gone"] {
+            assert!(sim.holders(name).is_empty(), "{name}: assignment removed");
+            assert!(
+                sim.svc(name).finalizers.is_empty(),
+                "{name}: finalizer removed"
+            );
+        }
+        assert!(
+            sim.given.is_empty(),
+            "handover releases, so the next implementation finds the address free"
+        );
+        let web = sim.svc("web");
+        assert!(web.ingress.is_empty(), "a released address is not claimed");
+        assert!(
+            web.annotations.contains_key(kube_vip::REQUESTED_IP)
+                && web.annotations.contains_key(kube_vip::HWADDR),
+            "opt-out keeps kube-vip's record"
+        );
+        assert!(
+            sim.svc("gone").ingress.is_empty(),
+            "not a LoadBalancer: no ingress"
+        );
+        assert_eq!(
+            reasons(&plans),
+            vec![
+                reason::RELEASING,
+                reason::RELEASING,
+                reason::HANDED_OVER,
+                reason::HANDED_OVER
+            ]
+        );
+    }
+
+    #[test]
+    fn handing_over_from_a_down_holder_drops_without_waiting() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        sim.up.remove("n1");
+        sim.svc_mut("web")
+            .annotations
+            .insert(contract::IGNORE.into(), "true".into());
+        let plans = sim.settle();
+        assert!(sim.holders("web").is_empty());
+        assert!(sim.svc("web").finalizers.is_empty());
+        assert_eq!(
+            reasons(&plans),
+            vec![reason::RELEASED_WITHOUT_DHCPRELEASE, reason::HANDED_OVER]
+        );
+    }
+
+    #[test]
+    fn a_named_network_chooses_the_uplink_through_the_cloud_providers_map() {
+        let mut sim = Sim::new(&["n1"]);
+        let mut web = dhcp("web", &[80]);
+        web.annotations
+            .insert(harvester::NETWORK.into(), "default/net123".into());
+        sim.services.push(web);
+        let mut lost = dhcp("lost", &[80]);
+        lost.annotations
+            .insert(harvester::NETWORK.into(), "default/nowhere".into());
+        sim.services.push(lost);
+        let plans = sim.settle();
+        assert_eq!(sim.holders("web")[0].1.uplink.as_deref(), Some("enp2s0"));
+        // Refused: no finalizer, no holder, a Warning that says the fix.
+        assert!(sim.holders("lost").is_empty());
+        assert!(sim.svc("lost").finalizers.is_empty());
+        let told = events(&plans);
+        assert!(
+            told.iter().any(|(r, m)| *r == reason::NETWORK_UNRESOLVED
+                && m.contains("default/nowhere")
+                && m.contains(kube_vip::SERVICE_INTERFACE)),
+            "{told:?}"
+        );
+
+        // The map gone or not yet read: what runs stays as it is.
+        let before = sim.holders("web");
+        for map in [NetworkMap::Unknown, NetworkMap::Missing] {
+            sim.networks = map;
+            let p = sim.plan();
+            assert!(p.writes.is_empty(), "{p:?}");
+            sim.settle();
+            assert_eq!(sim.holders("web"), before);
+        }
+        // Before the map is read, a new Service naming a network waits
+        // without a refusal.
+        sim.networks = NetworkMap::Unknown;
+        let mut new = dhcp("new", &[80]);
+        new.annotations
+            .insert(harvester::NETWORK.into(), "default/net123".into());
+        sim.services.push(new);
+        let p = sim.plan();
+        assert!(p.writes.is_empty() && p.events.is_empty(), "{p:?}");
+        assert!(p.summary.pending >= 1);
+    }
+
+    #[test]
+    fn invalid_annotations_leave_the_running_state_alone() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let before = sim.holders("web");
+        sim.svc_mut("web")
+            .annotations
+            .insert(kube_vip::HWADDR.into(), "not-a-mac".into());
+        sim.up.remove(&before[0].0); // even its holder dying moves nothing
+        let plans = sim.settle();
+        assert_eq!(plans.len(), 1, "{plans:?}");
+        assert_eq!(sim.holders("web"), before);
+        assert_eq!(reasons(&plans), vec![reason::INVALID]);
+        let mut bad = secondary("bad", "web", &[81]);
+        bad.annotations
+            .insert(harvester::PRIMARY_SERVICE.into(), "no-slash".into());
+        sim.services.push(bad);
+        let p = sim.plan();
+        assert!(p.writes.is_empty());
+        assert!(
+            p.events
+                .iter()
+                .any(|e| e.service == key("bad") && e.reason == reason::INVALID)
+        );
+    }
+
+    #[test]
+    fn another_class_is_never_written_nor_told_about() {
+        let mut sim = Sim::new(&["n1"]);
+        let mut other = dhcp("other", &[80]);
+        other.load_balancer_class = Some("example.com/other".into());
+        other
+            .annotations
+            .insert(kube_vip::LOADBALANCER_IPS.into(), "0.0.0.0".into());
+        sim.services.push(other.clone());
+        let plans = sim.settle();
+        assert!(plans.iter().all(|p| p.writes.is_empty()), "{plans:?}");
+        assert!(events(&plans).is_empty(), "{plans:?}");
+        assert_eq!(sim.svc("other"), &other);
+        assert!(sim.holders("other").is_empty());
+    }
+
+    #[test]
+    fn a_named_class_serves_that_class_and_class_less_ones_only_when_asked() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.classes = ClassPolicy {
+            class: "example.com/dhcp".into(),
+            classless: false,
+        };
+        let mut named = dhcp("named", &[80]);
+        named.load_balancer_class = Some("example.com/dhcp".into());
+        named.annotations.clear();
+        sim.services.push(named);
+        sim.services.push(dhcp("classless", &[80]));
+        sim.settle();
+        assert_eq!(sim.holders("named").len(), 1);
+        assert!(!sim.svc("named").ingress.is_empty());
+        assert!(sim.holders("classless").is_empty());
+        assert!(sim.svc("classless").finalizers.is_empty());
+        sim.classes.classless = true;
+        sim.settle();
+        assert_eq!(sim.holders("classless").len(), 1);
+    }
+}
