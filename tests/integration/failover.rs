@@ -220,7 +220,12 @@ fn a_holder_that_loses_carrier_hands_over_and_does_not_take_it_back() -> Result<
 /// stays with the new holder.
 fn a_holder_whose_uplink_is_set_down_hands_over_and_comes_back_without_the_address() -> Result<()> {
     let mut lb = LbRig::start(options())?;
-    let f = fail_over(&mut lb, "web", Fault::UplinkSetDown, Duration::from_secs(10))?;
+    let f = fail_over(
+        &mut lb,
+        "web",
+        Fault::UplinkSetDown,
+        Duration::from_secs(10),
+    )?;
     clean(&f, Duration::from_secs(3))?;
     reachable(&lb, &f)?;
 

@@ -35,7 +35,13 @@ fn options() -> lb::Options {
     )
 }
 
-fn assignment(service: &str, uid: &str, interface: &str, mac: &str, uplink: &str) -> serde_json::Value {
+fn assignment(
+    service: &str,
+    uid: &str,
+    interface: &str,
+    mac: &str,
+    uplink: &str,
+) -> serde_json::Value {
     json!({
         "service": service, "uid": uid, "interface": interface, "mac": mac,
         "clientId": "", "uplink": uplink,
@@ -45,12 +51,22 @@ fn assignment(service: &str, uid: &str, interface: &str, mac: &str, uplink: &str
 fn a_node_makes_no_macvlan_on_a_host_interface_whatever_its_assignment_says() -> Result<()> {
     let mut lb = LbRig::start(options())?;
     add_cni_bridges(&lb)?;
+    let node = lb.node_name(0);
+    // The controller has made node 0's object and its access: the agent
+    // writes its status.
+    ensure!(
+        wait_for(ADDRESS_WITHIN, || lb
+            .node_object(&node)
+            .filter(|o| o["status"]["ready"] == true))
+        .is_some(),
+        "node {node} never ready\n{}",
+        lb.diagnostics()
+    );
     // The controllers are gone; an attacker with a controller credential
     // (or a bug) writes node 0's assignments: one on the CNI bridge, one
     // on the uplink beside it as a control.
     lb.kill_controller(0);
     lb.kill_controller(1);
-    let node = lb.node_name(0);
     let before = ipv4_conf(&lb, 0, "cni0", "arp_ignore");
     let objects = lb.node_objects();
     let spec = json!({"spec": {"assignments": [
@@ -60,7 +76,7 @@ fn a_node_makes_no_macvlan_on_a_host_interface_whatever_its_assignment_says() ->
             "00:00:6c:0c:0c:02", "eth0"),
     ]}});
     lb.block_on(objects.patch(&node, &PatchParams::default(), &Patch::Merge(&spec)))
-        .context("write node 0's assignments as an attacker would")?;
+        .map_err(|e| anyhow::anyhow!("write node 0's assignments as an attacker would: {e:?}"))?;
 
     // The control assignment is served: the agent has acted on the spec
     // that named cni0 in the same write.
@@ -81,7 +97,10 @@ fn a_node_makes_no_macvlan_on_a_host_interface_whatever_its_assignment_says() ->
         "hlb-0b0b0b0b exists"
     );
     let after = ipv4_conf(&lb, 0, "cni0", "arp_ignore");
-    ensure!(before == after, "cni0's arp_ignore changed: {before} -> {after}");
+    ensure!(
+        before == after,
+        "cni0's arp_ignore changed: {before} -> {after}"
+    );
     Ok(())
 }
 
@@ -203,7 +222,10 @@ fn a_compromised_node_cannot_publish_an_address_or_hold_a_deletion() -> Result<(
             .filter(|s| s.metadata.deletion_timestamp.is_some())
             .map(|_| ())
     });
-    ensure!(held.is_some(), "the deletion was never held for the release");
+    ensure!(
+        held.is_some(),
+        "the deletion was never held for the release"
+    );
     let gone = wait_for(Duration::from_secs(60), || {
         lb.service("team-a/web").is_none().then_some(())
     });

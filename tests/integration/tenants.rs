@@ -201,9 +201,7 @@ pub fn macvlans_on(lb: &LbRig, parent: &str) -> Vec<(usize, String)> {
             v.as_array()
                 .into_iter()
                 .flatten()
-                .filter(|l| {
-                    l["link"] == parent && l["linkinfo"]["info_kind"] == "macvlan"
-                })
+                .filter(|l| l["link"] == parent && l["linkinfo"]["info_kind"] == "macvlan")
                 .filter_map(|l| l["ifname"].as_str().map(|n| (g, n.to_string())))
                 .collect::<Vec<_>>()
         })
@@ -237,7 +235,9 @@ pub fn add_cni_bridges(lb: &LbRig) -> Result<()> {
 fn a_tenant_cannot_put_an_address_on_a_host_interface() -> Result<()> {
     let lb = LbRig::start(options())?;
     add_cni_bridges(&lb)?;
-    let before: Vec<String> = (0..3).map(|g| ipv4_conf(&lb, g, "cni0", "arp_ignore")).collect();
+    let before: Vec<String> = (0..3)
+        .map(|g| ipv4_conf(&lb, g, "cni0", "arp_ignore"))
+        .collect();
     lb.create_namespace("team-a")?;
     lb.create_service(
         "team-a/bridged",
@@ -254,7 +254,11 @@ fn a_tenant_cannot_put_an_address_on_a_host_interface() -> Result<()> {
     );
     // A Service created after it is served: the controller has decided
     // the bridged one long since.
-    lb.create_service("team-a/plain", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT + 1])?;
+    lb.create_service(
+        "team-a/plain",
+        &[(harvester::IPAM, "dhcp")],
+        &[LISTEN_PORT + 1],
+    )?;
     lb.wait_ingress("team-a/plain", ADDRESS_WITHIN);
     ensure!(
         ingress_is_empty(&lb, "team-a/bridged"),
@@ -267,7 +271,12 @@ fn a_tenant_cannot_put_an_address_on_a_host_interface() -> Result<()> {
     );
     let on_bridge = macvlans_on(&lb, "cni0");
     ensure!(on_bridge.is_empty(), "macvlans on cni0: {on_bridge:?}");
-    let after: Vec<String> = (0..3).map(|g| ipv4_conf(&lb, g, "cni0", "arp_ignore")).collect();
-    ensure!(before == after, "cni0's arp_ignore changed: {before:?} -> {after:?}");
+    let after: Vec<String> = (0..3)
+        .map(|g| ipv4_conf(&lb, g, "cni0", "arp_ignore"))
+        .collect();
+    ensure!(
+        before == after,
+        "cni0's arp_ignore changed: {before:?} -> {after:?}"
+    );
     Ok(())
 }
