@@ -190,6 +190,14 @@ pub const KEYS: &[KeySpec] = &[
         kind: Kind::Duration,
     },
     KeySpec {
+        name: "lb_address_lifetime",
+        env: "HNA_LB_ADDRESS_LIFETIME",
+        flag: "--lb-address-lifetime",
+        default: "2s",
+        doc: "Every LoadBalancer address is configured with this lifetime (the kernel's valid_lft) and the daemon confirms it four times per lifetime: a daemon that stops running (frozen, its VM paused, starved of CPU) stops answering for its addresses within this bound, enforced by the kernel, and after it runs again it brings none back before its takeover guard has checked the LAN. Keep it below the controller's --node-stale-after (3s), so a node stops answering before another is given its addresses, and above the longest the daemon may go without CPU. Whole seconds; 0s turns it off (addresses stay until removed). Otherwise between 1s and 60s.",
+        kind: Kind::Duration,
+    },
+    KeySpec {
         name: "lb_fence_after",
         env: "HNA_LB_FENCE_AFTER",
         flag: "--lb-fence-after",
@@ -252,6 +260,8 @@ pub struct Config {
     pub lb_takeover_guard: Duration,
     /// Self-fencing after this long without a status write; zero: never.
     pub lb_fence_after: Duration,
+    /// The lifetime LoadBalancer addresses are configured with; zero: none.
+    pub lb_address_lifetime: Duration,
 }
 
 /// Where a configuration value came from, for error messages.
@@ -425,6 +435,7 @@ pub fn resolve(
         lb_arp_probe: true,
         lb_takeover_guard: Duration::from_millis(150),
         lb_fence_after: Duration::from_secs(120),
+        lb_address_lifetime: Duration::from_secs(2),
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -525,6 +536,9 @@ pub fn resolve(
                     Err(e) => Err(e),
                 }
                 .map_err(fail)?
+            }
+            "lb_address_lifetime" => {
+                cfg.lb_address_lifetime = address_lifetime(&text(raw)).map_err(fail)?
             }
             "lb_takeover_guard" => {
                 cfg.lb_takeover_guard =
@@ -706,6 +720,19 @@ pub fn duration_between_ms(v: &str, min_ms: u64, max_ms: u64) -> Result<Duration
             humantime::format_duration(d),
             humantime::format_duration(min),
             humantime::format_duration(max)
+        ));
+    }
+    Ok(d)
+}
+
+/// `lb_address_lifetime`: `0s`, or whole seconds from 1 to 60 (the
+/// kernel counts address lifetimes in seconds).
+pub fn address_lifetime(v: &str) -> Result<Duration, String> {
+    let d = duration_up_to(v, Duration::from_secs(60))?;
+    if d.subsec_nanos() != 0 {
+        return Err(format!(
+            "{} is not a whole number of seconds (the kernel counts address lifetimes in seconds); use for example 2s",
+            humantime::format_duration(d)
         ));
     }
     Ok(d)
@@ -1067,6 +1094,19 @@ mod tests {
             Duration::ZERO
         );
         assert!(resolve_file("lb_fence_after = \"5s\"\n").is_err());
+        assert_eq!(cfg.lb_address_lifetime, Duration::from_secs(2));
+        assert_eq!(
+            resolve_file("lb_address_lifetime = \"0s\"\n")
+                .unwrap()
+                .lb_address_lifetime,
+            Duration::ZERO
+        );
+        for bad in ["1500ms", "61s", "-1s"] {
+            let e = resolve_file(&format!("lb_address_lifetime = \"{bad}\"\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("lb_address_lifetime"), "{bad}: {e}");
+        }
         assert!(resolve_file("lb_fence_after = \"2h\"\n").is_err());
         assert_eq!(cfg.uplink, None);
         let cfg =

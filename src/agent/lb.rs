@@ -249,6 +249,12 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
             }
             _ = tokio::time::sleep_until(lb.beat_due) => lb.report(true).await,
             _ = tokio::time::sleep_until(next_settle) => {
+                // A lease whose address the kernel let expire (this
+                // process did not run for its lifetime) starts again,
+                // through the takeover guard.
+                if lb.engine.snapshot().iter().any(|l| l.state == crate::dhcp::State::Expired) {
+                    systemd::beating(&hb, beat_every, lb.reconcile()).await;
+                }
                 lb.report(false).await;
                 next_settle = Instant::now() + lb.settle_period();
             }
@@ -426,6 +432,7 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                 Some(Running {
                     mac: crate::mac::parse(&l.mac)?,
                     started_as: self.started.get(&l.name).cloned(),
+                    expired: l.state == crate::dhcp::State::Expired,
                     interface: l.name,
                 })
             })

@@ -475,6 +475,8 @@ fn spawn_lb(
         leases: crate::lb::apply::Settings {
             timing: crate::dhcp::Timing {
                 arp_probe: cfg.lb_arp_probe,
+                address_lifetime: (!cfg.lb_address_lifetime.is_zero())
+                    .then_some(cfg.lb_address_lifetime),
                 ..crate::dhcp::Timing::default()
             },
             takeover_guard: cfg.lb_takeover_guard,

@@ -150,6 +150,9 @@ pub struct ConfigArgs {
     /// Hand every address over after this long without a status write; 0s is never (10s to 1h) [default: 120s] [env: HNA_LB_FENCE_AFTER]
     #[arg(long, value_name = "DURATION")]
     pub lb_fence_after: Option<String>,
+    /// Lifetime of every LoadBalancer address, confirmed four times per lifetime: a frozen or paused daemon stops answering within it; 0s is off (whole seconds, 1s to 60s) [default: 2s] [env: HNA_LB_ADDRESS_LIFETIME]
+    #[arg(long, value_name = "DURATION")]
+    pub lb_address_lifetime: Option<String>,
     /// Uplink of the LoadBalancer macvlans when a Service names none [default: the default route's interface] [env: HNA_UPLINK]
     #[arg(long, value_name = "IFACE")]
     pub uplink: Option<String>,
@@ -158,7 +161,7 @@ pub struct ConfigArgs {
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 19] = [
+        let pairs: [(&'static str, &Option<String>); 20] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -177,6 +180,7 @@ impl ConfigArgs {
             ("lb_arp_probe", &self.lb_arp_probe),
             ("lb_takeover_guard", &self.lb_takeover_guard),
             ("lb_fence_after", &self.lb_fence_after),
+            ("lb_address_lifetime", &self.lb_address_lifetime),
             ("uplink", &self.uplink),
         ];
         for (key, value) in pairs {

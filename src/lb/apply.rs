@@ -210,6 +210,7 @@ mod tests {
                     interface,
                     mac,
                     started_as: None,
+                    expired: false,
                 }
             })
             .collect()

@@ -94,6 +94,10 @@ pub struct Running {
     pub mac: [u8; 6],
     /// `None` when not known (nothing restarts for it then).
     pub started_as: Option<StartedAs>,
+    /// The kernel deleted its address when its lifetime ran out
+    /// (`EXPIRED`): started again, so that the takeover guard asks the
+    /// LAN before the address comes back.
+    pub expired: bool,
 }
 
 /// Whether a running lease no longer matches its assignment: another MAC,
@@ -134,7 +138,7 @@ pub fn plan(wanted: &[Want], running: &[Running]) -> Vec<Action> {
             // for the same lease, so nothing may be released.
             None => stops.push(stop(StopMode::Handover)),
             Some(w) if w.release => stops.push(stop(StopMode::Release)),
-            Some(w) if outdated(w, r) => {
+            Some(w) if r.expired || outdated(w, r) => {
                 stops.push(stop(StopMode::Handover));
                 starts.push(Action::Start((*w).clone()));
             }
@@ -173,7 +177,44 @@ mod tests {
             interface: w.interface.clone(),
             mac: w.mac,
             started_as: Some(w.started_as()),
+            expired: false,
         }
+    }
+
+    /// Issue #20: a lease whose address the kernel let expire is handed
+    /// over and started again (through the takeover guard); one being
+    /// released is released; one no longer assigned just goes.
+    #[test]
+    fn an_expired_lease_starts_again() {
+        let w = want(&assignment("0a0b0c0d")).unwrap();
+        let mut r = running(&w);
+        r.expired = true;
+        assert_eq!(
+            plan(std::slice::from_ref(&w), std::slice::from_ref(&r)),
+            vec![
+                Action::Stop {
+                    interface: w.interface.clone(),
+                    mode: StopMode::Handover
+                },
+                Action::Start(w.clone())
+            ]
+        );
+        let mut gone = w.clone();
+        gone.release = true;
+        assert_eq!(
+            plan(&[gone], std::slice::from_ref(&r)),
+            vec![Action::Stop {
+                interface: w.interface.clone(),
+                mode: StopMode::Release
+            }]
+        );
+        assert_eq!(
+            plan(&[], &[r]),
+            vec![Action::Stop {
+                interface: w.interface.clone(),
+                mode: StopMode::Handover
+            }]
+        );
     }
 
     /// Applies a plan to a model of the engine, as the executor would.
@@ -268,6 +309,7 @@ mod tests {
             interface: a.interface.clone(),
             mac: [0x02, 0, 0, 0, 0, 1],
             started_as: None,
+            expired: false,
         }];
         assert_eq!(
             plan(std::slice::from_ref(&a), &now),

@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 use std::net::Ipv4Addr;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -99,6 +99,20 @@ pub enum Command {
     Announce,
 }
 
+/// A lifetime in the kernel's whole seconds, at least one.
+fn lifetime_secs(lifetime: Duration) -> u32 {
+    lifetime
+        .as_secs_f64()
+        .ceil()
+        .clamp(1.0, f64::from(u32::MAX - 1)) as u32
+}
+
+/// How often an address's lifetime is confirmed: four times per lifetime,
+/// so a process that misses three confirmations in a row still keeps it.
+fn confirm_every(lifetime: Duration) -> Duration {
+    (lifetime / 4).max(Duration::from_millis(50))
+}
+
 fn to_unix_ms(at: Instant) -> u64 {
     let now = Instant::now();
     let wall = SystemTime::now()
@@ -121,6 +135,8 @@ pub struct Driver<T: Transport, A: AddressConfig> {
     status: watch::Sender<LeaseStatus>,
     started: Instant,
     deadline: Option<Instant>,
+    /// The address configured with a lifetime, and when to confirm it.
+    lifetime: Option<(Ipv4Addr, Instant)>,
     last_error: Option<String>,
     transitions: Vec<Transition>,
 }
@@ -144,6 +160,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 status: tx,
                 started: Instant::now(),
                 deadline: None,
+                lifetime: None,
                 last_error: None,
                 transitions: Vec::new(),
             },
@@ -182,6 +199,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                     self.deadline = None;
                     self.step(Event::Timer).await;
                 }
+                _ = sleep_until_opt(self.lifetime.map(|(_, at)| at)) => self.confirm_address().await,
                 c = cmds.recv() => match c {
                     Some(Command::Announce) => self.step(Event::Announce).await,
                     Some(Command::Stop(mode, done)) => {
@@ -194,6 +212,43 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                         return;
                     }
                 },
+            }
+        }
+    }
+
+    /// Gives the address its lifetime again, or, when the kernel already
+    /// deleted it (this task did not run for the whole lifetime), tells
+    /// the machine and puts nothing back.
+    async fn confirm_address(&mut self) {
+        let Some((address, _)) = self.lifetime else {
+            return;
+        };
+        let Some(lifetime) = self.machine.address_lifetime() else {
+            self.lifetime = None;
+            return;
+        };
+        let next = Instant::now() + confirm_every(lifetime);
+        match self.addrs.refresh(address, lifetime_secs(lifetime)).await {
+            Ok(true) => self.lifetime = Some((address, next)),
+            Ok(false) => {
+                self.lifetime = None;
+                tracing::warn!(
+                    lease = %self.name,
+                    %address,
+                    lifetime = ?lifetime,
+                    "the address ran out of its lifetime (this process did not run for that long: frozen, paused or starved) and the kernel removed it; not put back until the lease starts again"
+                );
+                self.last_error = Some(format!(
+                    "{address} expired: not confirmed within its {}s lifetime",
+                    lifetime_secs(lifetime)
+                ));
+                self.step(Event::AddressExpired).await;
+            }
+            Err(e) => {
+                // Tried again at the next confirmation; the kernel removes
+                // the address if none gets through.
+                self.lifetime = Some((address, next));
+                self.error(format!("confirm the lifetime of {address}: {e}"));
             }
         }
     }
@@ -223,11 +278,19 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 }
                 Action::SetTimer(at) => self.deadline = Some(at),
                 Action::ConfigureAddress { address, .. } => {
-                    if let Err(e) = self.addrs.add(address).await {
-                        self.error(e.to_string());
+                    let lifetime = self.machine.address_lifetime().map(lifetime_secs);
+                    match self.addrs.add(address, lifetime).await {
+                        Ok(()) => {
+                            self.lifetime = self
+                                .machine
+                                .address_lifetime()
+                                .map(|l| (address, Instant::now() + confirm_every(l)));
+                        }
+                        Err(e) => self.error(e.to_string()),
                     }
                 }
                 Action::RemoveAddress(address) => {
+                    self.lifetime = None;
                     if let Err(e) = self.addrs.remove(address).await {
                         self.error(e.to_string());
                     }
@@ -378,6 +441,8 @@ mod tests {
         sent: Vec<(MessageType, Ipv4Addr, Destination)>,
         inbox: VecDeque<Inbound>,
         configured: Vec<Ipv4Addr>,
+        /// The lifetime of every add and successful refresh, in order.
+        lifetimes: Vec<Option<u32>>,
     }
 
     #[derive(Clone, Default)]
@@ -442,9 +507,20 @@ mod tests {
     }
 
     impl AddressConfig for Fake {
-        async fn add(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
-            self.0.lock().unwrap().configured.push(addr);
+        async fn add(&self, addr: Ipv4Addr, lifetime: Option<u32>) -> Result<(), LinkError> {
+            let mut w = self.0.lock().unwrap();
+            w.configured.retain(|a| *a != addr);
+            w.configured.push(addr);
+            w.lifetimes.push(lifetime);
             Ok(())
+        }
+        async fn refresh(&self, addr: Ipv4Addr, lifetime: u32) -> Result<bool, LinkError> {
+            let mut w = self.0.lock().unwrap();
+            let there = w.configured.contains(&addr);
+            if there {
+                w.lifetimes.push(Some(lifetime));
+            }
+            Ok(there)
         }
         async fn remove(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
             self.0.lock().unwrap().configured.retain(|a| *a != addr);
@@ -465,6 +541,19 @@ mod tests {
             renew_floor: Duration::from_secs(1),
             ..Timing::default()
         };
+        start_with(fake, store, stored, timing)
+    }
+
+    fn start_with(
+        fake: &Fake,
+        store: Option<Store>,
+        stored: Option<Lease>,
+        timing: Timing,
+    ) -> (
+        watch::Receiver<LeaseStatus>,
+        mpsc::Sender<Command>,
+        tokio::task::JoinHandle<()>,
+    ) {
         let m = Machine::new(Identity::new(MAC), timing, 1);
         let (d, rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), store);
         let (tx, crx) = mpsc::channel(4);
@@ -487,6 +576,69 @@ mod tests {
 
     async fn wait_for(rx: &mut watch::Receiver<LeaseStatus>, state: State) -> LeaseStatus {
         until(rx, |s| s.state == state).await
+    }
+
+    /// Issue #20: the address is configured with its lifetime and confirmed
+    /// four times per lifetime; once the kernel has deleted it (the process
+    /// did not run for that long), it is not put back: the lease is
+    /// EXPIRED, nothing more is sent, and a release still frees it at the
+    /// server.
+    #[tokio::test(start_paused = true)]
+    async fn an_address_the_kernel_let_expire_is_not_put_back() {
+        let fake = Fake::default();
+        let addr = Ipv4Addr::new(10, 77, 0, 150);
+        fake.0.lock().unwrap().addr = Some(addr);
+        let timing = Timing {
+            renew_floor: Duration::from_secs(1),
+            address_lifetime: Some(Duration::from_millis(1500)),
+            ..Timing::default()
+        };
+        let (mut rx, tx, h) = start_with(&fake, None, None, timing);
+        wait_for(&mut rx, State::Bound).await;
+        assert_eq!(
+            fake.0.lock().unwrap().lifetimes,
+            vec![Some(2)],
+            "rounded up to whole seconds"
+        );
+        // A lifetime later, it has been confirmed at least three times.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let confirmed = fake.0.lock().unwrap().lifetimes.len() - 1;
+        assert!(
+            confirmed >= 3,
+            "confirmed {confirmed} times in one lifetime"
+        );
+        assert_eq!(rx.borrow().state, State::Bound);
+
+        // The kernel deleted it.
+        let sent_before = {
+            let mut w = fake.0.lock().unwrap();
+            w.configured.clear();
+            w.sent.len()
+        };
+        let st = wait_for(&mut rx, State::Expired).await;
+        assert!(st.last_error.unwrap().contains("expired"));
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        {
+            let w = fake.0.lock().unwrap();
+            assert!(w.configured.is_empty(), "put back: {:?}", w.configured);
+            assert_eq!(
+                w.sent.len(),
+                sent_before,
+                "sent after expiry: {:?}",
+                &w.sent[sent_before..]
+            );
+        }
+        assert_eq!(rx.borrow().state, State::Expired);
+
+        let (done_tx, done_rx) = oneshot::channel();
+        tx.send(Command::Stop(StopMode::Release, done_tx))
+            .await
+            .unwrap();
+        done_rx.await.unwrap();
+        h.await.unwrap();
+        let w = fake.0.lock().unwrap();
+        assert_eq!(w.sent.last().map(|s| s.0), Some(MessageType::Release));
+        assert!(w.configured.is_empty());
     }
 
     #[tokio::test(start_paused = true)]

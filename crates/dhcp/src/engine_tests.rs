@@ -255,8 +255,11 @@ impl Transport for IdleTransport {
 struct NoAddrs;
 
 impl AddressConfig for NoAddrs {
-    async fn add(&self, _addr: Ipv4Addr) -> Result<(), LinkError> {
+    async fn add(&self, _addr: Ipv4Addr, _lifetime: Option<u32>) -> Result<(), LinkError> {
         Ok(())
+    }
+    async fn refresh(&self, _addr: Ipv4Addr, _lifetime: u32) -> Result<bool, LinkError> {
+        Ok(true)
     }
     async fn remove(&self, _addr: Ipv4Addr) -> Result<(), LinkError> {
         Ok(())
@@ -871,7 +874,7 @@ mod real {
 
         // What a killed daemon leaves: the link with the address on it.
         let link = nl.ensure_macvlan(NAME, "hna-up0", MAC).await.unwrap();
-        nl.on(NAME, link.index()).add(ADDR).await.unwrap();
+        nl.on(NAME, link.index()).add(ADDR, None).await.unwrap();
         assert_eq!(nl.addresses(link.index()).await.unwrap(), vec![ADDR]);
         let mut rx = engine.start(cfg(NAME, "hna-up0")).await.unwrap();
         let st = first_state(&mut rx).await;
@@ -885,6 +888,45 @@ mod real {
         assert!(!routes.lines().any(|l| l.starts_with(NAME)), "{routes}");
         engine.stop(NAME, StopMode::Handover).await.unwrap();
         assert_eq!(nl.link(NAME).await.unwrap(), None);
+
+        // Issue #20: an address with a lifetime is kept while it is
+        // confirmed in time, deleted by the kernel alone once it is not,
+        // and a confirmation that comes too late does not bring it back.
+        let link = nl.ensure_macvlan(NAME, "hna-up0", MAC).await.unwrap();
+        let addrs = nl.on(NAME, link.index());
+        addrs.add(ADDR, Some(1)).await.unwrap();
+        let confirmed_until = std::time::Instant::now() + Duration::from_millis(2500);
+        while std::time::Instant::now() < confirmed_until {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            assert!(
+                addrs.refresh(ADDR, 1).await.unwrap(),
+                "gone while confirmed"
+            );
+        }
+        assert_eq!(nl.addresses(link.index()).await.unwrap(), vec![ADDR]);
+        let left = std::time::Instant::now();
+        let deadline = left + Duration::from_secs(5);
+        while !nl.addresses(link.index()).await.unwrap().is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still there 5 s after the last confirmation"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let gone_after = left.elapsed();
+        assert!(
+            gone_after <= Duration::from_millis(2500),
+            "a 1 s lifetime ended {gone_after:?} after the last confirmation"
+        );
+        assert!(
+            !addrs.refresh(ADDR, 1).await.unwrap(),
+            "a late confirmation"
+        );
+        assert!(
+            nl.addresses(link.index()).await.unwrap().is_empty(),
+            "put back"
+        );
+        nl.delete(NAME).await.unwrap();
     }
 
     #[test]

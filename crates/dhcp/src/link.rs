@@ -6,7 +6,7 @@ use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
 
 use futures::TryStreamExt;
-use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
+use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags, CacheInfo};
 use rtnetlink::packet_route::link::{
     AfSpecInet, AfSpecUnspec, InetDevConf, InfoKind, LinkAttribute, LinkInfo as NlLinkInfo,
     LinkMessage, MacVlanMode,
@@ -104,7 +104,23 @@ fn errno(e: &rtnetlink::Error) -> i32 {
 
 /// What the driver does to the interface.
 pub trait AddressConfig: Send + Sync + 'static {
-    fn add(&self, addr: Ipv4Addr) -> impl Future<Output = Result<(), LinkError>> + Send;
+    /// Configures `addr`; with `lifetime` (whole seconds, at least 1) the
+    /// kernel deletes it by itself once that long has passed without a
+    /// [`refresh`](AddressConfig::refresh). An address already there is
+    /// given the new lifetime.
+    fn add(
+        &self,
+        addr: Ipv4Addr,
+        lifetime: Option<u32>,
+    ) -> impl Future<Output = Result<(), LinkError>> + Send;
+    /// Gives `addr` `lifetime` seconds again if it is still configured and
+    /// has not run out: `Ok(false)` when the kernel already deleted it (or
+    /// someone else did), which is never undone here.
+    fn refresh(
+        &self,
+        addr: Ipv4Addr,
+        lifetime: u32,
+    ) -> impl Future<Output = Result<bool, LinkError>> + Send;
     fn remove(&self, addr: Ipv4Addr) -> impl Future<Output = Result<(), LinkError>> + Send;
 }
 
@@ -496,32 +512,13 @@ pub struct IfAddrs {
     index: u32,
 }
 
-impl AddressConfig for IfAddrs {
-    async fn add(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
-        let mut req = self
-            .nl
-            .handle()?
-            .address()
-            .add(self.index, IpAddr::V4(addr), VIP_PREFIX_LEN);
-        // A /32 makes no prefix route anyway; the flag says so to every
-        // reader of the address (and keeps it so should the length change).
-        req.message_mut()
-            .attributes
-            .push(AddressAttribute::Flags(AddressFlags::Noprefixroute));
-        match req.execute().await {
-            Ok(()) => Ok(()),
-            Err(e) if errno(&e) == libc::EEXIST => Ok(()),
-            Err(e) => Err(LinkError::Netlink {
-                what: "add address to",
-                name: self.name.clone(),
-                reason: format!("{addr}: {}", reason(&e)),
-            }),
-        }
-    }
-
-    async fn remove(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
-        let msgs: Vec<_> = self
-            .nl
+impl IfAddrs {
+    /// The kernel's entries for `addr` on this interface.
+    async fn entries(
+        &self,
+        addr: Ipv4Addr,
+    ) -> Result<Vec<rtnetlink::packet_route::address::AddressMessage>, LinkError> {
+        self.nl
             .handle()?
             .address()
             .get()
@@ -530,7 +527,72 @@ impl AddressConfig for IfAddrs {
             .execute()
             .try_collect()
             .await
-            .unwrap_or_default();
+            .map_err(|e| LinkError::Netlink {
+                what: "list addresses of",
+                name: self.name.clone(),
+                reason: format!("{addr}: {}", reason(&e)),
+            })
+    }
+}
+
+/// The valid lifetime left, in seconds, of an address entry (`u32::MAX`:
+/// forever; `None`: the kernel did not say).
+fn valid_left(msg: &rtnetlink::packet_route::address::AddressMessage) -> Option<u32> {
+    msg.attributes.iter().find_map(|a| match a {
+        AddressAttribute::CacheInfo(c) => Some(c.ifa_valid),
+        _ => None,
+    })
+}
+
+impl AddressConfig for IfAddrs {
+    async fn add(&self, addr: Ipv4Addr, lifetime: Option<u32>) -> Result<(), LinkError> {
+        let mut req = self
+            .nl
+            .handle()?
+            .address()
+            .add(self.index, IpAddr::V4(addr), VIP_PREFIX_LEN)
+            // An entry already there (an adopted link) takes the new
+            // lifetime instead of failing with EEXIST.
+            .replace();
+        // A /32 makes no prefix route anyway; the flag says so to every
+        // reader of the address (and keeps it so should the length change).
+        req.message_mut()
+            .attributes
+            .push(AddressAttribute::Flags(AddressFlags::Noprefixroute));
+        if let Some(secs) = lifetime {
+            let mut c = CacheInfo::default();
+            c.ifa_valid = secs.max(1);
+            c.ifa_preferred = secs.max(1);
+            req.message_mut()
+                .attributes
+                .push(AddressAttribute::CacheInfo(c));
+        }
+        match req.execute().await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(LinkError::Netlink {
+                what: "add address to",
+                name: self.name.clone(),
+                reason: format!("{addr}: {}", reason(&e)),
+            }),
+        }
+    }
+
+    async fn refresh(&self, addr: Ipv4Addr, lifetime: u32) -> Result<bool, LinkError> {
+        // RTM_NEWADDR creates an IPv4 address that is not there whatever
+        // its flags, so look first: an address the kernel deleted stays
+        // deleted. One whose lifetime has run out but whose deletion the
+        // kernel's timer has not yet carried out (milliseconds) counts as
+        // deleted too.
+        let entries = self.entries(addr).await?;
+        if !entries.iter().any(|m| valid_left(m) != Some(0)) {
+            return Ok(false);
+        }
+        self.add(addr, Some(lifetime)).await?;
+        Ok(true)
+    }
+
+    async fn remove(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
+        let msgs = self.entries(addr).await.unwrap_or_default();
         for m in msgs {
             match self.nl.handle()?.address().del(m).execute().await {
                 Ok(()) => {}

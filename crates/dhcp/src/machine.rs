@@ -32,6 +32,13 @@ pub enum State {
     Renewing,
     Rebinding,
     InitReboot,
+    /// The kernel deleted the address when its lifetime ran out
+    /// ([`Timing::address_lifetime`]): its client did not confirm it in
+    /// time (frozen, paused, starved of CPU). Nothing is sent and nothing
+    /// is put back: whoever runs the lease starts it again through its
+    /// takeover guard, since another node may hold the address by now. The
+    /// lease and its file are kept.
+    Expired,
     Stopped,
 }
 
@@ -46,6 +53,7 @@ impl State {
             State::Renewing => "RENEWING",
             State::Rebinding => "REBINDING",
             State::InitReboot => "INIT-REBOOT",
+            State::Expired => "EXPIRED",
             State::Stopped => "STOPPED",
         }
     }
@@ -80,6 +88,12 @@ pub struct Timing {
     pub init_reboot_tries: u32,
     /// Probe the offered address with ARP (RFC 5227) before using it.
     pub arp_probe: bool,
+    /// The lifetime the address is configured with, confirmed by the
+    /// driver every quarter of it: a client that stops running (frozen,
+    /// its VM paused) stops answering for the address within this bound,
+    /// enforced by the kernel alone. `None`: the address stays until
+    /// removed.
+    pub address_lifetime: Option<Duration>,
 }
 
 impl Default for Timing {
@@ -92,6 +106,7 @@ impl Default for Timing {
             decline_wait: Duration::from_secs(10),
             init_reboot_tries: 3,
             arp_probe: true,
+            address_lifetime: None,
         }
     }
 }
@@ -205,6 +220,9 @@ pub enum Event<'a> {
     Stop(StopMode),
     /// Re-announce the address (takeover on demand).
     Announce,
+    /// The address is no longer on the interface although the lease holds
+    /// it: its lifetime ran out ([`State::Expired`]).
+    AddressExpired,
 }
 
 /// Per-lease counters.
@@ -312,6 +330,10 @@ impl Machine {
     pub fn xid(&self) -> u32 {
         self.xid
     }
+    /// See [`Timing::address_lifetime`].
+    pub fn address_lifetime(&self) -> Option<Duration> {
+        self.timing.address_lifetime
+    }
     /// The current timer, if any.
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline
@@ -343,6 +365,13 @@ impl Machine {
             Event::Announce => {
                 if let (true, Some(l)) = (self.state.holds_address(), &self.lease) {
                     out.push(Action::ArpAnnounce(l.address));
+                }
+            }
+            Event::AddressExpired => {
+                if self.state.holds_address() {
+                    self.state = State::Expired;
+                    self.deadline = None;
+                    self.candidate = None;
                 }
             }
         }
@@ -640,7 +669,7 @@ impl Machine {
                 self.send_extend_or_expire(now, out);
             }
             State::Rebinding => self.send_extend_or_expire(now, out),
-            State::Stopped => {}
+            State::Expired | State::Stopped => {}
         }
     }
 
@@ -885,7 +914,12 @@ impl Machine {
     }
 
     fn stop(&mut self, now: Instant, mode: StopMode, out: &mut Vec<Action>) {
-        let held = self.lease.take().filter(|_| self.state.holds_address());
+        // An expired address is still this client's lease at the server:
+        // a release frees it there too.
+        let held = self
+            .lease
+            .take()
+            .filter(|_| self.state.holds_address() || self.state == State::Expired);
         if let (StopMode::Release, Some(l)) = (mode, &held) {
             self.fresh_xid();
             self.exchange_started = now;
