@@ -41,6 +41,7 @@ mod unit_file;
 mod vm_guest_agent;
 mod vm_image;
 mod vm_macvlan;
+mod vm_pause;
 mod vm_selftest;
 
 /// The agent binary under test.
@@ -67,6 +68,7 @@ fn main() -> std::process::ExitCode {
         rig_selftest::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),
+        vm_pause::tests(),
         vm_guest_agent::tests(),
         kiwi::tests(),
         cloud_init::tests(),

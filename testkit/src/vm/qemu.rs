@@ -28,6 +28,9 @@ pub struct VmOptions {
     pub extra_args: Vec<String>,
     /// Extra kernel command line.
     pub append: String,
+    /// Run qemu in this network namespace (`ip netns exec`), so that a tap
+    /// device of the namespace can be the guest's NIC.
+    pub netns: Option<String>,
 }
 
 impl Default for VmOptions {
@@ -38,6 +41,7 @@ impl Default for VmOptions {
             timeout: Duration::from_secs(240),
             extra_args: Vec::new(),
             append: String::new(),
+            netns: None,
         }
     }
 }
@@ -151,7 +155,14 @@ pub fn boot(kernel: &Kernel, initramfs: &Path, opts: &VmOptions) -> Result<VmRun
     let append = format!("console=ttyS0 panic=-1 quiet loglevel=3 {}", opts.append);
 
     let log = File::create(&qemu_log)?;
-    let mut cmd = Command::new(&qemu);
+    let mut cmd = match &opts.netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(&qemu);
+            c
+        }
+        None => Command::new(&qemu),
+    };
     cmd.args(["-accel", &accel, "-cpu", &cpu, "-smp", "1"])
         .args(["-m", &opts.memory_mb.to_string()])
         .args([
