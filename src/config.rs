@@ -194,7 +194,7 @@ pub const KEYS: &[KeySpec] = &[
         env: "HNA_LB_ADDRESS_LIFETIME",
         flag: "--lb-address-lifetime",
         default: "2s",
-        doc: "Every LoadBalancer address is configured with this lifetime (the kernel's valid_lft) and the daemon confirms it four times per lifetime: a daemon that stops running (frozen, its VM paused, starved of CPU) stops answering for its addresses within this bound, enforced by the kernel, and after it runs again it brings none back before its takeover guard has checked the LAN. Keep it below the controller's --node-stale-after (3s), so a node stops answering before another is given its addresses, and above the longest the daemon may go without CPU. Whole seconds; 0s turns it off (addresses stay until removed). Otherwise between 1s and 60s.",
+        doc: "Every LoadBalancer address is configured with this lifetime (the kernel's valid_lft) and the daemon confirms it four times per lifetime: a daemon that stops running (frozen, hung, starved of CPU) stops answering for its addresses within this bound, enforced by the kernel, and after it runs again it brings none back before its takeover guard has checked the LAN. Keep it below the controller's --node-stale-after (3s), so a node stops answering before another is given its addresses, and above the longest the daemon may go without CPU. Whole seconds; 0s turns it off (addresses stay until removed). Otherwise between 1s and 60s.",
         kind: Kind::Duration,
     },
     KeySpec {

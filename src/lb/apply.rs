@@ -7,7 +7,9 @@
 //! anybody still answers for it ([`LeaseEngine::answered`]) and, while
 //! somebody does, does not start: the outcome is `guarded` and the round
 //! is tried again soon. A frozen agent's node keeps answering from the
-//! kernel; this is what keeps a second node from answering too.
+//! kernel until its addresses' lifetime runs out, and a lease whose
+//! address expired starts again through here: this is what keeps a second
+//! node from answering too.
 
 use std::time::Duration;
 
