@@ -9,7 +9,7 @@ use std::net::Ipv4Addr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 
 use crate::addrwatch::AddressWatch;
 use crate::arpprobe::{ArpProber, ArpRecord};
@@ -133,6 +133,101 @@ pub fn set_cable(lb: &LbRig, i: usize, up: bool) -> Result<()> {
         .status()?;
     ensure!(st.success(), "ip link set {peer}: {st}");
     Ok(())
+}
+
+/// Guest `i` paused as a paused VM looks from inside and from the LAN:
+/// every process of its namespace frozen (the cgroup freezer) and its LAN
+/// port silent (the bridge port disabled: frames dropped both ways, no
+/// carrier change). Its kernel keeps running, as the rig's kernel is
+/// shared. Resumed, both at the same moment, by [`PausedGuest::resume`] or
+/// when dropped.
+pub struct PausedGuest {
+    lan_ns: String,
+    port: String,
+    cgroup: std::path::PathBuf,
+    resumed: bool,
+}
+
+impl PausedGuest {
+    pub fn pause(lb: &LbRig, i: usize) -> Result<PausedGuest> {
+        let ns = lb.rig.guest_ns(i).to_string();
+        let cgroup = std::path::PathBuf::from(format!(
+            "/sys/fs/cgroup/freezer/hna-{}-{ns}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&cgroup)
+            .with_context(|| format!("create {} (cgroup v1 freezer)", cgroup.display()))?;
+        let paused = PausedGuest {
+            lan_ns: lb.rig.lan_ns().to_string(),
+            port: format!("vg{}", i + 1),
+            cgroup,
+            resumed: false,
+        };
+        let pids = crate::rig::process::run_args("ip", ["netns", "pids", &ns])?;
+        for pid in pids.split_whitespace() {
+            // The test's own observers in the namespace (`ip monitor`, the
+            // AddressWatch) are not part of the guest.
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            if args.first() == Some(&&b"ip"[..]) && args.contains(&&b"monitor"[..]) {
+                continue;
+            }
+            // A process may have ended meanwhile.
+            let _ = std::fs::write(paused.cgroup.join("cgroup.procs"), pid);
+        }
+        std::fs::write(paused.cgroup.join("freezer.state"), "FROZEN")?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::read_to_string(paused.cgroup.join("freezer.state"))?.trim() != "FROZEN" {
+            ensure!(Instant::now() < deadline, "guest {i} not frozen within 5 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        paused.port_state("0")?;
+        Ok(paused)
+    }
+
+    fn port_state(&self, state: &str) -> Result<()> {
+        let st = Command::new("bridge")
+            .args([
+                "-n",
+                &self.lan_ns,
+                "link",
+                "set",
+                "dev",
+                &self.port,
+                "state",
+                state,
+            ])
+            .status()?;
+        ensure!(
+            st.success(),
+            "bridge link set dev {} state {state}: {st}",
+            self.port
+        );
+        Ok(())
+    }
+
+    /// Lets the LAN hear the guest again and thaws its processes.
+    pub fn resume(&mut self) -> Result<()> {
+        if self.resumed {
+            return Ok(());
+        }
+        self.resumed = true;
+        self.port_state("3")?;
+        std::fs::write(self.cgroup.join("freezer.state"), "THAWED")?;
+        // Back to the root group, so the group can go.
+        let procs = std::fs::read_to_string(self.cgroup.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.split_whitespace() {
+            let _ = std::fs::write("/sys/fs/cgroup/freezer/cgroup.procs", pid);
+        }
+        let _ = std::fs::remove_dir(&self.cgroup);
+        Ok(())
+    }
+}
+
+impl Drop for PausedGuest {
+    fn drop(&mut self) {
+        let _ = self.resume();
+    }
 }
 
 /// Guest `i`'s uplink set down or up from inside the guest, as its owner
