@@ -19,6 +19,7 @@ tests! {
     going_back_to_kube_vip_keeps_the_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_named_network_is_resolved_through_the_cloud_providers_map: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_new_leader_changes_no_service: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_new_link_never_answers_for_another_services_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 /// The rig with the checkout's binary and manifests.
@@ -524,4 +525,67 @@ fn a_new_leader_changes_no_service() -> Result<()> {
         "a Service changed under the new leader:\nbefore: {before:#?}\nafter: {after:#?}"
     );
     Ok(())
+}
+
+/// Found by the soak (issue #20): a node holding one Service's address
+/// brings up links for more Services. A macvlan that came up with the
+/// kernel's default ARP settings (`arp_ignore=0`) answered, for the few
+/// milliseconds until the agent tuned it, for every address of the node
+/// with its own MAC, beside the address's holder. One guest, so every new
+/// link is beside the first address; a client asks every millisecond.
+fn a_new_link_never_answers_for_another_services_address() -> Result<()> {
+    let mut opts = options();
+    opts.guests = 1;
+    let lb = LbRig::start(opts)?;
+    lb.create_service("first", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
+    let ip = lb.wait_ingress("first", ADDRESS_WITHIN);
+    let client = lb
+        .rig
+        .lan_hosts()
+        .iter()
+        .find(|h| h.ns == lb.client_ns)
+        .context("client host")?;
+    let prober = hna_testkit::arpprobe::ArpProber::start(
+        &client.ns,
+        "eth0",
+        client.addr,
+        ip,
+        Duration::from_millis(1),
+    )?;
+    let more: Vec<String> = (0..8).map(|i| format!("more-{i}")).collect();
+    for name in &more {
+        lb.create_service(name, &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
+    }
+    for name in &more {
+        lb.wait_ingress(name, ADDRESS_WITHIN);
+    }
+    let record = prober.finish()?;
+    let twice: Vec<_> = record
+        .probes
+        .iter()
+        .filter(|p| p.replies.len() > 1)
+        .map(|p| {
+            p.replies
+                .iter()
+                .map(|(_, mac)| hex_mac(mac))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    println!(
+        "{} requests for {ip} while 8 links came up; {} answered twice",
+        record.probes.len(),
+        twice.len()
+    );
+    ensure!(
+        twice.is_empty(),
+        "requests for {ip} answered by two MACs while other links came up: {twice:?}"
+    );
+    Ok(())
+}
+
+fn hex_mac(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }

@@ -414,16 +414,24 @@ async fn bring_up<L: Links>(
         },
         None => None,
     };
+    // The uplink first and the macvlan before it goes up: a link that is
+    // up with the kernel's default ARP settings answers for every address
+    // of the node, other Services' included, beside their holders.
+    if let Some(tuned) = &tuned {
+        tune_uplink(&links, tuned, &cfg.parent).await;
+    }
     let link = links
-        .ensure_macvlan(&name, &cfg.parent, cfg.identity.mac)
+        .ensure_macvlan(
+            &name,
+            &cfg.parent,
+            cfg.identity.mac,
+            tuned.is_some().then_some(Ipv4Conf::VIP_LINK),
+        )
         .await
         .map_err(|source| EngineError::Link {
             name: name.clone(),
             source,
         })?;
-    if let Some(tuned) = &tuned {
-        tune(&links, tuned, &name, &cfg.parent).await;
-    }
     let begin = match stored {
         Some(lease) if adoptable(&links, link, &lease).await => Begin::Adopt(lease),
         other => Begin::from(other),
@@ -465,13 +473,12 @@ async fn adoptable<L: Links>(links: &L, link: Ensured, lease: &super::machine::L
     }
 }
 
-/// Applies the IPv4 settings to the lease's macvlan and its uplink. A
-/// failure is logged and the start goes on: the address still works, with
-/// the caveats the settings exist for.
-async fn tune<L: Links>(links: &L, tuned: &Tuned, name: &str, parent: &str) {
-    if let Err(e) = links.set_ipv4_conf(name, Ipv4Conf::VIP_LINK).await {
-        tracing::warn!(lease = %name, error = %e, "could not set rp_filter=2, arp_ignore=1, arp_announce=2 on the macvlan");
-    }
+/// Applies the uplink's IPv4 settings ([`Ipv4Conf::UPLINK`]). A failure is
+/// logged and the start goes on: the address still works, with the caveat
+/// the settings exist for. The macvlan's own are applied by
+/// [`Links::ensure_macvlan`] before it goes up, and a failure there fails
+/// the start.
+async fn tune_uplink<L: Links>(links: &L, tuned: &Tuned, parent: &str) {
     match links.set_ipv4_conf(parent, Ipv4Conf::UPLINK).await {
         Ok(()) => {
             if lock_tuned(tuned).insert(parent.to_string()) {

@@ -170,6 +170,7 @@ impl Links for FakeLinks {
         name: &str,
         parent: &str,
         mac: [u8; 6],
+        _conf: Option<Ipv4Conf>,
     ) -> Result<Ensured, LinkError> {
         if let Some(g) = &self.ensure_gate {
             g.pass().await;
@@ -669,8 +670,9 @@ mod real {
             name: &str,
             parent: &str,
             mac: [u8; 6],
+            conf: Option<Ipv4Conf>,
         ) -> Result<Ensured, LinkError> {
-            self.nl.ensure_macvlan(name, parent, mac).await
+            self.nl.ensure_macvlan(name, parent, mac, conf).await
         }
         async fn delete(&self, name: &str) -> Result<(), LinkError> {
             self.nl.delete(name).await
@@ -767,7 +769,7 @@ mod real {
         assert_eq!(nl.link(NAME).await.unwrap(), None, "the made link is gone");
 
         // ... but a link that fits and was there before stays.
-        let before = nl.ensure_macvlan(NAME, "hna-up0", MAC).await.unwrap();
+        let before = nl.ensure_macvlan(NAME, "hna-up0", MAC, None).await.unwrap();
         assert!(before.created());
         assert!(engine.start(cfg(NAME, "hna-up0")).await.is_err());
         let kept = nl.link(NAME).await.unwrap().expect("the reused link stays");
@@ -797,7 +799,7 @@ mod real {
             ("hna-x-a", [0, 0, 0x6c, 0, 0, 2]),
             ("hna-x-b", [0, 0, 0x6c, 0, 0, 3]),
         ] {
-            nl.ensure_macvlan(name, "hna-up0", mac).await.unwrap();
+            nl.ensure_macvlan(name, "hna-up0", mac, None).await.unwrap();
         }
         let keep = BTreeSet::from(["hna-x-b".to_string()]);
         let report = engine.sweep("hna-", &keep).await;
@@ -873,7 +875,7 @@ mod real {
         engine.stop(NAME, StopMode::Handover).await.unwrap();
 
         // What a killed daemon leaves: the link with the address on it.
-        let link = nl.ensure_macvlan(NAME, "hna-up0", MAC).await.unwrap();
+        let link = nl.ensure_macvlan(NAME, "hna-up0", MAC, None).await.unwrap();
         nl.on(NAME, link.index()).add(ADDR, None).await.unwrap();
         assert_eq!(nl.addresses(link.index()).await.unwrap(), vec![ADDR]);
         let mut rx = engine.start(cfg(NAME, "hna-up0")).await.unwrap();
@@ -892,7 +894,7 @@ mod real {
         // Issue #20: an address with a lifetime is kept while it is
         // confirmed in time, deleted by the kernel alone once it is not,
         // and a confirmation that comes too late does not bring it back.
-        let link = nl.ensure_macvlan(NAME, "hna-up0", MAC).await.unwrap();
+        let link = nl.ensure_macvlan(NAME, "hna-up0", MAC, None).await.unwrap();
         let addrs = nl.on(NAME, link.index());
         addrs.add(ADDR, Some(1)).await.unwrap();
         let confirmed_until = std::time::Instant::now() + Duration::from_millis(2500);
@@ -925,6 +927,37 @@ mod real {
         assert!(
             nl.addresses(link.index()).await.unwrap().is_empty(),
             "put back"
+        );
+
+        // Every lease confirms on the daemon's one connection, and the
+        // kernel runs one dump per netlink socket: many confirmations at
+        // once must not fail (EBUSY expired addresses under live agents).
+        // A link dump that takes several reads (forty more links) runs
+        // beside them, as the start-up sweep's does.
+        for i in 0..20 {
+            handle
+                .link()
+                .add(LinkVeth::new(&format!("hna-x{i}a"), &format!("hna-x{i}b")).build())
+                .execute()
+                .await
+                .expect("veth pair");
+        }
+        addrs.add(ADDR, Some(5)).await.unwrap();
+        let refreshes = futures::future::join_all((0..64).map(|_| addrs.refresh(ADDR, 5)));
+        let dumps = futures::future::join_all((0..8).map(|_| nl.links()));
+        let (all, dumped) = futures::join!(refreshes, dumps);
+        assert!(
+            all.iter().all(|r| matches!(r, Ok(true))),
+            "{:?}",
+            all.iter()
+                .filter(|r| !matches!(r, Ok(true)))
+                .collect::<Vec<_>>()
+        );
+        assert!(
+            dumped
+                .iter()
+                .all(|d| d.as_ref().is_ok_and(|l| l.len() > 40)),
+            "{dumped:?}"
         );
         nl.delete(NAME).await.unwrap();
     }

@@ -142,6 +142,7 @@ pub trait Links: Clone + Send + Sync + 'static {
         name: &str,
         parent: &str,
         mac: [u8; 6],
+        conf: Option<Ipv4Conf>,
     ) -> impl Future<Output = Result<Ensured, LinkError>> + Send;
     /// Deletes link `name`; a missing link is not an error.
     fn delete(&self, name: &str) -> impl Future<Output = Result<(), LinkError>> + Send;
@@ -193,9 +194,16 @@ impl Ensured {
 /// An rtnetlink connection (its task runs on the current runtime). The
 /// task ending (a socket error, a panic) would fail every later call while
 /// the daemon looks alive; the next call reconnects instead.
+///
+/// Reads run one at a time: the kernel runs one dump per netlink socket and
+/// answers a second one begun meanwhile with EBUSY (every lease confirms its
+/// address's lifetime on this one connection: without this, confirmations
+/// failed under load and addresses expired under live agents; the soak found
+/// it).
 #[derive(Clone)]
 pub struct Netlink {
     conn: std::sync::Arc<std::sync::Mutex<Connection>>,
+    reads: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 struct Connection {
@@ -256,6 +264,7 @@ impl Netlink {
     pub fn connect() -> Result<Netlink, LinkError> {
         Ok(Netlink {
             conn: std::sync::Arc::new(std::sync::Mutex::new(Connection::open()?)),
+            reads: std::sync::Arc::default(),
         })
     }
 
@@ -275,6 +284,7 @@ impl Netlink {
     }
 
     pub async fn link(&self, name: &str) -> Result<Option<LinkInfo>, LinkError> {
+        let _one = self.reads.lock().await;
         let mut s = self
             .handle()?
             .link()
@@ -295,6 +305,7 @@ impl Netlink {
 
     /// Every link in the namespace.
     pub async fn links(&self) -> Result<Vec<LinkInfo>, LinkError> {
+        let _one = self.reads.lock().await;
         let msgs: Vec<LinkMessage> = self
             .handle()?
             .link()
@@ -310,20 +321,25 @@ impl Netlink {
         Ok(msgs.iter().map(LinkInfo::from_message).collect())
     }
 
-    /// Makes macvlan `name` (bridge mode) on `parent` with `mac` and sets
-    /// it up.
+    /// Makes macvlan `name` (bridge mode) on `parent` with `mac`, applies
+    /// `conf` to it and only then sets it up: a link that is up answers ARP,
+    /// and with the kernel's defaults (`arp_ignore=0`) it would answer for
+    /// every address of the node, the other LoadBalancer addresses
+    /// included, with its own MAC, beside their holders.
     ///
     /// Reuse: a link of that name that is a macvlan on `parent` with `mac`
-    /// is kept as it is (set up) and reported [`Ensured::Reused`]: a
-    /// restarted agent adopting its own link keeps serving the address
-    /// while it re-acquires, and a caller that pre-made the link keeps it.
-    /// Any other link of that name (another MAC, another parent, another
-    /// kind) is deleted and replaced, which is [`Ensured::Created`].
+    /// is kept as it is (`conf` applied again, set up) and reported
+    /// [`Ensured::Reused`]: a restarted agent adopting its own link keeps
+    /// serving the address while it re-acquires, and a caller that pre-made
+    /// the link keeps it. Any other link of that name (another MAC, another
+    /// parent, another kind) is deleted and replaced, which is
+    /// [`Ensured::Created`].
     pub async fn ensure_macvlan(
         &self,
         name: &str,
         parent: &str,
         mac: [u8; 6],
+        conf: Option<Ipv4Conf>,
     ) -> Result<Ensured, LinkError> {
         let parent_info = self
             .link(parent)
@@ -334,6 +350,9 @@ impl Netlink {
                 && existing.mac == Some(mac)
                 && existing.parent == Some(parent_info.index)
             {
+                if let Some(conf) = conf {
+                    self.set_ipv4_conf(name, conf).await?;
+                }
                 self.set_up(name, existing.index).await?;
                 return Ok(Ensured::Reused {
                     index: existing.index,
@@ -346,7 +365,6 @@ impl Netlink {
             .add(
                 LinkMacVlan::new(name, parent_info.index, MacVlanMode::Bridge)
                     .address(mac.to_vec())
-                    .up()
                     .build(),
             )
             .execute()
@@ -356,10 +374,20 @@ impl Netlink {
                 name: name.into(),
                 reason: reason(&e),
             })?;
-        match self.link(name).await {
-            Ok(Some(info)) => Ok(Ensured::Created { index: info.index }),
+        let made = async {
+            let info = self
+                .link(name)
+                .await?
+                .ok_or_else(|| LinkError::NotFound(name.into()))?;
+            if let Some(conf) = conf {
+                self.set_ipv4_conf(name, conf).await?;
+            }
+            self.set_up(name, info.index).await?;
+            Ok(Ensured::Created { index: info.index })
+        };
+        match made.await {
+            Ok(e) => Ok(e),
             // Made but not usable: do not leave it behind.
-            Ok(None) => Err(LinkError::NotFound(name.into())),
             Err(e) => {
                 let _ = self.delete(name).await;
                 Err(e)
@@ -422,6 +450,7 @@ impl Netlink {
 
     /// The addresses configured on interface `index`.
     pub async fn addresses(&self, index: u32) -> Result<Vec<Ipv4Addr>, LinkError> {
+        let _one = self.reads.lock().await;
         let msgs: Vec<_> = self
             .handle()?
             .address()
@@ -472,8 +501,9 @@ impl Links for Netlink {
         name: &str,
         parent: &str,
         mac: [u8; 6],
+        conf: Option<Ipv4Conf>,
     ) -> impl Future<Output = Result<Ensured, LinkError>> + Send {
-        Netlink::ensure_macvlan(self, name, parent, mac)
+        Netlink::ensure_macvlan(self, name, parent, mac, conf)
     }
 
     fn delete(&self, name: &str) -> impl Future<Output = Result<(), LinkError>> + Send {
@@ -518,6 +548,7 @@ impl IfAddrs {
         &self,
         addr: Ipv4Addr,
     ) -> Result<Vec<rtnetlink::packet_route::address::AddressMessage>, LinkError> {
+        let _one = self.nl.reads.lock().await;
         self.nl
             .handle()?
             .address()
