@@ -449,6 +449,16 @@ impl LbRig {
     }
 
     /// Controller replica `i`'s process id while it runs.
+    /// Guest `i`'s agent's pid, while it runs (`ip netns exec` execs it).
+    pub fn agent_pid(&self, i: usize) -> Option<u32> {
+        self.agents.get(i)?.as_ref().map(|p| p.child.id())
+    }
+
+    /// Whether guest `i`'s agent runs (as far as this rig started it).
+    pub fn agent_running(&self, i: usize) -> bool {
+        self.agent_pid(i).is_some()
+    }
+
     pub fn controller_pid(&self, i: usize) -> Option<u32> {
         self.controllers.get(i)?.as_ref().map(|p| p.child.id())
     }

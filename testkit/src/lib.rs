@@ -20,6 +20,7 @@ pub mod lb;
 pub mod locate;
 pub mod prereq;
 pub mod rig;
+pub mod soak;
 pub mod vm;
 
 /// The YAML parser of the manifests, for tests that read other YAML the

@@ -35,6 +35,7 @@ mod manifests;
 mod oci_image;
 mod packaging;
 mod rig_selftest;
+mod soak;
 mod tenants;
 mod topology;
 mod unit_file;
@@ -66,6 +67,7 @@ fn main() -> std::process::ExitCode {
         flaky_api::tests(),
         hostile_node::tests(),
         rig_selftest::tests(),
+        soak::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),
         vm_pause::tests(),
