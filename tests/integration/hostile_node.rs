@@ -109,6 +109,7 @@ fn a_node_makes_no_macvlan_on_a_host_interface_whatever_its_assignment_says() ->
 /// `lease` (BOUND) as the only lease, whatever its assignments say.
 struct ForgedAgent {
     stop: Arc<AtomicBool>,
+    written: Arc<std::sync::atomic::AtomicU64>,
     lease: Arc<std::sync::Mutex<serde_json::Value>>,
     thread: Option<std::thread::JoinHandle<Result<()>>>,
 }
@@ -116,10 +117,11 @@ struct ForgedAgent {
 impl ForgedAgent {
     fn start(api: &rig::ApiServer, node: &str, lease: serde_json::Value) -> ForgedAgent {
         let stop = Arc::new(AtomicBool::new(false));
+        let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let lease = Arc::new(std::sync::Mutex::new(lease));
         let kubeconfig = api.node_kubeconfig(node).to_path_buf();
         let node = node.to_string();
-        let (s, l) = (stop.clone(), lease.clone());
+        let (s, l, w) = (stop.clone(), lease.clone(), written.clone());
         let thread = std::thread::spawn(move || -> Result<()> {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -142,6 +144,7 @@ impl ForgedAgent {
                         .patch_status(&node, &PatchParams::default(), &Patch::Merge(&status))
                         .await
                         .with_context(|| format!("{node} writes its own status"))?;
+                    w.fetch_add(1, Ordering::SeqCst);
                     tokio::time::sleep(Duration::from_millis(300)).await;
                 }
                 Ok(())
@@ -149,9 +152,21 @@ impl ForgedAgent {
         });
         ForgedAgent {
             stop,
+            written,
             lease,
             thread: Some(thread),
         }
+    }
+
+    /// Waits for the first forged status to be written.
+    fn wait_written(&self, within: Duration) -> Result<()> {
+        ensure!(
+            wait_for(within, || (self.written.load(Ordering::SeqCst) > 0)
+                .then_some(()))
+            .is_some(),
+            "no forged status written within {within:?}"
+        );
+        Ok(())
     }
 
     fn report(&self, lease: serde_json::Value) {
@@ -183,9 +198,6 @@ fn a_compromised_node_cannot_publish_an_address_or_hold_a_deletion() -> Result<(
     let (holder_node, link) = carriers[0].clone();
     let holder = lb.guest_of(&holder_node);
 
-    // The holder's agent is replaced: killed (its link stays), and the
-    // node's credential writes what the attacker wants.
-    lb.signal_agent(holder, nix::sys::signal::Signal::SIGKILL);
     let kubernetes = lb
         .block_on(
             Api::<k8s_openapi::api::core::v1::Service>::namespaced(lb.admin(), "default")
@@ -198,8 +210,13 @@ fn a_compromised_node_cannot_publish_an_address_or_hold_a_deletion() -> Result<(
         json!({"service": "team-a/web", "interface": link.name, "state": "BOUND",
             "address": address, "mac": link.mac})
     };
+    // The holder's agent is replaced: the node's credential writes what
+    // the attacker wants, and once it does, the agent is killed (its link
+    // stays) with no gap in the heartbeat that would move the Service.
     let api = lb.rig.apiserver().context("API server")?;
     let mut forged = ForgedAgent::start(api, &holder_node, lease(&kubernetes));
+    forged.wait_written(WITHIN)?;
+    lb.signal_agent(holder, nix::sys::signal::Signal::SIGKILL);
 
     let why = lb.wait_warning("team-a/web", "AddressImplausible", WITHIN);
     ensure!(why.contains(&kubernetes), "{why}");
@@ -239,14 +256,18 @@ fn a_compromised_node_cannot_publish_an_address_or_hold_a_deletion() -> Result<(
         took >= Duration::from_secs(20),
         "the deletion did not wait for the holder at all ({took:?})"
     );
-    let said: Vec<_> = lb
-        .events("team-a/web")
-        .into_iter()
-        .map(|(_, r, _)| r)
-        .collect();
+    // The Event is posted with the pass that lets the Service go, so it
+    // may land just after the Service is gone.
+    let said = wait_for(Duration::from_secs(10), || {
+        lb.events("team-a/web")
+            .iter()
+            .any(|(_, r, _)| r == "ReleasedWithoutDHCPRelease")
+            .then_some(())
+    });
     ensure!(
-        said.iter().any(|r| r == "ReleasedWithoutDHCPRelease"),
-        "no ReleasedWithoutDHCPRelease Event: {said:?}"
+        said.is_some(),
+        "no ReleasedWithoutDHCPRelease Event: {:?}",
+        lb.events("team-a/web")
     );
     forged.stop()?;
     Ok(())
