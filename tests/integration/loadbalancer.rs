@@ -539,19 +539,7 @@ fn a_new_link_never_answers_for_another_services_address() -> Result<()> {
     let lb = LbRig::start(opts)?;
     lb.create_service("first", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
     let ip = lb.wait_ingress("first", ADDRESS_WITHIN);
-    let client = lb
-        .rig
-        .lan_hosts()
-        .iter()
-        .find(|h| h.ns == lb.client_ns)
-        .context("client host")?;
-    let prober = hna_testkit::arpprobe::ArpProber::start(
-        &client.ns,
-        "eth0",
-        client.addr,
-        ip,
-        Duration::from_millis(1),
-    )?;
+    let prober = hna_testkit::failover::arp_prober_every(&lb, ip, Duration::from_millis(1))?;
     let more: Vec<String> = (0..8).map(|i| format!("more-{i}")).collect();
     for name in &more {
         lb.create_service(name, &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
