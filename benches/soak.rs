@@ -2,7 +2,8 @@
 //! independent checker; see `hna_testkit::soak` for the schedule, the
 //! checker and the bound of each fault. Prints its seed first and, as its
 //! last line, `soak: seed S, F faults, V violations`; exits non-zero when
-//! V > 0.
+//! V > 0 (130 when interrupted: SIGINT or SIGTERM end the faults and tear
+//! the rig down first).
 //!
 //! ```text
 //! sudo cargo bench --bench soak -- [--minutes 30] [--seed S] [--services 20]
@@ -36,10 +37,15 @@ fn main() -> Result<()> {
         opts.services = n;
     }
     let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes");
+    // Ctrl-C ends the faults and tears the rig down before exiting.
+    soak::stop_on_signals()?;
     let report = soak::run(BIN, manifests, &opts)?;
     soak::print(&report);
     if !report.violations.is_empty() {
         std::process::exit(1);
+    }
+    if report.interrupted {
+        std::process::exit(130);
     }
     Ok(())
 }

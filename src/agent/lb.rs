@@ -410,7 +410,7 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                         Some(p) if !w.release && node.no_carrier.contains(p) => {
                             cut_off.insert(
                                 w.interface.clone(),
-                                format!("uplink {p} has no carrier: handed over, not held until the carrier is back"),
+                                format!("uplink {p} carries nothing (no carrier, set down or deleted): handed over, not held until it is back"),
                             );
                         }
                         _ => wants.push(w),
@@ -776,9 +776,10 @@ pub fn report(
             false,
             "no default uplink: no IPv4 default route and no `uplink` configured".to_string(),
         ),
-        (Some(u), true) if node.no_carrier.contains(u) => {
-            (false, format!("uplink {u} has no carrier"))
-        }
+        (Some(u), true) if node.no_carrier.contains(u) => (
+            false,
+            format!("uplink {u} carries nothing (no carrier, set down or deleted)"),
+        ),
         (Some(_), true) => (true, "Ready".to_string()),
     };
     Status {

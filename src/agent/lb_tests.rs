@@ -750,7 +750,10 @@ async fn no_carrier_on_the_uplink_hands_over_and_holds_nothing_until_it_is_back(
     );
     until("not ready", || r.writes.last().is_some_and(|s| !s.ready)).await;
     let s = r.writes.last().unwrap();
-    assert_eq!(s.reason, "uplink eth0 has no carrier");
+    assert_eq!(
+        s.reason,
+        "uplink eth0 carries nothing (no carrier, set down or deleted)"
+    );
     let la = s
         .leases
         .iter()

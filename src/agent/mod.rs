@@ -448,14 +448,21 @@ fn spawn_lb(
             last.clone_from(&now);
             now
         };
+        let mut no_carrier =
+            crate::dhcp::link::without_carrier(sys_class_net, crate::contract::INTERFACE_PREFIX);
+        // A configured uplink that does not exist (deleted, not yet made
+        // again by the network service) carries nothing either: its leases
+        // are handed over at once, not retried on it.
+        if let Some(u) = &default_uplink
+            && !sys_class_net.join(u).exists()
+        {
+            no_carrier.insert(u.clone());
+        }
         lb::NodeView {
             macvlan_ready: m.ready,
             macvlan_reason: m.short(),
             default_uplink,
-            no_carrier: crate::dhcp::link::without_carrier(
-                std::path::Path::new("/sys/class/net"),
-                crate::contract::INTERFACE_PREFIX,
-            ),
+            no_carrier,
             nics: crate::dhcp::link::network_cards(
                 std::path::Path::new("/sys/class/net"),
                 crate::contract::INTERFACE_PREFIX,

@@ -64,69 +64,79 @@ fn addresses(ns: &str) -> Result<Vec<Ipv4Addr>> {
         .collect())
 }
 
+/// `ip -o monitor address` in `ns`, its events recorded as guest `guest`'s.
+fn monitor(ns: &str, guest: usize, events: &Arc<Mutex<Vec<AddrEvent>>>) -> Result<Child> {
+    let mut child = Command::new("ip")
+        .args(["-n", ns, "-o", "monitor", "address"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("ip -n {ns} monitor address"))?;
+    let out = child.stdout.take().expect("piped");
+    let events = events.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let at = Instant::now();
+            if let Some((added, addr)) = parse(&line) {
+                events.lock().unwrap().push(AddrEvent {
+                    at,
+                    guest,
+                    added,
+                    addr,
+                });
+            }
+        }
+    });
+    Ok(child)
+}
+
+/// Returns once `ns`'s monitor is shown to be listening. `ip monitor`
+/// prints nothing once it has subscribed, so: add a marker address to the
+/// guest's loopback until its monitor reports it (an add before the
+/// subscription goes unseen: remove it and add it again); from then on it
+/// sees everything.
+fn handshake(ns: &str, guest: usize, events: &Arc<Mutex<Vec<AddrEvent>>>) -> Result<()> {
+    let marker = Ipv4Addr::new(127, 77, 77, 77);
+    let ip = |verb: &str| {
+        Command::new("ip")
+            .args(["-n", ns, "addr", verb, &format!("{marker}/32"), "dev", "lo"])
+            .status()
+    };
+    let handshake_start = Instant::now();
+    let seen = || {
+        events.lock().unwrap().iter().any(|e: &AddrEvent| {
+            e.guest == guest && e.addr == marker && e.added && e.at >= handshake_start
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    'handshake: loop {
+        ip("add").context("ip addr add (the monitor handshake)")?;
+        let attempt = Instant::now() + Duration::from_millis(200);
+        while Instant::now() < attempt {
+            if seen() {
+                break 'handshake;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        ip("del").context("ip addr del (the monitor handshake)")?;
+        if Instant::now() > deadline {
+            bail!("ip monitor in {ns} reported nothing within 10 s");
+        }
+    }
+    ip("del").context("ip addr del (the monitor handshake)")?;
+    Ok(())
+}
+
 impl AddressWatch {
     /// Watches the guest namespaces `guests` (index = guest number).
     pub fn start(guests: &[String]) -> Result<AddressWatch> {
         let events = Arc::new(Mutex::new(Vec::new()));
         let mut children = Vec::new();
         for (guest, ns) in guests.iter().enumerate() {
-            let mut child = Command::new("ip")
-                .args(["-n", ns, "-o", "monitor", "address"])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()
-                .with_context(|| format!("ip -n {ns} monitor address"))?;
-            let out = child.stdout.take().expect("piped");
-            let events = events.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(out).lines().map_while(Result::ok) {
-                    let at = Instant::now();
-                    if let Some((added, addr)) = parse(&line) {
-                        events.lock().unwrap().push(AddrEvent {
-                            at,
-                            guest,
-                            added,
-                            addr,
-                        });
-                    }
-                }
-            });
-            children.push(child);
+            children.push(monitor(ns, guest, &events)?);
         }
-        // Handshake: `ip monitor` prints nothing once it has subscribed, so
-        // add a marker address to each guest's loopback until that guest's
-        // monitor reports it (an add before the subscription goes unseen:
-        // remove it and add it again); from then on it sees everything.
-        let marker = Ipv4Addr::new(127, 77, 77, 77);
         for (guest, ns) in guests.iter().enumerate() {
-            let ip = |verb: &str| {
-                Command::new("ip")
-                    .args(["-n", ns, "addr", verb, &format!("{marker}/32"), "dev", "lo"])
-                    .status()
-            };
-            let seen = || {
-                events
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .any(|e: &AddrEvent| e.guest == guest && e.addr == marker && e.added)
-            };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            'handshake: loop {
-                ip("add").context("ip addr add (the monitor handshake)")?;
-                let attempt = Instant::now() + Duration::from_millis(200);
-                while Instant::now() < attempt {
-                    if seen() {
-                        break 'handshake;
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                ip("del").context("ip addr del (the monitor handshake)")?;
-                if Instant::now() > deadline {
-                    bail!("ip monitor in {ns} reported nothing within 10 s");
-                }
-            }
-            ip("del").context("ip addr del (the monitor handshake)")?;
+            handshake(ns, guest, &events)?;
         }
         let started = Instant::now();
         let mut initial = Vec::new();
@@ -141,6 +151,26 @@ impl AddressWatch {
             initial,
             started,
         })
+    }
+
+    /// Guest `guest` is back in namespace `ns` (a new guest in the place of
+    /// one that is [`gone`](Self::gone)): watched again from now on, with
+    /// what it holds already counted as added now.
+    pub fn rewatch(&mut self, guest: usize, ns: &str) -> Result<()> {
+        self.children.push(monitor(ns, guest, &self.events)?);
+        handshake(ns, guest, &self.events)?;
+        let at = Instant::now();
+        let held = addresses(ns)?;
+        let mut events = self.events.lock().unwrap();
+        for addr in held {
+            events.push(AddrEvent {
+                at,
+                guest,
+                added: true,
+                addr,
+            });
+        }
+        Ok(())
     }
 
     /// Guest `guest` is gone (its namespace deleted, so its monitor too):

@@ -257,6 +257,25 @@ pub fn set_uplink(lb: &LbRig, i: usize, up: bool) -> Result<()> {
     Ok(())
 }
 
+/// Guest `i`'s uplink deleted from inside the guest (`ip link del eth0`,
+/// as a network service that tears its interfaces down does): its LAN peer
+/// and every macvlan on it go with it.
+pub fn delete_uplink(lb: &LbRig, i: usize) -> Result<()> {
+    let ns = lb.rig.guest_ns(i);
+    let st = Command::new("ip")
+        .args(["-n", ns, "link", "del", "eth0"])
+        .status()?;
+    ensure!(st.success(), "ip -n {ns} link del eth0: {st}");
+    Ok(())
+}
+
+/// Guest `i`'s uplink created again with the same name after
+/// [`delete_uplink`], with the node's address and default route.
+pub fn recreate_uplink(lb: &LbRig, i: usize) -> Result<()> {
+    lb.rig.reattach_uplink(i)?;
+    lb.configure_uplink(i)
+}
+
 /// Serves Service `name`, does `fault` to its holder and waits up to
 /// `within` for another guest to hold the address.
 pub fn fail_over(lb: &mut LbRig, name: &str, fault: Fault, within: Duration) -> Result<Failover> {

@@ -72,6 +72,9 @@ pub struct Options {
     /// until the test turns them on ([`LbRig::fault_proxy`]); its seed is
     /// `HNA_FAULT_SEED`, else a fresh one, printed either way.
     pub fault_proxy: bool,
+    /// The DHCP range's lease time ([`RigOptions::lease_time`]); `None`
+    /// means the rig's `1h`.
+    pub lease_time: Option<String>,
 }
 
 impl Options {
@@ -87,6 +90,7 @@ impl Options {
             admission_policy: true,
             uplink_from_route: false,
             fault_proxy: false,
+            lease_time: None,
         }
     }
 }
@@ -127,6 +131,7 @@ impl LbRig {
             guests: opts.guests,
             dhcp: true,
             apiserver: true,
+            lease_time: opts.lease_time.clone(),
             ..RigOptions::default()
         })?;
         let client_ns = rig.add_lan_host("client").context("client namespace")?.ns;
@@ -161,16 +166,7 @@ impl LbRig {
             lb.start_fault_proxy()?;
         }
         for i in 0..lb.opts.guests {
-            // A node's own address on its uplink, as a VM has from its
-            // network: replies from a LoadBalancer address (a /32 without a
-            // route) leave through it.
-            let ns = lb.rig.guest_ns(i).to_string();
-            let addr = format!("{}/24", node_address(i));
-            rig::process::run_args("ip", ["-n", &ns, "addr", "add", &addr, "dev", "eth0"])?;
-            rig::process::run_args(
-                "ip",
-                ["-n", &ns, "route", "add", "default", "via", rig::LAN_ADDR],
-            )?;
+            lb.configure_uplink(i)?;
             let node = lb.rig.node_name(i).to_string();
             lb.register_node(&node)?;
             lb.agents.push(None);
@@ -379,6 +375,75 @@ impl LbRig {
             let _ = p.child.wait();
         }
         Ok(())
+    }
+
+    /// A node's own address on guest `i`'s uplink and its default route,
+    /// as a VM has from its network: replies from a LoadBalancer address
+    /// (a /32 without a route) leave through it.
+    pub fn configure_uplink(&self, i: usize) -> Result<()> {
+        let ns = self.rig.guest_ns(i);
+        let addr = format!("{}/24", node_address(i));
+        rig::process::run_args("ip", ["-n", ns, "addr", "replace", &addr, "dev", "eth0"])?;
+        rig::process::run_args(
+            "ip",
+            [
+                "-n",
+                ns,
+                "route",
+                "replace",
+                "default",
+                "via",
+                rig::LAN_ADDR,
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// A new guest joins in the place of guest `i` after
+    /// [`LbRig::delete_guest`], as a fresh VM of the same node name: new
+    /// namespace and uplink, an empty state directory, its agent and test
+    /// listener started.
+    pub fn replace_guest(&mut self, i: usize) -> Result<()> {
+        self.rig.recreate_guest(i)?;
+        if self.proxy.is_some() {
+            let ns = self.rig.guest_ns(i).to_string();
+            let port = self.proxy.as_ref().map(|p| p.port()).unwrap_or_default();
+            self.proxy_forwarders.retain(|f| f.netns() != ns);
+            self.proxy_forwarders.push(Forwarder::start(&ns, port)?);
+        }
+        self.configure_uplink(i)?;
+        let state = self.agent_dir(i).join("state");
+        if state.exists() {
+            fs::remove_dir_all(&state)
+                .with_context(|| format!("remove {} (a new VM's disk)", state.display()))?;
+        }
+        self.start_agent(i)?;
+        self.listen(i)
+    }
+
+    /// Guest `i`'s agent's lease files (`<state>/leases/*.json`): each
+    /// file's name, the address it holds and when that lease was acquired
+    /// (Unix ms); unreadable ones are listed with `0.0.0.0` and 0.
+    pub fn agent_lease_files(&self, i: usize) -> Vec<(String, Ipv4Addr, u64)> {
+        let dir = self.agent_dir(i).join("state").join("leases");
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.ends_with(".json") || name.starts_with('.') {
+                continue;
+            }
+            let record = fs::read_to_string(entry.path())
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .unwrap_or_default();
+            let address = record["address"]
+                .as_str()
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(Ipv4Addr::UNSPECIFIED);
+            let acquired = record["acquired_unix_ms"].as_u64().unwrap_or(0);
+            out.push((name, address, acquired));
+        }
+        out
     }
 
     /// SIGTERM and wait for the agent to exit.

@@ -2,28 +2,36 @@
 //! an independent checker that reads only the outside world.
 //!
 //! The schedule: every 1–5 s (seeded) a fault begins on a guest that has
-//! none running, or on the control plane; each ends after its own random
-//! time, so faults overlap. The checker: every guest kernel's addresses
-//! (`ip monitor address`), a LAN client asking who has each address every
-//! 10 ms (one sender MAC per request), every Service's status, dnsmasq's
-//! log; at the end, after a quiet period, what is left on the machines and
-//! in the API.
+//! none running, on the control plane, or on a Service; each ends after
+//! its own random time, so faults overlap. The checker: every guest
+//! kernel's addresses (`ip monitor address`), a LAN client asking who has
+//! each stable address every 10 ms (one sender MAC per request), every
+//! Service's status, dnsmasq's log; at the end, after a quiet period, what
+//! is left on the machines, in the lease files and in the API, and a TCP
+//! answer from every address's holder.
 //!
 //! Violations: two answers to one ARP request or two guests holding one
-//! address at once; a Service's address changing while it lives; an address
+//! address at once; a Service's address changing while it lives (a
+//! re-pointed secondary must follow its new primary); an address
 //! unanswered for longer than the bound of the faults around the gap
-//! ([`Fault::bound`]); a DHCPRELEASE of a living Service's address; at the
-//! end, a Service without an address, a link no assignment names, an
-//! address on other than one guest, a missing or extra per-node Role.
+//! ([`Fault::bound`]); a Service not served again in time after it is
+//! recreated or switched back, or its old address still held; a
+//! DHCPRELEASE of a living Service's address; at the end, a Service
+//! without its address, a link no assignment names, an address on other
+//! than one guest or not answering TCP from its holder, a lease (dnsmasq's
+//! or a node's lease file) of an address no Service has, a missing or extra
+//! per-node Role or RoleBinding.
 //!
-//! Faults not in this schedule yet: the uplink deleted and recreated, a
-//! guest's namespace deleted and a new guest of that name joining, Services
-//! deleted and recreated or switched class, a secondary re-pointed.
+//! The schedule is drawn from the seed, but when a fault begins also
+//! depends on how long the rig takes to do the previous ones, so two runs
+//! of one seed inject the same kinds in the same order, not always the same
+//! count.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::core::v1::Service;
@@ -40,12 +48,22 @@ pub struct SoakOptions {
     pub seed: u64,
     /// How long faults are injected (the quiet period comes after).
     pub duration: Duration,
-    /// DHCP Services; every fifth is a shared-IP secondary of the one
-    /// before it, every seventh has `externalTrafficPolicy: Local`.
+    /// Stable DHCP Services (`soak-NN`): every fifth is a shared-IP
+    /// secondary of the one before it, every seventh has
+    /// `externalTrafficPolicy: Local`. Their addresses are probed by ARP
+    /// and must never change.
     pub services: usize,
+    /// Services whose life the schedule changes (`churn-N`): deleted and
+    /// recreated, switched to another class and back. One more Service,
+    /// `repoint`, is a secondary the schedule re-points between `soak-00`
+    /// and `soak-01` (with at least two stable Services).
+    pub churn: usize,
     pub guests: usize,
     /// After the last fault ended: then the end state is checked.
     pub quiet: Duration,
+    /// The DHCP lease time (dnsmasq syntax; its minimum, 2 minutes, so
+    /// that renewals fall inside the faults).
+    pub lease_time: String,
 }
 
 impl SoakOptions {
@@ -54,10 +72,38 @@ impl SoakOptions {
             seed,
             duration,
             services: 20,
+            churn: 3,
             guests: 4,
             quiet: Duration::from_secs(20),
+            lease_time: "2m".into(),
         }
     }
+}
+
+/// Set by [`stop_on_signals`]'s handler: the soak ends its faults, tears
+/// the rig down and reports what it saw so far.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// SIGINT and SIGTERM end the soak early and cleanly (every fault ended,
+/// the rig torn down) instead of killing the process with the rig's
+/// namespaces and processes left behind. A SIGKILLed soak's leftovers are
+/// removed by the next rig's start ([`crate::rig::cleanup_stale`]).
+pub fn stop_on_signals() -> Result<()> {
+    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+    let action = SigAction::new(
+        SigHandler::Handler(on_signal),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic.
+        unsafe { sigaction(sig, &action) }.context("installing the soak's signal handler")?;
+    }
+    Ok(())
 }
 
 /// The faults of the schedule.
@@ -69,24 +115,38 @@ pub enum Fault {
     GuestPaused,
     CarrierLost,
     UplinkSetDown,
+    UplinkRecreated,
+    GuestReplaced,
     LeaderKilled,
     ApiServerDown,
     DhcpServerRestarted,
+    DhcpLeasesLost,
+    DhcpDownPastRenewal,
+    ServiceRecreated,
+    ClassSwitched,
+    SecondaryRepointed,
 }
 
 impl Fault {
-    const ON_A_GUEST: [Fault; 6] = [
+    const ON_A_GUEST: [Fault; 8] = [
         Fault::AgentKilled,
         Fault::AgentFrozen,
         Fault::AgentRestarted,
         Fault::GuestPaused,
         Fault::CarrierLost,
         Fault::UplinkSetDown,
+        Fault::UplinkRecreated,
+        Fault::GuestReplaced,
     ];
-    const ON_THE_CLUSTER: [Fault; 3] = [
+    const ON_THE_CLUSTER: [Fault; 8] = [
         Fault::LeaderKilled,
         Fault::ApiServerDown,
         Fault::DhcpServerRestarted,
+        Fault::DhcpLeasesLost,
+        Fault::DhcpDownPastRenewal,
+        Fault::ServiceRecreated,
+        Fault::ClassSwitched,
+        Fault::SecondaryRepointed,
     ];
 
     pub fn label(self) -> &'static str {
@@ -97,21 +157,55 @@ impl Fault {
             Fault::GuestPaused => "guest paused 0.1-8 s",
             Fault::CarrierLost => "uplink carrier lost 0.5-5 s",
             Fault::UplinkSetDown => "uplink set down 0.5-5 s",
+            Fault::UplinkRecreated => "uplink deleted, recreated 0.5-5 s later",
+            Fault::GuestReplaced => "guest deleted, a new one of its name 1-5 s later",
             Fault::LeaderKilled => "controller leader SIGKILL",
             Fault::ApiServerDown => "API server + etcd down 1-40 s",
             Fault::DhcpServerRestarted => "DHCP server down 0-5 s",
+            Fault::DhcpLeasesLost => "DHCP server down 0-5 s, its lease database lost",
+            Fault::DhcpDownPastRenewal => "DHCP server down 20-50 s (past renewals)",
+            Fault::ServiceRecreated => "Service deleted, recreated 3-8 s later",
+            Fault::ClassSwitched => "Service switched to another class, back 3-8 s later",
+            Fault::SecondaryRepointed => "secondary re-pointed, back 3-8 s later",
         }
+    }
+
+    fn dhcp(self) -> bool {
+        matches!(
+            self,
+            Fault::DhcpServerRestarted | Fault::DhcpLeasesLost | Fault::DhcpDownPastRenewal
+        )
+    }
+
+    fn on_a_service(self) -> bool {
+        matches!(
+            self,
+            Fault::ServiceRecreated | Fault::ClassSwitched | Fault::SecondaryRepointed
+        )
     }
 
     /// How long its holder's addresses may go unanswered because of it:
     /// the controller's staleness bound (3 s), the address lifetime (2 s)
     /// and the takeover (guard, INIT-REBOOT), with a margin for this
-    /// 2-core machine. Faults that move nothing: a second.
+    /// 2-core machine. Faults that move nothing: a second. (Outages of the
+    /// API or DHCP server add their length: [`bound_of`].)
     pub fn bound(self) -> Duration {
         Duration::from_millis(match self {
-            Fault::AgentKilled | Fault::AgentFrozen | Fault::GuestPaused => 6_000,
-            Fault::CarrierLost | Fault::UplinkSetDown | Fault::AgentRestarted => 3_000,
-            Fault::LeaderKilled | Fault::ApiServerDown | Fault::DhcpServerRestarted => 1_000,
+            Fault::AgentKilled | Fault::AgentFrozen | Fault::GuestPaused | Fault::GuestReplaced => {
+                6_000
+            }
+            Fault::CarrierLost
+            | Fault::UplinkSetDown
+            | Fault::UplinkRecreated
+            | Fault::AgentRestarted => 3_000,
+            Fault::LeaderKilled
+            | Fault::ApiServerDown
+            | Fault::DhcpServerRestarted
+            | Fault::DhcpLeasesLost
+            | Fault::DhcpDownPastRenewal
+            | Fault::ServiceRecreated
+            | Fault::ClassSwitched
+            | Fault::SecondaryRepointed => 1_000,
         })
     }
 
@@ -122,10 +216,15 @@ impl Fault {
             Fault::AgentFrozen => ms(100, 10_000),
             Fault::AgentRestarted => Duration::ZERO,
             Fault::GuestPaused => ms(100, 8_000),
-            Fault::CarrierLost | Fault::UplinkSetDown => ms(500, 5_000),
+            Fault::CarrierLost | Fault::UplinkSetDown | Fault::UplinkRecreated => ms(500, 5_000),
+            Fault::GuestReplaced => ms(1_000, 5_000),
             Fault::LeaderKilled => ms(500, 2_000),
             Fault::ApiServerDown => ms(1_000, 40_000),
-            Fault::DhcpServerRestarted => ms(0, 5_000),
+            Fault::DhcpServerRestarted | Fault::DhcpLeasesLost => ms(0, 5_000),
+            Fault::DhcpDownPastRenewal => ms(20_000, 50_000),
+            Fault::ServiceRecreated | Fault::ClassSwitched | Fault::SecondaryRepointed => {
+                ms(3_000, 8_000)
+            }
         }
     }
 }
@@ -136,6 +235,8 @@ pub struct Injected {
     pub fault: Fault,
     /// The guest, for faults on a guest.
     pub guest: Option<usize>,
+    /// The Service, for faults on a Service.
+    pub service: Option<String>,
     pub began: Instant,
     pub ended: Option<Instant>,
 }
@@ -159,16 +260,28 @@ pub struct SoakReport {
     pub rss_start: Vec<(String, u64)>,
     pub rss_end: Vec<(String, u64)>,
     pub t0: Instant,
+    /// Leases (dnsmasq's, nodes' lease files) of addresses no Service has
+    /// that were not renewed after the Service let them go: a DHCPRELEASE
+    /// that could not be delivered; they end with the lease time.
+    pub leases_left_to_expire: usize,
+    /// Ended early by SIGINT or SIGTERM ([`stop_on_signals`]): the end
+    /// state was not checked.
+    pub interrupted: bool,
 }
 
 impl SoakReport {
     /// The last line of every soak run.
     pub fn summary(&self) -> String {
         format!(
-            "soak: seed {}, {} faults, {} violations",
+            "soak: seed {}, {} faults, {} violations{}",
             self.seed,
             self.faults.len(),
-            self.violations.len()
+            self.violations.len(),
+            if self.interrupted {
+                " (interrupted: end state not checked)"
+            } else {
+                ""
+            }
         )
     }
 
@@ -196,6 +309,7 @@ impl SoakReport {
                     f.fault.label(),
                     f.guest
                         .map(|g| format!(" on guest {g}"))
+                        .or_else(|| f.service.as_ref().map(|s| format!(" on {s}")))
                         .unwrap_or_default()
                 )
             })
@@ -240,7 +354,7 @@ fn rss_all(lb: &LbRig, guests: usize) -> Vec<(String, u64)> {
     out
 }
 
-/// A Service of the soak.
+/// A stable Service of the soak.
 struct Svc {
     name: String,
     ip: Ipv4Addr,
@@ -249,29 +363,106 @@ struct Svc {
     secondary: bool,
 }
 
+/// How long a Service may go without an address after it was created or
+/// switched back to our class.
+const SERVE_WITHIN: Duration = Duration::from_secs(20);
+/// How long a re-pointed secondary may show its old primary's address.
+const FOLLOW_WITHIN: Duration = Duration::from_secs(5);
+/// A DHCP outage after another must not make a lease miss both its renewal
+/// and its rebinding (which would end it, rightly): one at a time, a
+/// minute apart.
+const DHCP_COOLDOWN: Duration = Duration::from_secs(60);
+/// The class a Service is switched to (no controller serves it).
+const OTHER_CLASS: &str = "example.com/not-ours";
+
+/// What the checker expects of a Service whose life the schedule changes.
+#[derive(Debug, Clone)]
+enum Life {
+    /// Ours since `since`: an address within [`SERVE_WITHIN`], then that
+    /// address while it lives.
+    Served {
+        since: Instant,
+        ip: Option<Ipv4Addr>,
+        late_reported: bool,
+    },
+    /// Deleted, or of another class: its address (if it had one) must
+    /// leave every guest.
+    Away { old: Option<Ipv4Addr> },
+}
+
+struct Churn {
+    name: String,
+    port: u16,
+    life: Life,
+    /// Every address it had (checked for two holders at the end).
+    seen: BTreeSet<Ipv4Addr>,
+}
+
+/// The secondary the schedule re-points between the first two stable
+/// Services.
+struct Repoint {
+    /// Index of its primary in the stable Services (0 or 1).
+    primary: usize,
+    since: Instant,
+    reported: bool,
+}
+const REPOINT: &str = "repoint";
+const PRIMARY_SERVICE: &str = "cloudprovider.harvesterhci.io/primary-service";
+
 /// Every Service's first ingress address, or `None` where the API could
 /// not be read (the API server is down): never panics.
-fn statuses(lb: &LbRig, names: &[String]) -> Option<BTreeMap<String, Option<Ipv4Addr>>> {
+fn statuses(lb: &LbRig) -> Option<BTreeMap<String, Option<Ipv4Addr>>> {
     let api: Api<Service> = Api::namespaced(lb.admin(), "default");
     let list = lb
         .block_on(api.list(&kube::api::ListParams::default()))
         .ok()?;
-    let mut out: BTreeMap<String, Option<Ipv4Addr>> =
-        names.iter().map(|n| (n.clone(), None)).collect();
-    for s in list.items {
-        let name = s.metadata.name.clone().unwrap_or_default();
-        if let Some(v) = out.get_mut(&name) {
-            *v = lb::ingress_ip(&s);
-        }
-    }
-    Some(out)
+    Some(
+        list.items
+            .iter()
+            .map(|s| {
+                (
+                    s.metadata.name.clone().unwrap_or_default(),
+                    lb::ingress_ip(s),
+                )
+            })
+            .collect(),
+    )
+}
+
+fn merge_patch(lb: &LbRig, name: &str, patch: serde_json::Value) -> Result<()> {
+    let api: Api<Service> = Api::namespaced(lb.admin(), "default");
+    lb.block_on(api.patch(
+        name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(&patch),
+    ))
+    .with_context(|| format!("patching Service {name} with {patch}"))?;
+    Ok(())
 }
 
 /// A fault under way and how to end it.
 struct Active {
     index: usize,
     ends: Instant,
+    /// When it was first due to end (an end that cannot be done yet, such
+    /// as recreating a Service whose deletion is not finished, is retried).
+    due: Instant,
     paused: Option<PausedGuest>,
+}
+
+/// Everything the soak runs and watches.
+struct Soak {
+    lb: LbRig,
+    watch: AddressWatch,
+    report: SoakReport,
+    stable: Vec<Svc>,
+    churn: Vec<Churn>,
+    repoint: Option<Repoint>,
+    last_dhcp_end: Option<Instant>,
+    /// When each address of a churned Service stopped being its (wall
+    /// clock, as lease files and dnsmasq count).
+    gone_at: BTreeMap<Ipv4Addr, SystemTime>,
+    lease_secs: u64,
 }
 
 /// Runs the soak. Whatever happens, the rig (and everything it started)
@@ -279,23 +470,29 @@ struct Active {
 /// resumed first.
 pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakReport> {
     println!(
-        "soak: seed {} (replay with --seed {}), {:?} of faults on {} guests, {} Services",
-        opts.seed, opts.seed, opts.duration, opts.guests, opts.services
+        "soak: seed {} (replay with --seed {}), {:?} of faults on {} guests, {} + {} Services",
+        opts.seed,
+        opts.seed,
+        opts.duration,
+        opts.guests,
+        opts.services,
+        opts.churn + usize::from(opts.services >= 2)
     );
     let mut rng = fastrand::Rng::with_seed(opts.seed);
     let mut lo = lb::Options::new(bin, manifests);
     lo.guests = opts.guests;
     lo.endpoint_slices = true;
-    let mut lb = LbRig::start(lo)?;
+    lo.lease_time = Some(opts.lease_time.clone());
+    let lb = LbRig::start(lo)?;
 
     // The Services: primaries, shared-IP secondaries, Local ones.
-    let mut svcs: Vec<Svc> = Vec::new();
+    let mut stable: Vec<Svc> = Vec::new();
     let nodes: Vec<String> = (0..opts.guests).map(|g| lb.node_name(g)).collect();
     for i in 0..opts.services {
         let name = format!("soak-{i:02}");
         let port = LISTEN_PORT + 100 + i as u16;
         if i % 5 == 4 {
-            let primary = svcs
+            let primary = stable
                 .last()
                 .context("a secondary needs a primary")?
                 .name
@@ -304,10 +501,7 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
                 &name,
                 &[
                     (crate::failover::IPAM, "dhcp"),
-                    (
-                        "cloudprovider.harvesterhci.io/primary-service",
-                        &format!("default/{primary}"),
-                    ),
+                    (PRIMARY_SERVICE, &format!("default/{primary}")),
                 ],
                 &[port],
             )?;
@@ -322,19 +516,60 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
         } else {
             lb.create_service(&name, &[(crate::failover::IPAM, "dhcp")], &[port])?;
         }
-        svcs.push(Svc {
+        stable.push(Svc {
             name,
             ip: Ipv4Addr::UNSPECIFIED,
             secondary: i % 5 == 4,
         });
     }
-    for s in &mut svcs {
+    let mut churn = Vec::new();
+    for i in 0..opts.churn {
+        let c = Churn {
+            name: format!("churn-{i}"),
+            port: LISTEN_PORT + 200 + i as u16,
+            life: Life::Served {
+                since: Instant::now(),
+                ip: None,
+                late_reported: false,
+            },
+            seen: BTreeSet::new(),
+        };
+        lb.create_service(&c.name, &[(crate::failover::IPAM, "dhcp")], &[c.port])?;
+        churn.push(c);
+    }
+    let repoint = (opts.services >= 2).then(|| Repoint {
+        primary: 0,
+        since: Instant::now(),
+        reported: false,
+    });
+    if repoint.is_some() {
+        lb.create_service(
+            REPOINT,
+            &[
+                (crate::failover::IPAM, "dhcp"),
+                (PRIMARY_SERVICE, "default/soak-00"),
+            ],
+            &[LISTEN_PORT + 90],
+        )?;
+    }
+    for s in &mut stable {
         s.ip = lb.wait_ingress(&s.name, Duration::from_secs(120));
     }
-    let names: Vec<String> = svcs.iter().map(|s| s.name.clone()).collect();
-    let addresses: BTreeSet<Ipv4Addr> =
-        svcs.iter().filter(|s| !s.secondary).map(|s| s.ip).collect();
-    for ip in &addresses {
+    for c in &mut churn {
+        let ip = lb.wait_ingress(&c.name, Duration::from_secs(120));
+        c.seen.insert(ip);
+        c.life = Life::Served {
+            since: Instant::now(),
+            ip: Some(ip),
+            late_reported: false,
+        };
+    }
+    let addresses: BTreeSet<Ipv4Addr> = stable
+        .iter()
+        .filter(|s| !s.secondary)
+        .map(|s| s.ip)
+        .collect();
+    for ip in addresses.iter().chain(churn.iter().flat_map(|c| &c.seen)) {
         let ok = lb::wait_for(Duration::from_secs(30), || {
             (lb.carriers(*ip).len() == 1).then_some(())
         });
@@ -352,7 +587,7 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
     }
     let dhcp_log_mark = lb.dnsmasq_log_len();
     let t0 = Instant::now();
-    let mut report = SoakReport {
+    let report = SoakReport {
         seed: opts.seed,
         faults: Vec::new(),
         violations: Vec::new(),
@@ -360,24 +595,57 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
         rss_start: rss_all(&lb, opts.guests),
         rss_end: Vec::new(),
         t0,
+        leases_left_to_expire: 0,
+        interrupted: false,
+    };
+    let mut soak = Soak {
+        lb,
+        watch,
+        report,
+        stable,
+        churn,
+        repoint,
+        last_dhcp_end: None,
+        gone_at: BTreeMap::new(),
+        lease_secs: lease_secs(&opts.lease_time)?,
     };
 
     let mut active: Vec<Active> = Vec::new();
     let mut next_fault = t0 + Duration::from_secs(1);
-    let original: BTreeMap<String, Ipv4Addr> =
-        svcs.iter().map(|s| (s.name.clone(), s.ip)).collect();
-    let mut last_seen: BTreeMap<String, Option<Ipv4Addr>> =
-        svcs.iter().map(|s| (s.name.clone(), Some(s.ip))).collect();
+    let mut last_seen: BTreeMap<String, Option<Ipv4Addr>> = soak
+        .stable
+        .iter()
+        .map(|s| (s.name.clone(), Some(s.ip)))
+        .collect();
     let mut next_status = t0;
-    let end = t0 + opts.duration;
+    let mut end = t0 + opts.duration;
     loop {
         let now = Instant::now();
+        if INTERRUPTED.load(Ordering::SeqCst) && !soak.report.interrupted {
+            println!("soak: interrupted; ending the faults under way");
+            soak.report.interrupted = true;
+            end = now;
+        }
         // End what is due.
         let mut k = 0;
         while k < active.len() {
             if active[k].ends <= now || now >= end {
-                let a = active.remove(k);
-                end_fault(&mut lb, &mut report, a)?;
+                let mut a = active.remove(k);
+                if !soak.end_fault(&mut a)? {
+                    // Not yet possible: try again soon (or give up).
+                    if now - a.due > Duration::from_secs(90) {
+                        let what = format!(
+                            "{} could not be ended within 90 s",
+                            soak.report.faults[a.index].fault.label()
+                        );
+                        soak.report.violate(now, what);
+                        soak.report.faults[a.index].ended = Some(now);
+                    } else {
+                        a.ends = now + Duration::from_millis(500);
+                        active.insert(k, a);
+                        k += 1;
+                    }
+                }
             } else {
                 k += 1;
             }
@@ -386,53 +654,43 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
             break;
         }
         if now >= next_fault && now < end {
+            // The same draws every time, whatever is busy: a seed replays
+            // the same sequence of candidate faults.
             next_fault = now + Duration::from_millis(rng.u64(1_000..=5_000));
-            let busy: BTreeSet<usize> = active
-                .iter()
-                .filter_map(|a| report.faults[a.index].guest)
-                .collect();
-            let busy_cluster: BTreeSet<Fault> = active
-                .iter()
-                .filter(|a| report.faults[a.index].guest.is_none())
-                .map(|a| report.faults[a.index].fault)
-                .collect();
-            // A quarter of the faults on the cluster, the rest on a guest.
-            let begun = if rng.u8(0..4) == 0 {
-                let f = Fault::ON_THE_CLUSTER[rng.usize(..Fault::ON_THE_CLUSTER.len())];
-                // One API outage or leader kill at a time.
-                (!busy_cluster.contains(&f)).then_some((f, None))
+            let on_cluster = rng.u8(0..3) == 0;
+            let cluster_fault = Fault::ON_THE_CLUSTER[rng.usize(..Fault::ON_THE_CLUSTER.len())];
+            let guest_fault = Fault::ON_A_GUEST[rng.usize(..Fault::ON_A_GUEST.len())];
+            let pick = rng.usize(..1_000);
+            let length_cluster = cluster_fault.length(&mut rng);
+            let length_guest = guest_fault.length(&mut rng);
+            let begun = if on_cluster {
+                soak.cluster_target(&active, cluster_fault, pick, now)
+                    .map(|target| (cluster_fault, target, length_cluster))
             } else {
+                let busy: BTreeSet<usize> = active
+                    .iter()
+                    .filter_map(|a| soak.report.faults[a.index].guest)
+                    .collect();
                 let free: Vec<usize> = (0..opts.guests).filter(|g| !busy.contains(g)).collect();
                 // Never all guests at once: someone must be able to hold.
                 (free.len() > 1).then(|| {
-                    let g = free[rng.usize(..free.len())];
                     (
-                        Fault::ON_A_GUEST[rng.usize(..Fault::ON_A_GUEST.len())],
-                        Some(g),
+                        guest_fault,
+                        Target::Guest(free[pick % free.len()]),
+                        length_guest,
                     )
                 })
             };
-            if let Some((fault, guest)) = begun {
-                let length = fault.length(&mut rng);
-                let a = begin_fault(&mut lb, &mut report, fault, guest, length)?;
+            if let Some((fault, target, length)) = begun
+                && let Some(a) = soak.begin_fault(fault, target, length)?
+            {
                 active.push(a);
             }
         }
         if now >= next_status {
             next_status = now + Duration::from_millis(250);
-            if let Some(st) = statuses(&lb, &names) {
-                for (name, ip) in st {
-                    let was = last_seen.insert(name.clone(), ip).flatten();
-                    if ip != was && ip != Some(original[&name]) {
-                        report.violate(
-                            now,
-                            format!(
-                                "Service {name}'s status changed from {was:?} to {ip:?} while it lives (its address is {})",
-                                original[&name]
-                            ),
-                        );
-                    }
-                }
+            if let Some(st) = statuses(&soak.lb) {
+                soak.check_statuses(now, &st, &mut last_seen);
             }
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -440,125 +698,646 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
 
     // Quiet: then the end state.
     let quiet_from = Instant::now();
-    std::thread::sleep(opts.quiet);
+    if !soak.report.interrupted {
+        std::thread::sleep(opts.quiet);
+    }
     let records: Vec<(Ipv4Addr, ArpRecord)> = probers
         .into_iter()
         .map(|(ip, p)| Ok((ip, p.finish()?)))
         .collect::<Result<_>>()?;
     for (ip, rec) in &records {
-        check_arp(&mut report, *ip, rec);
-        for (at, holders) in watch.overlaps(*ip) {
-            report.violate(at, format!("{ip} held by guests {holders:?} at once"));
+        check_arp(&mut soak.report, *ip, rec);
+    }
+    let churned: BTreeSet<Ipv4Addr> = soak.churn.iter().flat_map(|c| c.seen.clone()).collect();
+    for ip in addresses.iter().chain(&churned) {
+        for (at, holders) in soak.watch.overlaps(*ip) {
+            soak.report
+                .violate(at, format!("{ip} held by guests {holders:?} at once"));
         }
     }
-    let log = lb.dnsmasq_log_from(dhcp_log_mark);
+    let log = soak.lb.dnsmasq_log_from(dhcp_log_mark);
     for line in log.lines().filter(|l| l.contains("DHCPRELEASE")) {
         if let Some(ip) = addresses.iter().find(|ip| line.contains(&ip.to_string())) {
-            report.violate(
+            soak.report.violate(
                 Instant::now(),
                 format!("DHCPRELEASE of living {ip}: {line}"),
             );
         }
     }
-    check_end(&lb, &mut report, &svcs, &addresses, quiet_from)?;
-    report.rss_end = rss_all(&lb, opts.guests);
-    Ok(report)
+    if !soak.report.interrupted {
+        soak.check_end(quiet_from)?;
+    }
+    soak.report.rss_end = rss_all(&soak.lb, opts.guests);
+    Ok(soak.report)
 }
 
-fn begin_fault(
-    lb: &mut LbRig,
-    report: &mut SoakReport,
-    fault: Fault,
-    guest: Option<usize>,
-    length: Duration,
-) -> Result<Active> {
-    use nix::sys::signal::Signal;
-    let began = Instant::now();
-    let mut paused = None;
-    match (fault, guest) {
-        (Fault::AgentKilled, Some(g)) if lb.agent_running(g) => lb.signal_agent(g, Signal::SIGKILL),
-        (Fault::AgentFrozen, Some(g)) if lb.agent_running(g) => lb.signal_agent(g, Signal::SIGSTOP),
-        (Fault::AgentRestarted, Some(g)) if lb.agent_running(g) => {
-            let st = lb.stop_agent(g);
-            if !st.success() {
-                report.violate(began, format!("guest {g}'s agent stopped with {st}"));
-            }
-            lb.start_agent(g)?;
-        }
-        (Fault::GuestPaused, Some(g)) => paused = Some(PausedGuest::pause(lb, g)?),
-        (Fault::CarrierLost, Some(g)) => failover::set_cable(lb, g, false)?,
-        (Fault::UplinkSetDown, Some(g)) => failover::set_uplink(lb, g, false)?,
-        (Fault::LeaderKilled, None) => {
-            if let Some(c) = lb
-                .leader()
-                .and_then(|l| (0..2).find(|&c| LbRig::controller_identity(c) == l))
-            {
-                lb.kill_controller(c);
-            }
-        }
-        (Fault::ApiServerDown, None) => lb.rig.apiserver_mut().context("API server")?.stop(),
-        (Fault::DhcpServerRestarted, None) => lb.rig.stop_dhcp(),
-        _ => {}
-    }
-    println!(
-        "+{:.1}s {}{} for {:.1}s",
-        (began - report.t0).as_secs_f64(),
-        fault.label(),
-        guest.map(|g| format!(" on guest {g}")).unwrap_or_default(),
-        length.as_secs_f64()
-    );
-    report.faults.push(Injected {
-        fault,
-        guest,
-        began,
-        ended: None,
-    });
-    Ok(Active {
-        index: report.faults.len() - 1,
-        ends: began + length,
-        paused,
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+}
+
+/// Seconds of a dnsmasq lease time (`2m`, `1h`, `120`).
+fn lease_secs(text: &str) -> Result<u64> {
+    let (n, unit) = match text.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&text[..i], c),
+        _ => (text, 's'),
+    };
+    let n: u64 = n.parse().with_context(|| format!("lease time {text:?}"))?;
+    Ok(match unit {
+        's' => n,
+        'm' => n * 60,
+        'h' => n * 3_600,
+        'd' => n * 86_400,
+        _ => bail!("lease time {text:?}: unknown unit {unit}"),
     })
 }
 
-fn end_fault(lb: &mut LbRig, report: &mut SoakReport, mut a: Active) -> Result<()> {
-    use nix::sys::signal::Signal;
-    let f = report.faults[a.index].clone();
-    match (f.fault, f.guest) {
-        (Fault::AgentKilled, Some(g)) if !lb.agent_running(g) => lb.start_agent(g)?,
-        (Fault::AgentFrozen, Some(g)) if lb.agent_running(g) => lb.signal_agent(g, Signal::SIGCONT),
-        (Fault::GuestPaused, Some(_)) => {
-            if let Some(p) = a.paused.as_mut() {
-                p.resume()?;
+/// What a fault acts on.
+#[derive(Debug, Clone)]
+enum Target {
+    Guest(usize),
+    Cluster,
+    Service(String),
+}
+
+impl Soak {
+    /// What cluster fault `f` may act on now, if anything: one API outage
+    /// or leader kill at a time, one DHCP outage at a time and a minute
+    /// apart, Service faults while the API server is up and on a Service
+    /// no other fault has.
+    fn cluster_target(
+        &self,
+        active: &[Active],
+        f: Fault,
+        pick: usize,
+        now: Instant,
+    ) -> Option<Target> {
+        let running: Vec<&Injected> = active
+            .iter()
+            .map(|a| &self.report.faults[a.index])
+            .collect();
+        if f.dhcp() {
+            let recent = self
+                .last_dhcp_end
+                .is_some_and(|e| now.duration_since(e) < DHCP_COOLDOWN);
+            return (!recent && !running.iter().any(|r| r.fault.dhcp())).then_some(Target::Cluster);
+        }
+        if !f.on_a_service() {
+            return (!running.iter().any(|r| r.fault == f)).then_some(Target::Cluster);
+        }
+        if running.iter().any(|r| r.fault == Fault::ApiServerDown) {
+            return None;
+        }
+        let busy: BTreeSet<&str> = running
+            .iter()
+            .filter_map(|r| r.service.as_deref())
+            .collect();
+        match f {
+            Fault::SecondaryRepointed => (self.repoint.is_some() && !busy.contains(REPOINT))
+                .then(|| Target::Service(REPOINT.into())),
+            _ => {
+                let free: Vec<&Churn> = self
+                    .churn
+                    .iter()
+                    .filter(|c| !busy.contains(c.name.as_str()))
+                    .collect();
+                (!free.is_empty()).then(|| Target::Service(free[pick % free.len()].name.clone()))
             }
         }
-        (Fault::CarrierLost, Some(g)) => failover::set_cable(lb, g, true)?,
-        (Fault::UplinkSetDown, Some(g)) => failover::set_uplink(lb, g, true)?,
-        (Fault::LeaderKilled, None) => {
-            for c in 0..2 {
-                if lb.controller_pid(c).is_none() {
-                    lb.start_controller(c)?;
+    }
+
+    /// Begins `fault`; `None` when it could not be begun (then nothing
+    /// was done).
+    fn begin_fault(
+        &mut self,
+        fault: Fault,
+        target: Target,
+        length: Duration,
+    ) -> Result<Option<Active>> {
+        use nix::sys::signal::Signal;
+        let lb = &mut self.lb;
+        let began = Instant::now();
+        let mut paused = None;
+        let guest = match &target {
+            Target::Guest(g) => Some(*g),
+            _ => None,
+        };
+        let service = match &target {
+            Target::Service(s) => Some(s.clone()),
+            _ => None,
+        };
+        match (fault, &target) {
+            (Fault::AgentKilled, Target::Guest(g)) if lb.agent_running(*g) => {
+                lb.signal_agent(*g, Signal::SIGKILL)
+            }
+            (Fault::AgentFrozen, Target::Guest(g)) if lb.agent_running(*g) => {
+                lb.signal_agent(*g, Signal::SIGSTOP)
+            }
+            (Fault::AgentRestarted, Target::Guest(g)) if lb.agent_running(*g) => {
+                let st = lb.stop_agent(*g);
+                if !st.success() {
+                    self.report
+                        .violate(began, format!("guest {g}'s agent stopped with {st}"));
+                }
+                lb.start_agent(*g)?;
+            }
+            (Fault::GuestPaused, Target::Guest(g)) => paused = Some(PausedGuest::pause(lb, *g)?),
+            (Fault::CarrierLost, Target::Guest(g)) => failover::set_cable(lb, *g, false)?,
+            (Fault::UplinkSetDown, Target::Guest(g)) => failover::set_uplink(lb, *g, false)?,
+            (Fault::UplinkRecreated, Target::Guest(g)) => failover::delete_uplink(lb, *g)?,
+            (Fault::GuestReplaced, Target::Guest(g)) => {
+                lb.delete_guest(*g)?;
+                self.watch.gone(*g, Instant::now());
+            }
+            (Fault::LeaderKilled, Target::Cluster) => {
+                if let Some(c) = lb
+                    .leader()
+                    .and_then(|l| (0..2).find(|&c| LbRig::controller_identity(c) == l))
+                {
+                    lb.kill_controller(c);
+                }
+            }
+            (Fault::ApiServerDown, Target::Cluster) => {
+                lb.rig.apiserver_mut().context("API server")?.stop()
+            }
+            (Fault::DhcpServerRestarted | Fault::DhcpDownPastRenewal, Target::Cluster) => {
+                lb.rig.stop_dhcp()
+            }
+            (Fault::DhcpLeasesLost, Target::Cluster) => {
+                lb.rig.stop_dhcp();
+                std::fs::write(lb.rig.leases_path(), "")
+                    .context("emptying dnsmasq's lease file")?;
+            }
+            (Fault::ServiceRecreated, Target::Service(name)) => {
+                let old = self.churn_ip(name);
+                if let Err(e) = self.lb.delete_service(name) {
+                    println!("soak: {} not begun: {e:#}", fault.label());
+                    return Ok(None);
+                }
+                self.set_life(name, Life::Away { old });
+            }
+            (Fault::ClassSwitched, Target::Service(name)) => {
+                let old = self.churn_ip(name);
+                let switched = merge_patch(
+                    &self.lb,
+                    name,
+                    serde_json::json!({"spec": {"type": "ClusterIP", "loadBalancerClass": null}}),
+                )
+                .and_then(|()| {
+                    merge_patch(
+                        &self.lb,
+                        name,
+                        serde_json::json!({"spec": {"type": "LoadBalancer", "loadBalancerClass": OTHER_CLASS}}),
+                    )
+                });
+                if let Err(e) = switched {
+                    // Half switched is still not ours; the end switches it back.
+                    println!("soak: {}: {e:#}", fault.label());
+                }
+                self.set_life(name, Life::Away { old });
+            }
+            (Fault::SecondaryRepointed, Target::Service(name)) => {
+                let Some(r) = self.repoint.as_mut() else {
+                    return Ok(None);
+                };
+                let to = 1 - r.primary;
+                let target = format!("default/{}", self.stable[to].name);
+                if let Err(e) = lb.annotate(name, PRIMARY_SERVICE, Some(&target)) {
+                    println!("soak: {} not begun: {e:#}", fault.label());
+                    return Ok(None);
+                }
+                *r = Repoint {
+                    primary: to,
+                    since: Instant::now(),
+                    reported: false,
+                };
+            }
+            _ => {}
+        }
+        println!(
+            "+{:.1}s {}{} for {:.1}s",
+            (began - self.report.t0).as_secs_f64(),
+            fault.label(),
+            match &target {
+                Target::Guest(g) => format!(" on guest {g}"),
+                Target::Service(s) => format!(" on {s}"),
+                Target::Cluster => String::new(),
+            },
+            length.as_secs_f64()
+        );
+        self.report.faults.push(Injected {
+            fault,
+            guest,
+            service,
+            began,
+            ended: None,
+        });
+        Ok(Some(Active {
+            index: self.report.faults.len() - 1,
+            ends: began + length,
+            due: began + length,
+            paused,
+        }))
+    }
+
+    /// Ends a fault; `false` when that cannot be done yet (try again).
+    fn end_fault(&mut self, a: &mut Active) -> Result<bool> {
+        use nix::sys::signal::Signal;
+        let f = self.report.faults[a.index].clone();
+        let now = Instant::now();
+        let lb = &mut self.lb;
+        match (f.fault, f.guest, f.service.as_deref()) {
+            (Fault::AgentKilled, Some(g), _) if !lb.agent_running(g) => lb.start_agent(g)?,
+            (Fault::AgentFrozen, Some(g), _) if lb.agent_running(g) => {
+                lb.signal_agent(g, Signal::SIGCONT)
+            }
+            (Fault::GuestPaused, Some(_), _) => {
+                if let Some(p) = a.paused.as_mut() {
+                    p.resume()?;
+                }
+            }
+            (Fault::CarrierLost, Some(g), _) => failover::set_cable(lb, g, true)?,
+            (Fault::UplinkSetDown, Some(g), _) => failover::set_uplink(lb, g, true)?,
+            (Fault::UplinkRecreated, Some(g), _) => failover::recreate_uplink(lb, g)?,
+            (Fault::GuestReplaced, Some(g), _) => {
+                lb.replace_guest(g)?;
+                let ns = lb.rig.guest_ns(g).to_string();
+                self.watch.rewatch(g, &ns)?;
+            }
+            (Fault::LeaderKilled, None, _) => {
+                for c in 0..2 {
+                    if lb.controller_pid(c).is_none() {
+                        lb.start_controller(c)?;
+                    }
+                }
+            }
+            (Fault::ApiServerDown, None, _) => lb
+                .rig
+                .apiserver_mut()
+                .context("API server")?
+                .restart()
+                .context("restarting the API server")?,
+            (
+                Fault::DhcpServerRestarted | Fault::DhcpLeasesLost | Fault::DhcpDownPastRenewal,
+                None,
+                _,
+            ) => {
+                lb.rig.start_dhcp(&[])?;
+                self.last_dhcp_end = Some(now);
+            }
+            (Fault::ServiceRecreated, _, Some(name)) => {
+                // Recreated once the old one is gone (its finalizer lifted
+                // after its address was released).
+                match lb.block_on(lb.services().get_opt(name)) {
+                    Ok(None) => {}
+                    Ok(Some(_)) | Err(_) => return Ok(false),
+                }
+                self.check_left(name, now);
+                let port = self.churn_port(name);
+                if self
+                    .lb
+                    .create_service(name, &[(crate::failover::IPAM, "dhcp")], &[port])
+                    .is_err()
+                {
+                    return Ok(false);
+                }
+                self.serve_again(name);
+            }
+            (Fault::ClassSwitched, _, Some(name)) => {
+                self.check_left(name, now);
+                let back = merge_patch(
+                    &self.lb,
+                    name,
+                    serde_json::json!({"spec": {"type": "ClusterIP", "loadBalancerClass": null}}),
+                )
+                .and_then(|()| {
+                    merge_patch(
+                        &self.lb,
+                        name,
+                        serde_json::json!({"spec": {"type": "LoadBalancer"}}),
+                    )
+                });
+                if back.is_err() {
+                    return Ok(false);
+                }
+                self.serve_again(name);
+            }
+            (Fault::SecondaryRepointed, _, Some(name)) => {
+                let Some(r) = self.repoint.as_mut() else {
+                    return Ok(true);
+                };
+                let to = 1 - r.primary;
+                let target = format!("default/{}", self.stable[to].name);
+                if lb.annotate(name, PRIMARY_SERVICE, Some(&target)).is_err() {
+                    return Ok(false);
+                }
+                *r = Repoint {
+                    primary: to,
+                    since: Instant::now(),
+                    reported: false,
+                };
+            }
+            _ => {}
+        }
+        self.report.faults[a.index].ended = Some(Instant::now());
+        Ok(true)
+    }
+
+    fn churn_mut(&mut self, name: &str) -> Option<&mut Churn> {
+        self.churn.iter_mut().find(|c| c.name == name)
+    }
+
+    fn churn_ip(&self, name: &str) -> Option<Ipv4Addr> {
+        match self.churn.iter().find(|c| c.name == name)?.life {
+            Life::Served { ip, .. } => ip,
+            Life::Away { old } => old,
+        }
+    }
+
+    fn churn_port(&self, name: &str) -> u16 {
+        self.churn
+            .iter()
+            .find(|c| c.name == name)
+            .map(|c| c.port)
+            .unwrap_or(LISTEN_PORT)
+    }
+
+    fn set_life(&mut self, name: &str, life: Life) {
+        if let Life::Away { old: Some(old) } = life {
+            self.gone_at.insert(old, SystemTime::now());
+        }
+        if let Some(c) = self.churn_mut(name) {
+            c.life = life;
+        }
+    }
+
+    fn serve_again(&mut self, name: &str) {
+        self.set_life(
+            name,
+            Life::Served {
+                since: Instant::now(),
+                ip: None,
+                late_reported: false,
+            },
+        );
+    }
+
+    /// A Service that was deleted or switched away must have left: its
+    /// old address on no guest.
+    fn check_left(&mut self, name: &str, now: Instant) {
+        let Some(Life::Away { old: Some(old) }) = self
+            .churn
+            .iter()
+            .find(|c| c.name == name)
+            .map(|c| c.life.clone())
+        else {
+            return;
+        };
+        let held = self.lb.carriers(old);
+        if !held.is_empty() {
+            self.report.violate(
+                now,
+                format!("{name} gone from our class, but its address {old} is still on {held:?}"),
+            );
+        }
+    }
+
+    /// The Services' status against what each must show.
+    fn check_statuses(
+        &mut self,
+        now: Instant,
+        st: &BTreeMap<String, Option<Ipv4Addr>>,
+        last_seen: &mut BTreeMap<String, Option<Ipv4Addr>>,
+    ) {
+        for s in &self.stable {
+            let ip = st.get(&s.name).copied().flatten();
+            let was = last_seen.insert(s.name.clone(), ip).flatten();
+            if ip != was && ip != Some(s.ip) {
+                self.report.violate(
+                    now,
+                    format!(
+                        "Service {}'s status changed from {was:?} to {ip:?} while it lives (its address is {})",
+                        s.name, s.ip
+                    ),
+                );
+            }
+        }
+        if let Some(r) = self.repoint.as_mut() {
+            let want = self.stable[r.primary].ip;
+            let ip = st.get(REPOINT).copied().flatten();
+            if ip != Some(want) && now - r.since > FOLLOW_WITHIN && !r.reported {
+                r.reported = true;
+                let what = format!(
+                    "{REPOINT} shows {ip:?} {:.1} s after it was pointed at {} ({want})",
+                    (now - r.since).as_secs_f64(),
+                    self.stable[r.primary].name
+                );
+                self.report.violate(now, what);
+            }
+        }
+        let mut found = Vec::new();
+        for c in &mut self.churn {
+            let Life::Served {
+                since,
+                ip,
+                late_reported,
+            } = &mut c.life
+            else {
+                continue;
+            };
+            let now_ip = st.get(&c.name).copied().flatten();
+            match (*ip, now_ip) {
+                (None, Some(new)) => {
+                    *ip = Some(new);
+                    c.seen.insert(new);
+                }
+                (None, None) if now - *since > SERVE_WITHIN && !*late_reported => {
+                    *late_reported = true;
+                    found.push(format!(
+                        "{} has no address {:.1} s after it became ours again",
+                        c.name,
+                        (now - *since).as_secs_f64()
+                    ));
+                }
+                (Some(had), now_ip) if now_ip != Some(had) => {
+                    found.push(format!(
+                        "{}'s status changed from {had} to {now_ip:?} while it lives",
+                        c.name
+                    ));
+                    *ip = now_ip;
+                    if let Some(n) = now_ip {
+                        c.seen.insert(n);
+                    }
+                }
+                _ => {}
+            }
+        }
+        for what in found {
+            self.report.violate(now, what);
+        }
+    }
+
+    /// The end state, after the quiet period.
+    fn check_end(&mut self, at: Instant) -> Result<()> {
+        let quiet_wall = SystemTime::now() - at.elapsed();
+        let lb = &self.lb;
+        let report = &mut self.report;
+        // Every Service has the address it must have.
+        let mut want: BTreeMap<String, Ipv4Addr> =
+            self.stable.iter().map(|s| (s.name.clone(), s.ip)).collect();
+        if let Some(r) = &self.repoint {
+            want.insert(REPOINT.into(), self.stable[r.primary].ip);
+        }
+        for (name, ip) in &want {
+            if lb.ingress_ip(name) != Some(*ip) {
+                report.violate(
+                    at,
+                    format!("at the end {name} has {:?}, not {ip}", lb.ingress_ip(name)),
+                );
+            }
+        }
+        let mut living: BTreeSet<Ipv4Addr> = self
+            .stable
+            .iter()
+            .filter(|s| !s.secondary)
+            .map(|s| s.ip)
+            .collect();
+        for c in &self.churn {
+            match lb.ingress_ip(&c.name) {
+                Some(ip) => {
+                    living.insert(ip);
+                }
+                None => report.violate(at, format!("at the end {} has no address", c.name)),
+            }
+        }
+        // Each on one guest, which answers TCP for it.
+        for ip in &living {
+            let c = lb.carriers(*ip);
+            if c.len() != 1 {
+                report.violate(
+                    at,
+                    format!("at the end {ip} is on {} guests: {c:?}", c.len()),
+                );
+                continue;
+            }
+            match lb.tcp_from_client(*ip, LISTEN_PORT) {
+                Ok(node) if node == c[0].0 => {}
+                Ok(node) => report.violate(
+                    at,
+                    format!("at the end {ip} is on {} but {node} answers TCP", c[0].0),
+                ),
+                Err(e) => report.violate(at, format!("at the end {ip} answers no TCP: {e:#}")),
+            }
+        }
+        // Every link is one the node's assignments name; every node lease
+        // file is of a living address.
+        for g in 0..lb.rig.guest_count() {
+            let node = lb.node_name(g);
+            let assigned: BTreeSet<String> = lb
+                .node_object(&node)
+                .and_then(|o| o["spec"]["assignments"].as_array().cloned())
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|a| a["interface"].as_str().map(str::to_string))
+                .collect();
+            for link in lb.hlb_links(g) {
+                if !assigned.contains(&link.name) {
+                    report.violate(
+                        at,
+                        format!(
+                            "at the end {node} has {} that no assignment of it names",
+                            link.name
+                        ),
+                    );
+                }
+            }
+            for (file, ip, acquired_ms) in lb.agent_lease_files(g) {
+                if living.contains(&ip) {
+                    continue;
+                }
+                let gone = self.gone_at.get(&ip).copied().unwrap_or(quiet_wall);
+                if acquired_ms > unix_ms(gone) + 2_000 {
+                    report.violate(
+                        at,
+                        format!("at the end {node} keeps lease file {file} of {ip}, acquired after its Service let it go"),
+                    );
+                } else {
+                    report.leases_left_to_expire += 1;
                 }
             }
         }
-        (Fault::ApiServerDown, None) => lb
-            .rig
-            .apiserver_mut()
-            .context("API server")?
-            .restart()
-            .context("restarting the API server")?,
-        (Fault::DhcpServerRestarted, None) => lb.rig.start_dhcp(&[])?,
-        _ => {}
+        // dnsmasq's leases of addresses no Service has: renewed after the
+        // Service let the address go is a leak. One never released (its
+        // holder was down, or the server, when the DHCPRELEASE was due:
+        // nobody resends one) ends by itself within the lease time.
+        let leases = lb.rig.dnsmasq_leases().unwrap_or_default();
+        for line in leases.lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let (Some(expiry), Some(ip)) = (
+                words.first().and_then(|w| w.parse::<u64>().ok()),
+                words.get(2).and_then(|w| w.parse::<Ipv4Addr>().ok()),
+            ) else {
+                continue;
+            };
+            if living.contains(&ip) {
+                continue;
+            }
+            let acked_ms = expiry.saturating_sub(self.lease_secs) * 1_000;
+            let gone = self.gone_at.get(&ip).copied().unwrap_or(quiet_wall);
+            if acked_ms > unix_ms(gone) + 2_000 {
+                report.violate(
+                    at,
+                    format!("at the end dnsmasq leases {ip}, renewed after its Service let it go: {line}"),
+                );
+            } else {
+                report.leases_left_to_expire += 1;
+            }
+        }
+        // One Role and one RoleBinding per node.
+        let want: BTreeSet<String> = (0..lb.rig.guest_count())
+            .map(|g| format!("harvester-node-agent-node-{}", lb.node_name(g)))
+            .collect();
+        let roles: Api<k8s_openapi::api::rbac::v1::Role> =
+            Api::namespaced(lb.admin(), lb::NAMESPACE);
+        let bindings: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
+            Api::namespaced(lb.admin(), lb::NAMESPACE);
+        let role_names: BTreeSet<String> = lb
+            .block_on(roles.list(&kube::api::ListParams::default()))?
+            .items
+            .into_iter()
+            .filter_map(|r| r.metadata.name)
+            .filter(|n| n.starts_with("harvester-node-agent-node-"))
+            .collect();
+        let binding_names: BTreeSet<String> = lb
+            .block_on(bindings.list(&kube::api::ListParams::default()))?
+            .items
+            .into_iter()
+            .filter_map(|r| r.metadata.name)
+            .filter(|n| n.starts_with("harvester-node-agent-node-"))
+            .collect();
+        for (kind, names) in [("Roles", role_names), ("RoleBindings", binding_names)] {
+            if names != want {
+                report.violate(
+                    at,
+                    format!("at the end the per-node {kind} are {names:?}, not {want:?}"),
+                );
+            }
+        }
+        Ok(())
     }
-    report.faults[a.index].ended = Some(Instant::now());
-    Ok(())
 }
 
-/// What `f` allows: its kind's bound, and for an API outage its whole
-/// length too: nothing moves while the API server is down (by design), so
-/// a holder that fails during the outage stays unserved until it is back.
+/// What `f` allows: its kind's bound, and for an outage of the API or the
+/// DHCP server its length too: nothing moves while the API server is down
+/// (by design), so a holder that fails during the outage stays unserved
+/// until it is back; and a takeover during a DHCP outage waits for the
+/// server (no address is claimed without its word), whose retransmissions
+/// double (RFC 2131 §4.1), so up to twice the outage.
 fn bound_of(f: &Injected) -> Duration {
     match (f.fault, f.ended) {
         (Fault::ApiServerDown, Some(e)) => f.fault.bound() + (e - f.began) + Duration::from_secs(3),
+        (fault, Some(e)) if fault.dhcp() => {
+            f.fault.bound() + 2 * (e - f.began) + Duration::from_secs(3)
+        }
         _ => f.fault.bound(),
     }
 }
@@ -623,79 +1402,6 @@ fn check_arp(report: &mut SoakReport, ip: Ipv4Addr, rec: &ArpRecord) {
     }
 }
 
-/// The end state, after the quiet period.
-fn check_end(
-    lb: &LbRig,
-    report: &mut SoakReport,
-    svcs: &[Svc],
-    addresses: &BTreeSet<Ipv4Addr>,
-    at: Instant,
-) -> Result<()> {
-    for s in svcs {
-        if lb.ingress_ip(&s.name) != Some(s.ip) {
-            report.violate(
-                at,
-                format!(
-                    "at the end {} has {:?}, not {}",
-                    s.name,
-                    lb.ingress_ip(&s.name),
-                    s.ip
-                ),
-            );
-        }
-    }
-    for ip in addresses {
-        let c = lb.carriers(*ip);
-        if c.len() != 1 {
-            report.violate(
-                at,
-                format!("at the end {ip} is on {} guests: {c:?}", c.len()),
-            );
-        }
-    }
-    // Every link is one the node's assignments name.
-    for g in 0..lb.rig.guest_count() {
-        let node = lb.node_name(g);
-        let assigned: BTreeSet<String> = lb
-            .node_object(&node)
-            .and_then(|o| o["spec"]["assignments"].as_array().cloned())
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|a| a["interface"].as_str().map(str::to_string))
-            .collect();
-        for link in lb.hlb_links(g) {
-            if !assigned.contains(&link.name) {
-                report.violate(
-                    at,
-                    format!(
-                        "at the end {node} has {} that no assignment of it names",
-                        link.name
-                    ),
-                );
-            }
-        }
-    }
-    // One Role and one RoleBinding per node.
-    let roles: Api<k8s_openapi::api::rbac::v1::Role> = Api::namespaced(lb.admin(), lb::NAMESPACE);
-    let names: BTreeSet<String> = lb
-        .block_on(roles.list(&kube::api::ListParams::default()))?
-        .items
-        .into_iter()
-        .filter_map(|r| r.metadata.name)
-        .filter(|n| n.starts_with("harvester-node-agent-node-"))
-        .collect();
-    let want: BTreeSet<String> = (0..lb.rig.guest_count())
-        .map(|g| format!("harvester-node-agent-node-{}", lb.node_name(g)))
-        .collect();
-    if names != want {
-        report.violate(
-            at,
-            format!("at the end the per-node Roles are {names:?}, not {want:?}"),
-        );
-    }
-    Ok(())
-}
-
 /// The report as the README shows it.
 pub fn print(report: &SoakReport) {
     let mut by_kind: BTreeMap<&str, usize> = BTreeMap::new();
@@ -720,6 +1426,10 @@ pub fn print(report: &SoakReport) {
             .unwrap_or_else(|| "-".into());
         println!("  {who:<24} {kib:>8} {end:>8}");
     }
+    println!(
+        "leases of addresses no Service has, left to expire (a DHCPRELEASE that could not be delivered): {}",
+        report.leases_left_to_expire
+    );
     if !report.violations.is_empty() {
         println!("\nviolations:");
         for v in &report.violations {

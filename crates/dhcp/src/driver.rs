@@ -126,6 +126,34 @@ fn to_unix_ms(at: Instant) -> u64 {
     ms.as_millis() as u64
 }
 
+/// Asks the LAN from the lease's uplink (with the uplink's own MAC)
+/// whether another host answers for an address: the holder of a Service's
+/// address answers with the Service's MAC, which is this lease's own, so a
+/// probe from the lease's link cannot tell it apart.
+pub type UplinkProbe = Box<
+    dyn Fn(Ipv4Addr) -> std::pin::Pin<Box<dyn Future<Output = std::io::Result<bool>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// An [`UplinkProbe`] that opens `open()` for each probe (a packet socket
+/// only while it is needed: late bindings are rare).
+pub fn probe_through<T: Transport>(
+    open: impl Fn() -> std::io::Result<T> + Send + Sync + 'static,
+) -> UplinkProbe {
+    let open = std::sync::Arc::new(open);
+    Box::new(move |addr| {
+        let open = open.clone();
+        Box::pin(async move { open()?.arp_probe(addr).await })
+    })
+}
+
+/// How old the takeover guard's verdict (taken just before the lease
+/// started) may be when a first binding puts the address on the link:
+/// an exchange that took longer (a process frozen between its request and
+/// the answer, a DHCP server slow or down) asks the LAN again first.
+pub const GUARD_FRESH: Duration = Duration::from_secs(1);
+
 pub struct Driver<T: Transport, A: AddressConfig> {
     name: String,
     machine: Machine,
@@ -137,6 +165,9 @@ pub struct Driver<T: Transport, A: AddressConfig> {
     deadline: Option<Instant>,
     /// The address configured with a lifetime, and when to confirm it.
     lifetime: Option<(Ipv4Addr, Instant)>,
+    /// The address on the link now (put there by this driver).
+    configured: Option<Ipv4Addr>,
+    uplink: Option<UplinkProbe>,
     last_error: Option<String>,
     transitions: Vec<Transition>,
 }
@@ -161,11 +192,44 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 started: Instant::now(),
                 deadline: None,
                 lifetime: None,
+                configured: None,
+                uplink: None,
                 last_error: None,
                 transitions: Vec::new(),
             },
             rx,
         )
+    }
+
+    /// Lets a first binding that comes later than [`GUARD_FRESH`] after the
+    /// start ask the LAN, from the uplink, whether another host answers for
+    /// the address before putting it on the link; if one does (or the
+    /// uplink cannot be asked), the address is not configured and the
+    /// lease ends `EXPIRED`, to be started again through the takeover
+    /// guard. Without it every binding is configured at once.
+    pub fn with_uplink_check(mut self, probe: UplinkProbe) -> Self {
+        self.uplink = Some(probe);
+        self
+    }
+
+    /// Why `address` must not be put on the link now, if it must not: a
+    /// first binding, late, and another host answers for it on the uplink.
+    async fn answered_elsewhere(&self, address: Ipv4Addr) -> Option<String> {
+        if self.configured == Some(address) || self.started.elapsed() <= GUARD_FRESH {
+            return None;
+        }
+        let probe = self.uplink.as_ref()?;
+        match probe(address).await {
+            Ok(false) => None,
+            Ok(true) => Some(format!(
+                "{address} answers on the LAN from another host; bound {:.1} s after the start (the takeover guard's word is too old): not configured",
+                self.started.elapsed().as_secs_f64()
+            )),
+            Err(e) => Some(format!(
+                "cannot ask the LAN whether {address} answers elsewhere ({e}); bound {:.1} s after the start: not configured",
+                self.started.elapsed().as_secs_f64()
+            )),
+        }
     }
 
     /// Runs until stopped. A dropped command channel counts as a handover
@@ -232,6 +296,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
             Ok(true) => self.lifetime = Some((address, next)),
             Ok(false) => {
                 self.lifetime = None;
+                self.configured = None;
                 tracing::warn!(
                     lease = %self.name,
                     %address,
@@ -278,9 +343,22 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 }
                 Action::SetTimer(at) => self.deadline = Some(at),
                 Action::ConfigureAddress { address, .. } => {
+                    // A binding whose guard is stale (this task did not
+                    // run, or the server was slow) may find the address
+                    // already held by the node it was moved to meanwhile.
+                    if let Some(why) = self.answered_elsewhere(address).await {
+                        tracing::warn!(lease = %self.name, "{why}");
+                        self.last_error = Some(why);
+                        queue.retain(|a| !matches!(a, Action::ArpAnnounce(_)));
+                        let more = self.machine.handle(Instant::now(), Event::AddressExpired);
+                        self.note_transitions(&more);
+                        queue.extend(more);
+                        continue;
+                    }
                     let lifetime = self.machine.address_lifetime().map(lifetime_secs);
                     match self.addrs.add(address, lifetime).await {
                         Ok(()) => {
+                            self.configured = Some(address);
                             self.lifetime = self
                                 .machine
                                 .address_lifetime()
@@ -291,6 +369,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 }
                 Action::RemoveAddress(address) => {
                     self.lifetime = None;
+                    self.configured = None;
                     if let Err(e) = self.addrs.remove(address).await {
                         self.error(e.to_string());
                     }
@@ -443,6 +522,7 @@ mod tests {
         configured: Vec<Ipv4Addr>,
         /// The lifetime of every add and successful refresh, in order.
         lifetimes: Vec<Option<u32>>,
+        announced: usize,
     }
 
     #[derive(Clone, Default)]
@@ -502,8 +582,110 @@ mod tests {
         }
 
         async fn arp_announce(&self, _addr: Ipv4Addr) -> io::Result<()> {
+            self.0.lock().unwrap().announced += 1;
             Ok(())
         }
+    }
+
+    /// The uplink as the takeover guard's re-check sees it: whether another
+    /// host answers, and every probe made.
+    #[derive(Clone, Default)]
+    struct Uplink {
+        answers: bool,
+        probes: Arc<Mutex<Vec<Ipv4Addr>>>,
+    }
+
+    impl Transport for Uplink {
+        async fn send(&self, _: &[u8], _: Ipv4Addr, _: Destination) -> io::Result<()> {
+            Ok(())
+        }
+        async fn recv(&self) -> Result<Inbound, RecvError> {
+            std::future::pending().await
+        }
+        async fn arp_probe(&self, addr: Ipv4Addr) -> io::Result<bool> {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            self.probes.lock().unwrap().push(addr);
+            Ok(self.answers)
+        }
+        async fn arp_announce(&self, _addr: Ipv4Addr) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Issue #20 (found by the soak): an agent frozen between its
+    /// INIT-REBOOT request and the server's answer was moved away from
+    /// meanwhile; when it ran again it put the address up beside the new
+    /// holder on the strength of a takeover guard ten seconds old. A first
+    /// binding later than `GUARD_FRESH` asks the LAN again from the uplink.
+    #[tokio::test(start_paused = true)]
+    async fn a_late_first_binding_asks_the_lan_again_and_keeps_off_a_held_address() {
+        for answers in [true, false] {
+            let fake = Fake::default();
+            let addr = Ipv4Addr::new(10, 77, 0, 150);
+            {
+                let mut w = fake.0.lock().unwrap();
+                w.addr = Some(addr);
+                w.down = true;
+            }
+            let uplink = Uplink {
+                answers,
+                ..Uplink::default()
+            };
+            let m = Machine::new(Identity::new(MAC), Timing::default(), 1).requesting(Some(addr));
+            let (d, mut rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), None);
+            let open = uplink.clone();
+            let d = d.with_uplink_check(probe_through(move || Ok(open.clone())));
+            let (_tx, crx) = mpsc::channel(4);
+            let h = tokio::spawn(d.run(Begin::Fresh, crx));
+            // The server answers only after the first request went unheard.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            assert!(!fake.0.lock().unwrap().sent.is_empty());
+            fake.0.lock().unwrap().down = false;
+            let st = until(&mut rx, |s| {
+                matches!(s.state, State::Bound | State::Expired)
+            })
+            .await;
+            let w = fake.0.lock().unwrap();
+            assert_eq!(
+                *uplink.probes.lock().unwrap(),
+                vec![addr],
+                "answers {answers}"
+            );
+            if answers {
+                assert_eq!(st.state, State::Expired);
+                assert!(w.configured.is_empty(), "configured {:?}", w.configured);
+                assert_eq!(w.announced, 0, "announced an address held elsewhere");
+                assert!(st.last_error.unwrap().contains("another host"));
+            } else {
+                assert_eq!(st.state, State::Bound);
+                assert_eq!(w.configured, vec![addr]);
+            }
+            drop(w);
+            h.abort();
+        }
+    }
+
+    /// A binding within `GUARD_FRESH` of the start (the usual case: the
+    /// server answers in milliseconds) asks nothing more.
+    #[tokio::test(start_paused = true)]
+    async fn a_prompt_first_binding_does_not_ask_again() {
+        let fake = Fake::default();
+        let addr = Ipv4Addr::new(10, 77, 0, 150);
+        fake.0.lock().unwrap().addr = Some(addr);
+        let uplink = Uplink {
+            answers: true,
+            ..Uplink::default()
+        };
+        let m = Machine::new(Identity::new(MAC), Timing::default(), 1).requesting(Some(addr));
+        let (d, mut rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), None);
+        let open = uplink.clone();
+        let d = d.with_uplink_check(probe_through(move || Ok(open.clone())));
+        let (_tx, crx) = mpsc::channel(4);
+        let h = tokio::spawn(d.run(Begin::Fresh, crx));
+        wait_for(&mut rx, State::Bound).await;
+        assert!(uplink.probes.lock().unwrap().is_empty());
+        assert_eq!(fake.0.lock().unwrap().configured, vec![addr]);
+        h.abort();
     }
 
     impl AddressConfig for Fake {

@@ -17,13 +17,13 @@ use tokio::task::JoinHandle;
 
 use std::net::Ipv4Addr;
 
-use super::driver::{Begin, Command, Driver, LeaseStatus};
+use super::driver::{Begin, Command, Driver, LeaseStatus, probe_through};
 use super::io::{ProbeConfig, Transport};
 // The trait and the types of its surface live with the trait; the engine
 // implements it (no import back from there).
 pub use super::lease_engine::{EngineError, LeaseConfig};
 use super::lease_engine::{LeaseEngine, SweepReport};
-use super::link::{Ensured, Ipv4Conf, LinkError, Links, Netlink};
+use super::link::{Ensured, Ipv4Conf, LinkError, LinkInfo, Links, Netlink};
 use super::machine::{Machine, StopMode};
 use super::store::{Store, StoreError, validate_name};
 
@@ -447,6 +447,26 @@ async fn bring_up<L: Links>(
         Machine::new(cfg.identity, cfg.timing, fastrand::u64(..)).requesting(cfg.requested_ip);
     let addrs = links.addrs(&name, link.index());
     let (driver, status) = Driver::new(&name, machine, transport, addrs, store);
+    // The uplink as it is now: a late first binding asks the LAN from it
+    // (`GUARD_FRESH`); an uplink replaced meanwhile cannot be asked, and
+    // then nothing is configured.
+    let driver = match links.link(&cfg.parent).await {
+        Ok(Some(LinkInfo {
+            index,
+            mac: Some(mac),
+            ..
+        })) => {
+            let (links, probe) = (links.clone(), cfg.probe);
+            driver.with_uplink_check(probe_through(move || links.open(index, mac, probe)))
+        }
+        _ => driver.with_uplink_check(Box::new(|_| {
+            Box::pin(async {
+                Err(std::io::Error::other(
+                    "the uplink was not found at the start",
+                ))
+            })
+        })),
+    };
     let (tx, rx) = mpsc::channel(4);
     let task = tokio::spawn(driver.run(begin, rx));
     claim.commit(Running {

@@ -213,6 +213,28 @@ fn owner_pid(name: &str) -> Option<u32> {
 /// still use them; directories kept with `HNA_RIG_KEEP=1` stay). Called by
 /// [`Rig::start`]; errors are printed, not returned.
 pub fn cleanup_stale() {
+    // First thaw what a paused guest of a dead run left frozen
+    // (`failover::PausedGuest`, cgroup `hna-<pid>-<namespace>`): a frozen
+    // process does not die of SIGKILL until it is thawed.
+    let freezer = Path::new("/sys/fs/cgroup/freezer");
+    for entry in fs::read_dir(freezer).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        match owner_pid(&name) {
+            Some(pid) if name.starts_with("hna-") && !pid_alive(pid) => {
+                eprintln!("rig: thawing and removing stale freezer cgroup {name}");
+                let path = entry.path();
+                let _ = fs::write(path.join("freezer.state"), "THAWED");
+                let procs = fs::read_to_string(path.join("cgroup.procs")).unwrap_or_default();
+                for p in procs.split_whitespace() {
+                    let _ = fs::write(freezer.join("cgroup.procs"), p);
+                }
+                if let Err(e) = fs::remove_dir(&path) {
+                    eprintln!("rig: cannot remove {}: {e}", path.display());
+                }
+            }
+            _ => {}
+        }
+    }
     for entry in fs::read_dir("/run/netns").into_iter().flatten().flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if !name.starts_with("hna-") || name.starts_with("hna-rig-") {
@@ -641,6 +663,31 @@ impl Rig {
         run(Command::new("ip").args(["netns", "del", &ns]))?;
         self.namespaces.retain(|n| *n != ns);
         Ok(())
+    }
+
+    /// A new guest joins in the place of deleted guest `i`
+    /// ([`Rig::delete_guest`]), as a fresh VM with the same node name: a
+    /// new namespace of the same name, its `eth0` on the bridge through a
+    /// new peer of the same name, the API server's port forwarded into it.
+    pub fn recreate_guest(&mut self, i: usize) -> Result<()> {
+        let ns = self.guests[i].clone();
+        self.add_netns(&ns)?;
+        self.reattach_uplink(i)?;
+        if let Some(api) = &self.apiserver {
+            let port = api.port();
+            self.forwarders.retain(|f| f.netns() != ns);
+            let fwd = Forwarder::start(&ns, port)
+                .with_context(|| format!("forward 127.0.0.1:{port} into {ns}"))?;
+            self.forwarders.push(fwd);
+        }
+        Ok(())
+    }
+
+    /// Guest `i`'s `eth0` made again after it was deleted (`ip link del
+    /// eth0` deletes its LAN peer too): a new veth pair with the same
+    /// names, both ends up, the peer on the bridge. No address.
+    pub fn reattach_uplink(&self, i: usize) -> Result<()> {
+        self.attach_to_bridge(&self.guests[i], &format!("vg{}", i + 1))
     }
 
     /// Tears everything down (what drop does). Idempotent; never panics.
