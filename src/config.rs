@@ -193,8 +193,8 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_address_lifetime",
         env: "HNA_LB_ADDRESS_LIFETIME",
         flag: "--lb-address-lifetime",
-        default: "2s",
-        doc: "Every LoadBalancer address is configured with this lifetime (the kernel's valid_lft) and the daemon confirms it four times per lifetime: a daemon that stops running (frozen, hung, starved of CPU) stops answering for its addresses within this bound, enforced by the kernel, and after it runs again it brings none back before its takeover guard has checked the LAN. Keep it below the controller's --node-stale-after (3s), so a node stops answering before another is given its addresses, and above the longest the daemon may go without CPU. Whole seconds; 0s turns it off (addresses stay until removed). Otherwise between 1s and 60s.",
+        default: "1s",
+        doc: "Every LoadBalancer address is configured with this lifetime (the kernel's valid_lft) and the daemon confirms it four times per lifetime: a daemon that stops running (frozen, hung, starved of CPU) stops answering for its addresses within this bound, enforced by the kernel, and after it runs again it brings none back before its takeover guard has checked the LAN. Keep it plus lb_heartbeat (and a margin for the kernel, which deletes an expired address up to a quarter second late) below the controller's --node-stale-after (3s): a node may confirm its addresses up to one heartbeat after the last heartbeat the controller saw, and must stop answering before another node is given them. Keep it above the longest the daemon may go without CPU. Whole seconds; 0s turns it off (addresses stay until removed). Otherwise between 1s and 60s.",
         kind: Kind::Duration,
     },
     KeySpec {
@@ -435,7 +435,7 @@ pub fn resolve(
         lb_arp_probe: true,
         lb_takeover_guard: Duration::from_millis(150),
         lb_fence_after: Duration::from_secs(120),
-        lb_address_lifetime: Duration::from_secs(2),
+        lb_address_lifetime: Duration::from_secs(1),
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -1094,7 +1094,7 @@ mod tests {
             Duration::ZERO
         );
         assert!(resolve_file("lb_fence_after = \"5s\"\n").is_err());
-        assert_eq!(cfg.lb_address_lifetime, Duration::from_secs(2));
+        assert_eq!(cfg.lb_address_lifetime, Duration::from_secs(1));
         assert_eq!(
             resolve_file("lb_address_lifetime = \"0s\"\n")
                 .unwrap()

@@ -199,6 +199,7 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
                 ..Timing::default()
             },
             probe: ProbeConfig::default(),
+            guarded_at: None,
         };
         engine.start(cfg).await?;
     }

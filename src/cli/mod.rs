@@ -150,7 +150,7 @@ pub struct ConfigArgs {
     /// Hand every address over after this long without a status write; 0s is never (10s to 1h) [default: 120s] [env: HNA_LB_FENCE_AFTER]
     #[arg(long, value_name = "DURATION")]
     pub lb_fence_after: Option<String>,
-    /// Lifetime of every LoadBalancer address, confirmed four times per lifetime: a frozen or paused daemon stops answering within it; 0s is off (whole seconds, 1s to 60s) [default: 2s] [env: HNA_LB_ADDRESS_LIFETIME]
+    /// Lifetime of every LoadBalancer address, confirmed four times per lifetime: a frozen or paused daemon stops answering within it; 0s is off (whole seconds, 1s to 60s) [default: 1s] [env: HNA_LB_ADDRESS_LIFETIME]
     #[arg(long, value_name = "DURATION")]
     pub lb_address_lifetime: Option<String>,
     /// Uplink of the LoadBalancer macvlans when a Service names none [default: the default route's interface] [env: HNA_UPLINK]

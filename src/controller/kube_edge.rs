@@ -358,7 +358,7 @@ fn spawn_network_map_watch(
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), networks::CONFIG_MAP_NAMESPACE);
     // By name, so that the Role may name the one ConfigMap it grants.
     let config = watch_config().fields(&format!("metadata.name={}", networks::CONFIG_MAP_NAME));
-    let stream = watcher(api, config).default_backoff();
+    let stream = watcher(api, config).backoff(crate::cluster::watch_one::ShortBackoff::default());
     let of = |cm: &ConfigMap| {
         NetworkMap::parse(
             cm.data

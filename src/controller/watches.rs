@@ -63,7 +63,7 @@ pub fn spawn_watch<K>(
             strip(o);
         }),
     )
-    .default_backoff();
+    .backoff(crate::cluster::watch_one::ShortBackoff::default());
     tasks.spawn(async move {
         let mut stream = std::pin::pin!(stream);
         while let Some(item) = stream.next().await {

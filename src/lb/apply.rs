@@ -73,6 +73,7 @@ pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, String
         requested_ip: w.requested_ip,
         timing: settings.timing.clone(),
         probe: settings.probe,
+        guarded_at: None,
     })
 }
 
@@ -140,13 +141,16 @@ async fn start<E: LeaseEngine>(
     w: &Want,
     settings: &Settings,
 ) -> (Result<(), String>, bool) {
-    let cfg = match lease_config(w, settings) {
+    let mut cfg = match lease_config(w, settings) {
         Ok(cfg) => cfg,
         Err(e) => return (Err(e), false),
     };
     if let Some(addr) = w.requested_ip
         && !settings.takeover_guard.is_zero()
     {
+        // The guard's word holds from when it began asking: a binding much
+        // later (this process frozen meanwhile) asks again (`GUARD_FRESH`).
+        cfg.guarded_at = Some(tokio::time::Instant::now());
         let answered = engine
             .answered(&cfg.parent, addr, guard_probe(settings.takeover_guard))
             .await;
@@ -340,6 +344,9 @@ mod tests {
         assert_eq!(taken[0].result, Ok(()));
         assert!(!taken[0].guarded);
         assert_eq!(engine.running(), vec!["hlb-3f2a9c1e"]);
+        // The lease knows when the guard asked, so that a binding long
+        // after it (the agent frozen meanwhile) asks again.
+        assert!(engine.config("hlb-3f2a9c1e").unwrap().guarded_at.is_some());
         engine
             .stop("hlb-3f2a9c1e", StopMode::Handover)
             .await
@@ -350,6 +357,7 @@ mod tests {
         engine.set_answering(addr, true);
         let off = run(w.clone(), settings()).await;
         assert_eq!(off[0].result, Ok(()));
+        assert_eq!(engine.config("hlb-3f2a9c1e").unwrap().guarded_at, None);
         assert!(
             !engine
                 .take_calls()

@@ -30,6 +30,10 @@ pub enum Fault {
     /// network service restart does): the carrier cannot be read and the
     /// default route goes with it.
     UplinkSetDown,
+    /// Its uplink deleted from inside the guest ([`delete_uplink`]), as a
+    /// network service that tears its interfaces down does. Not in
+    /// [`Fault::ALL`] (the failover bench's rows).
+    UplinkDeleted,
     /// Its VM is gone: the namespace deleted with everything in it.
     GuestDeleted,
     /// `GuestDeleted`, and the controller leader killed at the same moment.
@@ -50,6 +54,7 @@ impl Fault {
             Fault::Graceful => "graceful stop (SIGTERM)",
             Fault::CablePulled => "uplink down (no carrier)",
             Fault::UplinkSetDown => "uplink set down by its owner",
+            Fault::UplinkDeleted => "uplink deleted by its owner",
             Fault::GuestDeleted => "holder's namespace deleted",
             Fault::LeaderAndHolder => "leader killed + namespace deleted",
         }
@@ -316,6 +321,7 @@ pub fn fail_over_after(
         }
         Fault::CablePulled => set_cable(lb, from, false)?,
         Fault::UplinkSetDown => set_uplink(lb, from, false)?,
+        Fault::UplinkDeleted => delete_uplink(lb, from)?,
         Fault::GuestDeleted | Fault::LeaderAndHolder => {
             if let Some(c) = leader {
                 lb.kill_controller(c);

@@ -185,7 +185,7 @@ impl Fault {
     }
 
     /// How long its holder's addresses may go unanswered because of it:
-    /// the controller's staleness bound (3 s), the address lifetime (2 s)
+    /// the controller's staleness bound (3 s), the address lifetime (1 s)
     /// and the takeover (guard, INIT-REBOOT), with a margin for this
     /// 2-core machine. Faults that move nothing: a second. (Outages of the
     /// API or DHCP server add their length: [`bound_of`].)

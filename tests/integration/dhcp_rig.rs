@@ -72,6 +72,7 @@ fn lease(i: u32) -> LeaseConfig {
         requested_ip: None,
         timing: timing(),
         probe: ProbeConfig::default(),
+        guarded_at: None,
     }
 }
 

@@ -296,6 +296,7 @@ impl Bench {
                         ..Timing::default()
                     },
                     probe: ProbeConfig::default(),
+                    guarded_at: None,
                 })
             });
             let mut rxs = Vec::with_capacity(n);
@@ -531,6 +532,7 @@ fn hold(mut args: impl Iterator<Item = String>) -> Result<()> {
                             ..Timing::default()
                         },
                         probe: ProbeConfig::default(),
+                        guarded_at: None,
                     })
                     .await?;
             }

@@ -148,10 +148,10 @@ pub fn probe_through<T: Transport>(
     })
 }
 
-/// How old the takeover guard's verdict (taken just before the lease
-/// started) may be when a first binding puts the address on the link:
-/// an exchange that took longer (a process frozen between its request and
-/// the answer, a DHCP server slow or down) asks the LAN again first.
+/// How old the takeover guard's verdict may be when a first binding puts
+/// the address on the link: a guard and exchange that took longer (a
+/// process frozen during the guard or between its request and the answer,
+/// a DHCP server slow or down) asks the LAN again first.
 pub const GUARD_FRESH: Duration = Duration::from_secs(1);
 
 pub struct Driver<T: Transport, A: AddressConfig> {
@@ -167,6 +167,9 @@ pub struct Driver<T: Transport, A: AddressConfig> {
     lifetime: Option<(Ipv4Addr, Instant)>,
     /// The address on the link now (put there by this driver).
     configured: Option<Ipv4Addr>,
+    /// When the caller's takeover guard began (else the start): what a
+    /// first binding's freshness is counted from.
+    guarded_at: Option<Instant>,
     uplink: Option<UplinkProbe>,
     last_error: Option<String>,
     transitions: Vec<Transition>,
@@ -193,6 +196,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 deadline: None,
                 lifetime: None,
                 configured: None,
+                guarded_at: None,
                 uplink: None,
                 last_error: None,
                 transitions: Vec::new(),
@@ -212,22 +216,30 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         self
     }
 
+    /// When the caller's takeover guard began asking (see
+    /// [`LeaseConfig::guarded_at`](super::lease_engine::LeaseConfig::guarded_at)).
+    pub fn guarded_at(mut self, at: Option<Instant>) -> Self {
+        self.guarded_at = at;
+        self
+    }
+
     /// Why `address` must not be put on the link now, if it must not: a
     /// first binding, late, and another host answers for it on the uplink.
     async fn answered_elsewhere(&self, address: Ipv4Addr) -> Option<String> {
-        if self.configured == Some(address) || self.started.elapsed() <= GUARD_FRESH {
+        let since = self.guarded_at.unwrap_or(self.started);
+        if self.configured == Some(address) || since.elapsed() <= GUARD_FRESH {
             return None;
         }
         let probe = self.uplink.as_ref()?;
         match probe(address).await {
             Ok(false) => None,
             Ok(true) => Some(format!(
-                "{address} answers on the LAN from another host; bound {:.1} s after the start (the takeover guard's word is too old): not configured",
-                self.started.elapsed().as_secs_f64()
+                "{address} answers on the LAN from another host; bound {:.1} s after the takeover guard asked (its word is too old): not configured",
+                since.elapsed().as_secs_f64()
             )),
             Err(e) => Some(format!(
-                "cannot ask the LAN whether {address} answers elsewhere ({e}); bound {:.1} s after the start: not configured",
-                self.started.elapsed().as_secs_f64()
+                "cannot ask the LAN whether {address} answers elsewhere ({e}); bound {:.1} s after the takeover guard asked: not configured",
+                since.elapsed().as_secs_f64()
             )),
         }
     }
@@ -663,6 +675,40 @@ mod tests {
             drop(w);
             h.abort();
         }
+    }
+
+    /// Found by the 30-minute soak: an agent frozen for 9 s in the middle
+    /// of its takeover guard (the probe asked before the addresses moved
+    /// elsewhere, its verdict read after) started at once when it ran
+    /// again and bound promptly. The guard's age counts from when it began
+    /// asking, not from the lease's start.
+    #[tokio::test(start_paused = true)]
+    async fn a_prompt_binding_behind_a_stale_guard_asks_the_lan_again() {
+        let fake = Fake::default();
+        let addr = Ipv4Addr::new(10, 77, 0, 150);
+        fake.0.lock().unwrap().addr = Some(addr);
+        let uplink = Uplink {
+            answers: true,
+            ..Uplink::default()
+        };
+        let guard_began = Instant::now();
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        let m = Machine::new(Identity::new(MAC), Timing::default(), 1).requesting(Some(addr));
+        let (d, mut rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), None);
+        let open = uplink.clone();
+        let d = d
+            .guarded_at(Some(guard_began))
+            .with_uplink_check(probe_through(move || Ok(open.clone())));
+        let (_tx, crx) = mpsc::channel(4);
+        let h = tokio::spawn(d.run(Begin::Fresh, crx));
+        let st = until(&mut rx, |s| {
+            matches!(s.state, State::Bound | State::Expired)
+        })
+        .await;
+        assert_eq!(st.state, State::Expired);
+        assert_eq!(*uplink.probes.lock().unwrap(), vec![addr]);
+        assert!(fake.0.lock().unwrap().configured.is_empty());
+        h.abort();
     }
 
     /// A binding within `GUARD_FRESH` of the start (the usual case: the

@@ -447,6 +447,7 @@ async fn bring_up<L: Links>(
         Machine::new(cfg.identity, cfg.timing, fastrand::u64(..)).requesting(cfg.requested_ip);
     let addrs = links.addrs(&name, link.index());
     let (driver, status) = Driver::new(&name, machine, transport, addrs, store);
+    let driver = driver.guarded_at(cfg.guarded_at);
     // The uplink as it is now: a late first binding asks the LAN from it
     // (`GUARD_FRESH`); an uplink replaced meanwhile cannot be asked, and
     // then nothing is configured.

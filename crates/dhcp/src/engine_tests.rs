@@ -282,6 +282,7 @@ fn cfg(name: &str, parent: &str) -> LeaseConfig {
         requested_ip: None,
         timing: Timing::default(),
         probe: ProbeConfig::default(),
+        guarded_at: None,
     }
 }
 

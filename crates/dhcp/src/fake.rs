@@ -324,6 +324,7 @@ mod tests {
             requested_ip: None,
             timing: Timing::default(),
             probe: ProbeConfig::default(),
+            guarded_at: None,
         }
     }
 

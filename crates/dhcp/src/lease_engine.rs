@@ -33,6 +33,12 @@ pub struct LeaseConfig {
     pub requested_ip: Option<Ipv4Addr>,
     pub timing: Timing,
     pub probe: ProbeConfig,
+    /// When the caller's takeover guard began asking the LAN whether
+    /// another host answers for the address (`None`: no guard ran). A first
+    /// binding later than [`GUARD_FRESH`](super::driver::GUARD_FRESH) after
+    /// it (or after the start, without one) asks again before the address
+    /// goes on the link.
+    pub guarded_at: Option<tokio::time::Instant>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -42,6 +42,7 @@
 //!             requested_ip: None,
 //!             timing: Timing::default(),
 //!             probe: ProbeConfig::default(),
+//!             guarded_at: None,
 //!         })
 //!         .await?;
 //!     let bound = status.wait_for(|s| s.state.holds_address()).await?.clone();

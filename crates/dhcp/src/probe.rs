@@ -182,6 +182,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
             ..Timing::default()
         },
         probe: ProbeConfig::default(),
+        guarded_at: None,
     };
     let mut status = match engine.start(cfg).await {
         Ok(s) => s,
