@@ -294,6 +294,35 @@ impl SoakReport {
             .collect()
     }
 
+    /// Whether guest `g` could not be heard on the LAN at `at`: a fault
+    /// that cuts its uplink or silences its port was under way.
+    fn silenced(&self, g: usize, at: Instant) -> bool {
+        self.faults.iter().any(|f| {
+            f.guest == Some(g)
+                && matches!(
+                    f.fault,
+                    Fault::CarrierLost
+                        | Fault::UplinkSetDown
+                        | Fault::UplinkRecreated
+                        | Fault::GuestPaused
+                        | Fault::GuestReplaced
+                )
+                && f.began <= at
+                && f.ended.is_none_or(|e| at <= e)
+        })
+    }
+
+    /// What the control plane's faults around `[from, to]` add to a
+    /// deadline: nothing is decided while the API server is down or no
+    /// leader leads, and no address is had while the DHCP server is down.
+    fn control_plane_allowance(&self, from: Instant, to: Instant) -> Duration {
+        self.around(from, to)
+            .iter()
+            .filter(|f| f.guest.is_none() && f.service.is_none())
+            .map(|f| bound_of(f))
+            .sum()
+    }
+
     fn history(&self, at: Instant) -> String {
         let from = at.checked_sub(Duration::from_secs(15)).unwrap_or(self.t0);
         self.faults
@@ -711,8 +740,21 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
     let churned: BTreeSet<Ipv4Addr> = soak.churn.iter().flat_map(|c| c.seen.clone()).collect();
     for ip in addresses.iter().chain(&churned) {
         for (at, holders) in soak.watch.overlaps(*ip) {
-            soak.report
-                .violate(at, format!("{ip} held by guests {holders:?} at once"));
+            // Up links only answer: a guest whose uplink is cut, down or
+            // gone, or whose LAN port is silent, holds but cannot answer.
+            let answering: BTreeSet<usize> = holders
+                .iter()
+                .copied()
+                .filter(|g| !soak.report.silenced(*g, at))
+                .collect();
+            if answering.len() > 1 {
+                soak.report.violate(
+                    at,
+                    format!(
+                        "{ip} held by guests {holders:?} at once, {answering:?} able to answer"
+                    ),
+                );
+            }
         }
     }
     let log = soak.lb.dnsmasq_log_from(dhcp_log_mark);
@@ -1124,7 +1166,8 @@ impl Soak {
         if let Some(r) = self.repoint.as_mut() {
             let want = self.stable[r.primary].ip;
             let ip = st.get(REPOINT).copied().flatten();
-            if ip != Some(want) && now - r.since > FOLLOW_WITHIN && !r.reported {
+            let within = FOLLOW_WITHIN + self.report.control_plane_allowance(r.since, now);
+            if ip != Some(want) && now - r.since > within && !r.reported {
                 r.reported = true;
                 let what = format!(
                     "{REPOINT} shows {ip:?} {:.1} s after it was pointed at {} ({want})",
@@ -1135,6 +1178,7 @@ impl Soak {
             }
         }
         let mut found = Vec::new();
+        let report = &self.report;
         for c in &mut self.churn {
             let Life::Served {
                 since,
@@ -1150,7 +1194,11 @@ impl Soak {
                     *ip = Some(new);
                     c.seen.insert(new);
                 }
-                (None, None) if now - *since > SERVE_WITHIN && !*late_reported => {
+                (None, None)
+                    if now - *since
+                        > SERVE_WITHIN + report.control_plane_allowance(*since, now)
+                        && !*late_reported =>
+                {
                     *late_reported = true;
                     found.push(format!(
                         "{} has no address {:.1} s after it became ours again",

@@ -5,7 +5,7 @@
 //! clock, while it was paused.
 //!
 //! The guest (Debian's kernel, a virtio NIC on a tap device in a namespace
-//! of the test's own) configures the address with the default 2 s lifetime
+//! of the test's own) configures the address with a 2 s lifetime (twice the default)
 //! and never confirms it; the host asks who has it every 10 ms (each request
 //! from its own MAC), pauses the VM as soon as the guest answers, resumes it
 //! 6 s later and listens 6 s more, and the guest samples its own clock.
