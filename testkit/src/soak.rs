@@ -188,7 +188,7 @@ impl Fault {
     /// the controller's staleness bound (3 s), the address lifetime (1 s)
     /// and the takeover (guard, INIT-REBOOT), with a margin for this
     /// 2-core machine. Faults that move nothing: a second. (Outages of the
-    /// API or DHCP server add their length: [`bound_of`].)
+    /// API or DHCP server add their length; see docs/benchmarks.md, "Fault soak".)
     pub fn bound(self) -> Duration {
         Duration::from_millis(match self {
             Fault::AgentKilled | Fault::AgentFrozen | Fault::GuestPaused | Fault::GuestReplaced => {
