@@ -246,18 +246,7 @@ pub fn set_uplink(lb: &LbRig, i: usize, up: bool) -> Result<()> {
         .status()?;
     ensure!(st.success(), "ip -n {ns} link set eth0: {st}");
     if up {
-        let st = Command::new("ip")
-            .args([
-                "-n",
-                ns,
-                "route",
-                "replace",
-                "default",
-                "via",
-                crate::rig::LAN_ADDR,
-            ])
-            .status()?;
-        ensure!(st.success(), "ip -n {ns} route replace default: {st}");
+        lb.configure_uplink(i)?;
     }
     Ok(())
 }

@@ -469,6 +469,22 @@ fn merge_patch(lb: &LbRig, name: &str, patch: serde_json::Value) -> Result<()> {
     Ok(())
 }
 
+/// Service `name` switched to LoadBalancer class `class` (`None`: none,
+/// ours). The class of a LoadBalancer cannot change in place, so it goes
+/// by way of ClusterIP, as a user must.
+fn set_class(lb: &LbRig, name: &str, class: Option<&str>) -> Result<()> {
+    merge_patch(
+        lb,
+        name,
+        serde_json::json!({"spec": {"type": "ClusterIP", "loadBalancerClass": null}}),
+    )?;
+    merge_patch(
+        lb,
+        name,
+        serde_json::json!({"spec": {"type": "LoadBalancer", "loadBalancerClass": class}}),
+    )
+}
+
 /// A fault under way and how to end it.
 struct Active {
     index: usize,
@@ -919,18 +935,7 @@ impl Soak {
             }
             (Fault::ClassSwitched, Target::Service(name)) => {
                 let old = self.churn_ip(name);
-                let switched = merge_patch(
-                    &self.lb,
-                    name,
-                    serde_json::json!({"spec": {"type": "ClusterIP", "loadBalancerClass": null}}),
-                )
-                .and_then(|()| {
-                    merge_patch(
-                        &self.lb,
-                        name,
-                        serde_json::json!({"spec": {"type": "LoadBalancer", "loadBalancerClass": OTHER_CLASS}}),
-                    )
-                });
+                let switched = set_class(&self.lb, name, Some(OTHER_CLASS));
                 if let Err(e) = switched {
                     // Half switched is still not ours; the end switches it back.
                     println!("soak: {}: {e:#}", fault.label());
@@ -1046,18 +1051,7 @@ impl Soak {
             }
             (Fault::ClassSwitched, _, Some(name)) => {
                 self.check_left(name, now);
-                let back = merge_patch(
-                    &self.lb,
-                    name,
-                    serde_json::json!({"spec": {"type": "ClusterIP", "loadBalancerClass": null}}),
-                )
-                .and_then(|()| {
-                    merge_patch(
-                        &self.lb,
-                        name,
-                        serde_json::json!({"spec": {"type": "LoadBalancer"}}),
-                    )
-                });
+                let back = set_class(&self.lb, name, None);
                 if back.is_err() {
                     return Ok(false);
                 }

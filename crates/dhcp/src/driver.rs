@@ -624,6 +624,29 @@ mod tests {
         }
     }
 
+    /// A lease asking for `addr` whose late first binding asks `uplink`;
+    /// its command channel is dropped with the driver (abort the handle).
+    fn start_checked(
+        fake: &Fake,
+        uplink: &Uplink,
+        addr: Ipv4Addr,
+        guarded_at: Option<Instant>,
+    ) -> (watch::Receiver<LeaseStatus>, tokio::task::JoinHandle<()>) {
+        let m = Machine::new(Identity::new(MAC), Timing::default(), 1).requesting(Some(addr));
+        let (d, rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), None);
+        let open = uplink.clone();
+        let d = d
+            .guarded_at(guarded_at)
+            .with_uplink_check(probe_through(move || Ok(open.clone())));
+        let (tx, crx) = mpsc::channel(4);
+        let h = tokio::spawn(async move {
+            // Kept until the driver ends: a dropped channel stops it.
+            let _tx = tx;
+            d.run(Begin::Fresh, crx).await
+        });
+        (rx, h)
+    }
+
     /// Issue #20 (found by the soak): an agent frozen between its
     /// INIT-REBOOT request and the server's answer was moved away from
     /// meanwhile; when it ran again it put the address up beside the new
@@ -643,12 +666,7 @@ mod tests {
                 answers,
                 ..Uplink::default()
             };
-            let m = Machine::new(Identity::new(MAC), Timing::default(), 1).requesting(Some(addr));
-            let (d, mut rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), None);
-            let open = uplink.clone();
-            let d = d.with_uplink_check(probe_through(move || Ok(open.clone())));
-            let (_tx, crx) = mpsc::channel(4);
-            let h = tokio::spawn(d.run(Begin::Fresh, crx));
+            let (mut rx, h) = start_checked(&fake, &uplink, addr, None);
             // The server answers only after the first request went unheard.
             tokio::time::sleep(Duration::from_secs(2)).await;
             assert!(!fake.0.lock().unwrap().sent.is_empty());
@@ -693,14 +711,7 @@ mod tests {
         };
         let guard_began = Instant::now();
         tokio::time::sleep(Duration::from_secs(9)).await;
-        let m = Machine::new(Identity::new(MAC), Timing::default(), 1).requesting(Some(addr));
-        let (d, mut rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), None);
-        let open = uplink.clone();
-        let d = d
-            .guarded_at(Some(guard_began))
-            .with_uplink_check(probe_through(move || Ok(open.clone())));
-        let (_tx, crx) = mpsc::channel(4);
-        let h = tokio::spawn(d.run(Begin::Fresh, crx));
+        let (mut rx, h) = start_checked(&fake, &uplink, addr, Some(guard_began));
         let st = until(&mut rx, |s| {
             matches!(s.state, State::Bound | State::Expired)
         })
@@ -722,12 +733,7 @@ mod tests {
             answers: true,
             ..Uplink::default()
         };
-        let m = Machine::new(Identity::new(MAC), Timing::default(), 1).requesting(Some(addr));
-        let (d, mut rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), None);
-        let open = uplink.clone();
-        let d = d.with_uplink_check(probe_through(move || Ok(open.clone())));
-        let (_tx, crx) = mpsc::channel(4);
-        let h = tokio::spawn(d.run(Begin::Fresh, crx));
+        let (mut rx, h) = start_checked(&fake, &uplink, addr, None);
         wait_for(&mut rx, State::Bound).await;
         assert!(uplink.probes.lock().unwrap().is_empty());
         assert_eq!(fake.0.lock().unwrap().configured, vec![addr]);
