@@ -1270,6 +1270,18 @@ impl Soak {
                 Err(e) => report.violate(at, format!("at the end {ip} answers no TCP: {e:#}")),
             }
         }
+        // A lease (acquired or last acknowledged at `at_ms`, Unix ms) of an
+        // address no Service has: `None` for a living address, else whether
+        // it leaked (renewed after its Service let the address go) or was
+        // only never released (it ends with the lease time).
+        let gone_at = &self.gone_at;
+        let leaked = |ip: Ipv4Addr, at_ms: u64| -> Option<bool> {
+            if living.contains(&ip) {
+                return None;
+            }
+            let gone = gone_at.get(&ip).copied().unwrap_or(quiet_wall);
+            Some(at_ms > unix_ms(gone) + 2_000)
+        };
         // Every link is one the node's assignments name; every node lease
         // file is of a living address.
         for g in 0..lb.rig.guest_count() {
@@ -1293,17 +1305,13 @@ impl Soak {
                 }
             }
             for (file, ip, acquired_ms) in lb.agent_lease_files(g) {
-                if living.contains(&ip) {
-                    continue;
-                }
-                let gone = self.gone_at.get(&ip).copied().unwrap_or(quiet_wall);
-                if acquired_ms > unix_ms(gone) + 2_000 {
-                    report.violate(
+                match leaked(ip, acquired_ms) {
+                    Some(true) => report.violate(
                         at,
                         format!("at the end {node} keeps lease file {file} of {ip}, acquired after its Service let it go"),
-                    );
-                } else {
-                    report.leases_left_to_expire += 1;
+                    ),
+                    Some(false) => report.leases_left_to_expire += 1,
+                    None => {}
                 }
             }
         }
@@ -1320,18 +1328,14 @@ impl Soak {
             ) else {
                 continue;
             };
-            if living.contains(&ip) {
-                continue;
-            }
             let acked_ms = expiry.saturating_sub(self.lease_secs) * 1_000;
-            let gone = self.gone_at.get(&ip).copied().unwrap_or(quiet_wall);
-            if acked_ms > unix_ms(gone) + 2_000 {
-                report.violate(
+            match leaked(ip, acked_ms) {
+                Some(true) => report.violate(
                     at,
                     format!("at the end dnsmasq leases {ip}, renewed after its Service let it go: {line}"),
-                );
-            } else {
-                report.leases_left_to_expire += 1;
+                ),
+                Some(false) => report.leases_left_to_expire += 1,
+                None => {}
             }
         }
         // One Role and one RoleBinding per node.

@@ -624,6 +624,19 @@ mod tests {
         }
     }
 
+    /// A DHCP server that hands out 10.77.0.150, and an uplink on which
+    /// another host answers for it.
+    fn held_elsewhere() -> (Fake, Uplink, Ipv4Addr) {
+        let fake = Fake::default();
+        let addr = Ipv4Addr::new(10, 77, 0, 150);
+        fake.0.lock().unwrap().addr = Some(addr);
+        let uplink = Uplink {
+            answers: true,
+            ..Uplink::default()
+        };
+        (fake, uplink, addr)
+    }
+
     /// A lease asking for `addr` whose late first binding asks `uplink`;
     /// its command channel is dropped with the driver (abort the handle).
     fn start_checked(
@@ -702,13 +715,7 @@ mod tests {
     /// asking, not from the lease's start.
     #[tokio::test(start_paused = true)]
     async fn a_prompt_binding_behind_a_stale_guard_asks_the_lan_again() {
-        let fake = Fake::default();
-        let addr = Ipv4Addr::new(10, 77, 0, 150);
-        fake.0.lock().unwrap().addr = Some(addr);
-        let uplink = Uplink {
-            answers: true,
-            ..Uplink::default()
-        };
+        let (fake, uplink, addr) = held_elsewhere();
         let guard_began = Instant::now();
         tokio::time::sleep(Duration::from_secs(9)).await;
         let (mut rx, h) = start_checked(&fake, &uplink, addr, Some(guard_began));
@@ -726,13 +733,7 @@ mod tests {
     /// server answers in milliseconds) asks nothing more.
     #[tokio::test(start_paused = true)]
     async fn a_prompt_first_binding_does_not_ask_again() {
-        let fake = Fake::default();
-        let addr = Ipv4Addr::new(10, 77, 0, 150);
-        fake.0.lock().unwrap().addr = Some(addr);
-        let uplink = Uplink {
-            answers: true,
-            ..Uplink::default()
-        };
+        let (fake, uplink, addr) = held_elsewhere();
         let (mut rx, h) = start_checked(&fake, &uplink, addr, None);
         wait_for(&mut rx, State::Bound).await;
         assert!(uplink.probes.lock().unwrap().is_empty());
