@@ -222,6 +222,20 @@ impl AddressWatch {
         out
     }
 
+    /// Every guest that held `addr` at some moment of `[from, to]`.
+    pub fn held_by_in(&self, addr: Ipv4Addr, from: Instant, to: Instant) -> BTreeSet<usize> {
+        let changes = self.holders(addr);
+        let mut out = BTreeSet::new();
+        for (k, (at, h)) in changes.iter().enumerate() {
+            let until = changes.get(k + 1).map(|(next, _)| *next);
+            // This state lasted [at, until): does it meet [from, to]?
+            if *at <= to && until.is_none_or(|u| u > from) {
+                out.extend(h.iter().copied());
+            }
+        }
+        out
+    }
+
     /// The first moment after `after` when `addr` was held by a guest
     /// other than `not`.
     pub fn taken_by_other(

@@ -75,6 +75,11 @@ pub struct Options {
     /// The DHCP range's lease time ([`RigOptions::lease_time`]); `None`
     /// means the rig's `1h`.
     pub lease_time: Option<String>,
+    /// Start our agents and controller replicas with the rig (default).
+    /// Without, the guests and the API are ready for another load balancer
+    /// (a peer, or kube-vip before a migration) and [`LbRig::start_ours`]
+    /// starts ours later.
+    pub start_ours: bool,
 }
 
 impl Options {
@@ -91,6 +96,7 @@ impl Options {
             uplink_from_route: false,
             fault_proxy: false,
             lease_time: None,
+            start_ours: true,
         }
     }
 }
@@ -170,14 +176,41 @@ impl LbRig {
             let node = lb.rig.node_name(i).to_string();
             lb.register_node(&node)?;
             lb.agents.push(None);
-            lb.start_agent(i)?;
             lb.listen(i)?;
         }
-        for i in 0..lb.opts.controllers {
-            lb.controllers.push(None);
-            lb.start_controller(i)?;
+        lb.controllers = (0..lb.opts.controllers).map(|_| None).collect();
+        if lb.opts.start_ours {
+            lb.start_ours()?;
         }
         Ok(lb)
+    }
+
+    /// Starts every agent and controller replica that does not run.
+    pub fn start_ours(&mut self) -> Result<()> {
+        for i in 0..self.opts.guests {
+            if self.agents[i].is_none() {
+                self.start_agent(i)?;
+            }
+        }
+        for i in 0..self.opts.controllers {
+            if self.controllers[i].is_none() {
+                self.start_controller(i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops every agent (SIGTERM, as systemd stops the unit) and every
+    /// controller replica.
+    pub fn stop_ours(&mut self) {
+        for i in 0..self.opts.guests {
+            if self.agents[i].is_some() {
+                self.stop_agent(i);
+            }
+        }
+        for i in 0..self.opts.controllers {
+            self.kill_controller(i);
+        }
     }
 
     fn start_fault_proxy(&mut self) -> Result<()> {
@@ -513,7 +546,6 @@ impl LbRig {
         self.opts.controller_args = args.iter().map(|a| a.to_string()).collect();
     }
 
-    /// Controller replica `i`'s process id while it runs.
     /// Guest `i`'s agent's pid, while it runs (`ip netns exec` execs it).
     pub fn agent_pid(&self, i: usize) -> Option<u32> {
         self.agents.get(i)?.as_ref().map(|p| p.child.id())
@@ -524,6 +556,7 @@ impl LbRig {
         self.agent_pid(i).is_some()
     }
 
+    /// Controller replica `i`'s process id while it runs.
     pub fn controller_pid(&self, i: usize) -> Option<u32> {
         self.controllers.get(i)?.as_ref().map(|p| p.child.id())
     }
@@ -577,6 +610,53 @@ impl LbRig {
             );
         }
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
+    /// Everything on the way from the client to `ip` on guest `i` (whose
+    /// link has `mac`), for a test that finds the address answers ARP but
+    /// not TCP: the guest's links, addresses, routes and listeners, the
+    /// client's neighbour entry, the bridge's forwarding entry for the MAC.
+    pub fn path_diagnostics(&self, i: usize, ip: Ipv4Addr, mac: &str) -> String {
+        let run = |ns: &str, args: &[&str]| -> String {
+            let out = Command::new("ip").arg("-n").arg(ns).args(args).output();
+            match out {
+                Ok(o) => format!(
+                    "$ ip -n {ns} {}\n{}{}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+                Err(e) => format!("ip {args:?}: {e}\n"),
+            }
+        };
+        let guest = self.rig.guest_ns(i);
+        let lan = self.rig.lan_ns();
+        let ss = self
+            .rig
+            .netns_cmd(guest, "ss")
+            .args(["-ltnp"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let fdb = Command::new("bridge")
+            .args(["-n", lan, "fdb", "show", "br", "br0"])
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .filter(|l| l.to_lowercase().contains(&mac.to_lowercase()))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .unwrap_or_default();
+        format!(
+            "{}{}{}{}$ ss -ltnp (guest {i})\n{ss}$ bridge fdb | grep {mac}\n{fdb}\n{}",
+            run(guest, &["-br", "link"]),
+            run(guest, &["-br", "addr"]),
+            run(guest, &["route"]),
+            run(&self.client_ns, &["neigh", "show", &ip.to_string()]),
+            run(lan, &["-br", "link"]),
+        )
     }
 
     /// Our links in guest `i`: name, MAC, IPv4 addresses with prefix.

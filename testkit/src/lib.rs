@@ -18,9 +18,11 @@ pub mod arpprobe;
 pub mod failover;
 pub mod lb;
 pub mod locate;
+pub mod peers;
 pub mod prereq;
 pub mod rig;
 pub mod soak;
+pub mod tcpprobe;
 pub mod vm;
 
 /// The YAML parser of the manifests, for tests that read other YAML the

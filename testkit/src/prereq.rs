@@ -79,6 +79,9 @@ pub enum Prereq {
     Dpkg,
     /// `strip` and `gzip` (packaging/build.sh strips and compresses).
     Binutils,
+    /// kube-vip ([`crate::locate::peers::KUBE_VIP_VERSION`]), built from the
+    /// Go module proxy and cached by `tests/rig/peers.sh`.
+    KubeVip,
 }
 
 /// The cargo-deb `tests/rig/prereqs.sh` installs (keep the two in step).
@@ -115,6 +118,7 @@ impl Prereq {
             Prereq::Dnsmasq => "dnsmasq-base",
             Prereq::ApiServer => "kube-apiserver",
             Prereq::Kubectl => "kubectl",
+            Prereq::KubeVip => "kube-vip",
             Prereq::Dhclient => "isc-dhcp-client",
             Prereq::Busybox => "busybox",
             Prereq::Curl => "curl",
@@ -183,6 +187,16 @@ impl Prereq {
                     ),
                 }
             }
+            Prereq::KubeVip => match crate::locate::peers::kube_vip() {
+                Ok(_) => Ok(()),
+                Err(what) => missing(
+                    what,
+                    format!(
+                        "build and cache it with `{INSTALL_ALL}` (or `sudo {}`)",
+                        crate::locate::peers::INSTALL
+                    ),
+                ),
+            },
             Prereq::Kubectl => match Binaries::find() {
                 Ok(Binaries {
                     kubectl: Some(_), ..

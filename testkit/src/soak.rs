@@ -5,16 +5,17 @@
 //! none running, on the control plane, or on a Service; each ends after
 //! its own random time, so faults overlap. The checker: every guest
 //! kernel's addresses (`ip monitor address`), a LAN client asking who has
-//! each stable address every 10 ms (one sender MAC per request), every
-//! Service's status, dnsmasq's log; at the end, after a quiet period, what
-//! is left on the machines, in the lease files and in the API, and a TCP
-//! answer from every address's holder.
+//! each stable address every 10 ms (one sender MAC per request), a TCP
+//! client connecting to each stable address every 250 ms, every Service's
+//! status, dnsmasq's log; at the end, after a quiet period, what is left on the
+//! machines, in the lease files and in the API, and a TCP answer from every
+//! address's holder.
 //!
 //! Violations: two answers to one ARP request or two guests holding one
 //! address at once; a Service's address changing while it lives (a
 //! re-pointed secondary must follow its new primary); an address
-//! unanswered for longer than the bound of the faults around the gap
-//! ([`Fault::bound`]); a Service not served again in time after it is
+//! unanswered (ARP) or serving no TCP connection for longer than the bound
+//! of the faults around the gap that concern it ([`Fault::bound`]); a Service not served again in time after it is
 //! recreated or switched back, or its old address still held; a
 //! DHCPRELEASE of a living Service's address; at the end, a Service
 //! without its address, a link no assignment names, an address on other
@@ -38,9 +39,10 @@ use k8s_openapi::api::core::v1::Service;
 use kube::Api;
 
 use crate::addrwatch::AddressWatch;
-use crate::arpprobe::ArpRecord;
+use crate::arpprobe::{ArpProber, ArpRecord};
 use crate::failover::{self, PausedGuest, guest_namespaces};
 use crate::lb::{self, LISTEN_PORT, LbRig};
+use crate::tcpprobe::{TcpProber, TcpRecord};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -256,6 +258,9 @@ pub struct SoakReport {
     /// The longest unanswered stretch of any address, by the faults
     /// around it (the worst fault first), and with none around it.
     pub worst_unserved: BTreeMap<String, Duration>,
+    /// The same for the TCP client's longest stretch without an answered
+    /// connection.
+    pub worst_unserved_tcp: BTreeMap<String, Duration>,
     /// VmRSS (KiB) of the agents and controllers at the start and the end.
     pub rss_start: Vec<(String, u64)>,
     pub rss_end: Vec<(String, u64)>,
@@ -528,7 +533,13 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
     lo.guests = opts.guests;
     lo.endpoint_slices = true;
     lo.lease_time = Some(opts.lease_time.clone());
-    let lb = LbRig::start(lo)?;
+    let mut lb = LbRig::start(lo)?;
+    // The ARP observer is a LAN host of its own, which nothing talks to:
+    // every request it sends (its own sender MAC each) updates the entry
+    // the guests hold for its address, and were that the TCP client's
+    // address, the guests' TCP answers would go to the last request's
+    // made-up MAC, lost.
+    let observer = lb.rig.add_lan_host("arp-observer")?;
 
     // The Services: primaries, shared-IP secondaries, Local ones.
     let mut stable: Vec<Svc> = Vec::new();
@@ -627,8 +638,22 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
     }
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
     let mut probers = Vec::new();
+    let mut tcp_probers = Vec::new();
     for ip in &addresses {
-        probers.push((*ip, failover::arp_prober(&lb, *ip)?));
+        probers.push((
+            *ip,
+            ArpProber::start(
+                &observer.ns,
+                "eth0",
+                observer.addr,
+                *ip,
+                Duration::from_millis(10),
+            )?,
+        ));
+        tcp_probers.push((
+            *ip,
+            TcpProber::start(&lb.client_ns, *ip, LISTEN_PORT, TCP_EVERY)?,
+        ));
     }
     let dhcp_log_mark = lb.dnsmasq_log_len();
     let t0 = Instant::now();
@@ -637,6 +662,7 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
         faults: Vec::new(),
         violations: Vec::new(),
         worst_unserved: BTreeMap::new(),
+        worst_unserved_tcp: BTreeMap::new(),
         rss_start: rss_all(&lb, opts.guests),
         rss_end: Vec::new(),
         t0,
@@ -751,7 +777,11 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
         .map(|(ip, p)| Ok((ip, p.finish()?)))
         .collect::<Result<_>>()?;
     for (ip, rec) in &records {
-        check_arp(&mut soak.report, *ip, rec);
+        check_arp(&mut soak.report, &soak.watch, *ip, rec);
+    }
+    for (ip, p) in tcp_probers {
+        let rec = p.finish()?;
+        check_tcp(&mut soak.report, &soak.watch, ip, &rec);
     }
     let churned: BTreeSet<Ipv4Addr> = soak.churn.iter().flat_map(|c| c.seen.clone()).collect();
     for ip in addresses.iter().chain(&churned) {
@@ -1267,7 +1297,16 @@ impl Soak {
                     at,
                     format!("at the end {ip} is on {} but {node} answers TCP", c[0].0),
                 ),
-                Err(e) => report.violate(at, format!("at the end {ip} answers no TCP: {e:#}")),
+                Err(e) => {
+                    let g = lb.guest_of(&c[0].0);
+                    report.violate(
+                        at,
+                        format!(
+                            "at the end {ip} answers no TCP: {e:#}\n{}",
+                            lb.path_diagnostics(g, *ip, &c[0].1.mac)
+                        ),
+                    )
+                }
             }
         }
         // A lease (acquired or last acknowledged at `at_ms`, Unix ms) of an
@@ -1390,7 +1429,7 @@ fn bound_of(f: &Injected) -> Duration {
 
 /// ARP: no request answered twice; no unanswered stretch longer than the
 /// faults around it allow.
-fn check_arp(report: &mut SoakReport, ip: Ipv4Addr, rec: &ArpRecord) {
+fn check_arp(report: &mut SoakReport, watch: &AddressWatch, ip: Ipv4Addr, rec: &ArpRecord) {
     for p in rec.probes.iter().filter(|p| p.replies.len() > 1) {
         let replies: Vec<String> = p
             .replies
@@ -1420,26 +1459,78 @@ fn check_arp(report: &mut SoakReport, ip: Ipv4Addr, rec: &ArpRecord) {
         .filter(|p| !p.replies.is_empty())
         .map(|p| p.sent)
         .collect();
+    check_gaps(report, watch, ip, &answered, Probe::Arp);
+}
+
+/// TCP: no stretch without an answered connection longer than the faults
+/// around it allow. A try is made every [`TCP_EVERY`], so the bound gets
+/// two periods more than ARP's.
+fn check_tcp(report: &mut SoakReport, watch: &AddressWatch, ip: Ipv4Addr, rec: &TcpRecord) {
+    check_gaps(report, watch, ip, &rec.answered(), Probe::Tcp);
+}
+
+/// How often the TCP client connects to each address. Every connection
+/// forks a listener on the holder, so not every 10 ms as ARP asks.
+const TCP_EVERY: Duration = Duration::from_millis(250);
+
+#[derive(Clone, Copy)]
+enum Probe {
+    Arp,
+    Tcp,
+}
+
+/// The faults that may explain a gap in `ip`'s answers: the control
+/// plane's, and those on a guest that held `ip` during the gap or in the
+/// 10 s before it (a fault on another guest, or on another Service, does
+/// not excuse this address's silence).
+fn check_gaps(
+    report: &mut SoakReport,
+    watch: &AddressWatch,
+    ip: Ipv4Addr,
+    answered: &[Instant],
+    probe: Probe,
+) {
+    let (shortest, slack) = match probe {
+        Probe::Arp => (Duration::from_millis(200), Duration::from_secs(1)),
+        Probe::Tcp => (2 * TCP_EVERY, Duration::from_secs(1) + 2 * TCP_EVERY),
+    };
     for w in answered.windows(2) {
         let (from, to) = (w[0], w[1]);
         let gap = to - from;
-        if gap < Duration::from_millis(200) {
+        if gap <= shortest {
             continue;
         }
-        let around = report.around(from, to);
-        let bound = Duration::from_secs(1) + around.iter().map(|f| bound_of(f)).sum::<Duration>();
+        let holders = watch.held_by_in(
+            ip,
+            from.checked_sub(Duration::from_secs(10)).unwrap_or(from),
+            to,
+        );
+        let around: Vec<&Injected> = report
+            .around(from, to)
+            .into_iter()
+            .filter(|f| f.service.is_none() && f.guest.is_none_or(|g| holders.contains(&g)))
+            .collect();
+        let bound = slack + around.iter().map(|f| bound_of(f)).sum::<Duration>();
         let key = around
             .iter()
             .max_by_key(|f| bound_of(f))
             .map(|f| f.fault.label().to_string())
             .unwrap_or_else(|| "no fault".into());
-        let worst = report.worst_unserved.entry(key).or_default();
+        let worst = match probe {
+            Probe::Arp => &mut report.worst_unserved,
+            Probe::Tcp => &mut report.worst_unserved_tcp,
+        };
+        let worst = worst.entry(key).or_default();
         *worst = (*worst).max(gap);
         if gap > bound {
+            let (what, by) = match probe {
+                Probe::Arp => ("unanswered", "ARP"),
+                Probe::Tcp => ("served no TCP connection", "TCP"),
+            };
             report.violate(
                 from,
                 format!(
-                    "{ip} unanswered for {:.2} s (bound {:.1} s for the faults around it)",
+                    "{ip} {what} for {:.2} s ({by}; bound {:.1} s for the faults around it; held by guests {holders:?} then)",
                     gap.as_secs_f64(),
                     bound.as_secs_f64()
                 ),
@@ -1460,6 +1551,13 @@ pub fn print(report: &SoakReport) {
     }
     println!("worst unanswered stretch of an address, by the worst fault around it:");
     for (k, d) in &report.worst_unserved {
+        println!("  {:>8.2} s  {k}", d.as_secs_f64());
+    }
+    println!(
+        "worst stretch without an answered TCP connection (one every {} ms), by the worst fault around it:",
+        TCP_EVERY.as_millis()
+    );
+    for (k, d) in &report.worst_unserved_tcp {
         println!("  {:>8.2} s  {k}", d.as_secs_f64());
     }
     println!("VmRSS at the start and the end (KiB):");

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 pub mod image;
 pub mod kernel;
+pub mod peers;
 
 /// dnsmasq, the rig's DHCP server.
 pub const DNSMASQ: &str = "/usr/sbin/dnsmasq";

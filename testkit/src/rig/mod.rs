@@ -169,7 +169,50 @@ pub struct Rig {
     lease_time: String,
     apiserver: Option<ApiServer>,
     forwarders: Vec<Forwarder>,
+    /// The namespace inode of each deleted guest, until it is recreated:
+    /// what names its holders if the kernel cannot destroy it.
+    deleted: Vec<(usize, u64)>,
     torn_down: bool,
+}
+
+/// Who keeps the network namespace with inode `ino` alive: every process
+/// with a thread in it or a file descriptor on it (`/proc`, best effort).
+fn netns_holders(ino: u64) -> Vec<String> {
+    let want = format!("net:[{ino}]");
+    let mut out = Vec::new();
+    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let pid = entry.file_name().to_string_lossy().into_owned();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let comm = fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        let comm = comm.trim();
+        let threads = fs::read_dir(entry.path().join("task"))
+            .into_iter()
+            .flatten()
+            .flatten();
+        for t in threads {
+            if fs::read_link(t.path().join("ns/net")).is_ok_and(|l| l.to_string_lossy() == want) {
+                out.push(format!(
+                    "pid {pid} ({comm}) thread {}",
+                    t.file_name().to_string_lossy()
+                ));
+            }
+        }
+        let fds = fs::read_dir(entry.path().join("fd"))
+            .into_iter()
+            .flatten()
+            .flatten();
+        for fd in fds {
+            if fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy() == want) {
+                out.push(format!(
+                    "pid {pid} ({comm}) fd {}",
+                    fd.file_name().to_string_lossy()
+                ));
+            }
+        }
+    }
+    out
 }
 
 /// Builds a kube client from a kubeconfig file (e.g.
@@ -274,8 +317,8 @@ pub fn cleanup_stale() {
     }
 }
 
-/// SIGKILLs dnsmasq, etcd and kube-apiserver processes whose command line
-/// mentions `dir`.
+/// SIGKILLs dnsmasq, etcd, kube-apiserver and controller processes whose
+/// command line mentions `dir`.
 fn kill_processes_using(dir: &Path) {
     let needle = dir.to_string_lossy().into_owned();
     for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
@@ -287,7 +330,12 @@ fn kill_processes_using(dir: &Path) {
             continue;
         };
         let comm = fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
-        if !matches!(comm.trim(), "dnsmasq" | "etcd" | "kube-apiserver") {
+        // The controller replicas run in the root namespace with a
+        // kubeconfig in the rig's folder (`comm` is cut at 15 bytes).
+        if !matches!(
+            comm.trim(),
+            "dnsmasq" | "etcd" | "kube-apiserver" | "harvester-node-"
+        ) {
             continue;
         }
         let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
@@ -365,6 +413,7 @@ impl Rig {
             lease_time: opts.lease_time.clone().unwrap_or_else(|| "1h".into()),
             apiserver: None,
             forwarders: Vec::new(),
+            deleted: Vec::new(),
             torn_down: false,
         };
         rig.setup_network().context("set up rig network")?;
@@ -653,13 +702,34 @@ impl Rig {
     /// every process in its namespace is killed, its API forwarder stops
     /// and the namespace is deleted, which destroys its links (its `eth0`,
     /// whose LAN peer goes too, and every macvlan on it). Returns once the
-    /// namespace is gone.
+    /// namespace is unmounted; the kernel destroys it, links and all, a
+    /// little later ([`Rig::recreate_guest`] waits for that).
     pub fn delete_guest(&mut self, i: usize) -> Result<()> {
         let ns = self.guests[i].clone();
         if let Some(f) = self.forwarders.iter_mut().find(|f| f.netns() == ns) {
             f.stop();
         }
         kill_netns_processes(&ns);
+        // Its NIC leaves the bridge at once, as a switched-off VM's tap
+        // does: deleting the LAN end deletes the pair (and the macvlans on
+        // the guest's end). The namespace itself the kernel destroys later,
+        // once nothing refers to it; until then, with its uplink still on
+        // the bridge, its addresses would still answer.
+        let _ = run_args(
+            "ip",
+            [
+                "-n",
+                self.lan_ns.as_str(),
+                "link",
+                "del",
+                &format!("vg{}", i + 1),
+            ],
+        );
+        if let Ok(meta) = fs::metadata(format!("/run/netns/{ns}")) {
+            use std::os::unix::fs::MetadataExt;
+            self.deleted.retain(|(g, _)| *g != i);
+            self.deleted.push((i, meta.ino()));
+        }
         run(Command::new("ip").args(["netns", "del", &ns]))?;
         self.namespaces.retain(|n| *n != ns);
         Ok(())
@@ -671,6 +741,27 @@ impl Rig {
     /// new peer of the same name, the API server's port forwarded into it.
     pub fn recreate_guest(&mut self, i: usize) -> Result<()> {
         let ns = self.guests[i].clone();
+        // `ip netns del` only unmounts the namespace: the kernel destroys
+        // it, and with it the old uplink's LAN peer, later, on a work queue
+        // (seconds under load). A new peer of that name must wait for it.
+        let peer = format!("vg{}", i + 1);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while run_args("ip", ["-n", self.lan_ns.as_str(), "link", "show", &peer]).is_ok() {
+            if Instant::now() > deadline {
+                let holders = self
+                    .deleted
+                    .iter()
+                    .find(|(g, _)| *g == i)
+                    .map(|(_, ino)| netns_holders(*ino))
+                    .unwrap_or_default();
+                bail!(
+                    "{peer}, the LAN peer of deleted guest {ns}'s uplink, is still in {} 30 s after the namespace was deleted; what holds the old namespace: {holders:?} (none listed: a socket or a kernel reference)",
+                    self.lan_ns
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.deleted.retain(|(g, _)| *g != i);
         self.add_netns(&ns)?;
         self.reattach_uplink(i)?;
         if let Some(api) = &self.apiserver {

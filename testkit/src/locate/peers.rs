@@ -1,0 +1,40 @@
+//! Where `tests/rig/peers.sh` caches the peers the rig measures us beside
+//! (kube-vip, MetalLB), built from the Go module proxy by version.
+
+use std::path::PathBuf;
+
+use super::is_executable;
+
+/// The kube-vip release the rig runs (keep in step with
+/// `tests/rig/peers.sh`).
+pub const KUBE_VIP_VERSION: &str = "v1.2.2";
+/// The MetalLB release the rig runs (keep in step with
+/// `tests/rig/peers.sh`).
+pub const METALLB_VERSION: &str = "v0.16.1";
+/// Where `tests/rig/peers.sh` caches the peers, unless `HNA_PEERS_DIR`
+/// says otherwise.
+pub const PEERS_DIR: &str = "/var/cache/harvester-node-agent/peers";
+/// The command that builds and caches them.
+pub const INSTALL: &str = "tests/rig/peers.sh";
+
+fn peers_dir() -> PathBuf {
+    std::env::var_os("HNA_PEERS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(PEERS_DIR))
+}
+
+/// The cached kube-vip binary, or what is absent.
+pub fn kube_vip() -> Result<PathBuf, String> {
+    let bin = peers_dir()
+        .join("kube-vip")
+        .join(KUBE_VIP_VERSION)
+        .join("kube-vip");
+    if is_executable(&bin) {
+        Ok(bin)
+    } else {
+        Err(format!(
+            "kube-vip {KUBE_VIP_VERSION} ({} absent)",
+            bin.display()
+        ))
+    }
+}

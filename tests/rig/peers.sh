@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Builds the peers the rig measures us beside, from the Go module proxy with
+# the ordinary `go` client: kube-vip (DHCP mode) and MetalLB's speaker and
+# controller (L2). They are test prerequisites, never part of the product;
+# nothing of those projects is kept in this repository, only the module
+# paths and versions below.
+#
+# Cached by version outside the checkout, each folder complete or absent
+# (built in a scratch folder, moved into place only when everything in it
+# built):
+#   $CACHE_DIR/peers/kube-vip/<version>/kube-vip
+#   $CACHE_DIR/peers/metallb/<version>/{speaker,controller,crds/*.yaml}
+#   $CACHE_DIR/go/{mod,build}     Go's module and build caches (shared with
+#                                 kubernetes.sh)
+# The CRDs are MetalLB's own (config/crd/bases of the module), which both
+# binaries watch at start; they are applied by the test kit.
+#
+# Usage: peers.sh           prints the peers' folder on its last line.
+set -euo pipefail
+
+# kube-vip v1.2.3 is the newest release, but the Go module proxy refuses it
+# (403, "This module version is not available", tried 2026-11-25 and
+# 2026-11-26); v1.2.2 is the newest it serves.
+KUBE_VIP_VERSION="${HNA_KUBE_VIP_VERSION:-v1.2.2}"
+METALLB_VERSION="${HNA_METALLB_VERSION:-v0.16.1}"
+
+CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
+
+log() { echo "peers.sh: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+GO_MIN_MINOR=26
+go_ok() {
+  local v
+  v="$("$1" env GOVERSION 2>/dev/null)" || return 1
+  [[ "$v" =~ ^go1\.([0-9]+) ]] && ((BASH_REMATCH[1] >= GO_MIN_MINOR))
+}
+go_bin=""
+for candidate in "$(command -v go || true)" /usr/local/go/bin/go; do
+  if [[ -n "$candidate" && -x "$candidate" ]] && go_ok "$candidate"; then
+    go_bin="$candidate"; break
+  fi
+done
+[[ -n "$go_bin" ]] \
+  || die "no Go 1.$GO_MIN_MINOR or newer found: install the official Go 1.$GO_MIN_MINOR+ toolchain into /usr/local/go"
+export PATH="$(dirname "$go_bin"):$PATH"
+
+export GOMODCACHE="$CACHE_DIR/go/mod" GOCACHE="$CACHE_DIR/go/build"
+export GOFLAGS=-modcacherw GOTOOLCHAIN=local CGO_ENABLED=0
+mkdir -p "$GOMODCACHE" "$GOCACHE" "$CACHE_DIR/build"
+
+scratch=""
+cleanup() { [[ -z "$scratch" ]] || rm -rf "$scratch"; }
+trap cleanup EXIT
+
+# step WHAT MODULE VERSION CMD...: runs CMD in the scratch folder; on failure
+# stops with the module, the version, the command and the tail of its output.
+step() {
+  local what="$1" module="$2" version="$3"; shift 3
+  local out="$scratch/step.log"
+  if ! (cd "$scratch" && "$@") >"$out" 2>&1; then
+    tail -n 30 "$out" >&2
+    die "$what failed: module $module, version $version; command: (cd <scratch> && $*)"
+  fi
+}
+
+ensure_kube_vip() {
+  local dir="$CACHE_DIR/peers/kube-vip/$KUBE_VIP_VERSION"
+  if [[ -x "$dir/kube-vip" ]]; then
+    log "kube-vip $KUBE_VIP_VERSION cached at $dir"; return
+  fi
+  local module=github.com/kube-vip/kube-vip
+  scratch="$(mktemp -d "$CACHE_DIR/build/kube-vip-$KUBE_VIP_VERSION.XXXXXX")"
+  log "building kube-vip $KUBE_VIP_VERSION from the Go module proxy (one-time, ~3 minutes)"
+  printf 'module hna.invalid/rig-kube-vip\n\ngo 1.26\n' >"$scratch/go.mod"
+  step "go get" "$module" "$KUBE_VIP_VERSION" go get "$module@$KUBE_VIP_VERSION"
+  mkdir "$scratch/out"
+  # What kube-vip's own Makefile stamps, so its log names the release.
+  step "go build" "$module" "$KUBE_VIP_VERSION" \
+    go build -trimpath -ldflags="-s -w -X main.Version=$KUBE_VIP_VERSION -X main.Build=module-proxy" \
+    -o out/kube-vip "$module"
+  "$scratch/out/kube-vip" version 2>&1 | grep -q "$KUBE_VIP_VERSION" \
+    || die "the kube-vip built from $module@$KUBE_VIP_VERSION does not report $KUBE_VIP_VERSION: $("$scratch/out/kube-vip" version 2>&1 | head -3)"
+  mkdir -p "$(dirname "$dir")"
+  rm -rf "$dir"
+  mv "$scratch/out" "$dir"
+  rm -rf "$scratch"; scratch=""
+  log "kube-vip $KUBE_VIP_VERSION built and cached at $dir"
+}
+
+ensure_metallb() {
+  local dir="$CACHE_DIR/peers/metallb/$METALLB_VERSION"
+  if [[ -x "$dir/speaker" && -x "$dir/controller" && -d "$dir/crds" ]]; then
+    log "MetalLB $METALLB_VERSION cached at $dir"; return
+  fi
+  local module=go.universe.tf/metallb
+  scratch="$(mktemp -d "$CACHE_DIR/build/metallb-$METALLB_VERSION.XXXXXX")"
+  log "building MetalLB $METALLB_VERSION (speaker, controller) from the Go module proxy (one-time, ~4 minutes)"
+  printf 'module hna.invalid/rig-metallb\n\ngo 1.26\n' >"$scratch/go.mod"
+  step "go mod download" "$module" "$METALLB_VERSION" \
+    go mod download -json "$module@$METALLB_VERSION"
+  local src
+  src="$(jq -r .Dir "$scratch/step.log")"
+  step "go get" "$module" "$METALLB_VERSION" \
+    go get "$module/speaker@$METALLB_VERSION" "$module/controller@$METALLB_VERSION"
+  mkdir "$scratch/out"
+  step "go build" "$module" "$METALLB_VERSION" \
+    go build -trimpath -ldflags='-s -w' -o out/ "$module/speaker" "$module/controller"
+  [[ -d "$src/config/crd/bases" ]] \
+    || die "no config/crd/bases in $module@$METALLB_VERSION ($src): MetalLB's CRDs moved; update peers.sh"
+  mkdir "$scratch/out/crds"
+  cp "$src"/config/crd/bases/*.yaml "$scratch/out/crds/"
+  mkdir -p "$(dirname "$dir")"
+  rm -rf "$dir"
+  mv "$scratch/out" "$dir"
+  rm -rf "$scratch"; scratch=""
+  log "MetalLB $METALLB_VERSION built and cached at $dir"
+}
+
+ensure_kube_vip
+ensure_metallb
+echo "$CACHE_DIR/peers"
