@@ -34,7 +34,6 @@ mod loadbalancer;
 mod manifests;
 mod oci_image;
 mod packaging;
-mod peers;
 mod rig_selftest;
 mod soak;
 mod tenants;
@@ -69,7 +68,6 @@ fn main() -> std::process::ExitCode {
         hostile_node::tests(),
         rig_selftest::tests(),
         soak::tests(),
-        peers::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),
         vm_pause::tests(),
