@@ -290,4 +290,40 @@ mod tests {
         );
         assert_eq!(parse("garbage"), None);
     }
+
+    #[test]
+    fn held_by_in_names_every_holder_that_meets_the_window() {
+        let a = Ipv4Addr::new(10, 77, 0, 150);
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let event = |ms, guest, added| AddrEvent {
+            at: at(ms),
+            guest,
+            added,
+            addr: a,
+        };
+        // Guest 0 from the start to 1 s, guest 1 from 3 s to 4 s, guest 2
+        // from 6 s on.
+        let w = AddressWatch {
+            children: Vec::new(),
+            events: Arc::new(Mutex::new(vec![
+                event(1_000, 0, false),
+                event(3_000, 1, true),
+                event(4_000, 1, false),
+                event(6_000, 2, true),
+            ])),
+            initial: vec![(0, a)],
+            started: t0,
+        };
+        let set = |g: &[usize]| g.iter().copied().collect::<BTreeSet<usize>>();
+        assert_eq!(w.held_by_in(a, at(0), at(500)), set(&[0]));
+        assert_eq!(w.held_by_in(a, at(1_500), at(2_500)), set(&[]));
+        assert_eq!(w.held_by_in(a, at(500), at(3_500)), set(&[0, 1]));
+        assert_eq!(w.held_by_in(a, at(4_500), at(9_000)), set(&[2]));
+        assert_eq!(w.held_by_in(a, at(0), at(9_000)), set(&[0, 1, 2]));
+        assert_eq!(
+            w.held_by_in(Ipv4Addr::new(10, 77, 0, 151), at(0), at(9_000)),
+            set(&[])
+        );
+    }
 }

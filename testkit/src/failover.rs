@@ -343,18 +343,13 @@ pub fn fail_over_after(
     })
 }
 
-/// Asks who has `ip` every 10 ms from the rig's client host.
+/// Asks who has `ip` every 10 ms from the rig's ARP observer.
 pub fn arp_prober(lb: &LbRig, ip: Ipv4Addr) -> Result<ArpProber> {
     arp_prober_every(lb, ip, Duration::from_millis(10))
 }
 
-/// Asks who has `ip` every `every` from the rig's client host.
+/// Asks who has `ip` every `every` from the rig's ARP observer
+/// ([`LbRig::observer`]).
 pub fn arp_prober_every(lb: &LbRig, ip: Ipv4Addr, every: Duration) -> Result<ArpProber> {
-    let client = lb
-        .rig
-        .lan_hosts()
-        .iter()
-        .find(|h| h.ns == lb.client_ns)
-        .ok_or_else(|| anyhow::anyhow!("no client host"))?;
-    ArpProber::start(&client.ns, "eth0", client.addr, ip, every)
+    ArpProber::start(&lb.observer.ns, "eth0", lb.observer.addr, ip, every)
 }

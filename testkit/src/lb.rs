@@ -119,6 +119,12 @@ impl Drop for Proc {
 /// killed).
 pub struct LbRig {
     pub client_ns: String,
+    /// The LAN host that asks who has an address ([`crate::failover::arp_prober`]),
+    /// which nothing talks to: every request it sends, each with a sender
+    /// MAC of its own, updates the entry a guest holds for its address, and
+    /// were that the client's, the guests' answers to the client would go
+    /// to the last request's made-up MAC.
+    pub observer: rig::LanHost,
     agents: Vec<Option<Proc>>,
     controllers: Vec<Option<Proc>>,
     /// The proxy's port made reachable in each guest, as the rig does for
@@ -141,6 +147,9 @@ impl LbRig {
             ..RigOptions::default()
         })?;
         let client_ns = rig.add_lan_host("client").context("client namespace")?.ns;
+        let observer = rig
+            .add_lan_host("arp-observer")
+            .context("ARP observer namespace")?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -160,6 +169,7 @@ impl LbRig {
         let mut lb = LbRig {
             rig,
             client_ns,
+            observer,
             rt,
             admin,
             agents: Vec::new(),

@@ -8,6 +8,7 @@
 //! their code is in this repository.
 
 use std::fs;
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -173,6 +174,23 @@ impl KubeVip {
         let _ = child.wait();
     }
 
+    /// Sends `signal` to guest `i`'s kube-vip and returns at once (a pod's
+    /// SIGTERM: Kubernetes waits its grace period, 30 s by default, before
+    /// SIGKILL; the process is reaped by [`KubeVip::stop`] or on drop).
+    pub fn signal(&self, i: usize, signal: Signal) {
+        if let Some(c) = &self.procs[i] {
+            let _ = kill(Pid::from_raw(c.id() as i32), signal);
+        }
+    }
+
+    /// Guest `i` was deleted with its kube-vip: nothing to stop there.
+    pub fn forget(&mut self, i: usize) {
+        if let Some(mut c) = self.procs[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// Stops every instance at once with SIGTERM, as a DaemonSet's pods are
     /// stopped when it is deleted, and waits (up to 20 s, then SIGKILL) for
     /// all of them. One at a time, the ones still running would take over
@@ -209,4 +227,335 @@ impl Drop for KubeVip {
             let _ = c.wait();
         }
     }
+}
+
+/// A load balancer measured in the rig: ours, or kube-vip with some lease
+/// timings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum System {
+    Ours,
+    KubeVip(LeaseTimings),
+}
+
+impl System {
+    pub fn label(self) -> String {
+        match self {
+            System::Ours => "harvester-node-agent".into(),
+            System::KubeVip(t) if t == LeaseTimings::DEFAULT => {
+                format!(
+                    "kube-vip {KUBE_VIP_VERSION} (default leases {}/{}/{} s)",
+                    t.duration, t.renew_deadline, t.retry_period
+                )
+            }
+            System::KubeVip(t) => format!(
+                "kube-vip {KUBE_VIP_VERSION} (tuned leases {}/{}/{} s)",
+                t.duration, t.renew_deadline, t.retry_period
+            ),
+        }
+    }
+}
+
+/// What is done to a Service's holder, the same way for every system.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HolderFault {
+    /// Its node agent (ours, or kube-vip's pod) gets SIGTERM.
+    Graceful,
+    /// Its node agent gets SIGKILL (a crash, an OOM kill).
+    Killed,
+    /// Its uplink loses carrier.
+    CablePulled,
+    /// Its uplink is set down by its owner (`ip link set eth0 down`).
+    UplinkSetDown,
+    /// Its VM is gone: the namespace deleted with everything in it.
+    GuestDeleted,
+    /// `GuestDeleted`, and the controller leader killed at the same moment
+    /// (ours; kube-vip has no controller: its per-Service leader is the
+    /// holder itself, so this is `GuestDeleted` for it).
+    LeaderAndHolder,
+    /// Its node agent restarted (SIGTERM, then started again at once, as
+    /// `systemctl restart` or a pod's rollout): the address should stay.
+    Restarted,
+}
+
+impl HolderFault {
+    pub const ALL: [HolderFault; 7] = [
+        HolderFault::Restarted,
+        HolderFault::Graceful,
+        HolderFault::Killed,
+        HolderFault::CablePulled,
+        HolderFault::UplinkSetDown,
+        HolderFault::GuestDeleted,
+        HolderFault::LeaderAndHolder,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            HolderFault::Graceful => "holder's agent stopped (SIGTERM)",
+            HolderFault::Killed => "holder's agent killed (SIGKILL)",
+            HolderFault::CablePulled => "holder's uplink loses carrier",
+            HolderFault::UplinkSetDown => "holder's uplink set down",
+            HolderFault::GuestDeleted => "holder's namespace deleted",
+            HolderFault::LeaderAndHolder => "leader killed + namespace deleted",
+            HolderFault::Restarted => "holder's agent restarted",
+        }
+    }
+}
+
+/// The rig with one system serving DHCP Services.
+pub struct SystemRig {
+    pub system: System,
+    pub lb: LbRig,
+    kube_vip: Option<KubeVip>,
+}
+
+impl SystemRig {
+    pub fn start(system: System, bin: &str, manifests: PathBuf) -> Result<SystemRig> {
+        let mut opts = crate::lb::Options::new(bin, manifests);
+        opts.endpoint_slices = true;
+        opts.start_ours = system == System::Ours;
+        let lb = LbRig::start(opts)?;
+        let kube_vip = match system {
+            System::Ours => None,
+            System::KubeVip(t) => {
+                let mut kv = KubeVip::new(&lb, t)?;
+                kv.start_all(&lb)?;
+                Some(kv)
+            }
+        };
+        Ok(SystemRig {
+            system,
+            lb,
+            kube_vip,
+        })
+    }
+
+    /// A DHCP Service as the Harvester cloud provider writes it, with ready
+    /// endpoints on two nodes (kube-vip elects only once a slice names an
+    /// endpoint; the third node's endpoint is not ready, so that no slice
+    /// is empty: kube-vip reads each slice alone).
+    pub fn create_service(&self, name: &str) -> Result<()> {
+        let nodes: Vec<String> = (0..2).map(|i| self.lb.node_name(i)).collect();
+        self.lb.set_endpoints(name, &nodes)?;
+        self.lb.create_service(
+            name,
+            &[
+                (crate::failover::IPAM, "dhcp"),
+                ("kube-vip.io/loadbalancerIPs", "0.0.0.0"),
+            ],
+            &[crate::lb::LISTEN_PORT],
+        )?;
+        Ok(())
+    }
+
+    /// The guests whose kernel holds `ip` (on any link: ours are `hlb-*`,
+    /// kube-vip's `vip-*`).
+    pub fn holders(&self, ip: Ipv4Addr) -> Vec<usize> {
+        let want = format!(" {ip}/32 ");
+        (0..self.lb.rig.guest_namespaces().len())
+            .filter(|&i| {
+                std::process::Command::new("ip")
+                    .args(["-n", self.lb.rig.guest_ns(i), "-o", "-4", "addr", "show"])
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(&want))
+            })
+            .collect()
+    }
+
+    /// What to show when a system did not do what was waited for.
+    fn diagnostics(&mut self) -> String {
+        match &mut self.kube_vip {
+            Some(kv) => {
+                let dead = kv
+                    .check_running()
+                    .err()
+                    .map(|e| format!("{e:#}\n"))
+                    .unwrap_or_default();
+                let tails: Vec<String> = (0..self.lb.rig.guest_namespaces().len())
+                    .map(|i| format!("--- kube-vip guest {i}:\n{}", kv.log_tail(i, 15)))
+                    .collect();
+                format!("{dead}{}", tails.join("\n"))
+            }
+            None => self.lb.diagnostics(),
+        }
+    }
+
+    /// Creates Service `name` and times it: to its address in the status,
+    /// and to the first TCP answer from a LAN client at that address. Then
+    /// waits until exactly one guest holds it; returns the address and
+    /// that guest too.
+    pub fn serve(&mut self, name: &str) -> Result<Served> {
+        let t0 = Instant::now();
+        self.create_service(name)?;
+        let within = Duration::from_secs(90);
+        let Some(ip) = crate::lb::wait_for(within, || self.lb.ingress_ip(name)) else {
+            bail!(
+                "{}: {name} got no address within {within:?}\n{}",
+                self.system.label(),
+                self.diagnostics()
+            );
+        };
+        let to_status = t0.elapsed();
+        let client = self.lb.client_ns.clone();
+        let Some(_) = crate::lb::wait_for(within, || {
+            crate::tcpprobe::ask_from(&client, ip, crate::lb::LISTEN_PORT)
+        }) else {
+            bail!(
+                "{}: {ip} answered no TCP within {within:?}",
+                self.system.label()
+            );
+        };
+        let to_tcp = t0.elapsed();
+        let Some(holder) = crate::lb::wait_for(Duration::from_secs(30), || {
+            let h = self.holders(ip);
+            (h.len() == 1).then(|| h[0])
+        }) else {
+            bail!(
+                "{}: {ip} never on exactly one guest: {:?}",
+                self.system.label(),
+                self.holders(ip)
+            );
+        };
+        Ok(Served {
+            ip,
+            holder,
+            to_status,
+            to_tcp,
+        })
+    }
+
+    /// Does `fault` to guest `g`, the holder.
+    pub fn fault(&mut self, g: usize, fault: HolderFault) -> Result<()> {
+        use HolderFault::*;
+        match (fault, self.kube_vip.as_mut()) {
+            (Graceful, None) => {
+                let st = self.lb.stop_agent(g);
+                anyhow::ensure!(st.success(), "the agent's stop: {st}");
+            }
+            (Graceful, Some(kv)) => kv.signal(g, Signal::SIGTERM),
+            (Killed, None) => self.lb.signal_agent(g, Signal::SIGKILL),
+            (Killed, Some(kv)) => kv.stop(g, Signal::SIGKILL),
+            (Restarted, None) => {
+                let st = self.lb.stop_agent(g);
+                anyhow::ensure!(st.success(), "the agent's stop: {st}");
+                self.lb.start_agent(g)?;
+            }
+            (Restarted, Some(kv)) => {
+                kv.stop(g, Signal::SIGTERM);
+                kv.start(&self.lb, g)?;
+            }
+            (CablePulled, _) => crate::failover::set_cable(&self.lb, g, false)?,
+            (UplinkSetDown, _) => crate::failover::set_uplink(&self.lb, g, false)?,
+            (GuestDeleted | LeaderAndHolder, kv) => {
+                if fault == LeaderAndHolder && kv.is_none() {
+                    let leader = crate::lb::wait_for(Duration::from_secs(30), || self.lb.leader())
+                        .context("no controller leads")?;
+                    if let Some(c) = (0..2).find(|&i| LbRig::controller_identity(i) == leader) {
+                        self.lb.kill_controller(c);
+                    }
+                }
+                if let Some(kv) = kv {
+                    kv.forget(g);
+                }
+                self.lb.delete_guest(g)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A Service served, and how long that took from its creation.
+#[derive(Debug, Clone, Copy)]
+pub struct Served {
+    pub ip: Ipv4Addr,
+    pub holder: usize,
+    pub to_status: Duration,
+    pub to_tcp: Duration,
+}
+
+/// One failover as the LAN and the kernels saw it.
+#[derive(Debug, Clone)]
+pub struct Failover {
+    /// From the fault to another guest's kernel holding the Service's
+    /// address (the status's, which may change), `None` if none did in
+    /// time. For a restart: to any guest holding it once the agent runs
+    /// again.
+    pub took: Option<Duration>,
+    /// The address the Service had after it (a changed address strands
+    /// every client that has the old one).
+    pub ip_after: Option<Ipv4Addr>,
+    /// The LAN client's longest stretch without an ARP answer for the
+    /// original address.
+    pub arp_silence: Duration,
+    /// From the fault to the first TCP answer at the original address
+    /// from another node.
+    pub tcp_back: Option<Duration>,
+    /// ARP requests two answered, and moments two kernels held the
+    /// address.
+    pub two_answerers: usize,
+}
+
+/// Serves Service `name` on `sr`, does `fault` to its holder, and measures
+/// the failover for up to `within`.
+pub fn fail_over(
+    sr: &mut SystemRig,
+    name: &str,
+    fault: HolderFault,
+    within: Duration,
+) -> Result<(Served, Failover)> {
+    let served = sr.serve(name)?;
+    let (ip, from) = (served.ip, served.holder);
+    let watch = crate::addrwatch::AddressWatch::start(sr.lb.rig.guest_namespaces())?;
+    let arp = crate::failover::arp_prober(&sr.lb, ip)?;
+    let tcp = crate::tcpprobe::TcpProber::start(
+        &sr.lb.client_ns,
+        ip,
+        crate::lb::LISTEN_PORT,
+        Duration::from_millis(100),
+    )?;
+    let from_node = sr.lb.node_name(from);
+    let t0 = Instant::now();
+    sr.fault(from, fault)?;
+    if matches!(
+        fault,
+        HolderFault::GuestDeleted | HolderFault::LeaderAndHolder
+    ) {
+        watch.gone(from, Instant::now());
+    }
+    let moved = crate::lb::wait_for(within, || {
+        let now = sr.lb.ingress_ip(name)?;
+        let others: Vec<usize> = sr
+            .holders(now)
+            .into_iter()
+            .filter(|g| *g != from || fault == HolderFault::Restarted)
+            .collect();
+        (!others.is_empty()).then(|| (t0.elapsed(), now))
+    });
+    // Long enough after for the new holder's answers, ARP and TCP.
+    std::thread::sleep(Duration::from_millis(if moved.is_some() {
+        1_000
+    } else {
+        0
+    }));
+    let arp = arp.finish()?;
+    let tcp = tcp.finish()?;
+    let tcp_back = tcp
+        .tries
+        .iter()
+        .find(|t| {
+            t.sent >= t0
+                && t.answer
+                    .as_deref()
+                    .is_some_and(|n| n != from_node || fault == HolderFault::Restarted)
+        })
+        .map(|t| t.sent - t0);
+    Ok((
+        served,
+        Failover {
+            took: moved.map(|(d, _)| d),
+            ip_after: moved.map(|(_, ip)| ip).or_else(|| sr.lb.ingress_ip(name)),
+            arp_silence: arp.longest_silence(),
+            tcp_back,
+            two_answerers: arp.doubly_answered().len() + watch.overlaps(ip).len(),
+        },
+    ))
 }

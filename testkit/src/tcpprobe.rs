@@ -129,6 +129,14 @@ fn run(
     tries
 }
 
+/// One connection from namespace `ns` to `ip:port`, with the prober's
+/// deadlines: what the listener answered, if it did.
+pub fn ask_from(ns: &str, ip: Ipv4Addr, port: u16) -> Option<String> {
+    in_netns(ns, || ask(SocketAddr::from((ip, port))))
+        .ok()
+        .flatten()
+}
+
 /// One connection: the first line the listener sends, trimmed.
 fn ask(to: SocketAddr) -> Option<String> {
     let mut s = TcpStream::connect_timeout(&to, DEADLINE).ok()?;

@@ -34,6 +34,7 @@ mod loadbalancer;
 mod manifests;
 mod oci_image;
 mod packaging;
+mod peers;
 mod rig_selftest;
 mod soak;
 mod tenants;
@@ -68,6 +69,7 @@ fn main() -> std::process::ExitCode {
         hostile_node::tests(),
         rig_selftest::tests(),
         soak::tests(),
+        peers::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),
         vm_pause::tests(),

@@ -188,6 +188,11 @@ else
 fi
 # --- end of shipping section ------------------------------------------------
 
+# --- The peers (tests/integration/peers.rs, benches/peers.rs): kube-vip and
+# MetalLB from the Go module proxy (tests/rig/peers.sh), built once and
+# cached by version (cold, about 5 minutes on 2 cores).
+bash "$(dirname "$0")/peers.sh" >&2
+
 if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" ]]; then
   log "using kube-apiserver from KUBEBUILDER_ASSETS=${KUBEBUILDER_ASSETS}"
   finish "${KUBEBUILDER_ASSETS}"

@@ -1,0 +1,158 @@
+//! Ours beside the peers (issue #19), in one run on one rig: the same
+//! DHCP Services and the same faults, each on a fresh rig, for our agents
+//! and controller, for kube-vip with its default lease timings and for
+//! kube-vip with the tuned ones its users are pointed at. kube-vip is
+//! built from the Go module proxy by `tests/rig/peers.sh`.
+//!
+//! Rows: Service created → address in its status, and → the first TCP
+//! answer from a LAN client; for each fault done to the holder, the time
+//! until another guest's kernel holds the Service's address, the LAN
+//! client's longest stretch without an ARP answer, the time until a TCP
+//! client (a connection every 100 ms) is answered by another node at the
+//! original address, whether the address changed, and ARP requests that
+//! two answered or moments two kernels held it. min/median/max over N runs.
+//!
+//! ```text
+//! sudo cargo bench --bench peers [-- --runs 10] [--only LABEL-PREFIX] [--systems ours,kube-vip,kube-vip-tuned]
+//! ```
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use hna_testkit::peers::{HolderFault, LeaseTimings, System, SystemRig, fail_over};
+
+const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+
+fn main() -> Result<()> {
+    let mut runs = 10usize;
+    let mut only: Option<String> = None;
+    let mut systems = vec![
+        System::Ours,
+        System::KubeVip(LeaseTimings::DEFAULT),
+        System::KubeVip(LeaseTimings::TUNED),
+    ];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--runs" => runs = args.next().context("--runs N")?.parse()?,
+            "--only" => only = Some(args.next().context("--only LABEL-PREFIX")?),
+            "--systems" => {
+                let list = args
+                    .next()
+                    .context("--systems ours,kube-vip,kube-vip-tuned")?;
+                systems = list
+                    .split(',')
+                    .map(|s| match s {
+                        "ours" => Ok(System::Ours),
+                        "kube-vip" => Ok(System::KubeVip(LeaseTimings::DEFAULT)),
+                        "kube-vip-tuned" => Ok(System::KubeVip(LeaseTimings::TUNED)),
+                        other => anyhow::bail!(
+                            "--systems: unknown system {other:?} (ours, kube-vip, kube-vip-tuned)"
+                        ),
+                    })
+                    .collect::<Result<_>>()?;
+            }
+            _ => {}
+        }
+    }
+    ensure!(runs >= 1, "--runs must be at least 1");
+    let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes");
+    let within = Duration::from_secs(60);
+    let mut table: Vec<(String, String, Stats)> = Vec::new();
+    for fault in HolderFault::ALL
+        .into_iter()
+        .filter(|f| only.as_deref().is_none_or(|p| f.label().starts_with(p)))
+    {
+        for system in &systems {
+            let mut st = Stats::default();
+            for run in 0..runs {
+                let mut sr = SystemRig::start(*system, BIN, manifests.clone())
+                    .with_context(|| format!("{}: starting the rig", system.label()))?;
+                let (served, f) = fail_over(&mut sr, &format!("peer-{run}"), fault, within)
+                    .with_context(|| format!("{}: {} run {run}", system.label(), fault.label()))?;
+                eprintln!(
+                    "{} | {} | run {run}: status {:.0} ms, TCP {:.0} ms, moved {:?}, ARP silence {:.0} ms, TCP back {:?}, address {} -> {:?}, two answerers {}",
+                    system.label(),
+                    fault.label(),
+                    ms(served.to_status),
+                    ms(served.to_tcp),
+                    f.took.map(ms),
+                    ms(f.arp_silence),
+                    f.tcp_back.map(ms),
+                    served.ip,
+                    f.ip_after,
+                    f.two_answerers
+                );
+                st.to_status.push(served.to_status);
+                st.to_tcp.push(served.to_tcp);
+                st.took.push(f.took);
+                st.silence.push(f.arp_silence);
+                st.tcp_back.push(f.tcp_back);
+                st.changed += usize::from(f.ip_after != Some(served.ip));
+                st.two += f.two_answerers;
+            }
+            table.push((fault.label().to_string(), system.label(), st));
+        }
+    }
+    println!(
+        "\nours beside the peers: milliseconds, min / median / max of {runs} runs; \"-\" = not within {within:?}"
+    );
+    println!(
+        "{:<34} {:<44} {:>20} {:>20} {:>20} {:>20} {:>20} {:>8} {:>5}",
+        "fault",
+        "system",
+        "Service -> status",
+        "Service -> TCP",
+        "fault -> held again",
+        "ARP silence",
+        "fault -> TCP back",
+        "changed",
+        "2 ans"
+    );
+    for (fault, system, st) in &table {
+        println!(
+            "{fault:<34} {system:<44} {:>20} {:>20} {:>20} {:>20} {:>20} {:>8} {:>5}",
+            spread(st.to_status.iter().map(|d| Some(*d))),
+            spread(st.to_tcp.iter().map(|d| Some(*d))),
+            spread(st.took.iter().copied()),
+            spread(st.silence.iter().map(|d| Some(*d))),
+            spread(st.tcp_back.iter().copied()),
+            format!("{}/{}", st.changed, st.took.len()),
+            st.two
+        );
+    }
+    Ok(())
+}
+
+#[derive(Default)]
+struct Stats {
+    to_status: Vec<Duration>,
+    to_tcp: Vec<Duration>,
+    took: Vec<Option<Duration>>,
+    silence: Vec<Duration>,
+    tcp_back: Vec<Option<Duration>>,
+    changed: usize,
+    two: usize,
+}
+
+/// `min / median / max` in milliseconds; a run that never got there counts
+/// as longer than any other (`-`).
+fn spread(values: impl Iterator<Item = Option<Duration>>) -> String {
+    let mut v: Vec<Option<Duration>> = values.collect();
+    v.sort_by_key(|d| d.unwrap_or(Duration::MAX));
+    let show = |d: &Option<Duration>| d.map(|d| format!("{:.0}", ms(d))).unwrap_or("-".into());
+    match v.len() {
+        0 => "-".into(),
+        n => format!(
+            "{} / {} / {}",
+            show(&v[0]),
+            show(&v[n / 2]),
+            show(&v[n - 1])
+        ),
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

@@ -1,0 +1,253 @@
+//! The migration from the real kube-vip and back (issue #19): kube-vip
+//! v1.2.2, built from the Go module proxy (`tests/rig/peers.sh`), runs as
+//! `kube-vip manager` in every guest, in DHCP mode with per-Service
+//! election, as the Harvester cloud provider's chart runs it; then our
+//! agents and controller take its Services over the way
+//! docs/loadbalancer.md, "Migrating from kube-vip, and back", tells an
+//! operator to, and hand them back the same way.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail, ensure};
+use harvester_node_agent::contract::{self, harvester, kube_vip};
+use hna_testkit::arpprobe::ArpProber;
+use hna_testkit::failover;
+use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
+use hna_testkit::peers::{KubeVip, LeaseTimings};
+
+use crate::harness::tests;
+
+tests! {
+    kube_vip_to_us_and_back_keeps_every_address_and_mac: Root, Iproute2, Dnsmasq, ApiServer, Socat, KubeVip;
+}
+
+const SERVICES: [&str; 3] = ["kv-a", "kv-b", "kv-c"];
+const WITHIN: Duration = Duration::from_secs(60);
+
+/// What kube-vip wrote on a Service: the address and the MAC it asked with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Held {
+    ip: Ipv4Addr,
+    mac: String,
+}
+
+fn kube_vips_record(lb: &LbRig, name: &str) -> Option<Held> {
+    let svc = lb.service(name)?;
+    let ip: Ipv4Addr = annotation(&svc, kube_vip::REQUESTED_IP)?.parse().ok()?;
+    let mac = annotation(&svc, kube_vip::HWADDR)?.to_lowercase();
+    (lb.ingress_ip(name) == Some(ip)).then_some(Held { ip, mac })
+}
+
+/// kube-vip's links (`vip-<first 8 of the UID>`) in guest `i`.
+fn kube_vip_links(lb: &LbRig, i: usize) -> Result<Vec<String>> {
+    let out = std::process::Command::new("ip")
+        .args(["-n", lb.rig.guest_ns(i), "-j", "link", "show"])
+        .output()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    Ok(v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| l["ifname"].as_str())
+        .filter(|n| n.starts_with("vip-"))
+        .map(str::to_string)
+        .collect())
+}
+
+/// An ARP prober from the client on each address (each must answer now).
+fn probers(lb: &LbRig, held: &BTreeMap<&str, Held>) -> Result<Vec<(Ipv4Addr, ArpProber)>> {
+    held.values()
+        .map(|h| Ok((h.ip, failover::arp_prober(lb, h.ip)?)))
+        .collect()
+}
+
+fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
+    let mut opts = lb::Options::new(
+        crate::BIN,
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes"),
+    );
+    opts.endpoint_slices = true;
+    opts.start_ours = false;
+    let mut lb = LbRig::start(opts)?;
+    let mut kv = KubeVip::new(&lb, LeaseTimings::TUNED)?;
+    kv.start_all(&lb)?;
+
+    // Services as the Harvester cloud provider writes them for DHCP, each
+    // opted out of ours from the start (step 1 of the migration), with
+    // endpoints: kube-vip elects a holder only once a slice names one, and
+    // it reads each EndpointSlice event alone, so an empty slice (the rig
+    // writes a second one with the not-ready endpoints of the other nodes)
+    // stops the Service's election even while the other slice has ready
+    // endpoints. Two nodes ready, the third's endpoint not ready: no slice
+    // is empty.
+    let nodes: Vec<String> = (0..2).map(|i| lb.node_name(i)).collect();
+    for name in SERVICES {
+        lb.create_service(
+            name,
+            &[
+                (harvester::IPAM, "dhcp"),
+                (kube_vip::LOADBALANCER_IPS, kube_vip::ASK_DHCP),
+                (contract::IGNORE, "true"),
+            ],
+            &[LISTEN_PORT],
+        )?;
+        lb.set_endpoints(name, &nodes)?;
+    }
+    let mut held: BTreeMap<&str, Held> = BTreeMap::new();
+    for name in SERVICES {
+        let h = match wait_for(WITHIN, || kube_vips_record(&lb, name)) {
+            Some(h) => h,
+            None => {
+                kv.check_running()?;
+                bail!(
+                    "kube-vip wrote no address and MAC on {name} within {WITHIN:?}: {:?}\nkube-vip logs:\n{}",
+                    lb.service(name).map(|s| s.metadata.annotations),
+                    (0..3)
+                        .map(|i| kv.log_tail(i, 15))
+                        .collect::<Vec<_>>()
+                        .join("\n---\n")
+                );
+            }
+        };
+        held.insert(name, h);
+    }
+    println!("kube-vip holds: {held:?}");
+    let answering = probers(&lb, &held)?;
+
+    // Step 2: kube-vip's Service handling off (its pods stop), its links
+    // left behind deleted.
+    let mark = lb.dnsmasq_log_len();
+    let stopped_at = Instant::now();
+    kv.stop_all();
+    let mut left = Vec::new();
+    for i in 0..3 {
+        for link in kube_vip_links(&lb, i)? {
+            left.push(format!("{}: {link}", lb.node_name(i)));
+            lb.rig
+                .netns_cmd(lb.rig.guest_ns(i), "ip")
+                .args(["link", "del", &link])
+                .status()?;
+        }
+    }
+    println!("kube-vip left behind after SIGTERM: {left:?}");
+    // What kube-vip served last is what must be kept (were its instances
+    // stopped one by one, the others would have taken the Services over
+    // with their own MACs and leases meanwhile).
+    for name in SERVICES {
+        let last = kube_vips_record(&lb, name).ok_or_else(|| {
+            anyhow::anyhow!("{name} lost kube-vip's record when kube-vip stopped")
+        })?;
+        if last != held[name] {
+            println!(
+                "{name}: kube-vip moved it while stopping: {:?} -> {last:?}",
+                held[name]
+            );
+            held.insert(name, last);
+        }
+    }
+
+    // Step 3: ours started, the opt-out removed.
+    let ours_from = Instant::now();
+    lb.start_ours()?;
+    for name in SERVICES {
+        lb.annotate(name, contract::IGNORE, None)?;
+    }
+    for (name, h) in &held {
+        let carried = wait_for(WITHIN, || {
+            let c = lb.carriers(h.ip);
+            (c.len() == 1 && c[0].1.mac == h.mac && lb.ingress_ip(name) == Some(h.ip)).then_some(c)
+        });
+        ensure!(
+            carried.is_some(),
+            "{name} did not come back on {} with MAC {} within {WITHIN:?}: carriers {:?}, status {:?}\n{}",
+            h.ip,
+            h.mac,
+            lb.carriers(h.ip),
+            lb.ingress_ip(name),
+            lb.diagnostics()
+        );
+        let reply = wait_for(WITHIN, || lb.tcp_from_client(h.ip, LISTEN_PORT).ok());
+        ensure!(
+            reply.is_some(),
+            "{} answers no TCP after the migration",
+            h.ip
+        );
+    }
+    let taken_over = stopped_at.elapsed();
+    let ours_took = ours_from.elapsed();
+    let log = lb.dnsmasq_log_from(mark);
+    for h in held.values() {
+        let discovers: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("DHCPDISCOVER") && l.to_lowercase().contains(&h.mac))
+            .collect();
+        ensure!(
+            discovers.is_empty(),
+            "a DHCPDISCOVER with {}'s MAC {} reached the server during the migration: {discovers:?}",
+            h.ip,
+            h.mac
+        );
+    }
+    let mut outage = Duration::ZERO;
+    for (ip, p) in answering {
+        let rec = p.finish()?;
+        let (theirs, ours): (Vec<Instant>, Vec<Instant>) = rec
+            .doubly_answered()
+            .into_iter()
+            .partition(|at| *at < ours_from);
+        if !theirs.is_empty() {
+            println!(
+                "{ip}: {} ARP requests answered twice while kube-vip stopped (before ours started)",
+                theirs.len()
+            );
+        }
+        ensure!(
+            ours.is_empty(),
+            "{ip} answered twice after ours started, {:?} after",
+            ours.iter().map(|t| *t - ours_from).collect::<Vec<_>>()
+        );
+        outage = outage.max(rec.longest_silence());
+    }
+    println!(
+        "kube-vip -> ours: every address and MAC kept, no DHCPDISCOVER; longest ARP outage {:.2} s (kube-vip's SIGTERM to every Service held by us: {:.2} s, of which ours started to every Service held: {:.2} s)",
+        outage.as_secs_f64(),
+        taken_over.as_secs_f64(),
+        ours_took.as_secs_f64()
+    );
+
+    // Back: opted out, handed over (released, links gone), ours stopped,
+    // kube-vip started again.
+    for name in SERVICES {
+        lb.annotate(name, contract::IGNORE, Some("true"))?;
+    }
+    for (name, h) in &held {
+        let handed = wait_for(WITHIN, || {
+            (lb.carriers(h.ip).is_empty() && lb.ingress_ip(name).is_none()).then_some(())
+        });
+        ensure!(
+            handed.is_some(),
+            "{name} was not handed over within {WITHIN:?}: carriers {:?}",
+            lb.carriers(h.ip)
+        );
+    }
+    lb.stop_ours();
+    kv.start_all(&lb)?;
+    for (name, h) in &held {
+        let back = wait_for(WITHIN, || kube_vips_record(&lb, name));
+        if back.is_none() {
+            kv.check_running()?;
+        }
+        ensure!(
+            back.as_ref() == Some(h),
+            "kube-vip did not get {name}'s address back: had {h:?}, now {back:?}"
+        );
+        let reply = wait_for(WITHIN, || lb.tcp_from_client(h.ip, LISTEN_PORT).ok());
+        ensure!(
+            reply.is_some(),
+            "{} answers no TCP from kube-vip's holder",
+            h.ip
+        );
+    }
+    Ok(())
+}
