@@ -6,6 +6,10 @@
 //! They are built from the Go module proxy by `tests/rig/peers.sh` and
 //! cached by version outside the checkout ([`PEERS_DIR`]); nothing of
 //! their code is in this repository.
+//!
+//! [`SystemRig`] serves DHCP Services with one system (ours or kube-vip)
+//! and [`fail_over`] measures a fault to the holder the same way for each:
+//! the guests' kernels, ARP and TCP from the LAN (`benches/peers.rs`).
 
 use std::fs;
 use std::net::Ipv4Addr;
@@ -301,6 +305,9 @@ impl HolderFault {
     }
 }
 
+/// The Service [`SystemRig::start`] serves before it returns.
+pub const WARM_UP: &str = "warm-up";
+
 /// The rig with one system serving DHCP Services.
 pub struct SystemRig {
     pub system: System,
@@ -322,11 +329,16 @@ impl SystemRig {
                 Some(kv)
             }
         };
-        Ok(SystemRig {
+        let mut sr = SystemRig {
             system,
             lb,
             kube_vip,
-        })
+        };
+        // Ready before anything is timed: a first Service served (our
+        // agents register and heartbeat, kube-vip's instances watch).
+        sr.serve(WARM_UP)
+            .with_context(|| format!("{}: the warm-up Service", system.label()))?;
+        Ok(sr)
     }
 
     /// A DHCP Service as the Harvester cloud provider writes it, with ready
@@ -553,9 +565,20 @@ pub fn fail_over(
         Failover {
             took: moved.map(|(d, _)| d),
             ip_after: moved.map(|(_, ip)| ip).or_else(|| sr.lb.ingress_ip(name)),
-            arp_silence: arp.longest_silence(),
+            arp_silence: arp.longest_silence().max(unanswered_tail(&arp)),
             tcp_back,
             two_answerers: arp.doubly_answered().len() + watch.overlaps(ip).len(),
         },
     ))
+}
+
+/// From the last answered ARP request to the last request sent: an address
+/// that is never answered again (kube-vip serving a Service from a new
+/// lease after a failover) is silent until the record ends.
+fn unanswered_tail(rec: &crate::arpprobe::ArpRecord) -> Duration {
+    let last_answered = rec.probes.iter().rev().find(|p| !p.replies.is_empty());
+    match (last_answered, rec.probes.last()) {
+        (Some(a), Some(last)) => last.sent - a.sent,
+        _ => Duration::ZERO,
+    }
 }
