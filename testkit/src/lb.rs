@@ -119,11 +119,11 @@ impl Drop for Proc {
 /// killed).
 pub struct LbRig {
     pub client_ns: String,
-    /// The LAN host that asks who has an address ([`crate::failover::arp_prober`]),
-    /// which nothing talks to: every request it sends, each with a sender
-    /// MAC of its own, updates the entry a guest holds for its address, and
-    /// were that the client's, the guests' answers to the client would go
-    /// to the last request's made-up MAC.
+    /// The LAN host that asks who has an address (the failover tests' and
+    /// the soak's ARP prober), which nothing talks to: every request it
+    /// sends, each with a sender MAC of its own, updates the entry a guest
+    /// holds for its address, and were that the client's, the guests'
+    /// answers to the client would go to the last request's made-up MAC.
     pub observer: rig::LanHost,
     agents: Vec<Option<Proc>>,
     controllers: Vec<Option<Proc>>,
