@@ -39,6 +39,9 @@ pub const NAMESPACE: &str = "harvester-node-agent";
 pub const CONTROLLER_LEASE: &str = "harvester-node-agent-controller";
 /// Our links' prefix (`contract::INTERFACE_PREFIX`).
 pub const INTERFACE_PREFIX: &str = "hlb-";
+/// The reporting controller of the controller's Events
+/// (`controller::writer::FIELD_MANAGER`).
+pub const CONTROLLER_REPORTER: &str = "harvester-node-agent-controller";
 /// Where the test listeners answer in every guest.
 pub const LISTEN_PORT: u16 = 8080;
 
@@ -909,10 +912,38 @@ impl LbRig {
             .unwrap_or_default()
     }
 
+    /// [`LbRig::events`] that the controller reported (reporting
+    /// controller `harvester-node-agent-controller`): not the API server's
+    /// own, such as its ClusterIP repair loop's `ClusterIPNotAllocated`.
+    pub fn our_events(&self, name: &str) -> Vec<(String, String, String)> {
+        let (ns, name) = split_name(name);
+        let events: Api<Event> = Api::namespaced(self.admin.clone(), ns);
+        let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
+        self.block_on(events.list(&lp))
+            .map(|l| {
+                l.items
+                    .into_iter()
+                    .filter(|e| {
+                        e.reporting_component.as_deref() == Some(CONTROLLER_REPORTER)
+                            || e.source.as_ref().and_then(|s| s.component.as_deref())
+                                == Some(CONTROLLER_REPORTER)
+                    })
+                    .map(|e| {
+                        (
+                            e.type_.unwrap_or_default(),
+                            e.reason.unwrap_or_default(),
+                            e.message.unwrap_or_default(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Waits for a Warning Event about `name` whose reason is `reason`.
     pub fn wait_warning(&self, name: &str, reason: &str, within: Duration) -> String {
         wait_for(within, || {
-            self.events(name)
+            self.our_events(name)
                 .into_iter()
                 .find(|(t, r, _)| t == "Warning" && r == reason)
                 .map(|(_, _, m)| m)

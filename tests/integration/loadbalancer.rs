@@ -41,6 +41,10 @@ fn the_test_kit_names_what_the_contract_names() {
     assert_eq!(lb::NAMESPACE, contract::DEFAULT_NAMESPACE);
     assert_eq!(lb::CONTROLLER_LEASE, contract::CONTROLLER_LEASE);
     assert_eq!(lb::INTERFACE_PREFIX, contract::INTERFACE_PREFIX);
+    assert_eq!(
+        lb::CONTROLLER_REPORTER,
+        harvester_node_agent::controller::writer::FIELD_MANAGER
+    );
 }
 
 const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
