@@ -893,29 +893,25 @@ impl LbRig {
 
     /// Events about Service `name`: (type, reason, message).
     pub fn events(&self, name: &str) -> Vec<(String, String, String)> {
-        let (ns, name) = split_name(name);
-        let events: Api<Event> = Api::namespaced(self.admin.clone(), ns);
-        let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
-        self.block_on(events.list(&lp))
-            .map(|l| {
-                l.items
-                    .into_iter()
-                    .map(|e| {
-                        (
-                            e.type_.unwrap_or_default(),
-                            e.reason.unwrap_or_default(),
-                            e.message.unwrap_or_default(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+        self.events_where(name, |_| true)
     }
 
     /// [`LbRig::events`] that the controller reported (reporting
     /// controller `harvester-node-agent-controller`): not the API server's
     /// own, such as its ClusterIP repair loop's `ClusterIPNotAllocated`.
     pub fn our_events(&self, name: &str) -> Vec<(String, String, String)> {
+        self.events_where(name, |e| {
+            e.reporting_component.as_deref() == Some(CONTROLLER_REPORTER)
+                || e.source.as_ref().and_then(|s| s.component.as_deref())
+                    == Some(CONTROLLER_REPORTER)
+        })
+    }
+
+    fn events_where(
+        &self,
+        name: &str,
+        keep: impl Fn(&Event) -> bool,
+    ) -> Vec<(String, String, String)> {
         let (ns, name) = split_name(name);
         let events: Api<Event> = Api::namespaced(self.admin.clone(), ns);
         let lp = ListParams::default().fields(&format!("involvedObject.name={name}"));
@@ -923,11 +919,7 @@ impl LbRig {
             .map(|l| {
                 l.items
                     .into_iter()
-                    .filter(|e| {
-                        e.reporting_component.as_deref() == Some(CONTROLLER_REPORTER)
-                            || e.source.as_ref().and_then(|s| s.component.as_deref())
-                                == Some(CONTROLLER_REPORTER)
-                    })
+                    .filter(|e| keep(e))
                     .map(|e| {
                         (
                             e.type_.unwrap_or_default(),
