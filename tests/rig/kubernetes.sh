@@ -34,44 +34,8 @@ which_release="${1:-all}"
 log() { echo "kubernetes.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
 
-# Go 1.26 or newer: the `go` on PATH, else the official install's. Debian's
-# golang-go (1.19) is too old for any current Kubernetes or etcd.
-GO_MIN_MINOR=26
-go_ok() {
-  local v
-  v="$("$1" env GOVERSION 2>/dev/null)" || return 1
-  [[ "$v" =~ ^go1\.([0-9]+) ]] && ((BASH_REMATCH[1] >= GO_MIN_MINOR))
-}
-go_bin=""
-for candidate in "$(command -v go || true)" /usr/local/go/bin/go; do
-  if [[ -n "$candidate" && -x "$candidate" ]] && go_ok "$candidate"; then
-    go_bin="$candidate"; break
-  fi
-done
-[[ -n "$go_bin" ]] \
-  || die "no Go 1.$GO_MIN_MINOR or newer found (PATH: $(command -v go || echo none) is $(go env GOVERSION 2>/dev/null || echo absent); /usr/local/go/bin/go: absent or older): install the official Go 1.$GO_MIN_MINOR+ toolchain into /usr/local/go"
-export PATH="$(dirname "$go_bin"):$PATH"
-
-export GOMODCACHE="$CACHE_DIR/go/mod" GOCACHE="$CACHE_DIR/go/build"
-# -modcacherw: the module cache stays removable by rm -rf. local: never
-# fetch another toolchain; a too old `go` fails with what it needs.
-export GOFLAGS=-modcacherw GOTOOLCHAIN=local CGO_ENABLED=0
-mkdir -p "$GOMODCACHE" "$GOCACHE" "$CACHE_DIR/build"
-
-scratch=""
-cleanup() { [[ -z "$scratch" ]] || rm -rf "$scratch"; }
-trap cleanup EXIT
-
-# step WHAT MODULE VERSION CMD...: runs CMD in the scratch folder; on failure
-# stops with the module, the version, the command and the tail of its output.
-step() {
-  local what="$1" module="$2" version="$3"; shift 3
-  local out="$scratch/step.log"
-  if ! (cd "$scratch" && "$@") >"$out" 2>&1; then
-    tail -n 30 "$out" >&2
-    die "$what failed: module $module, version $version; command: (cd <scratch> && $*)"
-  fi
-}
+# shellcheck source=tests/rig/go-build.sh
+source "$(dirname "$0")/go-build.sh"
 
 # served MODULE VERSION: stops unless the proxy serves that version.
 served() {
