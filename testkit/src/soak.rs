@@ -1531,12 +1531,39 @@ fn check_gaps(
             report.violate(
                 from,
                 format!(
-                    "{ip} {what} for {:.2} s ({by}; bound {:.1} s for the faults around it; held by guests {holders:?} then)",
+                    "{ip} {what} for {:.2} s ({by}; bound {:.1} s for the faults around it; held by guests {holders:?} then; {})",
                     gap.as_secs_f64(),
-                    bound.as_secs_f64()
+                    bound.as_secs_f64(),
+                    kernel_record(watch, ip, from, to)
                 ),
             );
         }
+    }
+}
+
+/// What the guests' kernels recorded of `ip` from a second before the
+/// stretch `from..to` to its end, relative to `from`: tells a holder that
+/// had no address (it lapsed, or was moved) from one that had it and did
+/// not answer.
+fn kernel_record(watch: &AddressWatch, ip: Ipv4Addr, from: Instant, to: Instant) -> String {
+    let look_from = from.checked_sub(Duration::from_secs(1)).unwrap_or(from);
+    let changes: Vec<String> = watch
+        .holders(ip)
+        .into_iter()
+        .filter(|(at, _)| (look_from..=to).contains(at))
+        .map(|(at, held)| {
+            let ms = if at >= from {
+                (at - from).as_secs_f64() * 1e3
+            } else {
+                -((from - at).as_secs_f64() * 1e3)
+            };
+            format!("{ms:+.0} ms {held:?}")
+        })
+        .collect();
+    if changes.is_empty() {
+        "the kernels' record did not change".into()
+    } else {
+        format!("the kernels' record: {}", changes.join(", "))
     }
 }
 

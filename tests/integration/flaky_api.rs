@@ -24,6 +24,7 @@ use kube::Api;
 use crate::harness::tests;
 
 tests! {
+    #[alone]
     a_flaky_api_server_moves_nothing_and_keeps_the_leader: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 

@@ -14,7 +14,9 @@
 //! `--ignored` / `--include-ignored` run skipped tests anyway (they then fail
 //! with the same message). Filtering, `--list`, `--exact`, `--skip` and
 //! `--test-threads` work as with the built-in harness (libtest-mimic).
-//! Output is not captured: a test's stderr shows as it runs.
+//! Output is not captured: a test's stderr shows as it runs, and a failure's
+//! message is printed at once (`FAILED <name>: ...`) as well as at the end.
+//! A test marked `#[alone]` runs with no other test beside it.
 //!
 //! `HNA_TEST_AS_NONROOT=1` makes a root run behave like a non-root one
 //! (outside CI only), to see the skip path without another user.
@@ -29,8 +31,21 @@ use libtest_mimic::{Arguments, Failed, Trial};
 pub struct Test {
     pub name: String,
     pub needs: &'static [Prereq],
+    /// Runs with no other test beside it. For the tests that judge how
+    /// long something took under injected faults (the soak, the flaky API
+    /// server): every rig shares this machine's CPUs and one kernel (its
+    /// RTNL lock, its scheduler), so another test's rig deleting
+    /// namespaces or probing thousands of times a second delays this
+    /// one's agents, controllers and fault proxy in ways no real node
+    /// sees from its neighbours.
+    pub alone: bool,
     pub run: fn() -> Result<(), Failed>,
 }
+
+/// Held for reading by every test, for writing by a test that runs alone.
+/// std's RwLock makes new readers wait behind a waiting writer, so a test
+/// that runs alone starts as soon as the tests already running end.
+static RUNNING: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 /// What a test body may return: `()` (it panics on failure) or a `Result`.
 pub trait Outcome {
@@ -45,28 +60,52 @@ impl Outcome for () {
 
 impl Outcome for anyhow::Result<()> {
     fn into_outcome(self) -> Result<(), Failed> {
-        self.map_err(|e| format!("{e:?}").into())
+        self.map_err(|e| failure_message(&e).into())
     }
+}
+
+/// An error and its causes, one per line. Not `{:?}`: under
+/// `RUST_BACKTRACE=1` (as on the CI machine) that appends anyhow's
+/// backtrace, dozens of lines that push the message itself out of a
+/// shortened log.
+fn failure_message(e: &anyhow::Error) -> String {
+    let mut message = e.to_string();
+    for cause in e.chain().skip(1) {
+        message.push_str("\n  caused by: ");
+        message.push_str(&cause.to_string());
+    }
+    message
 }
 
 /// Declares a module's tests: `tests! { name_a; name_b: Root, Dnsmasq; }`
 /// defines `pub fn tests() -> Vec<Test>` with one entry per function, named
-/// `<module>::<function>`, needing the listed [`Prereq`]s.
+/// `<module>::<function>`, needing the listed [`Prereq`]s. `#[alone]` before
+/// a name makes that test run with no other test beside it ([`Test::alone`]).
 macro_rules! tests {
-    ($($f:ident $(: $($need:ident),+)?);* $(;)?) => {
+    ($($(#[$mark:ident])? $f:ident $(: $($need:ident),+)?);* $(;)?) => {
         pub fn tests() -> Vec<$crate::harness::Test> {
             let module = module_path!().rsplit("::").next().unwrap_or_default();
             vec![$(
                 $crate::harness::Test {
                     name: format!("{module}::{}", stringify!($f)),
                     needs: &[$($(hna_testkit::prereq::Prereq::$need),+)?],
+                    alone: $crate::harness::marked!($($mark)?),
                     run: || $crate::harness::Outcome::into_outcome($f()),
                 }
             ),*]
         }
     };
 }
-pub(crate) use tests;
+/// The one mark `tests!` knows; any other is a compile error.
+macro_rules! marked {
+    () => {
+        false
+    };
+    (alone) => {
+        true
+    };
+}
+pub(crate) use {marked, tests};
 
 /// The environment the tests run in, probed once.
 struct Machine {
@@ -180,12 +219,27 @@ pub fn main(mut tests: Vec<Test>) -> ExitCode {
             let missing_prereqs: Vec<Prereq> = missing.iter().map(|m| m.prereq).collect();
             let skip = !missing.is_empty() && !machine.strict;
             let run = test.run;
+            let alone = test.alone;
+            let name = test.name.clone();
             let trial = Trial::test(test.name, move || {
-                if missing.is_empty() {
+                // A test that panicked poisons the lock; the next runs anyway.
+                let _alone = alone.then(|| RUNNING.write().unwrap_or_else(|p| p.into_inner()));
+                let _beside = (!alone).then(|| RUNNING.read().unwrap_or_else(|p| p.into_inner()));
+                let outcome = if missing.is_empty() {
                     run()
                 } else {
                     Err(prerequisite_failure(&missing))
+                };
+                // Said at once too, beside the test's own output: the
+                // closing list comes after every other test's output, and
+                // a log cut short may lose it.
+                if let Err(failed) = &outcome {
+                    eprintln!(
+                        "FAILED {name}: {}",
+                        failed.message().unwrap_or("(no message)")
+                    );
                 }
+                outcome
             })
             .with_ignored_flag(skip);
             if !args.is_filtered_out(&trial) {

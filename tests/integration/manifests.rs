@@ -107,9 +107,12 @@ fn the_real_kubectl_applies_and_explains_them() -> Result<()> {
     }
     // Applying again changes nothing. kubectl says `configured` for some
     // kinds whatever happens (its patch for PodDisruptionBudget's selector
-    // and the policy's rules is never empty), so the objects' versions
-    // are what counts.
-    let versions = |what: &str| -> Result<Vec<(String, String)>> {
+    // and the policy's rules is never empty), so the objects themselves
+    // are what counts: everything but their status and what the server's
+    // own controllers write beside kubectl (the CRD's Established
+    // condition, the admission policy's type check), which lands when it
+    // lands and bumps resourceVersion with it.
+    let objects = |what: &str| -> Result<Vec<(String, serde_json::Value)>> {
         let list: serde_json::Value =
             serde_json::from_str(&kubectl(api, &["get", "-k", dir, "-o", "json"])?)?;
         let items = list["items"].as_array().context("no items")?;
@@ -119,23 +122,35 @@ fn the_real_kubectl_applies_and_explains_them() -> Result<()> {
             .map(|o| {
                 (
                     format!("{}/{}", o["kind"], o["metadata"]["name"]),
-                    o["metadata"]["resourceVersion"].to_string(),
+                    as_applied(o),
                 )
             })
             .collect())
     };
-    let before = versions("after the first apply")?;
+    let before = objects("after the first apply")?;
     kubectl(api, &["apply", "-k", dir])?;
-    ensure!(
-        versions("after the second apply")? == before,
-        "a second apply changed an object"
-    );
+    let after = objects("after the second apply")?;
+    for ((name, was), (_, is)) in before.iter().zip(&after) {
+        ensure!(
+            was == is,
+            "a second apply changed {name}:\nbefore {was}\nafter {is}"
+        );
+    }
     kubectl(
         api,
         &["apply", "--server-side", "--force-conflicts", "-k", dir],
     )?;
 
-    let explain = kubectl(api, &["explain", "loadbalancernodes.status"])?;
+    // The API server publishes a new CRD's schema a moment after
+    // accepting it.
+    let explain = wait_for_ok(Duration::from_secs(60), || {
+        let explain = kubectl(api, &["explain", "loadbalancernodes.status"])?;
+        ensure!(
+            explain.contains("heartbeat"),
+            "schema not yet published: {explain}"
+        );
+        Ok(explain)
+    })?;
     println!("$ kubectl explain loadbalancernodes.status\n{explain}");
     for field in [
         "heartbeat",
@@ -158,6 +173,40 @@ fn the_real_kubectl_applies_and_explains_them() -> Result<()> {
         "{explain}"
     );
     Ok(())
+}
+
+/// An object as `kubectl apply` left it: without its status, its
+/// resourceVersion and the field records of managers other than kubectl.
+fn as_applied(object: &serde_json::Value) -> serde_json::Value {
+    let mut object = object.clone();
+    if let Some(o) = object.as_object_mut() {
+        o.remove("status");
+    }
+    if let Some(meta) = object["metadata"].as_object_mut() {
+        meta.remove("resourceVersion");
+        if let Some(fields) = meta.get_mut("managedFields").and_then(|f| f.as_array_mut()) {
+            fields.retain(|f| {
+                f["manager"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("kubectl"))
+            });
+        }
+    }
+    object
+}
+
+/// Retries `f` until it succeeds or `deadline` passes; the last error then.
+fn wait_for_ok<T>(deadline: Duration, mut f: impl FnMut() -> Result<T>) -> Result<T> {
+    let end = std::time::Instant::now() + deadline;
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e) if std::time::Instant::now() >= end => {
+                return Err(e.context(format!("still failing after {deadline:?}")));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(250)),
+        }
+    }
 }
 
 /// `r` failed with HTTP status `code`.

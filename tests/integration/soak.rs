@@ -11,6 +11,7 @@ use hna_testkit::soak::{self, SoakOptions};
 use crate::harness::tests;
 
 tests! {
+    #[alone]
     a_short_seeded_soak_finds_no_violation: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
