@@ -1,8 +1,9 @@
 //! Ours beside the peers (issue #19), in one run on one rig: the same
 //! DHCP Services and the same faults, each on a fresh rig, for our agents
-//! and controller, for kube-vip with its default lease timings and for
-//! kube-vip with the tuned ones its users are pointed at. kube-vip is
-//! built from the Go module proxy by `tests/rig/peers.sh`.
+//! and controller, for kube-vip with its default lease timings, for
+//! kube-vip with the tuned ones its users are pointed at, and for MetalLB
+//! in layer-2 mode (from a static pool: it has no DHCP). Both are built
+//! from the Go module proxy by `tests/rig/peers.sh`.
 //!
 //! Rows: Service created → address in its status, and → the first TCP
 //! answer from a LAN client; for each fault done to the holder, the time
@@ -13,7 +14,7 @@
 //! two answered or moments two kernels held it. min/median/max over N runs.
 //!
 //! ```text
-//! sudo cargo bench --bench peers [-- --runs 10] [--only LABEL-PREFIX] [--systems ours,kube-vip,kube-vip-tuned]
+//! sudo cargo bench --bench peers [-- --runs 10] [--only LABEL-PREFIX] [--systems ours,kube-vip,kube-vip-tuned,metallb]
 //! ```
 
 use std::path::Path;
@@ -31,6 +32,7 @@ fn main() -> Result<()> {
         System::Ours,
         System::KubeVip(LeaseTimings::DEFAULT),
         System::KubeVip(LeaseTimings::TUNED),
+        System::MetalLb,
     ];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -40,15 +42,16 @@ fn main() -> Result<()> {
             "--systems" => {
                 let list = args
                     .next()
-                    .context("--systems ours,kube-vip,kube-vip-tuned")?;
+                    .context("--systems ours,kube-vip,kube-vip-tuned,metallb")?;
                 systems = list
                     .split(',')
                     .map(|s| match s {
                         "ours" => Ok(System::Ours),
                         "kube-vip" => Ok(System::KubeVip(LeaseTimings::DEFAULT)),
                         "kube-vip-tuned" => Ok(System::KubeVip(LeaseTimings::TUNED)),
+                        "metallb" => Ok(System::MetalLb),
                         other => anyhow::bail!(
-                            "--systems: unknown system {other:?} (ours, kube-vip, kube-vip-tuned)"
+                            "--systems: unknown system {other:?} (ours, kube-vip, kube-vip-tuned, metallb)"
                         ),
                     })
                     .collect::<Result<_>>()?;

@@ -23,7 +23,9 @@ use nix::unistd::Pid;
 
 use crate::lb::LbRig;
 
+pub mod metallb;
 pub use crate::locate::peers::{INSTALL, KUBE_VIP_VERSION, METALLB_VERSION, PEERS_DIR};
+pub use metallb::MetalLb;
 
 /// kube-vip's leader-election timings (seconds): per Service, the holder
 /// renews a Lease; another instance takes over when it expires.
@@ -239,6 +241,9 @@ impl Drop for KubeVip {
 pub enum System {
     Ours,
     KubeVip(LeaseTimings),
+    /// MetalLB in layer-2 mode, its speakers' memberlist on: a static pool
+    /// instead of DHCP ([`metallb`]).
+    MetalLb,
 }
 
 impl System {
@@ -255,6 +260,7 @@ impl System {
                 "kube-vip {KUBE_VIP_VERSION} (tuned leases {}/{}/{} s)",
                 t.duration, t.renew_deadline, t.retry_period
             ),
+            System::MetalLb => format!("MetalLB {METALLB_VERSION} (layer 2, static pool)"),
         }
     }
 }
@@ -313,6 +319,7 @@ pub struct SystemRig {
     pub system: System,
     pub lb: LbRig,
     kube_vip: Option<KubeVip>,
+    metallb: Option<MetalLb>,
 }
 
 impl SystemRig {
@@ -322,17 +329,26 @@ impl SystemRig {
         opts.start_ours = system == System::Ours;
         let lb = LbRig::start(opts)?;
         let kube_vip = match system {
-            System::Ours => None,
             System::KubeVip(t) => {
                 let mut kv = KubeVip::new(&lb, t)?;
                 kv.start_all(&lb)?;
                 Some(kv)
             }
+            _ => None,
+        };
+        let metallb = match system {
+            System::MetalLb => {
+                let mut m = MetalLb::install(&lb)?;
+                m.start_all(&lb)?;
+                Some(m)
+            }
+            _ => None,
         };
         let mut sr = SystemRig {
             system,
             lb,
             kube_vip,
+            metallb,
         };
         // Ready before anything is timed: a first Service served (our
         // agents register and heartbeat, kube-vip's instances watch).
@@ -360,8 +376,12 @@ impl SystemRig {
     }
 
     /// The guests whose kernel holds `ip` (on any link: ours are `hlb-*`,
-    /// kube-vip's `vip-*`).
+    /// kube-vip's `vip-*`); with MetalLB, which puts the address on no
+    /// interface, the guests whose MAC answers ARP for it.
     pub fn holders(&self, ip: Ipv4Addr) -> Vec<usize> {
+        if self.metallb.is_some() {
+            return arp_answerers(&self.lb, ip).unwrap_or_default();
+        }
         let want = format!(" {ip}/32 ");
         (0..self.lb.rig.guest_namespaces().len())
             .filter(|&i| {
@@ -375,6 +395,24 @@ impl SystemRig {
 
     /// What to show when a system did not do what was waited for.
     fn diagnostics(&mut self) -> String {
+        if let Some(m) = &mut self.metallb {
+            let dead = m
+                .check_running()
+                .err()
+                .map(|e| format!("{e:#}\n"))
+                .unwrap_or_default();
+            let mut tails = vec![format!(
+                "--- MetalLB controller:\n{}",
+                m.log_tail("controller", 15)
+            )];
+            tails.extend((0..self.lb.rig.guest_namespaces().len()).map(|i| {
+                format!(
+                    "--- MetalLB speaker {i}:\n{}",
+                    m.log_tail(&format!("speaker-{i}"), 15)
+                )
+            }));
+            return format!("{dead}{}", tails.join("\n"));
+        }
         match &mut self.kube_vip {
             Some(kv) => {
                 let dead = kv
@@ -407,6 +445,9 @@ impl SystemRig {
             );
         };
         let to_status = t0.elapsed();
+        if let Some(m) = &self.metallb {
+            m.route_to_nodes(&self.lb, ip)?;
+        }
         let client = self.lb.client_ns.clone();
         let Some(_) = crate::lb::wait_for(within, || {
             crate::tcpprobe::ask_from(&client, ip, crate::lb::LISTEN_PORT)
@@ -438,6 +479,26 @@ impl SystemRig {
     /// Does `fault` to guest `g`, the holder.
     pub fn fault(&mut self, g: usize, fault: HolderFault) -> Result<()> {
         use HolderFault::*;
+        if let Some(m) = self.metallb.as_mut() {
+            match fault {
+                Graceful => m.signal(g, Signal::SIGTERM),
+                Killed => m.stop(g, Signal::SIGKILL),
+                Restarted => {
+                    m.stop(g, Signal::SIGTERM);
+                    m.start_speaker(&self.lb, g)?;
+                }
+                CablePulled => crate::failover::set_cable(&self.lb, g, false)?,
+                UplinkSetDown => crate::failover::set_uplink(&self.lb, g, false)?,
+                GuestDeleted | LeaderAndHolder => {
+                    if fault == LeaderAndHolder {
+                        m.kill_controller();
+                    }
+                    m.forget(g);
+                    self.lb.delete_guest(g)?;
+                }
+            }
+            return Ok(());
+        }
         match (fault, self.kube_vip.as_mut()) {
             (Graceful, None) => {
                 let st = self.lb.stop_agent(g);
@@ -525,6 +586,7 @@ pub fn fail_over(
         Duration::from_millis(100),
     )?;
     let from_node = sr.lb.node_name(from);
+    let from_mac = guest_macs(&sr.lb)[from];
     let t0 = Instant::now();
     sr.fault(from, fault)?;
     if matches!(
@@ -560,16 +622,72 @@ pub fn fail_over(
                     .is_some_and(|n| n != from_node || fault == HolderFault::Restarted)
         })
         .map(|t| t.sent - t0);
+    // MetalLB's holder is whose MAC answers ARP: read from the 10 ms
+    // record, finer than the polling above; and every guest has its
+    // addresses on kube-ipvs0, so the kernels' record says nothing of who
+    // answers.
+    let metallb = sr.metallb.is_some();
+    let took = match moved {
+        Some(_) if metallb => arp
+            .probes
+            .iter()
+            .find(|p| p.sent >= t0 && p.replies.iter().any(|(_, mac)| Some(*mac) != from_mac))
+            .map(|p| p.sent - t0),
+        _ => moved.map(|(d, _)| d),
+    };
+    let overlaps = if metallb { 0 } else { watch.overlaps(ip).len() };
     Ok((
         served,
         Failover {
-            took: moved.map(|(d, _)| d),
+            took,
             ip_after: moved.map(|(_, ip)| ip).or_else(|| sr.lb.ingress_ip(name)),
             arp_silence: arp.longest_silence().max(unanswered_tail(&arp)),
             tcp_back,
-            two_answerers: arp.doubly_answered().len() + watch.overlaps(ip).len(),
+            two_answerers: arp.doubly_answered().len() + overlaps,
         },
     ))
+}
+
+/// The guests whose `eth0` MAC answers ARP for `ip` from the rig's
+/// observer, asked every 20 ms for 200 ms.
+pub fn arp_answerers(lb: &LbRig, ip: Ipv4Addr) -> Result<Vec<usize>> {
+    let prober = crate::failover::arp_prober_every(lb, ip, Duration::from_millis(20))?;
+    std::thread::sleep(Duration::from_millis(200));
+    let rec = prober.finish()?;
+    let macs = guest_macs(lb);
+    let mut answerers: Vec<usize> = rec
+        .probes
+        .iter()
+        .flat_map(|p| p.replies.iter())
+        .filter_map(|(_, mac)| macs.iter().position(|m| m.as_ref() == Some(mac)))
+        .collect();
+    answerers.sort_unstable();
+    answerers.dedup();
+    Ok(answerers)
+}
+
+/// Every guest's `eth0` MAC (`None` for a guest whose namespace is gone).
+pub fn guest_macs(lb: &LbRig) -> Vec<Option<[u8; 6]>> {
+    (0..lb.rig.guest_namespaces().len())
+        .map(|i| {
+            let out = std::process::Command::new("ip")
+                .args(["-n", lb.rig.guest_ns(i), "-o", "link", "show", "eth0"])
+                .output()
+                .ok()?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let mac = text
+                .split("link/ether ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?;
+            let bytes: Vec<u8> = mac
+                .split(':')
+                .map(|b| u8::from_str_radix(b, 16))
+                .collect::<Result<_, _>>()
+                .ok()?;
+            bytes.try_into().ok()
+        })
+        .collect()
 }
 
 /// From the last answered ARP request to the last request sent: an address

@@ -82,6 +82,10 @@ pub enum Prereq {
     /// kube-vip ([`crate::locate::peers::KUBE_VIP_VERSION`]), built from the
     /// Go module proxy and cached by `tests/rig/peers.sh`.
     KubeVip,
+    /// MetalLB's speaker, controller and CRDs
+    /// ([`crate::locate::peers::METALLB_VERSION`]), built and cached the
+    /// same way.
+    MetalLb,
 }
 
 /// The cargo-deb `tests/rig/prereqs.sh` installs (keep the two in step).
@@ -119,6 +123,7 @@ impl Prereq {
             Prereq::ApiServer => "kube-apiserver",
             Prereq::Kubectl => "kubectl",
             Prereq::KubeVip => "kube-vip",
+            Prereq::MetalLb => "MetalLB",
             Prereq::Dhclient => "isc-dhcp-client",
             Prereq::Busybox => "busybox",
             Prereq::Curl => "curl",
@@ -188,6 +193,16 @@ impl Prereq {
                 }
             }
             Prereq::KubeVip => match crate::locate::peers::kube_vip() {
+                Ok(_) => Ok(()),
+                Err(what) => missing(
+                    what,
+                    format!(
+                        "build and cache it with `{INSTALL_ALL}` (or `sudo {}`)",
+                        crate::locate::peers::INSTALL
+                    ),
+                ),
+            },
+            Prereq::MetalLb => match crate::locate::peers::metallb() {
                 Ok(_) => Ok(()),
                 Err(what) => missing(
                     what,

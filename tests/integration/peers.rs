@@ -15,12 +15,15 @@ use harvester_node_agent::contract::{self, harvester, kube_vip};
 use hna_testkit::arpprobe::ArpProber;
 use hna_testkit::failover;
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
-use hna_testkit::peers::{KubeVip, LeaseTimings};
+use hna_testkit::peers::{
+    HolderFault, KubeVip, LeaseTimings, System, SystemRig, fail_over, metallb,
+};
 
 use crate::harness::tests;
 
 tests! {
     kube_vip_to_us_and_back_keeps_every_address_and_mac: Root, Iproute2, Dnsmasq, ApiServer, Socat, KubeVip;
+    metallb_serves_from_its_pool_and_moves_off_a_killed_speaker: Root, Iproute2, Dnsmasq, ApiServer, Socat, MetalLb;
 }
 
 const SERVICES: [&str; 3] = ["kv-a", "kv-b", "kv-c"];
@@ -249,5 +252,58 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
             h.ip
         );
     }
+    Ok(())
+}
+
+/// MetalLB v0.16.1 as the benchmark runs it beside us
+/// (`hna_testkit::peers::metallb`): its controller gives a Service an
+/// address from the pool, exactly one guest's MAC answers ARP for it and
+/// that guest answers TCP there; after that guest's speaker is killed,
+/// another guest's MAC answers for the same address. Whoever answers is
+/// read from ARP on the LAN, not from MetalLB's own reports.
+fn metallb_serves_from_its_pool_and_moves_off_a_killed_speaker() -> Result<()> {
+    let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes");
+    let mut sr = SystemRig::start(System::MetalLb, crate::BIN, manifests)?;
+    let (first, last): (Ipv4Addr, Ipv4Addr) = (metallb::POOL.0.parse()?, metallb::POOL.1.parse()?);
+    let (served, f) = fail_over(&mut sr, "ml-a", HolderFault::Killed, WITHIN)?;
+    println!(
+        "MetalLB: {} from its pool in {:.0} ms, TCP {:.0} ms; speaker of guest {} killed: another guest answered ARP after {:?}, TCP after {:?}, longest ARP silence {:.2} s, address after {:?}, {} ARP requests answered twice",
+        served.ip,
+        served.to_status.as_secs_f64() * 1e3,
+        served.to_tcp.as_secs_f64() * 1e3,
+        served.holder,
+        f.took,
+        f.tcp_back,
+        f.arp_silence.as_secs_f64(),
+        f.ip_after,
+        f.two_answerers
+    );
+    ensure!(
+        (first..=last).contains(&served.ip),
+        "{} is not from MetalLB's pool {first}-{last}",
+        served.ip
+    );
+    ensure!(
+        f.took.is_some(),
+        "no other guest answered ARP for {} within {WITHIN:?} of the speaker's death",
+        served.ip
+    );
+    ensure!(
+        f.ip_after == Some(served.ip),
+        "MetalLB changed the address: {} -> {:?}",
+        served.ip,
+        f.ip_after
+    );
+    ensure!(
+        f.tcp_back.is_some(),
+        "no other node answered TCP at {} within {WITHIN:?}",
+        served.ip
+    );
+    let now = sr.holders(served.ip);
+    ensure!(
+        now.len() == 1 && now[0] != served.holder,
+        "after the failover ARP is answered by guests {now:?} (the killed speaker's was {})",
+        served.holder
+    );
     Ok(())
 }

@@ -38,3 +38,22 @@ pub fn kube_vip() -> Result<PathBuf, String> {
         ))
     }
 }
+
+/// The cached MetalLB speaker and controller binaries and its CRDs'
+/// directory, or what is absent.
+pub fn metallb() -> Result<(PathBuf, PathBuf, PathBuf), String> {
+    let dir = peers_dir().join("metallb").join(METALLB_VERSION);
+    let (speaker, controller, crds) = (
+        dir.join("speaker"),
+        dir.join("controller"),
+        dir.join("crds"),
+    );
+    if is_executable(&speaker) && is_executable(&controller) && crds.is_dir() {
+        Ok((speaker, controller, crds))
+    } else {
+        Err(format!(
+            "MetalLB {METALLB_VERSION} ({} incomplete)",
+            dir.display()
+        ))
+    }
+}
