@@ -586,7 +586,6 @@ pub fn fail_over(
         Duration::from_millis(100),
     )?;
     let from_node = sr.lb.node_name(from);
-    let from_mac = guest_macs(&sr.lb)[from];
     let t0 = Instant::now();
     sr.fault(from, fault)?;
     if matches!(
@@ -595,6 +594,11 @@ pub fn fail_over(
     ) {
         watch.gone(from, Instant::now());
     }
+    // Seen held by another guest this many polls in a row: MetalLB's
+    // answers from another node may stop again at once (see
+    // `answered_for_good`); a kernel's address does not flap.
+    let polls = if sr.metallb.is_some() { 3 } else { 1 };
+    let mut seen = 0;
     let moved = crate::lb::wait_for(within, || {
         let now = sr.lb.ingress_ip(name)?;
         let others: Vec<usize> = sr
@@ -602,7 +606,8 @@ pub fn fail_over(
             .into_iter()
             .filter(|g| *g != from || fault == HolderFault::Restarted)
             .collect();
-        (!others.is_empty()).then(|| (t0.elapsed(), now))
+        seen = if others.is_empty() { 0 } else { seen + 1 };
+        (seen >= polls).then(|| (t0.elapsed(), now))
     });
     // Long enough after for the new holder's answers, ARP and TCP.
     std::thread::sleep(Duration::from_millis(if moved.is_some() {
@@ -624,15 +629,11 @@ pub fn fail_over(
         .map(|t| t.sent - t0);
     // MetalLB's holder is whose MAC answers ARP: read from the 10 ms
     // record, finer than the polling above; and every guest has its
-    // addresses on kube-ipvs0, so the kernels' record says nothing of who
+    // addresses (on `lo`), so the kernels' record says nothing of who
     // answers.
     let metallb = sr.metallb.is_some();
     let took = match moved {
-        Some(_) if metallb => arp
-            .probes
-            .iter()
-            .find(|p| p.sent >= t0 && p.replies.iter().any(|(_, mac)| Some(*mac) != from_mac))
-            .map(|p| p.sent - t0),
+        Some(_) if metallb => answered_for_good(&arp, t0, from, &guest_macs(&sr.lb)),
         _ => moved.map(|(d, _)| d),
     };
     let overlaps = if metallb { 0 } else { watch.overlaps(ip).len() };
@@ -646,6 +647,39 @@ pub fn fail_over(
             two_answerers: arp.doubly_answered().len() + overlaps,
         },
     ))
+}
+
+/// From `t0` to the first ARP answer from a guest other than `from` after
+/// which other guests answer every request to the end of the record (50 ms
+/// unanswered at most). Not the first such answer: MetalLB's speakers were
+/// seen to answer from another node for 100 ms right after the holder's
+/// speaker died, then fall silent for 5 s until memberlist declared it
+/// dead.
+fn answered_for_good(
+    arp: &crate::arpprobe::ArpRecord,
+    t0: Instant,
+    from: usize,
+    macs: &[Option<[u8; 6]>],
+) -> Option<Duration> {
+    let other = |mac: &[u8; 6]| {
+        macs.iter()
+            .enumerate()
+            .any(|(i, m)| i != from && m.as_ref() == Some(mac))
+    };
+    let mut since: Option<Instant> = None;
+    let mut unanswered = 0;
+    for p in arp.probes.iter().filter(|p| p.sent >= t0) {
+        if p.replies.iter().any(|(_, mac)| other(mac)) {
+            since.get_or_insert(p.sent);
+            unanswered = 0;
+        } else {
+            unanswered += 1;
+            if unanswered > 5 || !p.replies.is_empty() {
+                since = None;
+            }
+        }
+    }
+    since.map(|s| s - t0)
 }
 
 /// The guests whose `eth0` MAC answers ARP for `ip` from the rig's

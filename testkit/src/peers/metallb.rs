@@ -9,9 +9,11 @@
 //!   [`SPEAKER_LABELS`] whose `status.podIP` is the node's address (no
 //!   kubelet runs; the status is written by the rig);
 //! - kube-proxy in IPVS mode, which is what makes a LoadBalancer address
-//!   answer TCP on a node: every Service address on a dummy `kube-ipvs0`
-//!   in every guest, and `arp_ignore=1`/`arp_announce=2` so that only the
-//!   speaker answers ARP for it ([`MetalLb::route_to_nodes`]). MetalLB puts
+//!   answer TCP on a node: every Service address local to every guest
+//!   (kube-proxy puts it on a dummy `kube-ipvs0`; the rig, whose kernel
+//!   may lack the dummy driver, on `lo`, the same for ARP and TCP), and
+//!   `arp_ignore=1`/`arp_announce=2` so that only the speaker answers ARP
+//!   for it ([`MetalLb::route_to_nodes`]). MetalLB puts
 //!   no address on any interface: which node holds a Service is what ARP
 //!   answers, not a kernel's address list.
 //!
@@ -298,8 +300,8 @@ spec:
         }
     }
 
-    /// kube-proxy's part for a Service address: on `kube-ipvs0` in every
-    /// running guest, as kube-proxy in IPVS mode binds it on every node.
+    /// kube-proxy's part for a Service address: local to every running
+    /// guest (on `lo`), as kube-proxy in IPVS mode binds it on every node.
     pub fn route_to_nodes(&self, lb: &LbRig, ip: Ipv4Addr) -> Result<()> {
         for i in 0..self.speakers.len() {
             if self.speakers[i].is_none() {
@@ -315,7 +317,7 @@ spec:
                     "replace",
                     &format!("{ip}/32"),
                     "dev",
-                    "kube-ipvs0",
+                    "lo",
                 ],
             )?;
         }
@@ -341,16 +343,11 @@ fn speaker_pod(lb: &LbRig, i: usize) -> String {
     format!("speaker-{}", lb.node_name(i))
 }
 
-/// Guest `i` as a node of a MetalLB cluster: `kube-ipvs0` (kube-proxy's
-/// dummy) and the ARP settings kube-proxy's IPVS mode sets, so that a
-/// node answers ARP only for addresses on the interface asked on.
+/// Guest `i` as a node of a MetalLB cluster: the ARP settings kube-proxy's
+/// IPVS mode sets, so that a node answers ARP only for addresses on the
+/// interface asked on (not for the Service addresses on `lo`).
 fn prepare_guest(lb: &LbRig, i: usize) -> Result<()> {
     let ns = lb.rig.guest_ns(i);
-    run_args(
-        "ip",
-        ["-n", ns, "link", "add", "kube-ipvs0", "type", "dummy"],
-    )?;
-    run_args("ip", ["-n", ns, "link", "set", "kube-ipvs0", "up"])?;
     for (key, value) in [
         ("net.ipv4.conf.all.arp_ignore", "1"),
         ("net.ipv4.conf.all.arp_announce", "2"),
