@@ -13,8 +13,14 @@
 //! original address, whether the address changed, and ARP requests that
 //! two answered or moments two kernels held it. min/median/max over N runs.
 //!
+//! Then, per system on a fresh rig, the steady state with `--steady N`
+//! Services (30 by default: kube-vip takes a DHCP lease on every node for
+//! every Service, and the rig's DHCP range has 100 addresses for 3 nodes):
+//! the API server's writes per second over `--window S` (60), and the
+//! VmRSS of each node's process and of the central ones.
+//!
 //! ```text
-//! sudo cargo bench --bench peers [-- --runs 10] [--only LABEL-PREFIX] [--systems ours,kube-vip,kube-vip-tuned,metallb]
+//! sudo cargo bench --bench peers [-- --runs 10] [--only LABEL-PREFIX] [--systems ours,kube-vip,kube-vip-tuned,metallb] [--steady 30] [--window 60]
 //! ```
 
 use std::path::Path;
@@ -28,6 +34,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
 fn main() -> Result<()> {
     let mut runs = 10usize;
     let mut only: Option<String> = None;
+    let mut steady = 30usize;
+    let mut window = Duration::from_secs(60);
     let mut systems = vec![
         System::Ours,
         System::KubeVip(LeaseTimings::DEFAULT),
@@ -39,6 +47,10 @@ fn main() -> Result<()> {
         match a.as_str() {
             "--runs" => runs = args.next().context("--runs N")?.parse()?,
             "--only" => only = Some(args.next().context("--only LABEL-PREFIX")?),
+            "--steady" => steady = args.next().context("--steady N")?.parse()?,
+            "--window" => {
+                window = Duration::from_secs(args.next().context("--window SECONDS")?.parse()?)
+            }
             "--systems" => {
                 let list = args
                     .next()
@@ -125,7 +137,45 @@ fn main() -> Result<()> {
             st.two
         );
     }
+    if steady > 0 {
+        let mut rows = Vec::new();
+        for system in &systems {
+            let mut sr = SystemRig::start(*system, BIN, manifests.clone())
+                .with_context(|| format!("{}: starting the rig", system.label()))?;
+            let st = sr
+                .steady(steady, window)
+                .with_context(|| format!("{}: {steady} Services at rest", system.label()))?;
+            eprintln!("{}: {st:?}", system.label());
+            rows.push((system.label(), st));
+        }
+        println!(
+            "\nat rest with {steady} Services (and the warm-up one), over {window:?}: API writes per second (all writers, the API server's own included), VmRSS in MiB"
+        );
+        println!(
+            "{:<44} {:>14} {:>26} {:>26}",
+            "system", "API writes/s", "per node", "central"
+        );
+        for (system, st) in &rows {
+            println!(
+                "{system:<44} {:>14.1} {:>26} {:>26}",
+                st.writes_per_s,
+                mib(&st.node_rss_kib),
+                mib(&st.central_rss_kib)
+            );
+        }
+    }
     Ok(())
+}
+
+/// KiB figures as `a / b / c` MiB, `-` for none.
+fn mib(kib: &[u64]) -> String {
+    if kib.is_empty() {
+        return "-".into();
+    }
+    kib.iter()
+        .map(|k| format!("{:.1}", *k as f64 / 1024.0))
+        .collect::<Vec<_>>()
+        .join(" / ")
 }
 
 #[derive(Default)]

@@ -536,6 +536,121 @@ impl SystemRig {
     }
 }
 
+/// A system at rest with many Services: what it costs the API server and
+/// the nodes.
+#[derive(Debug, Clone)]
+pub struct Steady {
+    pub services: usize,
+    /// Writes (POST, PUT, PATCH, DELETE) the API server counted per second
+    /// over the window, from everyone: the API server's own (its identity
+    /// Lease) included, the bench's none.
+    pub writes_per_s: f64,
+    pub window: Duration,
+    /// VmRSS of each node's process (our agent, kube-vip, MetalLB's
+    /// speaker), KiB.
+    pub node_rss_kib: Vec<u64>,
+    /// VmRSS of each central process (our controllers, MetalLB's
+    /// controller; kube-vip has none), KiB.
+    pub central_rss_kib: Vec<u64>,
+}
+
+impl SystemRig {
+    /// Serves `services` more Services, waits until every one has its
+    /// address, lets the system settle for 10 s, and measures it over
+    /// `window`.
+    pub fn steady(&mut self, services: usize, window: Duration) -> Result<Steady> {
+        let names: Vec<String> = (0..services).map(|i| format!("steady-{i}")).collect();
+        for name in &names {
+            self.create_service(name)?;
+        }
+        let within = Duration::from_secs(180);
+        for name in &names {
+            if crate::lb::wait_for(within, || self.lb.ingress_ip(name)).is_none() {
+                bail!(
+                    "{}: {name} got no address within {within:?}\n{}",
+                    self.system.label(),
+                    self.diagnostics()
+                );
+            }
+        }
+        // At rest: not the burst of the last Services' first writes.
+        std::thread::sleep(Duration::from_secs(10));
+        let before = self.api_writes()?;
+        let t0 = Instant::now();
+        std::thread::sleep(window);
+        let writes = self.api_writes()? - before;
+        let elapsed = t0.elapsed();
+        let guests = self.lb.rig.guest_namespaces().len();
+        let (node_pids, central_pids): (Vec<Option<u32>>, Vec<Option<u32>>) =
+            match (&self.kube_vip, &self.metallb) {
+                (Some(kv), _) => ((0..guests).map(|i| kv.pid(i)).collect(), vec![]),
+                (_, Some(m)) => (
+                    (0..guests).map(|i| m.speaker_pid(i)).collect(),
+                    vec![m.controller_pid()],
+                ),
+                _ => (
+                    (0..guests).map(|i| self.lb.agent_pid(i)).collect(),
+                    (0..2).map(|i| self.lb.controller_pid(i)).collect(),
+                ),
+            };
+        let rss = |pids: Vec<Option<u32>>| -> Result<Vec<u64>> {
+            pids.into_iter()
+                .map(|p| {
+                    let pid = p.context("a process is not running")?;
+                    vm_rss_kib(pid)
+                })
+                .collect()
+        };
+        Ok(Steady {
+            services,
+            writes_per_s: writes / elapsed.as_secs_f64(),
+            window: elapsed,
+            node_rss_kib: rss(node_pids)?,
+            central_rss_kib: rss(central_pids)?,
+        })
+    }
+
+    /// The API server's count of writes so far (`apiserver_request_total`
+    /// of the writing verbs, from its `/metrics`).
+    fn api_writes(&self) -> Result<f64> {
+        let client = self.lb.admin();
+        let req = kube::core::Request::new("/metrics")
+            .list(&Default::default())
+            .context("building the /metrics request")?;
+        let text = self
+            .lb
+            .block_on(client.request_text(req))
+            .context("reading the API server's /metrics")?;
+        Ok(write_count(&text))
+    }
+}
+
+/// The sum of `apiserver_request_total` over the writing verbs in a
+/// Prometheus text exposition.
+pub fn write_count(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+        .filter(|l| {
+            ["POST", "PUT", "PATCH", "DELETE", "APPLY"]
+                .iter()
+                .any(|v| l.contains(&format!("verb=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A process's VmRSS in KiB.
+fn vm_rss_kib(pid: u32) -> Result<u64> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .with_context(|| format!("no VmRSS in /proc/{pid}/status"))
+}
+
 /// A Service served, and how long that took from its creation.
 #[derive(Debug, Clone, Copy)]
 pub struct Served {
@@ -732,5 +847,24 @@ fn unanswered_tail(rec: &crate::arpprobe::ArpRecord) -> Duration {
     match (last_answered, rec.probes.last()) {
         (Some(a), Some(last)) => last.sent - a.sent,
         _ => Duration::ZERO,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::write_count;
+
+    #[test]
+    fn write_count_sums_the_writing_verbs_only() {
+        let text = "\
+# HELP apiserver_request_total Counter
+apiserver_request_total{code=\"200\",component=\"apiserver\",group=\"coordination.k8s.io\",resource=\"leases\",verb=\"PUT\",version=\"v1\"} 40
+apiserver_request_total{code=\"201\",component=\"apiserver\",group=\"\",resource=\"events\",verb=\"POST\",version=\"v1\"} 2
+apiserver_request_total{code=\"200\",component=\"apiserver\",group=\"\",resource=\"services\",verb=\"PATCH\",version=\"v1\"} 3.5e+01
+apiserver_request_total{code=\"200\",component=\"apiserver\",group=\"\",resource=\"services\",verb=\"LIST\",version=\"v1\"} 900
+apiserver_request_total{code=\"200\",component=\"apiserver\",group=\"\",resource=\"services\",verb=\"WATCH\",version=\"v1\"} 7
+apiserver_request_duration_seconds_count{verb=\"PUT\"} 1000
+";
+        assert_eq!(write_count(text), 77.0);
     }
 }

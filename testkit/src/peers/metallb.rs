@@ -216,6 +216,16 @@ spec:
         Ok(())
     }
 
+    /// Guest `i`'s speaker's pid, while it runs.
+    pub fn speaker_pid(&self, i: usize) -> Option<u32> {
+        self.speakers.get(i)?.as_ref().map(|c| c.id())
+    }
+
+    /// The controller's pid, while it runs.
+    pub fn controller_pid(&self) -> Option<u32> {
+        self.controller.as_ref().map(|c| c.id())
+    }
+
     /// The controller and every speaker.
     pub fn start_all(&mut self, lb: &LbRig) -> Result<()> {
         self.start_controller(lb)?;
