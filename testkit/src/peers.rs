@@ -748,7 +748,10 @@ pub fn fail_over(
     // answers.
     let metallb = sr.metallb.is_some();
     let took = match moved {
-        Some(_) if metallb => answered_for_good(&arp, t0, from, &guest_macs(&sr.lb)),
+        Some(_) if metallb => {
+            let not = (fault != HolderFault::Restarted).then_some(from);
+            answered_for_good(&arp, t0, not, &guest_macs(&sr.lb))
+        }
         _ => moved.map(|(d, _)| d),
     };
     let overlaps = if metallb { 0 } else { watch.overlaps(ip).len() };
@@ -764,8 +767,8 @@ pub fn fail_over(
     ))
 }
 
-/// From `t0` to the first ARP answer from a guest other than `from` after
-/// which other guests answer every request to the end of the record (50 ms
+/// From `t0` to the first ARP answer from a guest other than `not` after
+/// which such guests answer every request to the end of the record (50 ms
 /// unanswered at most). Not the first such answer: MetalLB's speakers were
 /// seen to answer from another node for 100 ms right after the holder's
 /// speaker died, then fall silent for 5 s until memberlist declared it
@@ -773,13 +776,13 @@ pub fn fail_over(
 fn answered_for_good(
     arp: &crate::arpprobe::ArpRecord,
     t0: Instant,
-    from: usize,
+    not: Option<usize>,
     macs: &[Option<[u8; 6]>],
 ) -> Option<Duration> {
     let other = |mac: &[u8; 6]| {
         macs.iter()
             .enumerate()
-            .any(|(i, m)| i != from && m.as_ref() == Some(mac))
+            .any(|(i, m)| Some(i) != not && m.as_ref() == Some(mac))
     };
     let mut since: Option<Instant> = None;
     let mut unanswered = 0;
