@@ -164,20 +164,9 @@ impl KubeVip {
     /// Sends `signal` and waits (up to 20 s) for it to exit; SIGKILL after
     /// that.
     pub fn stop(&mut self, i: usize, signal: Signal) {
-        let Some(mut child) = self.procs[i].take() else {
-            return;
-        };
-        let _ = kill(Pid::from_raw(child.id() as i32), signal);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if let Some(child) = self.procs[i].take() {
+            stop_child(child, signal, &format!("kube-vip in guest {i}"));
         }
-        eprintln!("kube-vip in guest {i} ignored {signal} for 20 s: SIGKILL");
-        let _ = child.kill();
-        let _ = child.wait();
     }
 
     /// Sends `signal` to guest `i`'s kube-vip and returns at once (a pod's
@@ -233,6 +222,22 @@ impl Drop for KubeVip {
             let _ = c.wait();
         }
     }
+}
+
+/// Sends `signal` to a peer's process and waits (up to 20 s) for it to
+/// exit; SIGKILL after that, saying so with `what`.
+fn stop_child(mut child: Child, signal: Signal, what: &str) {
+    let _ = kill(Pid::from_raw(child.id() as i32), signal);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("{what} ignored {signal} for 20 s: SIGKILL");
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// A load balancer measured in the rig: ours, or kube-vip with some lease

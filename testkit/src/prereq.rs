@@ -192,26 +192,22 @@ impl Prereq {
                     ),
                 }
             }
-            Prereq::KubeVip => match crate::locate::peers::kube_vip() {
-                Ok(_) => Ok(()),
-                Err(what) => missing(
-                    what,
-                    format!(
-                        "build and cache it with `{INSTALL_ALL}` (or `sudo {}`)",
-                        crate::locate::peers::INSTALL
+            Prereq::KubeVip | Prereq::MetalLb => {
+                let found = match self {
+                    Prereq::KubeVip => crate::locate::peers::kube_vip().map(drop),
+                    _ => crate::locate::peers::metallb().map(drop),
+                };
+                match found {
+                    Ok(()) => Ok(()),
+                    Err(what) => missing(
+                        what,
+                        format!(
+                            "build and cache it with `{INSTALL_ALL}` (or `sudo {}`)",
+                            crate::locate::peers::INSTALL
+                        ),
                     ),
-                ),
-            },
-            Prereq::MetalLb => match crate::locate::peers::metallb() {
-                Ok(_) => Ok(()),
-                Err(what) => missing(
-                    what,
-                    format!(
-                        "build and cache it with `{INSTALL_ALL}` (or `sudo {}`)",
-                        crate::locate::peers::INSTALL
-                    ),
-                ),
-            },
+                }
+            }
             Prereq::Kubectl => match Binaries::find() {
                 Ok(Binaries {
                     kubectl: Some(_), ..

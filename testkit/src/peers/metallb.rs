@@ -24,7 +24,6 @@ use std::fs;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
@@ -278,20 +277,9 @@ spec:
     /// Sends `signal` to guest `i`'s speaker and waits (up to 20 s, then
     /// SIGKILL) for it to exit.
     pub fn stop(&mut self, i: usize, signal: Signal) {
-        let Some(mut child) = self.speakers[i].take() else {
-            return;
-        };
-        let _ = kill(Pid::from_raw(child.id() as i32), signal);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if let Some(child) = self.speakers[i].take() {
+            super::stop_child(child, signal, &format!("MetalLB's speaker in guest {i}"));
         }
-        eprintln!("MetalLB's speaker in guest {i} ignored {signal} for 20 s: SIGKILL");
-        let _ = child.kill();
-        let _ = child.wait();
     }
 
     /// Guest `i` was deleted with its speaker.
