@@ -106,6 +106,12 @@ const AFTER_FAILED_ROUND: Duration = Duration::from_millis(100);
 ///   (as client-go does): one request per renewal, not two, to fail. Only a
 ///   conflict makes it read first again.
 /// - A failed round is tried again at once (`AFTER_FAILED_ROUND`).
+/// - A renewal not answered within a retry period is sent a second time
+///   beside the first (`hedged_replace`), and the first answer that is a
+///   success counts: one request held back by a slow or overloaded API
+///   server (or a proxy in front of it) no longer costs the Lease. Both
+///   carry the same resourceVersion, so at most one can land; the other
+///   is a conflict.
 /// - A request may take up to a lease duration less a retry period (2.5 s
 ///   by default): a renewal held up for 1.5 s still keeps the Lease alive
 ///   when it lands, while one given up after 1 s was lost, and the next
@@ -210,7 +216,11 @@ pub async fn run(
                 }
                 // resourceVersion is kept: a concurrent writer makes this a
                 // conflict instead of two leaders.
-                tokio::time::timeout(call, api.replace(&name, &PostParams::default(), &lease)).await
+                tokio::time::timeout(
+                    call,
+                    hedged_replace(&api, &name, &lease, timing.retry_period),
+                )
+                .await
             }
         };
         match result {
@@ -266,6 +276,25 @@ async fn release(api: &Api<Lease>, name: &str, identity: &str, leadership: &Lead
         Ok(Err(e)) => tracing::warn!("could not release the controller Lease: {e}"),
         Err(_) => tracing::warn!("releasing the controller Lease timed out"),
     }
+}
+
+/// `api.replace(name, lease)`, sent again beside the first after `hedge`
+/// without an answer; the first success, or the last failure of the two.
+async fn hedged_replace(
+    api: &Api<Lease>,
+    name: &str,
+    lease: &Lease,
+    hedge: Duration,
+) -> Result<Lease, kube::Error> {
+    let send = |after: Duration| {
+        Box::pin(async move {
+            tokio::time::sleep(after).await;
+            api.replace(name, &PostParams::default(), lease).await
+        })
+    };
+    futures::future::select_ok([send(Duration::ZERO), send(hedge)])
+        .await
+        .map(|(lease, _)| lease)
 }
 
 #[cfg(test)]
