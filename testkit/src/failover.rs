@@ -116,16 +116,18 @@ pub fn served(lb: &LbRig, name: &str) -> Result<(Ipv4Addr, usize)> {
 pub fn timeline(w: &AddressWatch, ip: Ipv4Addr, t0: Instant) -> String {
     w.holders(ip)
         .iter()
-        .map(|(at, h)| {
-            let ms = if *at >= t0 {
-                format!("+{:.0}ms", (*at - t0).as_secs_f64() * 1e3)
-            } else {
-                format!("-{:.0}ms", (t0 - *at).as_secs_f64() * 1e3)
-            };
-            format!("{ms}: held by guests {h:?}")
-        })
+        .map(|(at, h)| format!("{}: held by guests {h:?}", offset_ms(*at, t0)))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// `at` relative to `t0`, signed: `+120ms`, `-40ms`.
+pub fn offset_ms(at: Instant, t0: Instant) -> String {
+    if at >= t0 {
+        format!("+{:.0}ms", (at - t0).as_secs_f64() * 1e3)
+    } else {
+        format!("-{:.0}ms", (t0 - at).as_secs_f64() * 1e3)
+    }
 }
 
 /// Guest `i`'s uplink as the LAN sees it (its veth peer in the LAN

@@ -130,11 +130,7 @@ impl KubeVip {
     pub fn check_running(&mut self) -> Result<()> {
         let mut dead = Vec::new();
         for i in 0..self.procs.len() {
-            if let Some(st) = self.procs[i]
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                self.procs[i] = None;
+            if let Some(st) = reap_exited(&mut self.procs[i]) {
                 dead.push(format!(
                     "kube-vip in guest {i} exited ({st}):\n{}",
                     self.log_tail(i, 30)
@@ -180,9 +176,8 @@ impl KubeVip {
 
     /// Guest `i` was deleted with its kube-vip: nothing to stop there.
     pub fn forget(&mut self, i: usize) {
-        if let Some(mut c) = self.procs[i].take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(c) = self.procs[i].take() {
+            kill_now(c);
         }
     }
 
@@ -205,8 +200,7 @@ impl KubeVip {
                 }
                 if Instant::now() > deadline {
                     eprintln!("kube-vip in guest {i} ignored SIGTERM for 20 s: SIGKILL");
-                    let _ = child.kill();
-                    let _ = child.wait();
+                    kill_now(child);
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(20));
@@ -217,11 +211,25 @@ impl KubeVip {
 
 impl Drop for KubeVip {
     fn drop(&mut self) {
-        for c in self.procs.iter_mut().flatten() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.procs
+            .iter_mut()
+            .filter_map(Option::take)
+            .for_each(kill_now);
     }
+}
+
+/// The exit status of the process in `slot` if it has exited, which then
+/// leaves the slot empty.
+fn reap_exited(slot: &mut Option<Child>) -> Option<std::process::ExitStatus> {
+    let status = slot.as_mut()?.try_wait().ok().flatten()?;
+    *slot = None;
+    Some(status)
+}
+
+/// Kills a peer's process at once and reaps it.
+fn kill_now(mut child: Child) {
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// Sends `signal` to a peer's process and waits (up to 20 s) for it to
@@ -236,8 +244,7 @@ fn stop_child(mut child: Child, signal: Signal, what: &str) {
         std::thread::sleep(Duration::from_millis(20));
     }
     eprintln!("{what} ignored {signal} for 20 s: SIGKILL");
-    let _ = child.kill();
-    let _ = child.wait();
+    kill_now(child);
 }
 
 /// A load balancer measured in the rig: ours, or kube-vip with some lease

@@ -1551,14 +1551,7 @@ fn kernel_record(watch: &AddressWatch, ip: Ipv4Addr, from: Instant, to: Instant)
         .holders(ip)
         .into_iter()
         .filter(|(at, _)| (look_from..=to).contains(at))
-        .map(|(at, held)| {
-            let ms = if at >= from {
-                (at - from).as_secs_f64() * 1e3
-            } else {
-                -((from - at).as_secs_f64() * 1e3)
-            };
-            format!("{ms:+.0} ms {held:?}")
-        })
+        .map(|(at, held)| format!("{} {held:?}", crate::failover::offset_ms(at, from)))
         .collect();
     if changes.is_empty() {
         "the kernels' record did not change".into()

@@ -237,23 +237,14 @@ spec:
     /// An error with its log's tail for every process that exited.
     pub fn check_running(&mut self) -> Result<()> {
         let mut dead = Vec::new();
-        if let Some(st) = self
-            .controller
-            .as_mut()
-            .and_then(|c| c.try_wait().ok().flatten())
-        {
-            self.controller = None;
+        if let Some(st) = super::reap_exited(&mut self.controller) {
             dead.push(format!(
                 "MetalLB's controller exited ({st}):\n{}",
                 self.log_tail("controller", 30)
             ));
         }
         for i in 0..self.speakers.len() {
-            if let Some(st) = self.speakers[i]
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                self.speakers[i] = None;
+            if let Some(st) = super::reap_exited(&mut self.speakers[i]) {
                 dead.push(format!(
                     "MetalLB's speaker in guest {i} exited ({st}):\n{}",
                     self.log_tail(&format!("speaker-{i}"), 30)
@@ -284,17 +275,15 @@ spec:
 
     /// Guest `i` was deleted with its speaker.
     pub fn forget(&mut self, i: usize) {
-        if let Some(mut c) = self.speakers[i].take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(c) = self.speakers[i].take() {
+            super::kill_now(c);
         }
     }
 
     /// Kills the controller (MetalLB runs one, without leader election).
     pub fn kill_controller(&mut self) {
-        if let Some(mut c) = self.controller.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(c) = self.controller.take() {
+            super::kill_now(c);
         }
     }
 
@@ -325,15 +314,11 @@ spec:
 
 impl Drop for MetalLb {
     fn drop(&mut self) {
-        for c in self
-            .speakers
+        self.speakers
             .iter_mut()
-            .flatten()
-            .chain(self.controller.iter_mut())
-        {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+            .chain(std::iter::once(&mut self.controller))
+            .filter_map(Option::take)
+            .for_each(super::kill_now);
     }
 }
 
