@@ -1,9 +1,13 @@
 //! Ours beside the peers (issue #19), in one run on one rig: the same
 //! DHCP Services and the same faults, each on a fresh rig, for our agents
 //! and controller, for kube-vip with its default lease timings, for
-//! kube-vip with the tuned ones its users are pointed at, and for MetalLB
-//! in layer-2 mode (from a static pool: it has no DHCP). Both are built
-//! from the Go module proxy by `tests/rig/peers.sh`.
+//! kube-vip with the tuned ones its users are pointed at, for kube-vip
+//! with Services that have no endpoints but its
+//! `allow-reconcile-without-endpoints` annotation, and for MetalLB in
+//! layer-2 mode (from a static pool: it has no DHCP). Both are built from
+//! the Go module proxy by `tests/rig/peers.sh`. Ours with
+//! `lb_arp_probe = false` (neither peer probes a new address before using
+//! it) is measured in the first row only: the probe changes nothing else.
 //!
 //! Rows: Service created → address in its status, and → the first TCP
 //! answer from a LAN client; for each fault done to the holder, the time
@@ -13,15 +17,18 @@
 //! original address, whether the address changed, and ARP requests that
 //! two answered or moments two kernels held it. min/median/max over N runs.
 //!
-//! Then, per system on a fresh rig, the steady state with `--steady N`
-//! Services (30 by default: kube-vip takes a DHCP lease on every node for
-//! every Service, and the rig's DHCP range has 100 addresses for 3 nodes):
-//! the API server's writes per second over `--window S` (60), and the
-//! VmRSS of each node's process and of the central ones.
+//! Then, per system on a fresh rig with a wide LAN (kube-vip takes a DHCP
+//! lease on every node for every Service: 303 for 100 Services on 3
+//! nodes), the steady state with `--steady N` Services (100): the API
+//! server's writes per second over `--window S` (60), and the VmRSS of
+//! each node's process and of the central ones.
 //!
 //! ```text
-//! sudo cargo bench --bench peers [-- --runs 10] [--only LABEL-PREFIX] [--systems ours,kube-vip,kube-vip-tuned,metallb] [--steady 30] [--window 60]
+//! sudo cargo bench --bench peers [-- --runs 10] [--only LABEL-PREFIX] [--systems LIST] [--steady 100] [--window 60]
 //! ```
+//!
+//! `LIST` is some of `ours,ours-no-arp-probe,kube-vip,kube-vip-tuned,kube-vip-no-endpoints,metallb`
+//! (all by default).
 
 use std::path::Path;
 use std::time::Duration;
@@ -30,16 +37,20 @@ use anyhow::{Context, Result, ensure};
 use hna_testkit::peers::{HolderFault, LeaseTimings, System, SystemRig, fail_over};
 
 const BIN: &str = env!("CARGO_BIN_EXE_harvester-node-agent");
+const NAMES: &str =
+    "ours, ours-no-arp-probe, kube-vip, kube-vip-tuned, kube-vip-no-endpoints, metallb";
 
 fn main() -> Result<()> {
     let mut runs = 10usize;
     let mut only: Option<String> = None;
-    let mut steady = 30usize;
+    let mut steady = 100usize;
     let mut window = Duration::from_secs(60);
     let mut systems = vec![
         System::Ours,
+        System::OursWithoutArpProbe,
         System::KubeVip(LeaseTimings::DEFAULT),
         System::KubeVip(LeaseTimings::TUNED),
+        System::KubeVipWithoutEndpoints,
         System::MetalLb,
     ];
     let mut args = std::env::args().skip(1);
@@ -52,34 +63,39 @@ fn main() -> Result<()> {
                 window = Duration::from_secs(args.next().context("--window SECONDS")?.parse()?)
             }
             "--systems" => {
-                let list = args
-                    .next()
-                    .context("--systems ours,kube-vip,kube-vip-tuned,metallb")?;
+                let list = args.next().with_context(|| format!("--systems {NAMES}"))?;
                 systems = list
                     .split(',')
                     .map(|s| match s {
                         "ours" => Ok(System::Ours),
+                        "ours-no-arp-probe" => Ok(System::OursWithoutArpProbe),
                         "kube-vip" => Ok(System::KubeVip(LeaseTimings::DEFAULT)),
                         "kube-vip-tuned" => Ok(System::KubeVip(LeaseTimings::TUNED)),
+                        "kube-vip-no-endpoints" => Ok(System::KubeVipWithoutEndpoints),
                         "metallb" => Ok(System::MetalLb),
-                        other => anyhow::bail!(
-                            "--systems: unknown system {other:?} (ours, kube-vip, kube-vip-tuned, metallb)"
-                        ),
+                        other => anyhow::bail!("--systems: unknown system {other:?} ({NAMES})"),
                     })
                     .collect::<Result<_>>()?;
             }
             _ => {}
         }
     }
-    ensure!(runs >= 1, "--runs must be at least 1");
+    ensure!(
+        runs >= 1 || steady >= 1,
+        "nothing to measure: --runs 0 and --steady 0"
+    );
     let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes");
     let within = Duration::from_secs(60);
     let mut table: Vec<(String, String, Stats)> = Vec::new();
-    for fault in HolderFault::ALL
+    let faults: Vec<HolderFault> = HolderFault::ALL
         .into_iter()
         .filter(|f| only.as_deref().is_none_or(|p| f.label().starts_with(p)))
-    {
+        .collect();
+    for (row, fault) in faults.iter().copied().enumerate().filter(|_| runs > 0) {
         for system in &systems {
+            if *system == System::OursWithoutArpProbe && row > 0 {
+                continue;
+            }
             let mut st = Stats::default();
             for run in 0..runs {
                 let mut sr = SystemRig::start(*system, BIN, manifests.clone())
@@ -110,37 +126,16 @@ fn main() -> Result<()> {
             table.push((fault.label().to_string(), system.label(), st));
         }
     }
-    println!(
-        "\nours beside the peers: milliseconds, min / median / max of {runs} runs; \"-\" = not within {within:?}"
-    );
-    println!(
-        "{:<34} {:<44} {:>20} {:>20} {:>20} {:>20} {:>20} {:>8} {:>5}",
-        "fault",
-        "system",
-        "Service -> status",
-        "Service -> TCP",
-        "fault -> held again",
-        "ARP silence",
-        "fault -> TCP back",
-        "changed",
-        "2 ans"
-    );
-    for (fault, system, st) in &table {
-        println!(
-            "{fault:<34} {system:<44} {:>20} {:>20} {:>20} {:>20} {:>20} {:>8} {:>5}",
-            spread(st.to_status.iter().map(|d| Some(*d))),
-            spread(st.to_tcp.iter().map(|d| Some(*d))),
-            spread(st.took.iter().copied()),
-            spread(st.silence.iter().map(|d| Some(*d))),
-            spread(st.tcp_back.iter().copied()),
-            format!("{}/{}", st.changed, st.took.len()),
-            st.two
-        );
+    if runs > 0 {
+        print_failovers(&table, runs, within);
     }
     if steady > 0 {
         let mut rows = Vec::new();
-        for system in &systems {
-            let mut sr = SystemRig::start(*system, BIN, manifests.clone())
+        for system in systems
+            .iter()
+            .filter(|s| **s != System::OursWithoutArpProbe)
+        {
+            let mut sr = SystemRig::start_wide(*system, BIN, manifests.clone())
                 .with_context(|| format!("{}: starting the rig", system.label()))?;
             let st = sr
                 .steady(steady, window)
@@ -165,6 +160,37 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The failover table: one line per fault and system.
+fn print_failovers(table: &[(String, String, Stats)], runs: usize, within: Duration) {
+    println!(
+        "\nours beside the peers: milliseconds, min / median / max of {runs} runs; \"-\" = not within {within:?}"
+    );
+    println!(
+        "{:<34} {:<44} {:>20} {:>20} {:>20} {:>20} {:>20} {:>8} {:>5}",
+        "fault",
+        "system",
+        "Service -> status",
+        "Service -> TCP",
+        "fault -> held again",
+        "ARP silence",
+        "fault -> TCP back",
+        "changed",
+        "2 ans"
+    );
+    for (fault, system, st) in table {
+        println!(
+            "{fault:<34} {system:<44} {:>20} {:>20} {:>20} {:>20} {:>20} {:>8} {:>5}",
+            spread(st.to_status.iter().map(|d| Some(*d))),
+            spread(st.to_tcp.iter().map(|d| Some(*d))),
+            spread(st.took.iter().copied()),
+            spread(st.silence.iter().map(|d| Some(*d))),
+            spread(st.tcp_back.iter().copied()),
+            format!("{}/{}", st.changed, st.took.len()),
+            st.two
+        );
+    }
 }
 
 /// KiB figures as `a / b / c` MiB, `-` for none.

@@ -83,7 +83,19 @@ pub struct Options {
     /// (a peer, or kube-vip before a migration) and [`LbRig::start_ours`]
     /// starts ours later.
     pub start_ours: bool,
+    /// A second DHCP range, [`WIDE_RANGE`], for hundreds of leases (kube-vip
+    /// takes one per node per Service), and a route to [`WIDE_LAN`] on the
+    /// DHCP server, the client and the observer so that they reach its
+    /// addresses. The
+    /// guests keep their /24: a LoadBalancer address is a /32 on its own
+    /// link.
+    pub wide_lan: bool,
 }
+
+/// The LAN's prefix with [`Options::wide_lan`].
+pub const WIDE_LAN: &str = "10.77.0.0/22";
+/// The second DHCP range with [`Options::wide_lan`]: 512 addresses.
+pub const WIDE_RANGE: (&str, &str) = ("10.77.1.0", "10.77.2.255");
 
 impl Options {
     pub fn new(bin: impl Into<PathBuf>, manifests: impl Into<PathBuf>) -> Options {
@@ -100,6 +112,7 @@ impl Options {
             fault_proxy: false,
             lease_time: None,
             start_ours: true,
+            wide_lan: false,
         }
     }
 }
@@ -141,18 +154,43 @@ pub struct LbRig {
 }
 
 impl LbRig {
+    /// Whether the rig was started with [`Options::wide_lan`].
+    pub fn wide_lan(&self) -> bool {
+        self.opts.wide_lan
+    }
+
     pub fn start(opts: Options) -> Result<LbRig> {
         let mut rig = Rig::start(RigOptions {
             guests: opts.guests,
             dhcp: true,
             apiserver: true,
             lease_time: opts.lease_time.clone(),
+            dnsmasq_args: if opts.wide_lan {
+                vec![format!(
+                    "--dhcp-range={},{},255.255.252.0,{}",
+                    WIDE_RANGE.0,
+                    WIDE_RANGE.1,
+                    opts.lease_time.as_deref().unwrap_or("1h")
+                )]
+            } else {
+                Vec::new()
+            },
             ..RigOptions::default()
         })?;
         let client_ns = rig.add_lan_host("client").context("client namespace")?.ns;
         let observer = rig
             .add_lan_host("arp-observer")
             .context("ARP observer namespace")?;
+        if opts.wide_lan {
+            for (ns, dev) in [
+                (rig.lan_ns(), "br0"),
+                (client_ns.as_str(), "eth0"),
+                (observer.ns.as_str(), "eth0"),
+            ] {
+                rig::process::run_args("ip", ["-n", ns, "route", "add", WIDE_LAN, "dev", dev])
+                    .with_context(|| format!("a route to {WIDE_LAN} in {ns}"))?;
+            }
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;

@@ -247,12 +247,20 @@ fn stop_child(mut child: Child, signal: Signal, what: &str) {
     kill_now(child);
 }
 
-/// A load balancer measured in the rig: ours, or kube-vip with some lease
-/// timings.
+/// A load balancer measured in the rig: ours, kube-vip with some lease
+/// timings, or MetalLB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum System {
     Ours,
+    /// Ours with `lb_arp_probe = false`: no RFC 5227 probe of a new
+    /// lease's address before it is used (neither peer probes).
+    OursWithoutArpProbe,
     KubeVip(LeaseTimings),
+    /// kube-vip with its default lease timings, and Services that have no
+    /// endpoints but say `kube-vip.io/allow-reconcile-without-endpoints`
+    /// (since v1.2 kube-vip serves a Service only once a ready endpoint
+    /// exists, unless it says so).
+    KubeVipWithoutEndpoints,
     /// MetalLB in layer-2 mode, its speakers' memberlist on: a static pool
     /// instead of DHCP ([`metallb`]).
     MetalLb,
@@ -262,6 +270,7 @@ impl System {
     pub fn label(self) -> String {
         match self {
             System::Ours => "harvester-node-agent".into(),
+            System::OursWithoutArpProbe => "harvester-node-agent (lb_arp_probe = false)".into(),
             System::KubeVip(t) if t == LeaseTimings::DEFAULT => {
                 format!(
                     "kube-vip {KUBE_VIP_VERSION} (default leases {}/{}/{} s)",
@@ -272,7 +281,24 @@ impl System {
                 "kube-vip {KUBE_VIP_VERSION} (tuned leases {}/{}/{} s)",
                 t.duration, t.renew_deadline, t.retry_period
             ),
+            System::KubeVipWithoutEndpoints => format!(
+                "kube-vip {KUBE_VIP_VERSION} (default leases, no endpoints, allow-reconcile-without-endpoints)"
+            ),
             System::MetalLb => format!("MetalLB {METALLB_VERSION} (layer 2, static pool)"),
+        }
+    }
+
+    /// Our agents and controller, however configured.
+    pub fn is_ours(self) -> bool {
+        matches!(self, System::Ours | System::OursWithoutArpProbe)
+    }
+
+    /// kube-vip's lease timings, if it is kube-vip.
+    fn kube_vip(self) -> Option<LeaseTimings> {
+        match self {
+            System::KubeVip(t) => Some(t),
+            System::KubeVipWithoutEndpoints => Some(LeaseTimings::DEFAULT),
+            _ => None,
         }
     }
 }
@@ -336,17 +362,31 @@ pub struct SystemRig {
 
 impl SystemRig {
     pub fn start(system: System, bin: &str, manifests: PathBuf) -> Result<SystemRig> {
+        SystemRig::start_on(system, bin, manifests, false)
+    }
+
+    /// [`SystemRig::start`] on a wide LAN ([`crate::lb::Options::wide_lan`]):
+    /// DHCP and MetalLB's pool have addresses for hundreds of Services.
+    pub fn start_wide(system: System, bin: &str, manifests: PathBuf) -> Result<SystemRig> {
+        SystemRig::start_on(system, bin, manifests, true)
+    }
+
+    fn start_on(system: System, bin: &str, manifests: PathBuf, wide: bool) -> Result<SystemRig> {
         let mut opts = crate::lb::Options::new(bin, manifests);
         opts.endpoint_slices = true;
-        opts.start_ours = system == System::Ours;
+        opts.wide_lan = wide;
+        opts.start_ours = system.is_ours();
+        if system == System::OursWithoutArpProbe {
+            opts.agent_config = "lb_arp_probe = false\n".into();
+        }
         let lb = LbRig::start(opts)?;
-        let kube_vip = match system {
-            System::KubeVip(t) => {
+        let kube_vip = match system.kube_vip() {
+            Some(t) => {
                 let mut kv = KubeVip::new(&lb, t)?;
                 kv.start_all(&lb)?;
                 Some(kv)
             }
-            _ => None,
+            None => None,
         };
         let metallb = match system {
             System::MetalLb => {
@@ -372,18 +412,22 @@ impl SystemRig {
     /// A DHCP Service as the Harvester cloud provider writes it, with ready
     /// endpoints on two nodes (kube-vip elects only once a slice names an
     /// endpoint; the third node's endpoint is not ready, so that no slice
-    /// is empty: kube-vip reads each slice alone).
+    /// is empty: kube-vip reads each slice alone). With
+    /// [`System::KubeVipWithoutEndpoints`], no endpoints and kube-vip's
+    /// annotation that it may serve the Service without.
     pub fn create_service(&self, name: &str) -> Result<()> {
-        let nodes: Vec<String> = (0..2).map(|i| self.lb.node_name(i)).collect();
-        self.lb.set_endpoints(name, &nodes)?;
-        self.lb.create_service(
-            name,
-            &[
-                (crate::failover::IPAM, "dhcp"),
-                ("kube-vip.io/loadbalancerIPs", "0.0.0.0"),
-            ],
-            &[crate::lb::LISTEN_PORT],
-        )?;
+        let mut annotations = vec![
+            (crate::failover::IPAM, "dhcp"),
+            ("kube-vip.io/loadbalancerIPs", "0.0.0.0"),
+        ];
+        if self.system == System::KubeVipWithoutEndpoints {
+            annotations.push(("kube-vip.io/allow-reconcile-without-endpoints", "true"));
+        } else {
+            let nodes: Vec<String> = (0..2).map(|i| self.lb.node_name(i)).collect();
+            self.lb.set_endpoints(name, &nodes)?;
+        }
+        self.lb
+            .create_service(name, &annotations, &[crate::lb::LISTEN_PORT])?;
         Ok(())
     }
 

@@ -27,6 +27,10 @@ tests! {
 }
 
 const SERVICES: [&str; 3] = ["kv-a", "kv-b", "kv-c"];
+/// A Service sharing `kv-a`'s address, as the Harvester cloud provider
+/// writes a secondary: its primary named, the primary's address asked
+/// for, no IPAM annotation, a port of its own.
+const SECONDARY: (&str, &str) = ("kv-a-extra", "default/kv-a");
 const WITHIN: Duration = Duration::from_secs(60);
 
 /// What kube-vip wrote on a Service: the address and the MAC it asked with.
@@ -56,6 +60,35 @@ fn kube_vip_links(lb: &LbRig, i: usize) -> Result<Vec<String>> {
         .filter(|n| n.starts_with("vip-"))
         .map(str::to_string)
         .collect())
+}
+
+/// The guests that have `ip` on their uplink (where kube-vip puts a
+/// Service address it did not get from DHCP).
+fn on_uplink(lb: &LbRig, ip: Ipv4Addr) -> Result<Vec<usize>> {
+    Ok(holding(lb, ip)?
+        .into_iter()
+        .filter(|(_, link)| link == "eth0")
+        .map(|(i, _)| i)
+        .collect())
+}
+
+/// Every (guest, link) that has `ip`.
+fn holding(lb: &LbRig, ip: Ipv4Addr) -> Result<Vec<(usize, String)>> {
+    let want = format!(" {ip}/");
+    let mut found = Vec::new();
+    for i in 0..lb.rig.guest_namespaces().len() {
+        let out = std::process::Command::new("ip")
+            .args(["-n", lb.rig.guest_ns(i), "-o", "-4", "addr", "show"])
+            .output()?;
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if line.contains(&want)
+                && let Some(link) = line.split_whitespace().nth(1)
+            {
+                found.push((i, link.to_string()));
+            }
+        }
+    }
+    Ok(found)
 }
 
 /// An ARP prober from the client on each address (each must answer now).
@@ -116,6 +149,41 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
         held.insert(name, h);
     }
     println!("kube-vip holds: {held:?}");
+
+    // The secondary, once kube-vip serves its primary (the cloud provider
+    // waits for the primary's address too).
+    let shared = held[SECONDARY.1.trim_start_matches("default/")].ip;
+    let shared_text = shared.to_string();
+    lb.create_service(
+        SECONDARY.0,
+        &[
+            (harvester::PRIMARY_SERVICE, SECONDARY.1),
+            (kube_vip::LOADBALANCER_IPS, shared_text.as_str()),
+            (contract::IGNORE, "true"),
+        ],
+        &[LISTEN_PORT + 1],
+    )?;
+    lb.set_endpoints(SECONDARY.0, &nodes)?;
+    if wait_for(WITHIN, || {
+        (lb.ingress_ip(SECONDARY.0) == Some(shared)).then_some(())
+    })
+    .is_none()
+    {
+        kv.check_running()?;
+        bail!(
+            "kube-vip did not serve the secondary {} on {shared} within {WITHIN:?}: status {:?}\nkube-vip logs:\n{}",
+            SECONDARY.0,
+            lb.ingress_ip(SECONDARY.0),
+            (0..3)
+                .map(|i| kv.log_tail(i, 15))
+                .collect::<Vec<_>>()
+                .join("\n---\n")
+        );
+    }
+    println!(
+        "kube-vip serves the secondary on {shared}; (guest, link) holding it: {:?}",
+        holding(&lb, shared)?
+    );
     let answering = probers(&lb, &held)?;
 
     // Step 2: kube-vip's Service handling off (its pods stop), its links
@@ -130,6 +198,17 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
             lb.rig
                 .netns_cmd(lb.rig.guest_ns(i), "ip")
                 .args(["link", "del", &link])
+                .status()?;
+        }
+    }
+    // And what it put on an uplink (a secondary's address), which would
+    // go on answering ARP with that node's own MAC.
+    for h in held.values() {
+        for i in on_uplink(&lb, h.ip)? {
+            left.push(format!("{}: {} on eth0", lb.node_name(i), h.ip));
+            lb.rig
+                .netns_cmd(lb.rig.guest_ns(i), "ip")
+                .args(["addr", "del", &format!("{}/32", h.ip), "dev", "eth0"])
                 .status()?;
         }
     }
@@ -153,7 +232,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
     // Step 3: ours started, the opt-out removed.
     let ours_from = Instant::now();
     lb.start_ours()?;
-    for name in SERVICES {
+    for name in SERVICES.into_iter().chain([SECONDARY.0]) {
         lb.annotate(name, contract::IGNORE, None)?;
     }
     for (name, h) in &held {
@@ -177,6 +256,16 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
             h.ip
         );
     }
+    let secondary = wait_for(WITHIN, || {
+        (lb.ingress_ip(SECONDARY.0) == Some(shared)).then_some(())
+    });
+    ensure!(
+        secondary.is_some() && lb.carriers(shared).len() == 1,
+        "the secondary {} does not share {shared} after the migration: status {:?}, carriers {:?}",
+        SECONDARY.0,
+        lb.ingress_ip(SECONDARY.0),
+        lb.carriers(shared)
+    );
     let taken_over = stopped_at.elapsed();
     let ours_took = ours_from.elapsed();
     let log = lb.dnsmasq_log_from(mark);
@@ -221,9 +310,18 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
 
     // Back: opted out, handed over (released, links gone), ours stopped,
     // kube-vip started again.
-    for name in SERVICES {
+    for name in SERVICES.into_iter().chain([SECONDARY.0]) {
         lb.annotate(name, contract::IGNORE, Some("true"))?;
     }
+    ensure!(
+        wait_for(WITHIN, || lb
+            .ingress_ip(SECONDARY.0)
+            .is_none()
+            .then_some(()))
+        .is_some(),
+        "the secondary {} kept our status after it was opted out",
+        SECONDARY.0
+    );
     for (name, h) in &held {
         let handed = wait_for(WITHIN, || {
             (lb.carriers(h.ip).is_empty() && lb.ingress_ip(name).is_none()).then_some(())
@@ -252,6 +350,16 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
             h.ip
         );
     }
+    let secondary = wait_for(WITHIN, || lb.ingress_ip(SECONDARY.0));
+    ensure!(
+        secondary == Some(shared),
+        "kube-vip did not serve the secondary {} on {shared} again: {secondary:?}",
+        SECONDARY.0
+    );
+    println!(
+        "ours -> kube-vip: every address kept, the secondary's too; (guest, link) holding {shared}: {:?}",
+        holding(&lb, shared)?
+    );
     Ok(())
 }
 

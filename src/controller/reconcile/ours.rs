@@ -173,6 +173,7 @@ fn hand_over(
             service: s.key.clone(),
             ingress: Vec::new(),
         });
+        clear_secondaries(pass, s);
     }
     if s.has_our_finalizer() {
         pass.remove_finalizers
@@ -180,6 +181,48 @@ fn hand_over(
     }
     pass.events
         .tell(s, EventType::Normal, reason::HANDED_OVER, message);
+}
+
+/// The Services that share `primary`'s address (its secondaries, opted
+/// out with it or not) lose it with the primary's status: released, the
+/// address may go to anyone, and whoever serves them next writes it
+/// again. Another class's are never touched.
+fn clear_secondaries(pass: &mut Pass<'_>, primary: &ServiceIn) {
+    let Some(ip) = primary.first_ip() else {
+        return;
+    };
+    let secondaries: Vec<&ServiceIn> = pass
+        .services
+        .iter()
+        .copied()
+        .filter(|t| {
+            !t.deleting
+                && t.key != primary.key
+                && t.load_balancer_class
+                    .as_deref()
+                    .is_none_or(|c| c == pass.world.classes.class)
+                && t.annotations
+                    .get(harvester::PRIMARY_SERVICE)
+                    .and_then(|v| contract::parse_service_key(v))
+                    .is_some_and(|k| k == primary.key)
+                && t.first_ip() == Some(ip)
+        })
+        .collect();
+    for t in secondaries {
+        pass.statuses.push(Write::ServiceStatus {
+            service: t.key.clone(),
+            ingress: Vec::new(),
+        });
+        pass.events.tell(
+            t,
+            EventType::Normal,
+            reason::SHARING_ENDED,
+            format!(
+                "{ip} handed over with its primary {}/{}: status cleared",
+                primary.key.namespace, primary.key.name
+            ),
+        );
+    }
 }
 
 #[cfg(test)]
@@ -291,6 +334,41 @@ mod tests {
                 reason::HANDED_OVER,
                 reason::HANDED_OVER
             ]
+        );
+    }
+
+    #[test]
+    fn a_primary_handed_over_takes_its_secondaries_status_with_it() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.services.push(secondary("web-extra", "web", &[81]));
+        sim.services.push(secondary("web-opted-out", "web", &[82]));
+        sim.settle();
+        let ip = sim.svc("web").ingress[0].ip.clone();
+        for name in ["web-extra", "web-opted-out"] {
+            assert_eq!(sim.svc(name).ingress[0].ip, ip, "{name} shares");
+        }
+        // The migration back to kube-vip: every Service opted out, or only
+        // the primary.
+        for name in ["web", "web-opted-out"] {
+            sim.svc_mut(name)
+                .annotations
+                .insert(contract::IGNORE.into(), "true".into());
+        }
+        let plans = sim.settle();
+        for name in ["web", "web-extra", "web-opted-out"] {
+            assert!(
+                sim.svc(name).ingress.is_empty(),
+                "{name}: a released address is not claimed"
+            );
+        }
+        let told = events(&plans);
+        assert_eq!(
+            told.iter()
+                .filter(|(r, m)| *r == reason::SHARING_ENDED && m.contains(&ip))
+                .count(),
+            2,
+            "{told:?}"
         );
     }
 

@@ -45,6 +45,10 @@ pub const SPEAKER_LABELS: &str = "app=metallb,component=speaker";
 /// The addresses MetalLB hands out (outside DHCP's 100–199, the guests'
 /// 10–19 and the LAN hosts' 200–254).
 pub const POOL: (&str, &str) = ("10.77.0.40", "10.77.0.89");
+/// More addresses after [`POOL`] on a rig with a wide LAN
+/// ([`crate::lb::Options::wide_lan`]): 200, in [`crate::lb::WIDE_LAN`]
+/// beyond its DHCP range.
+pub const WIDE_POOL: (&str, &str) = ("10.77.3.0", "10.77.3.199");
 
 /// MetalLB's controller and speakers in a rig. Killed when dropped.
 pub struct MetalLb {
@@ -84,13 +88,17 @@ impl MetalLb {
         }
         lb.block_on(manifests::apply(&client, &all, Mode::Apply))
             .context("applying MetalLB's CRDs")?;
+        let mut pool = vec![format!("\"{}-{}\"", POOL.0, POOL.1)];
+        if lb.wide_lan() {
+            pool.push(format!("\"{}-{}\"", WIDE_POOL.0, WIDE_POOL.1));
+        }
         let config = format!(
             r#"
 apiVersion: metallb.io/v1beta1
 kind: IPAddressPool
 metadata: {{name: rig, namespace: {NAMESPACE}}}
 spec:
-  addresses: ["{}-{}"]
+  addresses: [{}]
 ---
 apiVersion: metallb.io/v1beta1
 kind: L2Advertisement
@@ -98,7 +106,7 @@ metadata: {{name: rig, namespace: {NAMESPACE}}}
 spec:
   interfaces: [eth0]
 "#,
-            POOL.0, POOL.1
+            pool.join(", ")
         );
         let path = logs.join("config.yaml");
         fs::write(&path, config)?;
