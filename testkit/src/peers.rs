@@ -256,10 +256,11 @@ pub enum System {
     /// lease's address before it is used (neither peer probes).
     OursWithoutArpProbe,
     KubeVip(LeaseTimings),
-    /// kube-vip with its default lease timings, and Services that have no
-    /// endpoints but say `kube-vip.io/allow-reconcile-without-endpoints`
-    /// (since v1.2 kube-vip serves a Service only once a ready endpoint
-    /// exists, unless it says so).
+    /// kube-vip with its default lease timings, and Services whose
+    /// endpoints are none ready but that say
+    /// `kube-vip.io/allow-reconcile-without-endpoints` (since v1.2 kube-vip
+    /// serves a Service only once a ready endpoint exists, unless it says
+    /// so).
     KubeVipWithoutEndpoints,
     /// MetalLB in layer-2 mode, its speakers' memberlist on: a static pool
     /// instead of DHCP ([`metallb`]).
@@ -282,7 +283,7 @@ impl System {
                 t.duration, t.renew_deadline, t.retry_period
             ),
             System::KubeVipWithoutEndpoints => format!(
-                "kube-vip {KUBE_VIP_VERSION} (default leases, no endpoints, allow-reconcile-without-endpoints)"
+                "kube-vip {KUBE_VIP_VERSION} (default leases, no ready endpoint, allow-reconcile-without-endpoints)"
             ),
             System::MetalLb => format!("MetalLB {METALLB_VERSION} (layer 2, static pool)"),
         }
@@ -414,7 +415,7 @@ impl SystemRig {
     /// endpoint; the third node's endpoint is not ready, so that no slice
     /// is empty: kube-vip reads each slice alone). With
     /// [`System::KubeVipWithoutEndpoints`], no endpoints and kube-vip's
-    /// annotation that it may serve the Service without.
+    /// annotation that it may serve the Service without: no endpoint ready.
     pub fn create_service(&self, name: &str) -> Result<()> {
         let mut annotations = vec![
             (crate::failover::IPAM, "dhcp"),
@@ -422,6 +423,10 @@ impl SystemRig {
         ];
         if self.system == System::KubeVipWithoutEndpoints {
             annotations.push(("kube-vip.io/allow-reconcile-without-endpoints", "true"));
+            // Slices as the cluster's controller writes them for Pods not
+            // ready yet: kube-vip acts on a slice's event, and with no
+            // slice at all it never did.
+            self.lb.set_endpoints(name, &[])?;
         } else {
             let nodes: Vec<String> = (0..2).map(|i| self.lb.node_name(i)).collect();
             self.lb.set_endpoints(name, &nodes)?;
