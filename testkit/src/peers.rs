@@ -289,6 +289,16 @@ impl System {
         }
     }
 
+    /// Measured in the first fault row only: what makes it differ from
+    /// another system acts before any fault (the ARP probe of a new
+    /// lease; kube-vip's start without a ready endpoint).
+    pub fn first_row_only(self) -> bool {
+        matches!(
+            self,
+            System::OursWithoutArpProbe | System::KubeVipWithoutEndpoints
+        )
+    }
+
     /// Our agents and controller, however configured.
     pub fn is_ours(self) -> bool {
         matches!(self, System::Ours | System::OursWithoutArpProbe)
@@ -354,11 +364,14 @@ impl HolderFault {
 pub const WARM_UP: &str = "warm-up";
 
 /// The rig with one system serving DHCP Services.
+/// Fields drop in order: the peers stop before the rig, so that its
+/// kube-apiserver stops with no client connected (with clients it waits
+/// out its grace period and is killed).
 pub struct SystemRig {
     pub system: System,
-    pub lb: LbRig,
     kube_vip: Option<KubeVip>,
     metallb: Option<MetalLb>,
+    pub lb: LbRig,
 }
 
 impl SystemRig {
