@@ -364,6 +364,7 @@ impl HolderFault {
 pub const WARM_UP: &str = "warm-up";
 
 /// The rig with one system serving DHCP Services.
+///
 /// Fields drop in order: the peers stop before the rig, so that its
 /// kube-apiserver stops with no client connected (with clients it waits
 /// out its grace period and is killed).
@@ -456,15 +457,12 @@ impl SystemRig {
         if self.metallb.is_some() {
             return arp_answerers(&self.lb, ip).unwrap_or_default();
         }
-        let want = format!(" {ip}/32 ");
-        (0..self.lb.rig.guest_namespaces().len())
-            .filter(|&i| {
-                std::process::Command::new("ip")
-                    .args(["-n", self.lb.rig.guest_ns(i), "-o", "-4", "addr", "show"])
-                    .output()
-                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(&want))
-            })
-            .collect()
+        let mut guests: Vec<usize> = links_holding(&self.lb, ip)
+            .into_iter()
+            .map(|(g, _)| g)
+            .collect();
+        guests.dedup();
+        guests
     }
 
     /// What to show when a system did not do what was waited for.
@@ -872,6 +870,30 @@ fn answered_for_good(
         }
     }
     since.map(|s| s - t0)
+}
+
+/// Every (guest, link) whose kernel has `ip`, by guest: ours on an `hlb-*`
+/// link, kube-vip's on a `vip-*` link or, for a Service address it did not
+/// get from DHCP, on `eth0`.
+pub fn links_holding(lb: &LbRig, ip: Ipv4Addr) -> Vec<(usize, String)> {
+    let want = format!(" {ip}/");
+    let mut found = Vec::new();
+    for i in 0..lb.rig.guest_namespaces().len() {
+        let Ok(out) = std::process::Command::new("ip")
+            .args(["-n", lb.rig.guest_ns(i), "-o", "-4", "addr", "show"])
+            .output()
+        else {
+            continue;
+        };
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if line.contains(&want)
+                && let Some(link) = line.split_whitespace().nth(1)
+            {
+                found.push((i, link.to_string()));
+            }
+        }
+    }
+    found
 }
 
 /// The guests whose `eth0` MAC answers ARP for `ip` from the rig's

@@ -16,7 +16,7 @@ use hna_testkit::arpprobe::ArpProber;
 use hna_testkit::failover;
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
 use hna_testkit::peers::{
-    HolderFault, KubeVip, LeaseTimings, System, SystemRig, fail_over, metallb,
+    HolderFault, KubeVip, LeaseTimings, System, SystemRig, fail_over, links_holding, metallb,
 };
 
 use crate::harness::tests;
@@ -64,31 +64,12 @@ fn kube_vip_links(lb: &LbRig, i: usize) -> Result<Vec<String>> {
 
 /// The guests that have `ip` on their uplink (where kube-vip puts a
 /// Service address it did not get from DHCP).
-fn on_uplink(lb: &LbRig, ip: Ipv4Addr) -> Result<Vec<usize>> {
-    Ok(holding(lb, ip)?
+fn on_uplink(lb: &LbRig, ip: Ipv4Addr) -> Vec<usize> {
+    links_holding(lb, ip)
         .into_iter()
         .filter(|(_, link)| link == "eth0")
         .map(|(i, _)| i)
-        .collect())
-}
-
-/// Every (guest, link) that has `ip`.
-fn holding(lb: &LbRig, ip: Ipv4Addr) -> Result<Vec<(usize, String)>> {
-    let want = format!(" {ip}/");
-    let mut found = Vec::new();
-    for i in 0..lb.rig.guest_namespaces().len() {
-        let out = std::process::Command::new("ip")
-            .args(["-n", lb.rig.guest_ns(i), "-o", "-4", "addr", "show"])
-            .output()?;
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            if line.contains(&want)
-                && let Some(link) = line.split_whitespace().nth(1)
-            {
-                found.push((i, link.to_string()));
-            }
-        }
-    }
-    Ok(found)
+        .collect()
 }
 
 /// An ARP prober from the client on each address (each must answer now).
@@ -182,7 +163,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
     }
     println!(
         "kube-vip serves the secondary on {shared}; (guest, link) holding it: {:?}",
-        holding(&lb, shared)?
+        links_holding(&lb, shared)
     );
     let answering = probers(&lb, &held)?;
 
@@ -204,7 +185,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
     // And what it put on an uplink (a secondary's address), which would
     // go on answering ARP with that node's own MAC.
     for h in held.values() {
-        for i in on_uplink(&lb, h.ip)? {
+        for i in on_uplink(&lb, h.ip) {
             left.push(format!("{}: {} on eth0", lb.node_name(i), h.ip));
             lb.rig
                 .netns_cmd(lb.rig.guest_ns(i), "ip")
@@ -358,7 +339,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
     );
     println!(
         "ours -> kube-vip: every address kept, the secondary's too; (guest, link) holding {shared}: {:?}",
-        holding(&lb, shared)?
+        links_holding(&lb, shared)
     );
     Ok(())
 }
