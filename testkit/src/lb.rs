@@ -86,9 +86,8 @@ pub struct Options {
     /// A second DHCP range, [`WIDE_RANGE`], for hundreds of leases (kube-vip
     /// takes one per node per Service), and a route to [`WIDE_LAN`] on the
     /// DHCP server, the client and the observer so that they reach its
-    /// addresses. The
-    /// guests keep their /24: a LoadBalancer address is a /32 on its own
-    /// link.
+    /// addresses. The guests keep their /24: a LoadBalancer address is a
+    /// /32 on its own link.
     pub wide_lan: bool,
 }
 
@@ -170,7 +169,9 @@ impl LbRig {
                     "--dhcp-range={},{},255.255.252.0,{}",
                     WIDE_RANGE.0,
                     WIDE_RANGE.1,
-                    opts.lease_time.as_deref().unwrap_or("1h")
+                    opts.lease_time
+                        .as_deref()
+                        .unwrap_or(rig::DEFAULT_LEASE_TIME)
                 )]
             } else {
                 Vec::new()

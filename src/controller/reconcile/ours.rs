@@ -198,9 +198,7 @@ fn clear_secondaries(pass: &mut Pass<'_>, primary: &ServiceIn) {
         .filter(|t| {
             !t.deleting
                 && t.key != primary.key
-                && t.load_balancer_class
-                    .as_deref()
-                    .is_none_or(|c| c == pass.world.classes.class)
+                && t.classless_or(&pass.world.classes.class)
                 && t.annotations
                     .get(harvester::PRIMARY_SERVICE)
                     .and_then(|v| contract::parse_service_key(v))

@@ -151,9 +151,7 @@ pub(super) fn clear_unshared(pass: &mut Pass<'_>, sharing: &BTreeSet<&ServiceKey
             && !s.has_our_finalizer()
             && !sharing.contains(&s.key)
             && !matches!(pass.selections[&s.key], Selection::Primary)
-            && s.load_balancer_class
-                .as_deref()
-                .is_none_or(|c| c == pass.world.classes.class)
+            && s.classless_or(&pass.world.classes.class)
             && s.first_ip().is_some_and(|ip| served_ips.contains(ip));
         if ours_to_clear {
             pass.statuses.push(Write::ServiceStatus {

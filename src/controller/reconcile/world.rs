@@ -82,6 +82,14 @@ impl ServiceIn {
         self.finalizers.iter().any(|f| f == FINALIZER)
     }
 
+    /// Without a `loadBalancerClass`, or with `class`: never a Service
+    /// another implementation's class selects.
+    pub(super) fn classless_or(&self, class: &str) -> bool {
+        self.load_balancer_class
+            .as_deref()
+            .is_none_or(|c| c == class)
+    }
+
     pub(super) fn first_ip(&self) -> Option<&str> {
         self.ingress.first().map(|i| i.ip.as_str())
     }

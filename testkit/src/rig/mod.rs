@@ -61,6 +61,8 @@ pub use crate::locate::DNSMASQ;
 pub const SUBNET: &str = "10.77.0.0/24";
 /// Address of `br0` in the LAN namespace (the DHCP server).
 pub const LAN_ADDR: &str = "10.77.0.1";
+/// The DHCP range's lease time unless [`RigOptions::lease_time`] says.
+pub const DEFAULT_LEASE_TIME: &str = "1h";
 /// First address dnsmasq hands out.
 pub const DHCP_FIRST: &str = "10.77.0.100";
 /// Last address dnsmasq hands out.
@@ -119,7 +121,7 @@ pub struct RigOptions {
     /// Extra dnsmasq arguments, appended after the rig's own.
     pub dnsmasq_args: Vec<String>,
     /// Lease time of the rig's DHCP range in dnsmasq syntax (dnsmasq's
-    /// minimum is `2m`); `None` means `1h`.
+    /// minimum is `2m`); `None` means [`DEFAULT_LEASE_TIME`].
     pub lease_time: Option<String>,
 }
 
@@ -410,7 +412,10 @@ impl Rig {
             dir,
             keep,
             dnsmasq: None,
-            lease_time: opts.lease_time.clone().unwrap_or_else(|| "1h".into()),
+            lease_time: opts
+                .lease_time
+                .clone()
+                .unwrap_or_else(|| DEFAULT_LEASE_TIME.into()),
             apiserver: None,
             forwarders: Vec::new(),
             deleted: Vec::new(),
