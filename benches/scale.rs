@@ -277,6 +277,8 @@ fn simulated_agents(kubeconfig: &Path, stop: Arc<AtomicBool>) -> Result<AgentWri
                     reason: "Ready".into(),
                     macvlan_ready: true,
                     default_uplink: Some("eth0".into()),
+                    nic_macs: Vec::new(),
+                    gateway_mac: None,
                     held: leases.len() as u32,
                     addresses: String::new(),
                     leases,

@@ -30,7 +30,8 @@ fn status_json(agent: &Path, socket: &Path) -> Result<serde_json::Value> {
 }
 
 fn main() -> Result<()> {
-    let mut agent = PathBuf::from("target/release/harvester-node-agent");
+    // The one tests/demo.sh builds (the dev profile).
+    let mut agent = PathBuf::from("target/debug/harvester-node-agent");
     let mut hold = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {

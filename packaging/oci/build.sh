@@ -42,7 +42,7 @@ die() { log "$*"; exit 1; }
 command -v buildah >/dev/null || die "buildah is missing; install it with \`sudo apt-get install buildah\` (Debian) or \`zypper in buildah\`"
 [[ -x $binary ]] || die "no executable $binary; build it first (\`cargo build --release\`)"
 
-version=${HNA_OCI_VERSION:-$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/Cargo.toml" | head -1)}
+version=${HNA_OCI_VERSION:-$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/Cargo.toml" | sed -n 1p)}
 [[ -n $version ]] || die "no version in $repo/Cargo.toml; set HNA_OCI_VERSION"
 image=${HNA_OCI_IMAGE:-localhost/harvester-node-agent:$version}
 

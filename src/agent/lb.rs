@@ -104,6 +104,55 @@ pub struct NodeView {
     /// The MACs (lower case) of the node's own interfaces, with their
     /// names: never a Service's.
     pub own_macs: BTreeMap<String, String>,
+    /// The kernel's ARP table: per neighbour MAC (lower case), the
+    /// addresses it answers for and where. A Service's MAC that another
+    /// host on the LAN uses for another address is never brought up.
+    pub neighbours: BTreeMap<String, BTreeSet<(std::net::Ipv4Addr, String)>>,
+    /// The default gateway's MAC (lower case), when the ARP table has it.
+    pub gateway_mac: Option<String>,
+}
+
+impl NodeView {
+    /// The MACs of the node's own network cards and default uplink, for
+    /// `status.nicMacs`.
+    pub fn nic_macs(&self) -> Vec<String> {
+        self.own_macs
+            .iter()
+            .filter(|(_, name)| {
+                self.nics.contains(*name) || self.default_uplink.as_ref() == Some(*name)
+            })
+            .map(|(mac, _)| mac.clone())
+            .collect()
+    }
+
+    /// Why `mac` must not be put on a link for a Service holding
+    /// `address`: another LAN host answers with it for another address
+    /// (the gateway, another node, any neighbour in the ARP table).
+    pub fn mac_taken_on_lan(
+        &self,
+        mac: &str,
+        address: Option<std::net::Ipv4Addr>,
+    ) -> Option<String> {
+        let others: Vec<String> = self
+            .neighbours
+            .get(mac)?
+            .iter()
+            .filter(|(ip, _)| Some(*ip) != address)
+            .map(|(ip, dev)| format!("{ip} on {dev}"))
+            .collect();
+        if others.is_empty() {
+            return None;
+        }
+        let who = if self.gateway_mac.as_deref() == Some(mac) {
+            "the default gateway's"
+        } else {
+            "another host's on the LAN"
+        };
+        Some(format!(
+            "MAC {mac} is {who} (this node's ARP table: {}): a Service's link with it would take that host's traffic from the switches; no macvlan is made with it",
+            others.join(", ")
+        ))
+    }
 }
 
 /// The task's settings.
@@ -394,6 +443,19 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                                     node.own_macs[&mac]
                                 ),
                             );
+                        }
+                        // The controller refuses the MACs the nodes
+                        // report; the node checks again, as root, against
+                        // what its LAN shows it now.
+                        _ if !w.release
+                            && node
+                                .mac_taken_on_lan(&crate::mac::format(&w.mac), w.requested_ip)
+                                .is_some() =>
+                        {
+                            let why = node
+                                .mac_taken_on_lan(&crate::mac::format(&w.mac), w.requested_ip)
+                                .unwrap_or_default();
+                            cut_off.insert(w.interface.clone(), why);
                         }
                         // The controller allows only uplinks; the node
                         // checks again, as root, against its own cards.
@@ -789,6 +851,8 @@ pub fn report(
         reason,
         macvlan_ready: node.macvlan_ready,
         default_uplink: node.default_uplink.clone(),
+        nic_macs: node.nic_macs(),
+        gateway_mac: node.gateway_mac.clone(),
         held: held.len() as u32,
         addresses,
         leases: reports,

@@ -119,6 +119,18 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
         no_carrier: BTreeSet::new(),
         nics: ["eth0".to_string(), "eth1".to_string(), "enp2s0".to_string()].into(),
         own_macs: [("52:54:00:00:00:01".to_string(), "eth0".to_string())].into(),
+        neighbours: [
+            (
+                "0a:11:22:33:44:55".to_string(),
+                [(Ipv4Addr::new(10, 77, 0, 1), "eth0".to_string())].into(),
+            ),
+            (
+                "02:00:00:00:00:96".to_string(),
+                [(Ipv4Addr::new(10, 77, 0, 150), "eth0".to_string())].into(),
+            ),
+        ]
+        .into(),
+        gateway_mac: Some("0a:11:22:33:44:55".into()),
     }));
     let shared = view.clone();
     let node = move || shared.lock().unwrap().clone();
@@ -370,6 +382,44 @@ async fn the_nodes_own_mac_is_never_a_services() {
     .await;
 }
 
+/// Issue #29: a MAC another LAN host answers with (the gateway's, in the
+/// ARP table) is never put on a link, whatever the assignment says; a
+/// Service's own MAC seen answering for its own address (another node
+/// held it, a client's traffic went there) is fine.
+#[tokio::test(start_paused = true)]
+async fn a_mac_another_lan_host_uses_is_never_a_services() {
+    let r = rig();
+    let gateways = Assignment {
+        mac: "0a:11:22:33:44:55".into(),
+        ..assignment("aaaaaaaa")
+    };
+    let its_own = Assignment {
+        mac: "02:00:00:00:00:96".into(),
+        requested_ip: Some("10.77.0.150".into()),
+        ..assignment("cccccccc")
+    };
+    r.tx.send(spec(&[gateways, its_own, assignment("bbbbbbbb")]))
+        .await
+        .unwrap();
+    until("the other leases", || {
+        r.engine.running() == vec!["hlb-bbbbbbbb", "hlb-cccccccc"]
+    })
+    .await;
+    until("the refusal in the status", || {
+        r.writes.last().is_some_and(|s| {
+            s.gateway_mac.as_deref() == Some("0a:11:22:33:44:55")
+                && s.nic_macs == ["52:54:00:00:00:01"]
+                && s.leases.iter().any(|l| {
+                    l.interface == "hlb-aaaaaaaa"
+                        && l.message.as_deref().is_some_and(|m| {
+                            m.contains("default gateway") && m.contains("10.77.0.1")
+                        })
+                })
+        })
+    })
+    .await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_invalid_assignment_leaves_its_lease_untouched_and_is_reported() {
     let r = rig();
@@ -597,6 +647,8 @@ fn the_report_without_macvlan_or_uplink_says_why() {
         no_carrier: BTreeSet::new(),
         nics: BTreeSet::new(),
         own_macs: BTreeMap::new(),
+        neighbours: BTreeMap::new(),
+        gateway_mac: None,
     };
     let s = report(&[], &BTreeMap::new(), &BTreeMap::new(), &[], &node, true);
     assert!(!s.ready);

@@ -432,6 +432,7 @@ fn spawn_lb(
     ));
     let uplink = cfg.uplink.clone();
     let last_uplink = std::sync::Mutex::new(None::<String>);
+    let last_gateway = std::sync::Mutex::new(None::<((String, std::net::Ipv4Addr), String)>);
     let node = move || {
         let m = macvlan.borrow();
         let sys_class_net = std::path::Path::new("/sys/class/net");
@@ -447,6 +448,29 @@ fn spawn_lb(
             );
             last.clone_from(&now);
             now
+        };
+        let neighbours = std::fs::read_to_string(crate::dhcp::link::ARP_TABLE)
+            .map(|t| crate::dhcp::link::arp_neighbours(&t))
+            .unwrap_or_default();
+        // Kept while the gateway stays the same: its ARP entry comes and
+        // goes with traffic, and `status.gatewayMac` should not.
+        let gateway_mac = {
+            let mut last = last_gateway.lock().unwrap_or_else(|p| p.into_inner());
+            let gateway = std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
+                .ok()
+                .and_then(|t| crate::dhcp::link::default_gateway(&t));
+            let seen = gateway.as_ref().and_then(|(dev, gw)| {
+                neighbours
+                    .iter()
+                    .find(|(_, at)| at.contains(&(*gw, dev.clone())))
+                    .map(|(mac, _)| mac.clone())
+            });
+            *last = match (gateway, seen, last.take()) {
+                (Some(gw), Some(mac), _) => Some((gw, mac)),
+                (Some(gw), None, Some((was, mac))) if was == gw => Some((gw, mac)),
+                _ => None,
+            };
+            last.as_ref().map(|(_, mac)| mac.clone())
         };
         let mut no_carrier =
             crate::dhcp::link::without_carrier(sys_class_net, crate::contract::INTERFACE_PREFIX);
@@ -471,6 +495,8 @@ fn spawn_lb(
                 std::path::Path::new("/sys/class/net"),
                 crate::contract::INTERFACE_PREFIX,
             ),
+            neighbours,
+            gateway_mac,
         }
     };
     let settings = lb::LbSettings {

@@ -254,6 +254,9 @@ pub struct Caches {
     pub services: Store<Service>,
     pub nodes: Store<Node>,
     pub node_objects: Store<LoadBalancerNode>,
+    /// The node agents' liveness, fed by the node objects' watch as each
+    /// heartbeat arrives.
+    pub alive: Arc<std::sync::Mutex<super::liveness::Liveness>>,
     /// For `externalTrafficPolicy: Local`: which nodes have a ready
     /// endpoint of a Service.
     pub endpoints: EndpointCache,
@@ -275,10 +278,15 @@ impl Caches {
 
 /// Starts the watches in `tasks`; `changed` is notified on every change,
 /// `on_error` hears of watch errors (they are retried with backoff).
+/// Every node object's heartbeat is given to `alive` the moment the watch
+/// delivers it, so liveness is judged on when heartbeats arrive, not on
+/// when a reconcile pass happens to run (a pass may wait behind slow or
+/// failing writes).
 pub fn watch_all(
     client: &kube::Client,
     namespace: &str,
     endpoint_setting: EndpointSetting,
+    alive: super::liveness::Liveness,
     changed: Arc<Notify>,
     on_error: Arc<dyn Fn(String) + Send + Sync>,
     tasks: &mut tokio::task::JoinSet<()>,
@@ -324,6 +332,8 @@ pub fn watch_all(
         changed.clone(),
         on_error.clone(),
     );
+    let alive = Arc::new(std::sync::Mutex::new(alive));
+    let observer = alive.clone();
     let ar = node_object::api_resource();
     let w = reflector::store::Writer::<LoadBalancerNode>::new(ar.clone());
     let node_objects = w.as_reader();
@@ -332,7 +342,16 @@ pub fn watch_all(
         "LoadBalancerNodes",
         w,
         Api::namespaced_with(client.clone(), namespace, &ar),
-        |_| {},
+        move |o: &mut LoadBalancerNode| {
+            if let Some(name) = &o.metadata.name {
+                let heartbeat = o.status.as_ref().and_then(|s| s.heartbeat.as_deref());
+                observer.lock().expect("liveness lock").observe(
+                    name,
+                    heartbeat,
+                    tokio::time::Instant::now(),
+                );
+            }
+        },
         changed.clone(),
         on_error.clone(),
     );
@@ -342,6 +361,7 @@ pub fn watch_all(
         services,
         nodes,
         node_objects,
+        alive,
         endpoints,
         networks,
     }

@@ -58,8 +58,6 @@ const COALESCE_MAX: Duration = Duration::from_millis(200);
 fn coalesce_window(last_pass: Duration) -> Duration {
     (last_pass * 2).clamp(COALESCE_MIN, COALESCE_MAX)
 }
-/// The longest wait between passes after failed writes.
-const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 /// The controller's own settings (its command line is `cli`'s
 /// `ControllerArgs`); none of the node daemon's keys apply to it.
@@ -249,6 +247,7 @@ impl Session {
             &client,
             &opts.namespace,
             opts.endpoint_source,
+            liveness::Liveness::new(opts.node_stale_after, opts.watch_quiet_after),
             changed.clone(),
             Arc::new(move |e: String| {
                 tracing::warn!("{e}");
@@ -295,6 +294,7 @@ async fn reconcile_loop(
         _ = shutdown.changed() => return,
     }
     stats.lock().expect("stats lock").synced = true;
+    let alive = caches.alive.clone();
     // The floor of supported servers (1.33) knows it; an older or
     // unreadable one gets no ipMode rather than a write every pass.
     let ip_mode = api.knows_ip_mode().await.unwrap_or_else(|| {
@@ -302,35 +302,37 @@ async fn reconcile_loop(
         false
     });
     tracing::info!(ip_mode, "watch caches loaded: reconciling");
-    let mut alive = liveness::Liveness::new(opts.node_stale_after, opts.watch_quiet_after);
     let mut slow_warned: BTreeSet<String> = BTreeSet::new();
-    let mut writes = writer::WriteMemo::default();
-    let mut told = writer::EventMemo::default();
+    let mut memory = writer::Memory::default();
     let mut access_ensured: BTreeSet<String> = BTreeSet::new();
     let mut term = 0;
-    let mut backoff = Duration::ZERO;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut coalesce = COALESCE_MIN;
     // The inputs of the last pass, if it left nothing to do.
     let mut settled: Option<Inputs> = None;
     loop {
-        // A node turning stale is news without an event: wake for it.
-        let stale_at = alive.next_deadline(Instant::now());
+        // A node turning stale is news without an event: wake for it; and
+        // for the first write whose backoff is over. A failing write never
+        // delays a pass: it waits out its own backoff
+        // (`writer::WriteBackoff`) while the rest is decided and written.
+        let stale_at = alive
+            .lock()
+            .expect("liveness lock")
+            .next_deadline(Instant::now());
+        let retry_at = memory.backoff.next_retry(Instant::now());
         tokio::select! {
             _ = changed.notified() => tokio::time::sleep(coalesce).await,
             _ = tick.tick() => {}
             _ = sleep_until_opt(stale_at) => {}
+            _ = sleep_until_opt(retry_at) => {}
             _ = shutdown.changed() => return,
         }
-        if !backoff.is_zero() {
-            tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
-                _ = shutdown.changed() => return,
-            }
-        }
         let now = Instant::now();
-        let (objects, object_versions) = objects_from(&caches, &mut alive, &mut slow_warned, now);
+        let (objects, object_versions) = {
+            let mut alive = alive.lock().expect("liveness lock");
+            objects_from(&caches, &mut alive, &mut slow_warned, now)
+        };
         let leading = leadership.leading();
         let wall = k8s_openapi::jiff::Timestamp::now().as_second();
         let inputs = Inputs {
@@ -383,7 +385,6 @@ async fn reconcile_loop(
             s.holder = leadership.holder();
         }
         if !leading {
-            backoff = Duration::ZERO;
             settled = plan.writes.is_empty().then_some(inputs);
             continue;
         }
@@ -391,22 +392,20 @@ async fn reconcile_loop(
             // A new term: what was sent or told before may have been
             // undone by another leader since.
             term = leadership.term();
-            writes.clear();
-            told.clear();
+            memory.clear();
             access_ensured.clear();
         }
-        writes.prune(|t| versions.get(t).cloned());
+        memory.writes.prune(|t| versions.get(t).cloned());
         let uids: HashMap<&contract::ServiceKey, &str> =
             services.iter().map(|s| (&s.key, s.uid.as_str())).collect();
-        told.retain(|k, uid| uids.get(k) == Some(&uid));
+        memory.events.retain(|k, uid| uids.get(k) == Some(&uid));
         let version_of = |t: &str| versions.get(t).cloned();
         let out = writer::execute(
             &opts.namespace,
             &plan,
             &api,
             &|| leadership.leading(),
-            &mut writes,
-            &mut told,
+            &mut memory,
             &version_of,
         )
         .await;
@@ -439,14 +438,17 @@ async fn reconcile_loop(
                 "writes refused: their objects changed since this plan; the next plan redoes them"
             );
         }
-        backoff = if out.errors.is_empty() {
-            Duration::ZERO
-        } else {
-            (backoff * 2).clamp(Duration::from_secs(1), MAX_BACKOFF)
-        };
-        settled =
-            (plan.writes.is_empty() && out.errors.is_empty() && out.conflicts == 0 && !out.stopped)
-                .then_some(inputs);
+        {
+            let mut s = stats.lock().expect("stats lock");
+            s.writes_deferred += out.deferred;
+            s.objects_backing_off = memory.backoff.waiting() as u64;
+        }
+        settled = (plan.writes.is_empty()
+            && out.errors.is_empty()
+            && out.conflicts == 0
+            && out.deferred == 0
+            && !out.stopped)
+            .then_some(inputs);
     }
 }
 
@@ -534,8 +536,8 @@ fn node_networks(caches: &kube_edge::Caches) -> reconcile::NodeNetworks {
 }
 
 /// The node objects as the decision reads them (each judged on our clock
-/// by `alive`, which reads their heartbeats here), sorted by name, and the
-/// resourceVersion of each.
+/// by `alive`, which the watch gives their heartbeats as they arrive),
+/// sorted by name, and the resourceVersion of each.
 fn objects_from(
     caches: &kube_edge::Caches,
     alive: &mut liveness::Liveness,
@@ -549,8 +551,8 @@ fn objects_from(
         let Some(name) = o.metadata.name.clone() else {
             continue;
         };
+        // Its heartbeat was given to `alive` when the watch delivered it.
         let status = o.status.as_ref();
-        alive.observe(&name, status.and_then(|s| s.heartbeat.as_deref()), now);
         let period = status
             .and_then(|s| s.heartbeat_period_ms)
             .map(Duration::from_millis);

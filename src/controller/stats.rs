@@ -16,6 +16,10 @@ pub struct Stats {
     pub summary: Summary,
     pub writes: BTreeMap<&'static str, u64>,
     pub write_errors: u64,
+    /// Writes held back while their object waits out its backoff.
+    pub writes_deferred: u64,
+    /// Objects whose writes wait out a backoff now.
+    pub objects_backing_off: u64,
     pub watch_errors: u64,
     /// Warning Events published, by reason.
     pub refusals: BTreeMap<&'static str, u64>,
@@ -115,6 +119,18 @@ impl Stats {
             "Failed writes.",
             "counter",
             vec![(String::new(), self.write_errors)],
+        );
+        gauge(
+            "hna_controller_writes_deferred_total",
+            "Writes held back because their object waits out a backoff after a failed write (each object backs off alone).",
+            "counter",
+            vec![(String::new(), self.writes_deferred)],
+        );
+        gauge(
+            "hna_controller_objects_backing_off",
+            "Objects whose writes wait out a backoff after a failed write.",
+            "gauge",
+            vec![(String::new(), self.objects_backing_off)],
         );
         gauge(
             "hna_controller_watch_errors_total",

@@ -41,7 +41,7 @@ pub fn spawn_watch<K>(
     what: &'static str,
     writer: reflector::store::Writer<K>,
     api: Api<K>,
-    strip: fn(&mut K),
+    mut strip: impl FnMut(&mut K) + Send + 'static,
     changed: Arc<Notify>,
     on_error: Arc<dyn Fn(String) + Send + Sync>,
 ) where

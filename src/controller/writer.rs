@@ -305,6 +305,62 @@ impl WriteMemo {
     }
 }
 
+/// Per object, the writes that failed: each object waits out its own
+/// backoff (exponential from [`WriteBackoff::FIRST`] to
+/// [`WriteBackoff::MAX`], with ±25 % jitter so that retries after an
+/// outage do not go out in lockstep), while writes to other objects and
+/// the judging of liveness go on. A validating webhook that is down with
+/// `failurePolicy: Fail`, or a policy that refuses one node's Role, stops
+/// the writes it refuses and nothing else (issue #29).
+#[derive(Debug, Default)]
+pub struct WriteBackoff {
+    /// Target (as [`target`] names it): failures in a row, and when the
+    /// next write to it may go.
+    failing: BTreeMap<String, (u32, tokio::time::Instant)>,
+}
+
+impl WriteBackoff {
+    pub const FIRST: std::time::Duration = std::time::Duration::from_secs(1);
+    pub const MAX: std::time::Duration = std::time::Duration::from_secs(30);
+
+    /// Whether a write to `target` may go at `now`.
+    pub fn ready(&self, target: &str, now: tokio::time::Instant) -> bool {
+        self.failing.get(target).is_none_or(|(_, at)| *at <= now)
+    }
+
+    /// A write to `target` failed at `now`: the wait doubles, jittered.
+    pub fn failed(&mut self, target: &str, now: tokio::time::Instant) {
+        let n = self.failing.get(target).map_or(0, |(n, _)| *n);
+        let base = Self::FIRST.saturating_mul(1u32 << n.min(16)).min(Self::MAX);
+        let jitter = base.mul_f64(0.75 + fastrand::f64() * 0.5);
+        self.failing
+            .insert(target.to_string(), (n.saturating_add(1), now + jitter));
+    }
+
+    /// A write to `target` went through: no more waiting.
+    pub fn succeeded(&mut self, target: &str) {
+        self.failing.remove(target);
+    }
+
+    /// When the earliest waiting write may go: when to decide again.
+    pub fn next_retry(&self, now: tokio::time::Instant) -> Option<tokio::time::Instant> {
+        self.failing
+            .values()
+            .map(|(_, at)| *at)
+            .filter(|at| *at > now)
+            .min()
+    }
+
+    /// How many objects wait.
+    pub fn waiting(&self) -> usize {
+        self.failing.len()
+    }
+
+    pub fn clear(&mut self) {
+        self.failing.clear();
+    }
+}
+
 /// Events already published in this leader term: an Event says what
 /// changed, so the same (object, reason, message) is told once.
 #[derive(Debug, Default)]
@@ -344,6 +400,8 @@ pub struct Outcome {
     pub errors: Vec<String>,
     /// Writes skipped: an earlier write for the same Service failed.
     pub skipped: u64,
+    /// Writes held back: their object waits out its [`WriteBackoff`].
+    pub deferred: u64,
     /// Leadership lapsed before everything was written.
     pub stopped: bool,
     /// Writes refused because their object changed since the plan (a
@@ -353,18 +411,42 @@ pub struct Outcome {
     pub access_ensured: BTreeSet<String>,
 }
 
+/// What [`execute`] keeps between passes.
+#[derive(Debug, Default)]
+pub struct Memory {
+    pub writes: WriteMemo,
+    pub events: EventMemo,
+    pub backoff: WriteBackoff,
+}
+
+impl Memory {
+    /// A new leader term: what was sent or told before may have been
+    /// undone by another leader since.
+    pub fn clear(&mut self) {
+        self.writes.clear();
+        self.events.clear();
+        self.backoff.clear();
+    }
+}
+
 /// Carries out `plan` in order. `leading` is asked before every request:
 /// a leader that lost its Lease stops at once. `version_of(target)` is the
-/// resourceVersion the plan was decided on (for the [`WriteMemo`]).
+/// resourceVersion the plan was decided on (for the [`WriteMemo`]). A write
+/// whose object waits out its [`WriteBackoff`] is held back (with the
+/// later writes of its Services), the others go.
 pub async fn execute<R: Requests>(
     namespace: &str,
     plan: &Plan,
     api: &R,
     leading: &(dyn Fn() -> bool + Sync),
-    memo: &mut WriteMemo,
-    events: &mut EventMemo,
+    memory: &mut Memory,
     version_of: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Outcome {
+    let Memory {
+        writes: memo,
+        events,
+        backoff,
+    } = memory;
     let mut out = Outcome::default();
     let mut failed: BTreeSet<ServiceKey> = BTreeSet::new();
     // Each object's resourceVersion as this plan knows it: the one it was
@@ -378,11 +460,16 @@ pub async fn execute<R: Requests>(
             out.skipped += 1;
             continue;
         }
-        let version = version_of(&target(w)).unwrap_or_default();
+        let object = target(w);
+        if !backoff.ready(&object, tokio::time::Instant::now()) {
+            out.deferred += 1;
+            failed.extend(w.services().into_iter().cloned());
+            continue;
+        }
+        let version = version_of(&object).unwrap_or_default();
         if memo.already_sent(w, &version) {
             continue;
         }
-        let object = target(w);
         for r in requests(namespace, w) {
             if !leading() {
                 out.stopped = true;
@@ -410,6 +497,7 @@ pub async fn execute<R: Requests>(
                     if e.conflict {
                         out.conflicts += 1;
                     } else {
+                        backoff.failed(&object, tokio::time::Instant::now());
                         out.errors
                             .push(format!("{} {}/{}: {e}", w.kind(), r.namespace, r.name));
                     }
@@ -418,6 +506,7 @@ pub async fn execute<R: Requests>(
                 }
             }
         }
+        backoff.succeeded(&object);
         memo.record(w, &version);
         *out.writes.entry(w.kind()).or_default() += 1;
         if let Write::EnsureNodeAccess(n) = w {
@@ -446,6 +535,8 @@ pub async fn execute<R: Requests>(
 mod tests {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, Ordering};
+
+    use tokio::time::Instant;
 
     use super::*;
     use crate::controller::reconcile::{EventType, Port};
@@ -521,20 +612,15 @@ mod tests {
         }
     }
 
-    async fn run(
-        api: &Recording,
-        plan: &Plan,
-        memo: &mut WriteMemo,
-        ev: &mut EventMemo,
-    ) -> Outcome {
-        execute("hna", plan, api, &|| true, memo, ev, &|_| Some("1".into())).await
+    async fn run(api: &Recording, plan: &Plan, memory: &mut Memory) -> Outcome {
+        execute("hna", plan, api, &|| true, memory, &|_| Some("1".into())).await
     }
 
     #[tokio::test]
     async fn status_then_annotations_all_by_patch() {
         let api = Recording::default();
-        let (mut memo, mut ev) = Default::default();
-        let out = run(&api, &served("web"), &mut memo, &mut ev).await;
+        let mut memory = Memory::default();
+        let out = run(&api, &served("web"), &mut memory).await;
         assert!(out.errors.is_empty(), "{out:?}");
         let sent = api.sent.lock().unwrap().clone();
         assert_eq!(sent.len(), 3);
@@ -579,8 +665,8 @@ mod tests {
     async fn a_failed_status_holds_back_that_services_annotations() {
         let api = Recording::default();
         *api.fail.lock().unwrap() = Some((Kind::Service, Some("status")));
-        let (mut memo, mut ev) = Default::default();
-        let out = run(&api, &served("web"), &mut memo, &mut ev).await;
+        let mut memory = Memory::default();
+        let out = run(&api, &served("web"), &mut memory).await;
         assert_eq!(out.errors.len(), 1, "{out:?}");
         assert_eq!(out.skipped, 2, "annotations and finalizer wait");
         assert!(api.sent.lock().unwrap().is_empty());
@@ -589,16 +675,16 @@ mod tests {
     #[tokio::test]
     async fn writes_not_yet_seen_and_events_told_are_not_repeated() {
         let api = Recording::default();
-        let (mut memo, mut ev) = Default::default();
+        let mut memory = Memory::default();
         let plan = served("web");
-        run(&api, &plan, &mut memo, &mut ev).await;
-        let out = run(&api, &plan, &mut memo, &mut ev).await;
+        run(&api, &plan, &mut memory).await;
+        let out = run(&api, &plan, &mut memory).await;
         assert_eq!(out, Outcome::default(), "same versions: nothing again");
         assert_eq!(api.sent.lock().unwrap().len(), 3);
         assert_eq!(api.events.lock().unwrap().len(), 1);
         // The object changed since: the write counts again, the Event not.
-        memo.prune(|_| Some("2".into()));
-        let out = execute("hna", &plan, &api, &|| true, &mut memo, &mut ev, &|_| {
+        memory.writes.prune(|_| Some("2".into()));
+        let out = execute("hna", &plan, &api, &|| true, &mut memory, &|_| {
             Some("2".into())
         })
         .await;
@@ -611,16 +697,10 @@ mod tests {
     #[tokio::test]
     async fn service_patches_carry_the_version_as_a_precondition() {
         let api = Recording::default();
-        let (mut memo, mut ev) = Default::default();
-        let out = execute(
-            "hna",
-            &served("web"),
-            &api,
-            &|| true,
-            &mut memo,
-            &mut ev,
-            &|t| (t == "service/default/web").then(|| "41".to_string()),
-        )
+        let mut memory = Memory::default();
+        let out = execute("hna", &served("web"), &api, &|| true, &mut memory, &|t| {
+            (t == "service/default/web").then(|| "41".to_string())
+        })
         .await;
         assert!(out.errors.is_empty(), "{:?}", out.errors);
         let sent = api.sent.lock().unwrap();
@@ -637,6 +717,63 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Issue #29: a failing write backs off its own object only: another
+    /// Service's writes go out in the same pass, and the failing one is
+    /// retried once its (jittered) wait is over, not before.
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_write_backs_off_its_own_object_only() {
+        struct FailsFor(Recording, &'static str);
+        impl Requests for FailsFor {
+            async fn send(
+                &self,
+                r: &Request,
+                p: Option<&str>,
+            ) -> Result<Option<String>, SendError> {
+                if r.name == self.1 {
+                    return Err("webhook: connection refused".into());
+                }
+                self.0.send(r, p).await
+            }
+            async fn event(&self, e: &EventOut) -> Result<(), String> {
+                self.0.event(e).await
+            }
+        }
+        let api = FailsFor(Recording::default(), "web");
+        let mut plan = served("web");
+        plan.writes.extend(served("db").writes);
+        let mut memory = Memory::default();
+        async fn pass(api: &FailsFor, plan: &Plan, memory: &mut Memory) -> Outcome {
+            execute("hna", plan, api, &|| true, memory, &|_| Some("1".into())).await
+        }
+        let out = pass(&api, &plan, &mut memory).await;
+        assert_eq!((out.errors.len(), out.skipped), (1, 2), "{out:?}");
+        assert_eq!(out.writes.values().sum::<u64>(), 3, "db's writes went out");
+        let retry = memory.backoff.next_retry(Instant::now()).unwrap();
+        let wait = retry - Instant::now();
+        assert!(
+            wait >= WriteBackoff::FIRST.mul_f64(0.75) && wait <= WriteBackoff::FIRST.mul_f64(1.25),
+            "{wait:?}"
+        );
+        // Before its time: held back, not sent.
+        let out = pass(&api, &plan, &mut memory).await;
+        assert_eq!((out.errors.len(), out.deferred), (0, 1), "{out:?}");
+        // After it: sent again, failing again, and the wait doubles.
+        tokio::time::sleep_until(retry).await;
+        let out = pass(&api, &plan, &mut memory).await;
+        assert_eq!(out.errors.len(), 1, "{out:?}");
+        let wait = memory.backoff.next_retry(Instant::now()).unwrap() - Instant::now();
+        assert!(wait >= WriteBackoff::FIRST.mul_f64(1.5), "{wait:?}");
+        // Never longer than the bound, however often it fails.
+        for _ in 0..10 {
+            memory.backoff.failed("service/default/web", Instant::now());
+        }
+        let wait = memory.backoff.next_retry(Instant::now()).unwrap() - Instant::now();
+        assert!(wait <= WriteBackoff::MAX.mul_f64(1.25), "{wait:?}");
+        // A success ends the waiting.
+        memory.backoff.succeeded("service/default/web");
+        assert_eq!(memory.backoff.waiting(), 0);
     }
 
     #[tokio::test]
@@ -657,14 +794,13 @@ mod tests {
                 self.0.event(e).await
             }
         }
-        let (mut memo, mut ev) = Default::default();
+        let mut memory = Memory::default();
         let out = execute(
             "hna",
             &served("web"),
             &Lapsing(&api, &leading),
             &|| leading.load(Ordering::SeqCst),
-            &mut memo,
-            &mut ev,
+            &mut memory,
             &|_| None,
         )
         .await;

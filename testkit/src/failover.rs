@@ -290,6 +290,22 @@ pub fn fail_over_after(
     within: Duration,
     delay: Duration,
 ) -> Result<Failover> {
+    fail_over_prepared(lb, name, fault, within, |_| {
+        std::thread::sleep(delay);
+        Ok(())
+    })
+}
+
+/// [`fail_over`], with `prepare` run once the Service is served and the
+/// watches are up, just before the fault (a hostile webhook installed, a
+/// delay).
+pub fn fail_over_prepared(
+    lb: &mut LbRig,
+    name: &str,
+    fault: Fault,
+    within: Duration,
+    prepare: impl FnOnce(&LbRig) -> Result<()>,
+) -> Result<Failover> {
     let (ip, from) = served(lb, name)?;
     let leader = match fault {
         Fault::LeaderAndHolder => {
@@ -303,7 +319,7 @@ pub fn fail_over_after(
     };
     let watch = AddressWatch::start(&guest_namespaces(lb))?;
     let prober = arp_prober(lb, ip)?;
-    std::thread::sleep(delay);
+    prepare(lb)?;
     let t0 = Instant::now();
     match fault {
         Fault::Graceful => {

@@ -159,6 +159,9 @@ impl LbRig {
     }
 
     pub fn start(opts: Options) -> Result<LbRig> {
+        // Every guest's test listener, and the client, are socat: without
+        // it nothing answers TCP, which would look like the product's fault.
+        crate::prereq::require(&[crate::prereq::Prereq::Socat])?;
         let mut rig = Rig::start(RigOptions {
             guests: opts.guests,
             dhcp: true,
@@ -446,6 +449,27 @@ impl LbRig {
             let _ = proc.child.wait();
             self.agents[i] = None;
         }
+    }
+
+    /// Guest `i` is cut off from the API server, its LAN untouched
+    /// ([`Rig::cut_api`]; through the fault proxy too, when there is one).
+    pub fn cut_api(&mut self, i: usize) {
+        let ns = self.rig.guest_ns(i).to_string();
+        for f in self.proxy_forwarders.iter_mut().filter(|f| f.netns() == ns) {
+            f.stop();
+        }
+        self.proxy_forwarders.retain(|f| f.netns() != ns);
+        self.rig.cut_api(i);
+    }
+
+    /// Undoes [`LbRig::cut_api`].
+    pub fn restore_api(&mut self, i: usize) -> Result<()> {
+        self.rig.restore_api(i)?;
+        if let Some(p) = &self.proxy {
+            let ns = self.rig.guest_ns(i).to_string();
+            self.proxy_forwarders.push(Forwarder::start(&ns, p.port())?);
+        }
+        Ok(())
     }
 
     /// Guest `i` is switched off ([`Rig::delete_guest`]): its agent,
@@ -775,7 +799,46 @@ impl LbRig {
         ports: &[u16],
         spec: serde_json::Value,
     ) -> Result<Service> {
-        let (api, name) = self.services_of(name);
+        self.create_service_by(&self.admin, name, annotations, ports, spec)
+    }
+
+    /// [`LbRig::create_service`] by `client` (a tenant's, [`LbRig::tenant`]).
+    pub fn create_service_as(
+        &self,
+        client: &kube::Client,
+        name: &str,
+        annotations: &[(&str, &str)],
+        ports: &[u16],
+    ) -> Result<Service> {
+        self.create_service_by(client, name, annotations, ports, serde_json::json!({}))
+    }
+
+    /// Sets (`Some`) or removes (`None`) an annotation of Service `name`
+    /// by `client` (a tenant's, [`LbRig::tenant`]).
+    pub fn annotate_as(
+        &self,
+        client: &kube::Client,
+        name: &str,
+        key: &str,
+        value: Option<&str>,
+    ) -> Result<()> {
+        let (ns, name) = split_name(name);
+        let api: Api<Service> = Api::namespaced(client.clone(), ns);
+        let patch = serde_json::json!({"metadata": {"annotations": {key: value}}});
+        self.block_on(api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)))?;
+        Ok(())
+    }
+
+    fn create_service_by(
+        &self,
+        client: &kube::Client,
+        name: &str,
+        annotations: &[(&str, &str)],
+        ports: &[u16],
+        spec: serde_json::Value,
+    ) -> Result<Service> {
+        let (ns, name) = split_name(name);
+        let api: Api<Service> = Api::namespaced(client.clone(), ns);
         let annotations: BTreeMap<&str, &str> = annotations.iter().copied().collect();
         let ports: Vec<serde_json::Value> = ports
             .iter()
@@ -880,6 +943,142 @@ impl LbRig {
         let patch = serde_json::json!({"metadata": {"annotations": {key: value}}});
         self.block_on(api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)))?;
         Ok(())
+    }
+
+    /// A client acting as a tenant of `namespace` would: a ServiceAccount
+    /// `tenant` of that namespace bound to the built-in `edit` ClusterRole
+    /// there and nowhere else, authenticated with its own token (a
+    /// TokenRequest), not the admin's. Creates the namespace if needed.
+    pub fn tenant(&self, namespace: &str) -> Result<kube::Client> {
+        use k8s_openapi::api::authentication::v1::TokenRequest;
+        use k8s_openapi::api::core::v1::ServiceAccount;
+        use k8s_openapi::api::rbac::v1::RoleBinding;
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.admin.clone());
+        if self.block_on(namespaces.get_opt(namespace))?.is_none() {
+            self.create_namespace(namespace)?;
+        }
+        let pp = PostParams::default();
+        let sas: Api<ServiceAccount> = Api::namespaced(self.admin.clone(), namespace);
+        let sa = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": "tenant", "namespace": namespace},
+        }))?;
+        self.block_on(sas.create(&pp, &sa))
+            .with_context(|| format!("creating ServiceAccount {namespace}/tenant"))?;
+        let bindings: Api<RoleBinding> = Api::namespaced(self.admin.clone(), namespace);
+        let binding = serde_json::from_value(serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": "tenant-edit", "namespace": namespace},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+            "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": namespace}],
+        }))?;
+        self.block_on(bindings.create(&pp, &binding))
+            .with_context(|| format!("binding {namespace}/tenant to ClusterRole edit"))?;
+        let request: TokenRequest = serde_json::from_value(serde_json::json!({
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"audiences": [], "expirationSeconds": 3600},
+        }))?;
+        let token = self
+            .block_on(sas.create_token_request("tenant", &pp, &request))
+            .with_context(|| format!("TokenRequest for {namespace}/tenant"))?
+            .status
+            .context("TokenRequest without status")?
+            .token;
+        let api = self
+            .rig
+            .apiserver()
+            .context("the LB rig has an API server")?;
+        let kubeconfig = self
+            .rig
+            .dir()
+            .join(format!("tenant-{namespace}.kubeconfig"));
+        let yaml = serde_json::json!({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "rig", "cluster": {
+                "server": api.url(),
+                "certificate-authority": api.ca_path(),
+            }}],
+            "users": [{"name": "tenant", "user": {"token": token}}],
+            "contexts": [{"name": "tenant", "context": {"cluster": "rig", "user": "tenant", "namespace": namespace}}],
+            "current-context": "tenant",
+        });
+        fs::write(&kubeconfig, serde_json::to_vec_pretty(&yaml)?)?;
+        let client = self.block_on(rig::kube_client(&kubeconfig))?;
+        // Its rights are the tenant's: its own namespace only.
+        let other: Api<Service> = Api::namespaced(client.clone(), "default");
+        if self.block_on(other.list(&ListParams::default())).is_ok() {
+            bail!(
+                "the tenant of {namespace} can list Services in `default`: not a tenant's rights"
+            );
+        }
+        Ok(client)
+    }
+
+    /// Installs a `ValidatingWebhookConfiguration` named `name` on UPDATE
+    /// of Services and `services/status` with `failurePolicy: Fail`,
+    /// pointing at a loopback port nothing listens on: as a policy engine
+    /// (Kyverno, Gatekeeper) that is down leaves a cluster, every PATCH of a
+    /// Service is refused ("failed calling webhook") while creates go
+    /// through. Returns once the API server refuses such a PATCH.
+    pub fn install_failing_webhook(&self, name: &str) -> Result<()> {
+        // A port that was free a moment ago: connection refused.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let body = serde_json::json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": name},
+            "webhooks": [{
+                "name": format!("{name}.policy.invalid"),
+                "clientConfig": {"url": format!("https://127.0.0.1:{port}/validate")},
+                "rules": [{
+                    "apiGroups": [""],
+                    "apiVersions": ["v1"],
+                    "operations": ["UPDATE"],
+                    "resources": ["services", "services/status"],
+                }],
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 2,
+            }],
+        });
+        let api: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+            Api::all(self.admin.clone());
+        let object = serde_json::from_value(body)?;
+        self.block_on(api.create(&PostParams::default(), &object))
+            .with_context(|| format!("creating ValidatingWebhookConfiguration {name}"))?;
+        // The API server picks it up from its own watch: wait until a
+        // PATCH of a Service (a no-op label of the test's) is refused.
+        let probe = format!("hna-webhook-probe-{}", std::process::id());
+        self.create_service(&probe, &[], &[80])?;
+        let refused = wait_for(Duration::from_secs(30), || {
+            self.annotate(&probe, "hna.invalid/probe", Some("x"))
+                .is_err()
+                .then_some(())
+        });
+        let _ = self.delete_service(&probe);
+        refused.with_context(|| format!("the API server never called webhook {name}"))
+    }
+
+    /// Removes the webhook of [`LbRig::install_failing_webhook`]; returns
+    /// once a PATCH of a Service goes through again.
+    pub fn remove_webhook(&self, name: &str) -> Result<()> {
+        let api: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+            Api::all(self.admin.clone());
+        self.block_on(api.delete(name, &DeleteParams::default()))
+            .with_context(|| format!("deleting ValidatingWebhookConfiguration {name}"))?;
+        let probe = format!("hna-webhook-probe-{}", std::process::id());
+        self.create_service(&probe, &[], &[80])?;
+        let passed = wait_for(Duration::from_secs(30), || {
+            self.annotate(&probe, "hna.invalid/probe", Some("x"))
+                .is_ok()
+                .then_some(())
+        });
+        let _ = self.delete_service(&probe);
+        passed
+            .with_context(|| format!("Service PATCHes still refused after deleting webhook {name}"))
     }
 
     pub fn delete_service(&self, name: &str) -> Result<()> {

@@ -540,7 +540,7 @@ fn a_write_decided_on_an_old_version_is_refused() -> Result<()> {
     use harvester_node_agent::contract::ServiceKey;
     use harvester_node_agent::controller::kube_edge::KubeApi;
     use harvester_node_agent::controller::reconcile::{Ingress, Plan, Write};
-    use harvester_node_agent::controller::writer::{self, EventMemo, WriteMemo};
+    use harvester_node_agent::controller::writer;
 
     let rig = Rig::start(RigOptions {
         guests: 1,
@@ -584,16 +584,10 @@ fn a_write_decided_on_an_old_version_is_refused() -> Result<()> {
             let write = |plan: Plan, version: String| {
                 let edge = &edge;
                 async move {
-                    let (mut memo, mut told) = (WriteMemo::default(), EventMemo::default());
-                    writer::execute(
-                        "default",
-                        &plan,
-                        edge,
-                        &|| true,
-                        &mut memo,
-                        &mut told,
-                        &move |_| Some(version.clone()),
-                    )
+                    let mut memory = writer::Memory::default();
+                    writer::execute("default", &plan, edge, &|| true, &mut memory, &move |_| {
+                        Some(version.clone())
+                    })
                     .await
                 }
             };

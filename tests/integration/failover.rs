@@ -23,6 +23,7 @@ tests! {
     a_holder_whose_uplink_is_set_down_hands_over_and_comes_back_without_the_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_holder_whose_uplink_is_deleted_hands_over_at_once_and_comes_back_without_the_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_webhook_refusing_service_writes_does_not_delay_a_failover: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_moment_without_a_default_route_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_node_whose_heartbeat_is_too_slow_gets_no_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -367,6 +368,75 @@ fn a_dead_holders_address_moves_within_five_seconds() -> Result<()> {
     let reconnected = wait_for(Duration::from_secs(10), || reachable(&lb, &f).ok());
     println!("a client got through {:?} after the fault", f.t0.elapsed());
     ensure!(reconnected.is_some(), "no client got through to {}", f.ip);
+    Ok(())
+}
+
+/// Issue #29: a validating webhook on Services and `services/status` with
+/// `failurePolicy: Fail` is down (a policy engine's Pod gone), so every
+/// PATCH of a Service is refused. A Service created meanwhile keeps
+/// failing its first write long enough for any backoff to reach its
+/// longest (35 s); then the holder of a served Service dies (agent killed
+/// and uplink down, as a VM switched off). Another node answers within the
+/// same bound as without the webhook, and once the webhook is gone both
+/// Services' status and annotations catch up.
+fn a_webhook_refusing_service_writes_does_not_delay_a_failover() -> Result<()> {
+    const WEBHOOK: &str = "policy-engine-down";
+    let mut lb = LbRig::start(options())?;
+    let f = failover::fail_over_prepared(
+        &mut lb,
+        "web",
+        Fault::GuestDeleted,
+        Duration::from_secs(60),
+        |lb| {
+            lb.install_failing_webhook(WEBHOOK)?;
+            lb.create_service("late", &[(failover::IPAM, "dhcp")], &[LISTEN_PORT])?;
+            // Its finalizer (the controller's first write) is refused again
+            // and again meanwhile.
+            std::thread::sleep(Duration::from_secs(35));
+            let errors = wait_for(Duration::from_secs(5), || {
+                (0..2)
+                    .map(|c| lb.controller_log(c))
+                    .any(|log| log.contains("failed calling webhook"))
+                    .then_some(())
+            });
+            ensure!(
+                errors.is_some(),
+                "no controller wrote through the webhook and was refused:\n{}",
+                lb.diagnostics()
+            );
+            ensure!(
+                lb.ingress_ip("late").is_none(),
+                "`late` was served through the webhook"
+            );
+            Ok(())
+        },
+    )?;
+    clean(&f, Duration::from_secs(5))?;
+    let reconnected = wait_for(Duration::from_secs(10), || reachable(&lb, &f).ok());
+    ensure!(reconnected.is_some(), "no client got through to {}", f.ip);
+    lb.remove_webhook(WEBHOOK)?;
+    // The longest backoff is 30 s (+25 % jitter): both catch up within it.
+    let late = wait_for(Duration::from_secs(60), || lb.ingress_ip("late"));
+    ensure!(
+        late.is_some(),
+        "`late` got no address after the webhook went:\n{}",
+        lb.diagnostics()
+    );
+    let new_holder = lb.node_name(f.to);
+    let caught_up = wait_for(Duration::from_secs(60), || {
+        let svc = lb.service("web")?;
+        let host = svc
+            .metadata
+            .annotations?
+            .get("kube-vip.io/vipHost")?
+            .clone();
+        (host == new_holder && lb.ingress_ip("web") == Some(f.ip)).then_some(())
+    });
+    ensure!(
+        caught_up.is_some(),
+        "web's vipHost never named its new holder {new_holder} after the webhook went:\n{}",
+        lb.diagnostics()
+    );
     Ok(())
 }
 

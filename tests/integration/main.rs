@@ -36,6 +36,7 @@ mod oci_image;
 mod packaging;
 mod peers;
 mod rig_selftest;
+mod scripts;
 mod soak;
 mod tenants;
 mod topology;
@@ -54,6 +55,7 @@ fn main() -> std::process::ExitCode {
         daemon::tests(),
         unit_file::tests(),
         docs::tests(),
+        scripts::tests(),
         cluster::tests(),
         controller::tests(),
         topology::tests(),

@@ -31,6 +31,7 @@ tests! {
     the_real_kubectl_applies_and_explains_them: Root, Iproute2, ApiServer, Kubectl;
     rbac_controller_and_nodes: Root, Iproute2, ApiServer;
     the_controller_cannot_write_what_it_does_not_own: Root, Iproute2, ApiServer;
+    the_controller_policy_follows_the_namespace_it_is_installed_in: Root, Iproute2, ApiServer, Kubectl;
 }
 
 const NS: &str = contract::DEFAULT_NAMESPACE;
@@ -260,6 +261,8 @@ fn full_status() -> node_object::Status {
         reason: "Ready".into(),
         macvlan_ready: true,
         default_uplink: Some("eth0".into()),
+        nic_macs: vec!["52:54:00:12:34:56".into()],
+        gateway_mac: Some("0a:11:22:33:44:55".into()),
         held: 1,
         addresses: "10.77.0.150 (default/web)".into(),
         leases: vec![
@@ -304,7 +307,8 @@ async fn create_service(admin: &kube::Client) -> Result<()> {
     let svc: Service = serde_json::from_value(json!({
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": { "name": "web", "namespace": "default" },
+        "metadata": { "name": "web", "namespace": "default",
+                      "annotations": { "cloudprovider.harvesterhci.io/ipam": "dhcp" } },
         "spec": { "type": "LoadBalancer", "ports": [{ "port": 80, "protocol": "TCP" }] }
     }))?;
     Api::<Service>::namespaced(admin.clone(), "default")
@@ -1083,6 +1087,288 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
         let (role, binding) = node_role("node-1")?;
         roles.create(&PostParams::default(), &role).await?;
         bindings.create(&PostParams::default(), &binding).await?;
+        // Issue #29: owned by nothing, deleted only in the node's shape.
+        let mut owned = role.clone();
+        owned.metadata.name = Some(node_object::role_name("node-2"));
+        owned.metadata.owner_references = Some(vec![serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Namespace", "name": "kube-system",
+            "uid": "00000000-0000-0000-0000-000000000001",
+        }))?]);
+        refused(
+            roles.create(&PostParams::default(), &owned).await.map(drop),
+            "a node Role with an owner",
+        )?;
+        refused(
+            roles
+                .delete("harvester-node-agent-controller", &DeleteParams::default())
+                .await
+                .map(drop),
+            "deleting a Role that is no node's",
+        )?;
+        refused(
+            bindings
+                .delete("harvester-node-agent-controller", &DeleteParams::default())
+                .await
+                .map(drop),
+            "deleting a RoleBinding that is no node's",
+        )?;
+        bindings
+            .delete(&node_object::role_name("node-1"), &DeleteParams::default())
+            .await
+            .context("deleting a node's RoleBinding")?;
+        roles
+            .delete(&node_object::role_name("node-1"), &DeleteParams::default())
+            .await
+            .context("deleting a node's Role")?;
+
+        // Issue #29: the status only of Services it serves.
+        let other: Service = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": { "name": "metallb-web", "namespace": "default" },
+            "spec": { "type": "LoadBalancer", "loadBalancerClass": "metallb.io/metallb",
+                      "ports": [{ "port": 80, "protocol": "TCP" }] }
+        }))?;
+        let pool: Service = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": { "name": "pool-web", "namespace": "default" },
+            "spec": { "type": "LoadBalancer", "ports": [{ "port": 80, "protocol": "TCP" }] }
+        }))?;
+        let admin_services = Api::<Service>::namespaced(admin.clone(), "default");
+        admin_services
+            .create(&PostParams::default(), &other)
+            .await?;
+        admin_services.create(&PostParams::default(), &pool).await?;
+        for name in ["metallb-web", "pool-web"] {
+            denied(
+                services
+                    .patch_status(
+                        name,
+                        &PatchParams::default(),
+                        &Patch::Merge(ingress_status()),
+                    )
+                    .await,
+                &format!("the status of {name}"),
+            )?;
+        }
+        services
+            .patch_status(
+                "web",
+                &PatchParams::default(),
+                &Patch::Merge(ingress_status()),
+            )
+            .await
+            .context("the status of a Service it serves")?;
+        denied(
+            services
+                .patch(
+                    "web",
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "metadata": { "ownerReferences": [{
+                        "apiVersion": "v1", "kind": "Namespace", "name": "kube-system",
+                        "uid": "00000000-0000-0000-0000-000000000001" }] } })),
+                )
+                .await,
+            "ownerReferences on a Service",
+        )?;
+
+        // Issue #29: a LoadBalancerNode's assignments name no MAC of
+        // another host and no uplink that is not a card.
+        let lbns = lbn_api(&admin);
+        let mut status_of = new_lbn("node-2", node_object::Spec::default());
+        lbns.create(&PostParams::default(), &status_of).await?;
+        status_of = lbns.get("node-2").await?;
+        status_of.status = Some(node_object::Status {
+            nic_macs: vec!["52:54:00:00:00:02".into()],
+            gateway_mac: Some("0a:11:22:33:44:55".into()),
+            ..Default::default()
+        });
+        lbns.replace_status("node-2", &PostParams::default(), &status_of)
+            .await?;
+        let ctrl_lbns = lbn_api(&ctrl);
+        let refused_spec = |r: std::result::Result<node_object::LoadBalancerNode, kube::Error>,
+                            what: &str| match r {
+            Err(kube::Error::Api(s))
+                if s.message.contains("harvester-node-agent-controller-writes") =>
+            {
+                Ok(())
+            }
+            other => Err(anyhow::anyhow!(
+                "{what}: not refused by the policy: {other:?}"
+            )),
+        };
+        let assign = |mac: &str, uplink: Option<&str>| {
+            let mut a = full_spec().assignments[0].clone();
+            a.mac = mac.into();
+            a.uplink = uplink.map(str::to_string);
+            json!({ "spec": { "assignments": [a] } })
+        };
+        for (what, patch) in [
+            (
+                "the node's own card's MAC",
+                assign("52:54:00:00:00:02", None),
+            ),
+            ("the gateway's MAC", assign("0a:11:22:33:44:55", None)),
+            ("a multicast MAC", assign("01:00:5e:00:00:01", None)),
+            ("an all-zero MAC", assign("00:00:00:00:00:00", None)),
+            (
+                "loopback as the uplink",
+                assign("02:11:22:33:44:55", Some("lo")),
+            ),
+            (
+                "a macvlan of ours as the uplink",
+                assign("02:11:22:33:44:55", Some("hlb-aaaaaaaa")),
+            ),
+        ] {
+            refused_spec(
+                ctrl_lbns
+                    .patch("node-2", &PatchParams::default(), &Patch::Merge(&patch))
+                    .await,
+                what,
+            )?;
+        }
+        ctrl_lbns
+            .patch(
+                "node-2",
+                &PatchParams::default(),
+                &Patch::Merge(&assign("02:11:22:33:44:55", Some("eth1"))),
+            )
+            .await
+            .context("an assignment as the controller writes one")?;
         Ok(())
     })
+}
+
+/// Issue #29: the controller's admission policy follows the namespace it
+/// is installed in. The real kubectl applies the kustomize base through an
+/// overlay with `namespace: lb-system`; with a token of the
+/// ServiceAccount there (a TokenRequest), a Role outside a node's shape
+/// and the status of a Service it does not serve are refused by the
+/// policy, while a node's own Role in lb-system passes.
+fn the_controller_policy_follows_the_namespace_it_is_installed_in() -> Result<()> {
+    const HOME: &str = "lb-system";
+    let rig = start_rig()?;
+    let api = rig.apiserver().expect("started with apiserver");
+    let overlay = tempfile::tempdir()?;
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {HOME}\nresources:\n- {}\n",
+            relative(overlay.path(), &manifests_dir())?.display()
+        ),
+    )?;
+    let overlay_dir = overlay.path().to_str().context("utf-8 path")?;
+    kubectl(api, &["apply", "--server-side", "-k", overlay_dir])?;
+    on_runtime(|| async {
+        let admin = rig::kube_client(api.admin_kubeconfig()).await?;
+        create_service(&admin).await?;
+        let pool: Service = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": { "name": "pool-web", "namespace": "default" },
+            "spec": { "type": "LoadBalancer", "ports": [{ "port": 80, "protocol": "TCP" }] }
+        }))?;
+        Api::<Service>::namespaced(admin.clone(), "default")
+            .create(&PostParams::default(), &pool)
+            .await?;
+        let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+            Api::namespaced(admin.clone(), HOME);
+        let request: k8s_openapi::api::authentication::v1::TokenRequest =
+            serde_json::from_value(json!({ "spec": { "audiences": [] } }))?;
+        let token = sas
+            .create_token_request(
+                "harvester-node-agent-controller",
+                &PostParams::default(),
+                &request,
+            )
+            .await
+            .context("a token of the controller's ServiceAccount in lb-system")?
+            .status
+            .context("TokenRequest without status")?
+            .token;
+        let kubeconfig = overlay.path().join("controller.kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            serde_json::to_vec(&json!({
+                "apiVersion": "v1", "kind": "Config",
+                "clusters": [{ "name": "rig", "cluster": {
+                    "server": api.url(), "certificate-authority": api.ca_path() } }],
+                "users": [{ "name": "ctrl", "user": { "token": token } }],
+                "contexts": [{ "name": "ctrl", "context": { "cluster": "rig", "user": "ctrl" } }],
+                "current-context": "ctrl",
+            }))?,
+        )?;
+        let ctrl = rig::kube_client(&kubeconfig).await?;
+        let policy_refused = |r: std::result::Result<(), kube::Error>| match r {
+            Err(kube::Error::Api(s))
+                if s.message.contains("harvester-node-agent-controller-writes") =>
+            {
+                Ok(())
+            }
+            other => Err(anyhow::anyhow!("not refused by the policy: {other:?}")),
+        };
+        let services: Api<Service> = Api::namespaced(ctrl.clone(), "default");
+        // The policy is enforced once loaded: its refusal is the handshake.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = services
+                .patch_status(
+                    "pool-web",
+                    &PatchParams::default().dry_run(),
+                    &Patch::Merge(ingress_status()),
+                )
+                .await
+                .map(drop);
+            if policy_refused(r).is_ok() {
+                break;
+            }
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "the controller policy never refused the lb-system controller's write"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        services
+            .patch_status(
+                "web",
+                &PatchParams::default(),
+                &Patch::Merge(ingress_status()),
+            )
+            .await
+            .context("the status of a Service it serves")?;
+        let roles: Api<Role> = Api::namespaced(ctrl.clone(), HOME);
+        let (mut role, _) = node_role("node-1")?;
+        role.metadata.namespace = Some(HOME.into());
+        let mut renamed = role.clone();
+        renamed.metadata.name = Some("anything".into());
+        policy_refused(
+            roles
+                .create(&PostParams::default(), &renamed)
+                .await
+                .map(drop),
+        )
+        .context("a Role of another name in lb-system")?;
+        roles
+            .create(&PostParams::default(), &role)
+            .await
+            .context("a node's own Role in lb-system")?;
+        Ok(())
+    })
+}
+
+/// `to` as a path relative to `from` (both absolute).
+fn relative(from: &Path, to: &Path) -> Result<PathBuf> {
+    let from = from.canonicalize()?;
+    let to = to.canonicalize()?;
+    let common = from
+        .components()
+        .zip(to.components())
+        .take_while(|(a, b)| a == b)
+        .count();
+    let mut out = PathBuf::new();
+    for _ in from.components().skip(common) {
+        out.push("..");
+    }
+    for c in to.components().skip(common) {
+        out.push(c);
+    }
+    Ok(out)
 }

@@ -17,6 +17,8 @@ tests! {
     a_tenant_cannot_take_another_namespaces_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_tenant_cannot_clone_another_services_mac_or_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_tenant_cannot_put_an_address_on_a_host_interface: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_tenant_blanking_requested_ip_cannot_make_two_nodes_answer: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_tenant_cannot_put_another_hosts_mac_on_the_lan: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 const ADDRESS_WITHIN: Duration = Duration::from_secs(60);
@@ -278,5 +280,193 @@ fn a_tenant_cannot_put_an_address_on_a_host_interface() -> Result<()> {
         before == after,
         "cni0's arp_ignore changed: {before:?} -> {after:?}"
     );
+    Ok(())
+}
+
+/// Issue #29: the takeover guard does not rest on an annotation the tenant
+/// writes. With its own token (a ServiceAccount bound to `edit` in its
+/// namespace only), a tenant blanks `kube-vip.io/requestedIP` of its
+/// served Service while the holder is cut off from the API server but not
+/// from the LAN (it keeps answering until it fences itself). The
+/// controller moves the Service (the holder's heartbeat stops), and the new
+/// holder asks the LAN about the held address first: while the old holder
+/// answers, it waits. Read from every guest's kernel and from the LAN: at
+/// no moment do two guests hold the address, no ARP request is answered
+/// twice; when the old holder hears the API again it lets go, and the
+/// address is served by one node.
+fn a_tenant_blanking_requested_ip_cannot_make_two_nodes_answer() -> Result<()> {
+    use hna_testkit::addrwatch::AddressWatch;
+    use hna_testkit::failover::{arp_prober, guest_namespaces};
+
+    let mut lb = LbRig::start(options())?;
+    let tenant = lb.tenant("team-a")?;
+    lb.create_service_as(
+        &tenant,
+        "team-a/web",
+        &[(harvester::IPAM, "dhcp")],
+        &[LISTEN_PORT],
+    )?;
+    let ip = lb.wait_ingress("team-a/web", ADDRESS_WITHIN);
+    wait_for(WITHIN, || {
+        lb.service("team-a/web")
+            .filter(|s| annotation(s, kube_vip::REQUESTED_IP).is_some())
+    })
+    .context("team-a/web: no kube-vip.io/requestedIP written back")?;
+    let holder = wait_for(WITHIN, || {
+        let c = lb.carriers(ip);
+        (c.len() == 1).then(|| lb.guest_of(&c[0].0))
+    })
+    .context("never on exactly one guest")?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let prober = arp_prober(&lb, ip)?;
+
+    lb.cut_api(holder);
+    lb.annotate_as(&tenant, "team-a/web", kube_vip::REQUESTED_IP, None)?;
+    // The controller gives it another holder once the old one's heartbeat
+    // is stale (3 s); that node's takeover guard hears the old holder.
+    let moved = wait_for(WITHIN, || {
+        let guarded = (0..lb.rig.guest_count()).filter(|g| *g != holder).any(|g| {
+            lb.node_object(&lb.node_name(g)).is_some_and(|o| {
+                o["status"]["leases"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|l| l["service"] == "team-a/web" && l["state"] == "GUARDED")
+            })
+        });
+        guarded.then_some(())
+    });
+    ensure!(
+        moved.is_some(),
+        "no other node was assigned team-a/web and guarded:\n{}",
+        lb.diagnostics()
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    ensure!(
+        watch.overlaps(ip).is_empty(),
+        "two guests held {ip} at once: {:?}",
+        watch.overlaps(ip)
+    );
+    // The old holder hears the API again, reads that it no longer holds
+    // the Service and lets go; the new holder's guard then finds silence.
+    lb.restore_api(holder)?;
+    let t0 = std::time::Instant::now();
+    let taken = wait_for(Duration::from_secs(60), || {
+        watch.taken_by_other(ip, holder, t0)
+    });
+    ensure!(
+        taken.is_some(),
+        "{ip} never moved to another guest after the old holder reached the API again:\n{}",
+        lb.diagnostics()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let arp = prober.finish()?;
+    ensure!(
+        watch.overlaps(ip).is_empty() && arp.doubly_answered().is_empty(),
+        "two answerers: kernels {:?}, ARP answered twice at {} moments",
+        watch.overlaps(ip),
+        arp.doubly_answered().len()
+    );
+    ensure!(
+        lb.ingress_ip("team-a/web") == Some(ip),
+        "the address changed"
+    );
+    Ok(())
+}
+
+/// The MAC of `dev` in namespace `ns`, read from the kernel.
+fn kernel_mac(lb: &LbRig, ns: &str, dev: &str) -> Result<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-n", ns, "-j", "link", "show", dev])
+        .output()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let _ = lb;
+    v[0]["address"]
+        .as_str()
+        .map(str::to_ascii_lowercase)
+        .with_context(|| format!("no MAC for {dev} in {ns}"))
+}
+
+/// Issue #29: with its own token, a tenant pins `kube-vip.io/hwaddr` to
+/// the LAN gateway's MAC and to another node's network card, on new
+/// Services and on one already served. Each is refused with a Warning
+/// Event naming the annotation; no macvlan with either MAC exists on any
+/// guest (read from the kernels); the served Service keeps its MAC and
+/// address.
+fn a_tenant_cannot_put_another_hosts_mac_on_the_lan() -> Result<()> {
+    let lb = LbRig::start(options())?;
+    // Nodes talk to their gateway (DNS, registries, the internet): its
+    // entry is in their ARP tables, as on any real node.
+    let gateway_addr: std::net::SocketAddr = format!("{}:9", hna_testkit::rig::LAN_ADDR).parse()?;
+    for g in 0..lb.rig.guest_count() {
+        // Any answer (here a refusal) means the gateway was resolved.
+        hna_testkit::rig::forward::in_netns(lb.rig.guest_ns(g), || {
+            let _ = std::net::TcpStream::connect_timeout(&gateway_addr, Duration::from_secs(2));
+        })?;
+    }
+    let gateway = kernel_mac(&lb, lb.rig.lan_ns(), "br0")?;
+    let other_nic = kernel_mac(&lb, lb.rig.guest_ns(1), "eth0")?;
+    let reported = wait_for(WITHIN, || {
+        let o = lb.node_object(&lb.node_name(0))?;
+        let gw = o["status"]["gatewayMac"].as_str()?.to_string();
+        let o1 = lb.node_object(&lb.node_name(1))?;
+        let nics: Vec<String> = o1["status"]["nicMacs"]
+            .as_array()?
+            .iter()
+            .filter_map(|m| m.as_str().map(str::to_string))
+            .collect();
+        Some((gw, nics))
+    })
+    .context("the agents never reported their gateway's and cards' MACs")?;
+    ensure!(
+        reported.0 == gateway && reported.1.contains(&other_nic),
+        "reported {reported:?}, the kernels say gateway {gateway}, node 1's eth0 {other_nic}"
+    );
+
+    let tenant = lb.tenant("team-a")?;
+    lb.create_service_as(
+        &tenant,
+        "team-a/web",
+        &[(harvester::IPAM, "dhcp")],
+        &[LISTEN_PORT],
+    )?;
+    let ip = lb.wait_ingress("team-a/web", ADDRESS_WITHIN);
+    let web_mac = wait_for(WITHIN, || {
+        lb.service("team-a/web")
+            .and_then(|s| annotation(&s, kube_vip::HWADDR).map(str::to_string))
+    })
+    .context("team-a/web: no hwaddr written back")?;
+    for (name, mac) in [("team-a/gw", &gateway), ("team-a/nic", &other_nic)] {
+        lb.create_service_as(
+            &tenant,
+            name,
+            &[(harvester::IPAM, "dhcp"), (kube_vip::HWADDR, mac)],
+            &[LISTEN_PORT],
+        )?;
+    }
+    lb.annotate_as(&tenant, "team-a/web", kube_vip::HWADDR, Some(&gateway))?;
+    for name in ["team-a/gw", "team-a/nic", "team-a/web"] {
+        let why = lb.wait_warning(name, "MACAddressRefused", WITHIN);
+        ensure!(why.contains(kube_vip::HWADDR), "{name}: {why}");
+    }
+    for name in ["team-a/gw", "team-a/nic"] {
+        ensure!(ingress_is_empty(&lb, name), "{name} was served");
+    }
+    // A while for anything wrong to show.
+    std::thread::sleep(Duration::from_secs(3));
+    for g in 0..lb.rig.guest_count() {
+        for l in lb.hlb_links(g) {
+            ensure!(
+                !l.mac.eq_ignore_ascii_case(&gateway) && !l.mac.eq_ignore_ascii_case(&other_nic),
+                "guest {g} has a link with another host's MAC: {l:?}"
+            );
+        }
+    }
+    let holders = lb.carriers(ip);
+    ensure!(
+        holders.len() == 1 && holders[0].1.mac.eq_ignore_ascii_case(&web_mac),
+        "team-a/web is no longer served as it was: {holders:?}"
+    );
+    ensure!(lb.ingress_ip("team-a/web") == Some(ip));
     Ok(())
 }

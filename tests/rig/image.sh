@@ -84,7 +84,7 @@ VMLINUZ=$(find "$R/boot" -maxdepth 1 -name 'vmlinuz-*' | sort -V | tail -1)
 [[ -f "$VMLINUZ" ]] || { log "no /boot/vmlinuz-* in the rootfs"; exit 1; }
 REL=${VMLINUZ##*/vmlinuz-}
 [[ -f "$R/boot/initrd.img-$REL" ]] || { log "no /boot/initrd.img-$REL in the rootfs"; exit 1; }
-MACVLAN=$(find "$R/usr/lib/modules/$REL" -name 'macvlan.ko*' | head -1)
+MACVLAN=$(find "$R/usr/lib/modules/$REL" -name 'macvlan.ko*' | sed -n 1p)
 [[ -n "$MACVLAN" ]] || { log "kernel $REL has no macvlan module"; exit 1; }
 cp "$VMLINUZ" "$WORK/vmlinuz"
 cp "$R/boot/initrd.img-$REL" "$WORK/initrd.img"

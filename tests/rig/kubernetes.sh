@@ -7,7 +7,8 @@
 # Cached by version outside the checkout, each folder complete or absent
 # (built in a scratch folder, moved into place only when everything in it
 # built):
-#   $CACHE_DIR/kubernetes/<release>/{kube-apiserver,kubectl,etcd}   (etcd: a link)
+#   $CACHE_DIR/kubernetes/<release>/{kube-apiserver,kubectl,etcd}   (etcd: a link;
+#                                 each binary whole or absent)
 #   $CACHE_DIR/etcd/<version>/etcd
 #   $CACHE_DIR/go/{mod,build}     Go's module and build caches
 # A warm run only checks that the folders are there.
@@ -30,6 +31,9 @@ ETCD_VERSION="${HNA_ETCD_VERSION:-v3.6.16}"
 
 CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
 which_release="${1:-all}"
+# The commands to build: both by default; `HNA_KUBE_COMMANDS=kube-apiserver`
+# for the demo, which runs no kubectl.
+read -r -a KUBE_COMMANDS <<<"${HNA_KUBE_COMMANDS:-kube-apiserver kubectl}"
 
 log() { echo "kubernetes.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -56,8 +60,11 @@ ensure_etcd() {
   mkdir "$scratch/out"
   step "go build" "$module" "$ETCD_VERSION" \
     go build -trimpath -ldflags='-s -w' -o out/etcd "$module"
-  "$scratch/out/etcd" --version | grep -q "etcd Version: ${ETCD_VERSION#v}" \
-    || die "the etcd built from $module@$ETCD_VERSION does not report version ${ETCD_VERSION#v}"
+  # Read whole before it is matched (no `| grep -q` under pipefail: SIGPIPE).
+  local reported
+  reported="$("$scratch/out/etcd" --version 2>&1)" || true
+  [[ "$reported" == *"etcd Version: ${ETCD_VERSION#v}"* ]] \
+    || die "the etcd built from $module@$ETCD_VERSION does not report version ${ETCD_VERSION#v}: $(head -3 <<<"$reported")"
   mkdir -p "$CACHE_DIR/etcd"
   rm -rf "$dir"
   mv "$scratch/out" "$dir"
@@ -65,57 +72,74 @@ ensure_etcd() {
   log "etcd $ETCD_VERSION built and cached at $dir"
 }
 
-# ensure_kubernetes vX.Y.Z: kube-apiserver and kubectl of that release.
+# ensure_kubernetes vX.Y.Z: the commands in KUBE_COMMANDS (kube-apiserver
+# and kubectl; the demo asks for kube-apiserver alone) of that release. What
+# is cached is kept; only what is missing is built, so a later full run
+# after the demo's adds kubectl with most packages from Go's build cache.
 ensure_kubernetes() {
-  local release="$1" dir="$CACHE_DIR/kubernetes/$1"
-  if [[ -x "$dir/kube-apiserver" && -x "$dir/kubectl" && -e "$dir/etcd" ]]; then
-    log "Kubernetes $release cached at $dir"; return
+  local release="$1" dir="$CACHE_DIR/kubernetes/$1" cmd missing=()
+  for cmd in "${KUBE_COMMANDS[@]}"; do
+    [[ -x "$dir/$cmd" ]] || missing+=("$cmd")
+  done
+  if ((${#missing[@]} == 0)) && [[ -e "$dir/etcd" ]]; then
+    log "Kubernetes $release (${KUBE_COMMANDS[*]}) cached at $dir"; return
   fi
   scratch="$(mktemp -d "$CACHE_DIR/build/kubernetes-$release.XXXXXX")"
   local module=k8s.io/kubernetes minor staging
   minor="$(cut -d. -f2 <<<"$release")"
   staging="v0.${release#v1.}"
-  log "building kube-apiserver and kubectl $release from the Go module proxy (one-time, ~10 minutes)"
-  served "$module" "$release"
-  # k8s.io/kubernetes points its k8s.io/* staging modules at ./staging, which
-  # a module download leaves out: a wrapper module pins each of them to the
-  # matching published v0.Y.Z (kubernetes/kubernetes#79384).
-  step "go mod download" "$module" "$release" \
-    go mod download -json "$module@$release"
-  local gomod
-  gomod="$(jq -r .GoMod "$scratch/step.log")"
-  printf 'module hna.invalid/rig-kubernetes\n\ngo 1.26\n' >"$scratch/go.mod"
-  local staged
-  staged="$(go mod edit -json "$gomod" \
-    | jq -r '.Replace[] | select(.New.Path | startswith("./staging/")) | .Old.Path')"
-  [[ -n "$staged" ]] || die "no ./staging replace directives in the go.mod of $module@$release: the wrapper pattern does not apply to it"
-  local m
-  # Not looked up one by one: the build reads only those it needs (some,
-  # like the sample modules, are not served at every version), and `go get`
-  # below names any it cannot fetch.
-  for m in $staged; do
-    (cd "$scratch" && go mod edit -replace "$m=$m@$staging")
+  if ((${#missing[@]})); then
+    log "building ${missing[*]} $release from the Go module proxy (one-time, ~10 minutes)"
+    served "$module" "$release"
+    # k8s.io/kubernetes points its k8s.io/* staging modules at ./staging, which
+    # a module download leaves out: a wrapper module pins each of them to the
+    # matching published v0.Y.Z (kubernetes/kubernetes#79384).
+    step "go mod download" "$module" "$release" \
+      go mod download -json "$module@$release"
+    local gomod
+    gomod="$(jq -r .GoMod "$scratch/step.log")"
+    printf 'module hna.invalid/rig-kubernetes\n\ngo 1.26\n' >"$scratch/go.mod"
+    local staged
+    staged="$(go mod edit -json "$gomod" \
+      | jq -r '.Replace[] | select(.New.Path | startswith("./staging/")) | .Old.Path')"
+    [[ -n "$staged" ]] || die "no ./staging replace directives in the go.mod of $module@$release: the wrapper pattern does not apply to it"
+    local m
+    # Not looked up one by one: the build reads only those it needs (some,
+    # like the sample modules, are not served at every version), and `go get`
+    # below names any it cannot fetch.
+    for m in $staged; do
+      (cd "$scratch" && go mod edit -replace "$m=$m@$staging")
+    done
+    local packages=()
+    for cmd in "${missing[@]}"; do packages+=("$module/cmd/$cmd"); done
+    step "go get" "$module" "$release" \
+      go get "${packages[@]/%/@$release}"
+    # What Kubernetes' own build stamps (hack/lib/version.sh), so /version and
+    # `kubectl version` name the release.
+    local ldflags="-s -w" pkg
+    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+      ldflags+=" -X $pkg.gitVersion=$release -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+      ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+    done
+    mkdir "$scratch/out"
+    step "go build" "$module" "$release" \
+      go build -trimpath -ldflags="$ldflags" -o out/ "${packages[@]}"
+    if [[ -x "$scratch/out/kube-apiserver" ]]; then
+      local reported
+      reported="$("$scratch/out/kube-apiserver" --version 2>&1)" || true
+      [[ "$reported" == "Kubernetes $release" ]] \
+        || die "the kube-apiserver built from $module@$release reports $reported"
+    fi
+  fi
+  # Each binary is moved into place whole, so the folder never holds a
+  # half-written one; etcd is a link to its own cached build.
+  mkdir -p "$dir"
+  for cmd in "${missing[@]}"; do
+    mv "$scratch/out/$cmd" "$dir/$cmd"
   done
-  step "go get" "$module" "$release" \
-    go get "$module/cmd/kube-apiserver@$release" "$module/cmd/kubectl@$release"
-  # What Kubernetes' own build stamps (hack/lib/version.sh), so /version and
-  # `kubectl version` name the release.
-  local ldflags="-s -w" pkg
-  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ldflags+=" -X $pkg.gitVersion=$release -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
-    ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
-  done
-  mkdir "$scratch/out"
-  step "go build" "$module" "$release" \
-    go build -trimpath -ldflags="$ldflags" -o out/ "$module/cmd/kube-apiserver" "$module/cmd/kubectl"
-  "$scratch/out/kube-apiserver" --version | grep -qx "Kubernetes $release" \
-    || die "the kube-apiserver built from $module@$release reports $("$scratch/out/kube-apiserver" --version)"
-  ln -s "../../etcd/$ETCD_VERSION/etcd" "$scratch/out/etcd"
-  mkdir -p "$CACHE_DIR/kubernetes"
-  rm -rf "$dir"
-  mv "$scratch/out" "$dir"
+  ln -sfn "../../etcd/$ETCD_VERSION/etcd" "$dir/etcd"
   rm -rf "$scratch"; scratch=""
-  log "Kubernetes $release built and cached at $dir"
+  log "Kubernetes $release (${KUBE_COMMANDS[*]}) built and cached at $dir"
 }
 
 case "$which_release" in
@@ -133,13 +157,18 @@ for release in "${releases[@]}"; do
 done
 rm -rf "$scratch"; scratch=""
 
-ensure_etcd
+# etcd builds beside Kubernetes: on a fresh machine one's downloads overlap
+# the other's compiling.
+( trap cleanup EXIT; ensure_etcd ) &
+etcd_pid=$!
 case "$which_release" in
-  newest) ensure_kubernetes "$KUBE_NEWEST"; echo "$CACHE_DIR/kubernetes/$KUBE_NEWEST" ;;
-  oldest) ensure_kubernetes "$KUBE_OLDEST"; echo "$CACHE_DIR/kubernetes/$KUBE_OLDEST" ;;
+  newest) ensure_kubernetes "$KUBE_NEWEST"; out="$CACHE_DIR/kubernetes/$KUBE_NEWEST" ;;
+  oldest) ensure_kubernetes "$KUBE_OLDEST"; out="$CACHE_DIR/kubernetes/$KUBE_OLDEST" ;;
   all)
     ensure_kubernetes "$KUBE_NEWEST"
     ensure_kubernetes "$KUBE_OLDEST"
-    echo "$CACHE_DIR/kubernetes/$KUBE_NEWEST" ;;
+    out="$CACHE_DIR/kubernetes/$KUBE_NEWEST" ;;
   *) die "usage: kubernetes.sh [newest|oldest|all] (not \`$which_release\`)" ;;
 esac
+wait "$etcd_pid" || die "building etcd $ETCD_VERSION failed (its output is above)"
+echo "$out"

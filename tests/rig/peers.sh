@@ -47,8 +47,12 @@ ensure_kube_vip() {
   step "go build" "$module" "$KUBE_VIP_VERSION" \
     go build -trimpath -ldflags="-s -w -X main.Version=$KUBE_VIP_VERSION -X main.Build=module-proxy" \
     -o out/kube-vip "$module"
-  "$scratch/out/kube-vip" version 2>&1 | grep -q "$KUBE_VIP_VERSION" \
-    || die "the kube-vip built from $module@$KUBE_VIP_VERSION does not report $KUBE_VIP_VERSION: $("$scratch/out/kube-vip" version 2>&1 | head -3)"
+  # Read whole before it is matched: `cmd | grep -q` under pipefail fails
+  # when grep exits at the first match and cmd dies of SIGPIPE.
+  local reported
+  reported="$("$scratch/out/kube-vip" version 2>&1)" || true
+  [[ "$reported" == *"$KUBE_VIP_VERSION"* ]] \
+    || die "the kube-vip built from $module@$KUBE_VIP_VERSION does not report $KUBE_VIP_VERSION: $(head -3 <<<"$reported")"
   mkdir -p "$(dirname "$dir")"
   rm -rf "$dir"
   mv "$scratch/out" "$dir"

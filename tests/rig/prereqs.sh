@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Installs everything the test rig and the demo need, from Debian's packages,
-# and builds kube-apiserver, kubectl and etcd from the Go module proxy
-# (tests/rig/kubernetes.sh).
+# Installs everything the test rig needs, from Debian's packages, and builds
+# kube-apiserver, kubectl and etcd from the Go module proxy
+# (tests/rig/kubernetes.sh), the peers (tests/rig/peers.sh), the VM kernel
+# and image, kiwi and the packaging tools.
+#
+# Usage: prereqs.sh          everything the tests need
+#        prereqs.sh demo     only what tests/demo.sh runs: a few Debian
+#                            packages, etcd and the newest release's
+#                            kube-apiserver (no kubectl, no peers, no oldest
+#                            release, no VM, image, kiwi or packaging tools)
 #
 # The Go builds are cached outside the checkout, keyed by version, so repeat
 # runs take seconds:
@@ -37,7 +44,7 @@ apt_update() {
 install_missing() {
   local missing=() p
   for p in "$@"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == "install ok installed" ]] || missing+=("$p")
   done
   if ((${#missing[@]})); then
     apt_update
@@ -50,7 +57,28 @@ install_missing() {
 VM_PACKAGES=(qemu-system-x86 kmod cpio socat qemu-guest-agent)
 SHIP_PACKAGES=(buildah runc umoci cloud-init python3-venv)
 IMAGE_PACKAGES=(mmdebstrap e2fsprogs qemu-utils genisoimage)
-install_missing "${PACKAGES[@]}" "${VM_PACKAGES[@]}" "${SHIP_PACKAGES[@]}" "${IMAGE_PACKAGES[@]}"
+
+# --- the demo (tests/demo.sh): the LAN's dnsmasq, ip, the guests' TCP
+# listeners and the client (socat), the API server's certificates
+# (openssl), the Go builds' lookups (jq, the CA bundle), and one Kubernetes
+# release. Nothing else, so that a fresh machine runs the demo
+# in minutes; the tests' prerequisites come with tests/run.sh.
+DEMO_PACKAGES=(dnsmasq-base iproute2 socat procps psmisc jq ca-certificates openssl)
+case "${1:-all}" in
+  demo)
+    install_missing "${DEMO_PACKAGES[@]}"
+    if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" ]]; then
+      log "using kube-apiserver from KUBEBUILDER_ASSETS=${KUBEBUILDER_ASSETS}"
+      echo "${KUBEBUILDER_ASSETS}"; exit 0
+    fi
+    k8s_dir="$(HNA_KUBE_COMMANDS=kube-apiserver bash "$(dirname "$0")/kubernetes.sh" newest | tail -n1)"
+    [[ -n "$k8s_dir" ]] || { log "tests/rig/kubernetes.sh printed no folder"; exit 1; }
+    echo "$k8s_dir"; exit 0 ;;
+  all) ;;
+  *) log "usage: prereqs.sh [demo] (not \`$1\`)"; exit 2 ;;
+esac
+
+install_missing "${PACKAGES[@]}" "${DEMO_PACKAGES[@]}" "${VM_PACKAGES[@]}" "${SHIP_PACKAGES[@]}" "${IMAGE_PACKAGES[@]}"
 
 # --- image test (tests/integration/vm_image.rs) ----------------------------
 # A Debian bookworm image with systemd, cloud-init and qemu-guest-agent,
@@ -96,7 +124,9 @@ chown "$cargo_user" "$CARGO_INSTALL_TARGET"
 for tool_version in "${CARGO_TOOLS[@]}"; do
   tool=${tool_version% *}; version=${tool_version#* }
   # `cargo install --list` names what is installed, e.g. "cargo-deb v3.8.0:".
-  if PATH="$cargo_bin:$PATH" as_cargo_user cargo install --list 2>/dev/null | grep -qx "$tool v$version:"; then
+  # Read whole, then matched (`cmd | grep -q` under pipefail: SIGPIPE race).
+  installed="$(PATH="$cargo_bin:$PATH" as_cargo_user cargo install --list 2>/dev/null)" || true
+  if grep -qx "$tool v$version:" <<<"$installed"; then
     continue
   fi
   log "installing $tool $version with cargo (one-time, several minutes)"
@@ -123,12 +153,12 @@ if [[ -n "${HNA_VM_KERNEL_DIR:-}" ]]; then
 else
   kernel_pkg() {
     apt-cache depends linux-image-amd64 2>/dev/null \
-      | sed -n 's/^ *Depends: \(linux-image-[0-9][^ ]*-amd64\)$/\1/p' | head -1
+      | sed -n 's/^ *Depends: \(linux-image-[0-9][^ ]*-amd64\)$/\1/p' | sed -n 1p
   }
   KPKG=$(kernel_pkg)
   if [[ -z "$KPKG" ]]; then apt_update; KPKG=$(kernel_pkg); fi
   [[ -n "$KPKG" ]] || { log "cannot resolve the kernel package of linux-image-amd64"; exit 1; }
-  KVER=$(apt-cache show --no-all-versions "$KPKG" | sed -n 's/^Version: //p' | head -1)
+  KVER=$(apt-cache show --no-all-versions "$KPKG" | sed -n 's/^Version: //p' | sed -n 1p)
   [[ -n "$KVER" ]] || { log "no version found for $KPKG"; exit 1; }
   KDIR="$CACHE_DIR/kernel/$KVER"
   if [[ -f "$KDIR/VERSION" ]]; then
@@ -142,11 +172,11 @@ else
     chmod 755 "$KTMP"; mkdir "$KTMP/dl"
     chown _apt "$KTMP/dl" 2>/dev/null || true
     ( cd "$KTMP/dl" && apt-get download -qq "$KPKG=$KVER" >&2 )
-    DEB=$(find "$KTMP/dl" -maxdepth 1 -name '*.deb' | head -1)
+    DEB=$(find "$KTMP/dl" -maxdepth 1 -name '*.deb' | sed -n 1p)
     [[ -f "$DEB" ]] || { log "apt-get download $KPKG=$KVER produced no .deb"; exit 1; }
     dpkg-deb -x "$DEB" "$KTMP/root"
     rm -rf "$KTMP/dl"
-    VMLINUZ=$(find "$KTMP/root/boot" -maxdepth 1 -name 'vmlinuz-*' | head -1)
+    VMLINUZ=$(find "$KTMP/root/boot" -maxdepth 1 -name 'vmlinuz-*' | sed -n 1p)
     [[ -f "$VMLINUZ" ]] || { log "$KPKG has no boot/vmlinuz-*"; exit 1; }
     KREL=${VMLINUZ##*/vmlinuz-}
     MODS="$KTMP/root/lib/modules/$KREL"
@@ -178,7 +208,8 @@ KIWI_VERSION=11.1.6
 KIWI_VENV="$CACHE_DIR/kiwi-venv-$KIWI_VERSION"
 # Built in place: a venv's scripts name its absolute path, so it cannot be
 # moved; a half-made one fails the version check and is made again.
-if "$KIWI_VENV/bin/kiwi-ng" --version 2>/dev/null | grep -q "version $KIWI_VERSION\$"; then
+kiwi_reported="$("$KIWI_VENV/bin/kiwi-ng" --version 2>/dev/null)" || true
+if grep -q "version $KIWI_VERSION\$" <<<"$kiwi_reported"; then
   log "kiwi $KIWI_VERSION cached at $KIWI_VENV"
 else
   log "installing kiwi $KIWI_VERSION from PyPI into $KIWI_VENV (one-time, ~1 minute)"

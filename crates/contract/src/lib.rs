@@ -165,6 +165,15 @@ pub mod node_object {
         /// The uplink used when an assignment names none.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub default_uplink: Option<String>,
+        /// The MACs (lower case) of the node's own network cards and
+        /// uplink: no Service may use one (the LAN's switches would send
+        /// the node's traffic to the Service's holder).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub nic_macs: Vec<String>,
+        /// The MAC (lower case) of the default gateway, as the node's ARP
+        /// table has it: no Service may use it either.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub gateway_mac: Option<String>,
         /// Number of leases BOUND (printer column).
         #[serde(default)]
         pub held: u32,

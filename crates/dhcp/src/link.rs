@@ -722,6 +722,8 @@ pub fn current_uplink(
 /// The IPv4 routing table as text. Through `self`: the daemon's unit sets
 /// `ProcSubset=pid`, which hides the top-level `/proc/net` link.
 pub const ROUTE_TABLE: &str = "/proc/self/net/route";
+/// The kernel's ARP table of this process's network namespace.
+pub const ARP_TABLE: &str = "/proc/self/net/arp";
 
 /// The interface of the IPv4 default route, from `/proc/net/route` text
 /// (the lowest metric wins).
@@ -743,6 +745,62 @@ pub fn default_route_interface(proc_net_route: &str) -> Option<String> {
         })
         .min()
         .map(|(_, iface)| iface)
+}
+
+/// The IPv4 default route's interface and gateway, from `/proc/net/route`
+/// text (the lowest metric wins; a route without a gateway has none).
+pub fn default_gateway(proc_net_route: &str) -> Option<(String, Ipv4Addr)> {
+    proc_net_route
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() >= 8 && f[1] == "00000000" && f[7] == "00000000" {
+                let flags = u32::from_str_radix(f[3], 16).ok()?;
+                let metric: u32 = f[6].parse().ok()?;
+                // The kernel prints the gateway in host (little-endian) order.
+                let gw = u32::from_str_radix(f[2], 16).ok()?;
+                let gw = Ipv4Addr::from(gw.swap_bytes());
+                // RTF_UP and RTF_GATEWAY
+                (flags & 3 == 3 && !gw.is_unspecified()).then(|| (metric, f[0].to_string(), gw))
+            } else {
+                None
+            }
+        })
+        .min()
+        .map(|(_, iface, gw)| (iface, gw))
+}
+
+/// The complete entries of the kernel's ARP table (`/proc/net/arp` text):
+/// per neighbour MAC (lower case), the addresses it answers for and on
+/// which interfaces. Incomplete and all-zero entries are left out.
+pub fn arp_neighbours(
+    proc_net_arp: &str,
+) -> std::collections::BTreeMap<String, std::collections::BTreeSet<(Ipv4Addr, String)>> {
+    let mut out: std::collections::BTreeMap<
+        String,
+        std::collections::BTreeSet<(Ipv4Addr, String)>,
+    > = Default::default();
+    for l in proc_net_arp.lines().skip(1) {
+        // IP address  HW type  Flags  HW address  Mask  Device
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() < 6 {
+            continue;
+        }
+        let (Ok(ip), Ok(flags)) = (
+            f[0].parse::<Ipv4Addr>(),
+            u32::from_str_radix(f[2].trim_start_matches("0x"), 16),
+        ) else {
+            continue;
+        };
+        let mac = f[3].to_ascii_lowercase();
+        // ATF_COM: resolved.
+        if flags & 0x2 == 0 || crate::mac::parse(&mac).is_none_or(|m| m == [0; 6]) {
+            continue;
+        }
+        out.entry(mac).or_default().insert((ip, f[5].to_string()));
+    }
+    out
 }
 
 /// `vip-<first 8 hex digits of key>`: the kube-vip naming the field knows
@@ -887,6 +945,35 @@ eth0\t00000000\t01004D0A\t0003\t0\t0\t100\t00000000\t0\t0\t0\n\
 eth0\t00004D0A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n";
         assert_eq!(default_route_interface(t).as_deref(), Some("eth0"));
         assert_eq!(default_route_interface("Iface\n"), None);
+    }
+
+    #[test]
+    fn the_default_gateway_and_the_arp_table() {
+        let route = "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\tMTU\tWindow\tIRTT\n\
+eth1\t00000000\t0100A8C0\t0003\t0\t0\t200\t00000000\t0\t0\t0\n\
+eth0\t00000000\t01004D0A\t0003\t0\t0\t100\t00000000\t0\t0\t0\n\
+eth0\t00004D0A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n";
+        assert_eq!(
+            default_gateway(route),
+            Some(("eth0".to_string(), Ipv4Addr::new(10, 77, 0, 1)))
+        );
+        // A default route on a link, without a gateway.
+        let onlink = "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\n\
+eth0\t00000000\t00000000\t0001\t0\t0\t0\t00000000\n";
+        assert_eq!(default_gateway(onlink), None);
+        let arp = "IP address       HW type     Flags       HW address            Mask     Device\n\
+10.77.0.1        0x1         0x2         0A:11:22:33:44:55     *        eth0\n\
+10.77.0.12       0x1         0x2         02:00:00:00:00:0c     *        eth0\n\
+10.77.0.150      0x1         0x2         02:00:00:00:00:0c     *        eth0\n\
+10.77.0.99       0x1         0x0         00:00:00:00:00:00     *        eth0\n\
+garbage\n";
+        let n = arp_neighbours(arp);
+        assert_eq!(n.len(), 2, "{n:?}");
+        assert_eq!(
+            n["0a:11:22:33:44:55"],
+            [(Ipv4Addr::new(10, 77, 0, 1), "eth0".to_string())].into()
+        );
+        assert_eq!(n["02:00:00:00:00:0c"].len(), 2);
     }
 
     #[test]

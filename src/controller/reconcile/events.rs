@@ -44,6 +44,7 @@ pub mod reason {
     pub const SHARING_ENDED: &str = "SharingEnded";
     pub const IDENTITY_IN_USE: &str = "AddressIdentityInUse";
     pub const ADDRESS_IMPLAUSIBLE: &str = "AddressImplausible";
+    pub const MAC_REFUSED: &str = "MACAddressRefused";
 }
 
 /// The Events of one decision, in the order it came to them.

@@ -3,6 +3,7 @@
 //! assignment that carries them to its holder.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
 
 use crate::contract::node_object::Assignment;
 use crate::contract::{AddressIdentity, ServiceKey, kube_vip};
@@ -107,6 +108,46 @@ fn identity_clashes(needs: &[Need<'_>], specs: &Specs) -> BTreeMap<ServiceKey, S
     out
 }
 
+/// The address a primary of ours stands for, from what the tenant cannot
+/// write: the address its holder reports BOUND (the newest truth), else
+/// the one its status publishes (ours alone writes it). Only when neither
+/// exists does `kube-vip.io/requestedIP` count, which a Service's owner may
+/// blank or change at will (issue #29): the takeover guard asks the LAN
+/// for this address, so a blanked annotation must not let a new holder
+/// bind beside an old one that still answers for it.
+pub(super) fn known_address(
+    pass: &Pass<'_>,
+    s: &ServiceIn,
+    id: &AddressIdentity,
+) -> Option<Ipv4Addr> {
+    let service = s.key.to_string();
+    let reported = pass
+        .specs
+        .holders_of(&s.uid)
+        .into_iter()
+        .filter_map(|(node, _)| pass.nodes.live.get(node.as_str()).copied())
+        .find_map(|n| n.bound_address(&service, &id.interface))
+        .and_then(|ip| ip.parse().ok());
+    reported
+        .or_else(|| s.first_ip().and_then(|ip| ip.parse().ok()))
+        .or(id.requested_ip)
+}
+
+/// Why a Service may not use `id.mac`, if it may not: it is a MAC a node
+/// reports as one of its network cards or as its default gateway's
+/// (`status.nicMacs`, `status.gatewayMac`). A macvlan with it would make
+/// the LAN's switches send that host's traffic to the Service's holder
+/// (issue #29). Pinning a MAC with `kube-vip.io/hwaddr` stays a feature
+/// (DHCP reservations by MAC); only MACs of other hosts are refused.
+pub(super) fn lan_mac_refusal(pass: &Pass<'_>, id: &AddressIdentity) -> Option<String> {
+    let mac = crate::mac::format(&id.mac);
+    let whose = pass.nodes.lan_macs.get(&mac)?;
+    Some(format!(
+        "{}: MAC {mac} is {whose}: a Service's link with it would take that host's traffic from the LAN's switches; remove the annotation to get a MAC derived from the Service's UID, or choose one that no host on the VM network uses",
+        kube_vip::HWADDR
+    ))
+}
+
 /// What a Service's own holder should carry.
 pub(super) fn assignment_of(
     s: &ServiceIn,
@@ -133,6 +174,107 @@ mod tests {
     use crate::contract::kube_vip;
     use crate::controller::reconcile::reason;
     use crate::controller::reconcile::test_support::{Sim, dhcp, in_namespace, key, uid};
+
+    /// Issue #29: the address a new holder asks for, and that its
+    /// takeover guard asks the LAN about, is the one the Service holds,
+    /// whatever its owner does to `kube-vip.io/requestedIP`: blanked or
+    /// changed to another address in the same pass in which its holder dies.
+    #[test]
+    fn a_new_holder_asks_for_the_held_address_whatever_requested_ip_says() {
+        for tampered in [None, Some("10.77.0.9")] {
+            let mut sim = Sim::new(&["n1", "n2"]);
+            sim.services.push(dhcp("web", &[80]));
+            sim.settle();
+            let (old, a) = sim.holders("web").remove(0);
+            let held = a.requested_ip.clone().expect("written back");
+            let annotations = &mut sim.svc_mut("web").annotations;
+            match tampered {
+                None => annotations.remove(kube_vip::REQUESTED_IP),
+                Some(ip) => annotations.insert(kube_vip::REQUESTED_IP.into(), ip.into()),
+            };
+            sim.up.remove(&old);
+            sim.agents();
+            let plan = sim.plan();
+            sim.apply(&plan);
+            let moved: Vec<_> = sim
+                .holders("web")
+                .into_iter()
+                .filter(|(n, a)| *n != old && !a.release)
+                .collect();
+            assert_eq!(moved.len(), 1, "{tampered:?}: {:?}", sim.holders("web"));
+            assert_eq!(
+                moved[0].1.requested_ip.as_deref(),
+                Some(held.as_str()),
+                "{tampered:?}"
+            );
+            // Even with the status gone too (never written, or cleared),
+            // the dead holder's last BOUND report still names it.
+            let mut sim2 = sim.clone();
+            sim2.svc_mut("web").ingress.clear();
+            sim2.svc_mut("web")
+                .annotations
+                .remove(kube_vip::REQUESTED_IP);
+            for o in &mut sim2.objects {
+                o.spec.assignments.retain(|a| !a.service.ends_with("/web"));
+            }
+            let back = sim2.objects.iter_mut().find(|o| o.name == old).unwrap();
+            back.spec.assignments.push(a.clone());
+            let plan = sim2.plan();
+            sim2.apply(&plan);
+            let moved: Vec<_> = sim2
+                .holders("web")
+                .into_iter()
+                .filter(|(n, a)| *n != old && !a.release)
+                .collect();
+            assert_eq!(moved.len(), 1, "{:?}", sim2.holders("web"));
+            assert_eq!(moved[0].1.requested_ip.as_deref(), Some(held.as_str()));
+        }
+    }
+
+    /// Issue #29: a `kube-vip.io/hwaddr` naming a node's network card or
+    /// the gateway is refused with an Event naming the annotation; a
+    /// served Service whose MAC is changed to one keeps running as it was.
+    #[test]
+    fn a_mac_of_another_host_on_the_lan_is_refused_and_nothing_served_changes() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        for o in &mut sim.objects {
+            let last = if o.name == "n1" { "01" } else { "02" };
+            o.status.nic_macs = vec![format!("52:54:00:00:00:{last}")];
+            o.status.gateway_mac = Some("0a:11:22:33:44:55".into());
+        }
+        let mut thief = dhcp("thief", &[80]);
+        thief
+            .annotations
+            .insert(kube_vip::HWADDR.into(), "52:54:00:00:00:02".into());
+        sim.services.push(thief);
+        sim.services.push(dhcp("web", &[80]));
+        let plans = sim.settle();
+        let told = crate::controller::reconcile::test_support::events(&plans);
+        let (_, why) = told
+            .iter()
+            .find(|(r, _)| *r == reason::MAC_REFUSED)
+            .expect("refused with an Event");
+        assert!(
+            why.contains(kube_vip::HWADDR) && why.contains("node n2"),
+            "{why}"
+        );
+        assert!(sim.holders("thief").is_empty());
+        assert!(sim.svc("thief").ingress.is_empty() && sim.svc("thief").finalizers.is_empty());
+
+        let before = sim.holders("web");
+        assert_eq!(before.len(), 1);
+        sim.svc_mut("web")
+            .annotations
+            .insert(kube_vip::HWADDR.into(), "0a:11:22:33:44:55".into());
+        let plans = sim.settle();
+        assert!(
+            crate::controller::reconcile::test_support::events(&plans)
+                .iter()
+                .any(|(r, m)| *r == reason::MAC_REFUSED && m.contains("default gateway")),
+            "{plans:?}"
+        );
+        assert_eq!(sim.holders("web"), before, "what runs is kept");
+    }
 
     #[test]
     fn a_mac_client_or_address_in_use_is_refused_and_the_first_keeps_it() {

@@ -16,6 +16,9 @@ pub(super) struct Nodes<'a> {
     /// The interfaces the nodes report as their uplink: with the network
     /// map's, the only ones a Service may name.
     pub(super) uplinks: BTreeSet<String>,
+    /// The MACs of other hosts on the LAN, as the nodes report them (their
+    /// network cards, their default gateway's), each with whose it is.
+    pub(super) lan_macs: BTreeMap<String, String>,
     /// Node objects and access to create or repair.
     pub(super) creates: Vec<Write>,
     /// Node objects of Nodes that are gone.
@@ -63,9 +66,25 @@ impl<'a> Nodes<'a> {
             .values()
             .filter_map(|o| o.status.default_uplink.clone())
             .collect();
+        let mut lan_macs = BTreeMap::new();
+        // Gateways first, so that a node's own card names the node.
+        for o in objects.values() {
+            if let Some(mac) = &o.status.gateway_mac {
+                lan_macs.insert(
+                    mac.clone(),
+                    format!("the default gateway's (as node {} sees it)", o.name),
+                );
+            }
+        }
+        for o in objects.values() {
+            for mac in &o.status.nic_macs {
+                lan_macs.insert(mac.clone(), format!("a network card of node {}", o.name));
+            }
+        }
         Nodes {
             names,
             live,
+            lan_macs,
             eligible,
             uplinks,
             creates,

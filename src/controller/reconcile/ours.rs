@@ -9,6 +9,7 @@ use crate::contract::{self, Selection, harvester, kube_vip};
 use crate::controller::networks::{self, NoUplink};
 
 use super::events::{EventType, reason};
+use super::identity::{known_address, lan_mac_refusal};
 use super::pass::Pass;
 use super::plan::Write;
 use super::release::release_holders;
@@ -34,7 +35,14 @@ pub(super) fn admit<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
         Selection::Primary if !ours => take_on(pass, s),
         // What runs is kept while the Service cannot be made sense of.
         Selection::Primary => match contract::address_identity(&s.uid, &s.annotations) {
-            Ok(id) => {
+            Ok(id) if lan_mac_refusal(pass, &id).is_some() => {
+                let why = lan_mac_refusal(pass, &id).unwrap_or_default();
+                pass.summary.refused += 1;
+                pass.events
+                    .tell(s, EventType::Warning, reason::MAC_REFUSED, why);
+            }
+            Ok(mut id) => {
+                id.requested_ip = known_address(pass, s, &id);
                 match networks::uplink_of(&s.annotations, pass.world.networks, &pass.nodes.uplinks)
                 {
                     Ok(uplink) => pass.needs.push((s, id, uplink)),
@@ -127,6 +135,12 @@ fn take_on<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
             Err(e) => {
                 pass.summary.refused += 1;
                 pass.events.tell(s, EventType::Warning, reason::INVALID, e);
+            }
+            Ok((id, _)) if lan_mac_refusal(pass, &id).is_some() => {
+                let why = lan_mac_refusal(pass, &id).unwrap_or_default();
+                pass.summary.refused += 1;
+                pass.events
+                    .tell(s, EventType::Warning, reason::MAC_REFUSED, why);
             }
             Ok((_, Err(NoUplink::Wait))) => pass.summary.pending += 1,
             Ok((_, Err(NoUplink::Refused(why)))) => {

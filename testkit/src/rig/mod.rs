@@ -779,6 +779,30 @@ impl Rig {
         Ok(())
     }
 
+    /// Guest `i` loses its way to the API server and nothing else: its
+    /// forwarder stops and every connection through it is cut, its LAN is
+    /// untouched (a broken route to the control plane, a firewall change).
+    /// [`Rig::restore_api`] undoes it.
+    pub fn cut_api(&mut self, i: usize) {
+        let ns = self.guests[i].clone();
+        for f in self.forwarders.iter_mut().filter(|f| f.netns() == ns) {
+            f.stop();
+        }
+        self.forwarders.retain(|f| f.netns() != ns);
+    }
+
+    /// Guest `i` reaches the API server again after [`Rig::cut_api`].
+    pub fn restore_api(&mut self, i: usize) -> Result<()> {
+        let ns = self.guests[i].clone();
+        if let Some(api) = &self.apiserver {
+            let port = api.port();
+            let fwd = Forwarder::start(&ns, port)
+                .with_context(|| format!("forward 127.0.0.1:{port} into {ns}"))?;
+            self.forwarders.push(fwd);
+        }
+        Ok(())
+    }
+
     /// Guest `i`'s `eth0` made again after it was deleted (`ip link del
     /// eth0` deletes its LAN peer too): a new veth pair with the same
     /// names, both ends up, the peer on the bridge. No address.
