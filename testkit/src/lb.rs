@@ -957,6 +957,7 @@ impl LbRig {
         if self.block_on(namespaces.get_opt(namespace))?.is_none() {
             self.create_namespace(namespace)?;
         }
+        self.aggregate_cluster_role("edit")?;
         let pp = PostParams::default();
         let sas: Api<ServiceAccount> = Api::namespaced(self.admin.clone(), namespace);
         let sa = serde_json::from_value(serde_json::json!({
@@ -988,10 +989,7 @@ impl LbRig {
             .rig
             .apiserver()
             .context("the LB rig has an API server")?;
-        let kubeconfig = self
-            .rig
-            .dir()
-            .join(format!("tenant-{namespace}.kubeconfig"));
+        let kubeconfig = self.tenant_kubeconfig(namespace);
         let yaml = serde_json::json!({
             "apiVersion": "v1", "kind": "Config",
             "clusters": [{"name": "rig", "cluster": {
@@ -1012,6 +1010,61 @@ impl LbRig {
             );
         }
         Ok(client)
+    }
+
+    /// Where [`LbRig::tenant`] writes the tenant's kubeconfig (its token).
+    pub fn tenant_kubeconfig(&self, namespace: &str) -> PathBuf {
+        self.rig
+            .dir()
+            .join(format!("tenant-{namespace}.kubeconfig"))
+    }
+
+    /// Fills the rules of the aggregated ClusterRole `name` (`edit`,
+    /// `view`, ...) from the ClusterRoles its `aggregationRule` selects, as
+    /// kube-controller-manager's aggregation controller does in a cluster
+    /// (the rig runs no controller manager, so the built-in `edit` has no
+    /// rules until this).
+    pub fn aggregate_cluster_role(&self, name: &str) -> Result<()> {
+        use k8s_openapi::api::rbac::v1::ClusterRole;
+        let roles: Api<ClusterRole> = Api::all(self.admin.clone());
+        let role = self
+            .block_on(roles.get(name))
+            .with_context(|| format!("ClusterRole {name}"))?;
+        if role.rules.as_ref().is_some_and(|r| !r.is_empty()) {
+            return Ok(());
+        }
+        let selectors = role
+            .aggregation_rule
+            .and_then(|a| a.cluster_role_selectors)
+            .with_context(|| format!("ClusterRole {name} has no aggregationRule"))?;
+        let mut rules = Vec::new();
+        for sel in selectors {
+            let labels: Vec<String> = sel
+                .match_labels
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            let picked =
+                self.block_on(roles.list(&ListParams::default().labels(&labels.join(","))))?;
+            for r in picked.items {
+                // Aggregation nests: `edit` takes in `view`, itself an
+                // aggregate of `system:aggregate-to-view`.
+                let inner = match (&r.aggregation_rule, &r.rules) {
+                    (Some(_), rules) if rules.as_ref().is_none_or(|r| r.is_empty()) => {
+                        let inner = r.metadata.name.clone().unwrap_or_default();
+                        self.aggregate_cluster_role(&inner)?;
+                        self.block_on(roles.get(&inner))?.rules
+                    }
+                    _ => r.rules,
+                };
+                rules.extend(inner.unwrap_or_default());
+            }
+        }
+        let patch = serde_json::json!({ "rules": rules });
+        self.block_on(roles.patch(name, &PatchParams::default(), &Patch::Merge(&patch)))
+            .with_context(|| format!("aggregating ClusterRole {name}"))?;
+        Ok(())
     }
 
     /// Installs a `ValidatingWebhookConfiguration` named `name` on UPDATE

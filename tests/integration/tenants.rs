@@ -321,7 +321,41 @@ fn a_tenant_blanking_requested_ip_cannot_make_two_nodes_answer() -> Result<()> {
     let prober = arp_prober(&lb, ip)?;
 
     lb.cut_api(holder);
-    lb.annotate_as(&tenant, "team-a/web", kube_vip::REQUESTED_IP, None)?;
+    // The controller writes the annotation back; the tenant blanks it
+    // again and again, as a hostile one would, until the end.
+    let blanking = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let kubeconfig = lb.tenant_kubeconfig("team-a");
+    let blanker = {
+        let blanking = blanking.clone();
+        std::thread::spawn(move || -> Result<u32> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let client = rt.block_on(hna_testkit::rig::kube_client(&kubeconfig))?;
+            let api: kube::Api<k8s_openapi::api::core::v1::Service> =
+                kube::Api::namespaced(client, "team-a");
+            let blank =
+                serde_json::json!({"metadata": {"annotations": {kube_vip::REQUESTED_IP: null}}});
+            let mut n = 0;
+            while blanking.load(std::sync::atomic::Ordering::SeqCst) {
+                let has = rt
+                    .block_on(api.get("web"))?
+                    .metadata
+                    .annotations
+                    .is_some_and(|a| a.contains_key(kube_vip::REQUESTED_IP));
+                if has {
+                    rt.block_on(api.patch(
+                        "web",
+                        &kube::api::PatchParams::default(),
+                        &kube::api::Patch::Merge(&blank),
+                    ))?;
+                    n += 1;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(n)
+        })
+    };
     // The controller gives it another holder once the old one's heartbeat
     // is stale (3 s); that node's takeover guard hears the old holder.
     let moved = wait_for(WITHIN, || {
@@ -360,6 +394,9 @@ fn a_tenant_blanking_requested_ip_cannot_make_two_nodes_answer() -> Result<()> {
         lb.diagnostics()
     );
     std::thread::sleep(Duration::from_millis(500));
+    blanking.store(false, std::sync::atomic::Ordering::SeqCst);
+    let blanked = blanker.join().expect("the tenant's thread")?;
+    ensure!(blanked >= 1, "the tenant never blanked requestedIP");
     let arp = prober.finish()?;
     ensure!(
         watch.overlaps(ip).is_empty() && arp.doubly_answered().is_empty(),
