@@ -942,6 +942,20 @@ mod real {
             nl.addresses(link.index()).await.unwrap().is_empty(),
             "put back"
         );
+        // Issue #29: frozen between the look and the write while the
+        // lifetime runs out, the refresh must not put the address back.
+        addrs.add(ADDR, Some(1)).await.unwrap();
+        assert!(
+            !addrs
+                .refresh_pausing(ADDR, 1, Duration::from_millis(2500))
+                .await
+                .unwrap(),
+            "a refresh across the expiry says the address is still there"
+        );
+        assert!(
+            nl.addresses(link.index()).await.unwrap().is_empty(),
+            "a refresh across the expiry put the address back"
+        );
 
         // Every lease confirms on the daemon's one connection, and the
         // kernel runs one dump per netlink socket: many confirmations at

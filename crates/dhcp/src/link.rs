@@ -534,6 +534,15 @@ impl Links for Netlink {
     }
 }
 
+/// When the kernel created an address entry (`IFA_CACHEINFO`'s `cstamp`,
+/// hundredths of a second since boot): a new entry has a new one.
+fn created_at(msg: &rtnetlink::packet_route::address::AddressMessage) -> Option<u32> {
+    msg.attributes.iter().find_map(|a| match a {
+        AddressAttribute::CacheInfo(c) => Some(c.cstamp),
+        _ => None,
+    })
+}
+
 /// [`AddressConfig`] for one interface.
 #[derive(Clone)]
 pub struct IfAddrs {
@@ -543,6 +552,45 @@ pub struct IfAddrs {
 }
 
 impl IfAddrs {
+    /// [`AddressConfig::refresh`], with `pause` between the look and the
+    /// write (the test's stand-in for this process frozen there).
+    ///
+    /// RTM_NEWADDR creates an IPv4 address that is not there whatever its
+    /// flags (devinet never required NLM_F_CREATE), so the refresh looks
+    /// first: an address the kernel deleted stays deleted, and one whose
+    /// lifetime has run out but whose deletion the kernel's timer has not
+    /// yet carried out (milliseconds) counts as deleted too. The look and
+    /// the write are two requests: a process frozen between them (a
+    /// SIGSTOP, a stall) while the lifetime ran out would put back, without
+    /// the takeover guard, an address the kernel had withdrawn (issue
+    /// #29). So the entry's creation stamp is read before and after: a
+    /// different one means the write created the address anew, and it is
+    /// removed at once and reported as gone.
+    pub async fn refresh_pausing(
+        &self,
+        addr: Ipv4Addr,
+        lifetime: u32,
+        pause: std::time::Duration,
+    ) -> Result<bool, LinkError> {
+        let entries = self.entries(addr).await?;
+        let Some(live) = entries.iter().find(|m| valid_left(m) != Some(0)) else {
+            return Ok(false);
+        };
+        let created = created_at(live);
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+        self.add(addr, Some(lifetime)).await?;
+        if let Some(created) = created {
+            let after = self.entries(addr).await?;
+            if !after.iter().any(|m| created_at(m) == Some(created)) {
+                self.remove(addr).await?;
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// The kernel's entries for `addr` on this interface.
     async fn entries(
         &self,
@@ -609,17 +657,8 @@ impl AddressConfig for IfAddrs {
     }
 
     async fn refresh(&self, addr: Ipv4Addr, lifetime: u32) -> Result<bool, LinkError> {
-        // RTM_NEWADDR creates an IPv4 address that is not there whatever
-        // its flags, so look first: an address the kernel deleted stays
-        // deleted. One whose lifetime has run out but whose deletion the
-        // kernel's timer has not yet carried out (milliseconds) counts as
-        // deleted too.
-        let entries = self.entries(addr).await?;
-        if !entries.iter().any(|m| valid_left(m) != Some(0)) {
-            return Ok(false);
-        }
-        self.add(addr, Some(lifetime)).await?;
-        Ok(true)
+        self.refresh_pausing(addr, lifetime, std::time::Duration::ZERO)
+            .await
     }
 
     async fn remove(&self, addr: Ipv4Addr) -> Result<(), LinkError> {
