@@ -50,7 +50,8 @@ pub enum Update<K> {
     Failed(Failure),
 }
 
-/// Watches are retried after 250 ms doubling to 2 s, never longer: after an
+/// Watches are retried after 250 ms doubling to 2 s (each wait jittered
+/// down by up to a quarter), never longer: after an
 /// API-server outage (a restart, an upgrade) everything that watches is
 /// back within 2 s of the server, not after kube-runtime's default backoff
 /// (up to 30 s, and kept for 2 minutes), which the fault soak found leaving
@@ -75,8 +76,15 @@ impl Iterator for ShortBackoff {
     fn next(&mut self) -> Option<Duration> {
         let now = self.0;
         self.0 = (self.0 * 2).min(BACKOFF_MAX);
-        Some(now)
+        Some(jittered(now))
     }
+}
+
+/// Somewhere in the last quarter below `d`: after an outage, the watches
+/// of hundreds of nodes come back spread over half a second, not in
+/// lockstep (issue #29), and never later than the bound.
+fn jittered(d: Duration) -> Duration {
+    d.mul_f64(0.75 + fastrand::f64() * 0.25)
 }
 
 impl kube::runtime::utils::Backoff for ShortBackoff {
@@ -186,7 +194,7 @@ struct Backoff(Duration);
 
 impl Backoff {
     async fn wait(&mut self) {
-        tokio::time::sleep(self.0).await;
+        tokio::time::sleep(jittered(self.0)).await;
         self.0 = (self.0 * 2).min(BACKOFF_MAX);
     }
     fn reset(&mut self) {
@@ -215,8 +223,15 @@ mod tests {
     fn watches_retry_within_two_seconds_and_start_over_after_an_event() {
         let mut b = ShortBackoff::default();
         let ms: Vec<u128> = b.by_ref().take(6).map(|d| d.as_millis()).collect();
-        assert_eq!(ms, vec![250, 500, 1000, 2000, 2000, 2000]);
+        for (got, bound) in ms.iter().zip([250, 500, 1000, 2000, 2000, 2000]) {
+            assert!(*got <= bound && *got >= bound * 3 / 4, "{ms:?}");
+        }
         b.reset();
-        assert_eq!(b.next(), Some(Duration::from_millis(250)));
+        assert!(b.next().unwrap() <= Duration::from_millis(250));
+        // Spread, not in lockstep.
+        let firsts: std::collections::BTreeSet<u128> = (0..50)
+            .map(|_| ShortBackoff::default().next().unwrap().as_micros())
+            .collect();
+        assert!(firsts.len() > 10, "{firsts:?}");
     }
 }

@@ -114,6 +114,15 @@ fn outdated(w: &Want, r: &Running) -> bool {
         })
 }
 
+/// Whether the DHCP server would see another client: another MAC, or
+/// (when known) another client identifier.
+fn new_client(w: &Want, r: &Running) -> bool {
+    w.mac != r.mac
+        || r.started_as
+            .as_ref()
+            .is_some_and(|s| s.client_id != w.client_id)
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     Start(Want),
@@ -138,6 +147,14 @@ pub fn plan(wanted: &[Want], running: &[Running]) -> Vec<Action> {
             // for the same lease, so nothing may be released.
             None => stops.push(stop(StopMode::Handover)),
             Some(w) if w.release => stops.push(stop(StopMode::Release)),
+            // Another client (MAC or client identifier) for the same
+            // Service: nobody asks for the old lease again, so it is
+            // released, or changing `kube-vip.io/hwaddr` again and again
+            // would drain the server's pool (issue #29).
+            Some(w) if !r.expired && new_client(w, r) => {
+                stops.push(stop(StopMode::Release));
+                starts.push(Action::Start((*w).clone()));
+            }
             Some(w) if r.expired || outdated(w, r) => {
                 stops.push(stop(StopMode::Handover));
                 starts.push(Action::Start((*w).clone()));
@@ -302,8 +319,10 @@ mod tests {
         );
     }
 
+    /// Issue #29: another MAC is another DHCP client; its old lease is
+    /// asked for by nobody again, so it is released, not handed over.
     #[test]
-    fn a_changed_identity_restarts_without_release() {
+    fn a_changed_mac_releases_the_old_lease_and_starts_again() {
         let a = want(&assignment("aaaaaaaa")).unwrap();
         let now = vec![Running {
             interface: a.interface.clone(),
@@ -316,47 +335,57 @@ mod tests {
             vec![
                 Action::Stop {
                     interface: "hlb-aaaaaaaa".into(),
-                    mode: StopMode::Handover
+                    mode: StopMode::Release
                 },
                 Action::Start(a)
             ]
         );
     }
 
-    /// Issue #22: a changed parent, client identifier or hostname reaches a
-    /// running lease (handed over and started again, never released).
+    /// Issue #22: a changed parent or hostname reaches a running lease
+    /// (handed over and started again, never released); a changed client
+    /// identifier is another client (issue #29: released).
     #[test]
     fn a_changed_parent_or_identity_restarts_the_lease() {
         let mut a = want(&assignment("aaaaaaaa")).unwrap();
         a.uplink = Some("eth0".into());
         let now = vec![running(&a)];
         assert_eq!(plan(std::slice::from_ref(&a), &now), vec![]);
-        let restart = |w: &Want| {
+        let restart = |w: &Want, mode| {
             vec![
                 Action::Stop {
                     interface: "hlb-aaaaaaaa".into(),
-                    mode: StopMode::Handover,
+                    mode,
                 },
                 Action::Start(w.clone()),
             ]
         };
-        for changed in [
-            Want {
-                uplink: Some("eth1".into()),
-                ..a.clone()
-            },
-            Want {
-                hostname: Some("web".into()),
-                ..a.clone()
-            },
-            Want {
-                client_id: vec![1, 2],
-                ..a.clone()
-            },
+        for (changed, mode) in [
+            (
+                Want {
+                    uplink: Some("eth1".into()),
+                    ..a.clone()
+                },
+                StopMode::Handover,
+            ),
+            (
+                Want {
+                    hostname: Some("web".into()),
+                    ..a.clone()
+                },
+                StopMode::Handover,
+            ),
+            (
+                Want {
+                    client_id: vec![1, 2],
+                    ..a.clone()
+                },
+                StopMode::Release,
+            ),
         ] {
             assert_eq!(
                 plan(std::slice::from_ref(&changed), &now),
-                restart(&changed)
+                restart(&changed, mode)
             );
         }
         // No parent can be resolved now (no default route, none named):
