@@ -237,6 +237,7 @@ pub async fn watch(
         // published even when a client already was: holders of the old
         // client must move to the new one.
         let mut new_session = false;
+        let mut kept_old = false;
         let step = plan(&now, session.as_ref().map(|s| &s.basis));
         let probed = matches!(step, Step::Probe);
         let next = match step {
@@ -283,7 +284,16 @@ pub async fn watch(
                         state
                     }
                     Err(e) => {
-                        session = None;
+                        // Changed credentials that do not work yet (a
+                        // rotation half done, the server briefly away):
+                        // the session that works goes on and the new ones
+                        // are tried again next round. Dropping it would
+                        // stop the node's heartbeat and move its Services
+                        // (issue #29).
+                        kept_old = session.is_some();
+                        if kept_old {
+                            tracing::warn!(error = %format!("{e:#}"), "the changed credentials do not connect: going on with the previous session, retrying");
+                        }
                         ClusterState::Unreachable {
                             kubeconfig,
                             error: format!("{e:#}"),
@@ -292,7 +302,7 @@ pub async fn watch(
                 }
             }
         };
-        let usable = keep_client(&next, probed)
+        let usable = keep_client(&next, probed || kept_old)
             .then(|| session.as_ref().map(|s| s.client.clone()))
             .flatten();
         client_out.send_if_modified(|current| {

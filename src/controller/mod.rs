@@ -9,6 +9,7 @@
 //! says which nodes have a ready endpoint of a Service. Every replica
 //! watches and decides; only the leader writes.
 
+pub mod deletions;
 pub mod election;
 pub mod endpoints;
 pub mod kube_edge;
@@ -304,6 +305,7 @@ async fn reconcile_loop(
     tracing::info!(ip_mode, "watch caches loaded: reconciling");
     let mut slow_warned: BTreeSet<String> = BTreeSet::new();
     let mut memory = writer::Memory::default();
+    let mut deletions = deletions::Deletions::default();
     let mut access_ensured: BTreeSet<String> = BTreeSet::new();
     let mut term = 0;
     let mut tick = tokio::time::interval(TICK);
@@ -340,8 +342,13 @@ async fn reconcile_loop(
                 .services
                 .state()
                 .iter()
+                .filter(|s| s.metadata.deletion_timestamp.is_some())
                 .filter_map(|s| kube_edge::service_in(s))
-                .filter(|s| reconcile::release_overdue(s, wall))
+                .filter(|s| {
+                    let mut s = s.clone();
+                    deletions.time(&mut s, now, wall);
+                    reconcile::release_overdue(&s, wall)
+                })
                 .count(),
             services: watches::fingerprint(caches.services.state().iter().map(|s| &s.metadata)),
             nodes: watches::fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),
@@ -362,7 +369,16 @@ async fn reconcile_loop(
             s.holder = leadership.holder();
             continue;
         }
-        let (services, nodes, mut versions) = services_from(&caches);
+        let (mut services, nodes, mut versions) = services_from(&caches);
+        for s in &mut services {
+            deletions.time(s, now, wall);
+        }
+        let deleting: BTreeSet<&str> = services
+            .iter()
+            .filter(|s| s.deleting)
+            .map(|s| s.uid.as_str())
+            .collect();
+        deletions.retain(|uid| deleting.contains(uid));
         let node_networks = node_networks(&caches);
         versions.extend(object_versions);
         let plan = reconcile::reconcile(reconcile::World {

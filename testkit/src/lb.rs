@@ -295,6 +295,12 @@ impl LbRig {
         self.proxy.as_ref()
     }
 
+    /// The kubeconfig guest `i`'s agent was started with (rotate it to try
+    /// credential changes).
+    pub fn agent_kubeconfig(&self, i: usize) -> Result<PathBuf> {
+        self.kubeconfig(Some(&self.node_name(i)))
+    }
+
     /// The kubeconfig of node `node` (`Some`) or of the controllers: through
     /// the fault proxy when there is one.
     fn kubeconfig(&self, node: Option<&str>) -> Result<PathBuf> {

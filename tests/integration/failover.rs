@@ -24,6 +24,7 @@ tests! {
     a_holder_whose_uplink_is_deleted_hands_over_at_once_and_comes_back_without_the_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_webhook_refusing_service_writes_does_not_delay_a_failover: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_credential_rotation_that_does_not_connect_yet_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_moment_without_a_default_route_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_node_whose_heartbeat_is_too_slow_gets_no_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -437,6 +438,71 @@ fn a_webhook_refusing_service_writes_does_not_delay_a_failover() -> Result<()> {
         "web's vipHost never named its new holder {new_holder} after the webhook went:\n{}",
         lb.diagnostics()
     );
+    Ok(())
+}
+
+/// Issue #29: the holder's kubeconfig is rewritten (a credential rotation)
+/// to something that does not connect yet (here a server port nothing
+/// listens on). The agent keeps its working session and retries the new
+/// credentials every round: its heartbeat goes on, nothing moves, no
+/// address is dropped. Once the file works again it connects with it.
+fn a_credential_rotation_that_does_not_connect_yet_moves_nothing() -> Result<()> {
+    let lb = LbRig::start(options())?;
+    let (ip, holder) = served(&lb, "web")?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let path = lb.agent_kubeconfig(holder)?;
+    let working = std::fs::read_to_string(&path)?;
+    let api = lb.rig.apiserver().expect("API server");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let broken = working.replace(
+        &format!("127.0.0.1:{}", api.port()),
+        &format!("127.0.0.1:{closed}"),
+    );
+    ensure!(
+        broken != working,
+        "the kubeconfig names no 127.0.0.1:{}",
+        api.port()
+    );
+    let t0 = Instant::now();
+    // Written whole (a rename), as a rotation does.
+    let tmp = path.with_extension("rotating");
+    std::fs::write(&tmp, &broken)?;
+    std::fs::rename(&tmp, &path)?;
+    let tried = wait_for(Duration::from_secs(10), || {
+        lb.agent_log(holder)
+            .contains("the changed credentials do not connect")
+            .then_some(())
+    });
+    ensure!(
+        tried.is_some(),
+        "the agent never tried the new credentials:\n{}",
+        lb.agent_log(holder)
+    );
+    // Longer than the controller's 3 s staleness bound, twice over.
+    std::thread::sleep(Duration::from_secs(7));
+    let held: Vec<_> = watch
+        .holders(ip)
+        .into_iter()
+        .filter(|(at, _)| *at >= t0)
+        .collect();
+    ensure!(
+        held.is_empty()
+            && lb.carriers(ip).len() == 1
+            && lb.guest_of(&lb.carriers(ip)[0].0) == holder,
+        "the address moved or dropped while the rotation did not connect: {held:?}\n{}",
+        lb.diagnostics()
+    );
+    ensure!(
+        !lb.our_events("web")
+            .iter()
+            .any(|(_, reason, _)| reason == "HolderMoved"),
+        "the Service moved: {:?}",
+        lb.our_events("web")
+    );
+    std::fs::write(&tmp, &working)?;
+    std::fs::rename(&tmp, &path)?;
     Ok(())
 }
 

@@ -36,6 +36,7 @@ tests! {
     deb_holds_the_files_keeps_the_conffile_and_enables_the_unit: CargoDeb, CargoGenerateRpm, Dpkg, Binutils;
     rpm_holds_the_files_keeps_the_config_and_enables_the_unit: CargoDeb, CargoGenerateRpm, Rpmbuild, Binutils;
     spec_builds_from_the_tarball_with_a_prebuilt_binary: Rpmbuild, Binutils;
+    the_cloud_config_fetches_the_files_build_sh_makes: CargoDeb, CargoGenerateRpm, Dpkg, Rpmbuild, Binutils;
 }
 
 const NAME: &str = "harvester-node-agent";
@@ -629,5 +630,31 @@ fn spec_builds_from_the_tarball_with_a_prebuilt_binary() -> Result<()> {
     ensure!(rpm.is_file(), "rpmbuild made no {}", rpm.display());
     assert_rpm(&rpm, "the spec's rpm")?;
     let _ = std::fs::remove_dir_all(&top);
+    Ok(())
+}
+
+/// Issue #32: `packaging/cloud-init/cloud-config.yaml` fetches the package
+/// files by name; they must be the names `packaging/build.sh` writes (it
+/// once asked for `_0.1.0-1_amd64.deb` where the build made
+/// `_0.1.0_amd64.deb`).
+fn the_cloud_config_fetches_the_files_build_sh_makes() -> Result<()> {
+    let built = packages()?;
+    let config = std::fs::read_to_string(repo().join("packaging/cloud-init/cloud-config.yaml"))?;
+    let fetched = |var: &str| -> Result<String> {
+        let line = config
+            .lines()
+            .map(str::trim)
+            .find(|l| l.starts_with(&format!("{var}=")))
+            .with_context(|| format!("no {var}= in the cloud-config"))?;
+        Ok(line.rsplit('/').next().unwrap_or_default().to_string())
+    };
+    for (var, file) in [("AGENT_DEB_URL", &built.deb), ("AGENT_RPM_URL", &built.rpm)] {
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        ensure!(
+            fetched(var)? == name,
+            "{var} fetches {}, build.sh makes {name}",
+            fetched(var)?
+        );
+    }
     Ok(())
 }
