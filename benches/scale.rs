@@ -279,6 +279,7 @@ fn simulated_agents(kubeconfig: &Path, stop: Arc<AtomicBool>) -> Result<AgentWri
                     default_uplink: Some("eth0".into()),
                     nic_macs: Vec::new(),
                     gateway_mac: None,
+                    gateway_address: None,
                     held: leases.len() as u32,
                     addresses: String::new(),
                     leases,

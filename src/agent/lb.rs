@@ -110,6 +110,8 @@ pub struct NodeView {
     pub neighbours: BTreeMap<String, BTreeSet<(std::net::Ipv4Addr, String)>>,
     /// The default gateway's MAC (lower case), when the ARP table has it.
     pub gateway_mac: Option<String>,
+    /// The default route's gateway.
+    pub gateway_address: Option<std::net::Ipv4Addr>,
 }
 
 impl NodeView {
@@ -422,8 +424,18 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                 Ok(mut w) => {
                     // Resolved here, so a moved default uplink shows in the
                     // plan as a changed parent (`apply` resolves the same).
+                    // A running lease stays on the card it was started on
+                    // while that card is there with carrier: which of two
+                    // DHCP NICs' default routes wins (a metric change, a
+                    // renewal re-adding a route) must not move a Service to
+                    // another network and another address (issue #29).
                     if w.uplink.is_none() {
-                        w.uplink.clone_from(&node.default_uplink);
+                        let kept = self
+                            .started
+                            .get(&w.interface)
+                            .and_then(|s| s.parent.clone())
+                            .filter(|p| node.nics.contains(p) && !node.no_carrier.contains(p));
+                        w.uplink = kept.or_else(|| node.default_uplink.clone());
                     }
                     let parent = w.uplink.as_ref();
                     match parent {
@@ -853,6 +865,7 @@ pub fn report(
         default_uplink: node.default_uplink.clone(),
         nic_macs: node.nic_macs(),
         gateway_mac: node.gateway_mac.clone(),
+        gateway_address: node.gateway_address.map(|a| a.to_string()),
         held: held.len() as u32,
         addresses,
         leases: reports,

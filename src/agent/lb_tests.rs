@@ -131,6 +131,7 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
         ]
         .into(),
         gateway_mac: Some("0a:11:22:33:44:55".into()),
+        gateway_address: Some(Ipv4Addr::new(10, 77, 0, 1)),
     }));
     let shared = view.clone();
     let node = move || shared.lock().unwrap().clone();
@@ -649,6 +650,7 @@ fn the_report_without_macvlan_or_uplink_says_why() {
         own_macs: BTreeMap::new(),
         neighbours: BTreeMap::new(),
         gateway_mac: None,
+        gateway_address: None,
     };
     let s = report(&[], &BTreeMap::new(), &BTreeMap::new(), &[], &node, true);
     assert!(!s.ready);
@@ -898,7 +900,10 @@ async fn a_feed_that_ends_stops_the_loops_beats() {
 
 /// Issue #22: a changed `serviceInterface` (or network mapping) and a moved
 /// default uplink reach a running lease: handed over on the old parent and
-/// started on the new one, never released.
+/// started on the new one, never released. Issue #29: a default route that
+/// moves to another card while the lease's card is still there with
+/// carrier (two DHCP NICs, a metric change) moves nothing; the card losing
+/// its carrier does.
 #[tokio::test(start_paused = true)]
 async fn a_changed_parent_reaches_a_running_lease() {
     let r = rig();
@@ -911,8 +916,17 @@ async fn a_changed_parent_reaches_a_running_lease() {
     })
     .await;
 
-    // The default route moves to eth1; the carrier poll looks again.
+    // The default route moves to eth1 while eth0 is fine: the lease stays.
     r.view.lock().unwrap().default_uplink = Some("eth1".into());
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        r.engine.config("hlb-aaaaaaaa").map(|c| c.parent),
+        Some("eth0".to_string()),
+        "the lease followed the default route off a working card"
+    );
+    // eth0 loses its carrier: the lease goes where the route is.
+    r.view.lock().unwrap().no_carrier.insert("eth0".into());
     r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
     until("the lease on eth1", || {
         r.engine
@@ -920,6 +934,7 @@ async fn a_changed_parent_reaches_a_running_lease() {
             .is_some_and(|c| c.parent == "eth1")
     })
     .await;
+    r.view.lock().unwrap().no_carrier.clear();
 
     // The Service names enp2s0.
     let named = Assignment {

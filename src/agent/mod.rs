@@ -454,11 +454,12 @@ fn spawn_lb(
             .unwrap_or_default();
         // Kept while the gateway stays the same: its ARP entry comes and
         // goes with traffic, and `status.gatewayMac` should not.
+        let gateway = std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
+            .ok()
+            .and_then(|t| crate::dhcp::link::default_gateway(&t));
+        let gateway_address = gateway.as_ref().map(|(_, gw)| *gw);
         let gateway_mac = {
             let mut last = last_gateway.lock().unwrap_or_else(|p| p.into_inner());
-            let gateway = std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
-                .ok()
-                .and_then(|t| crate::dhcp::link::default_gateway(&t));
             let seen = gateway.as_ref().and_then(|(dev, gw)| {
                 neighbours
                     .iter()
@@ -497,6 +498,7 @@ fn spawn_lb(
             ),
             neighbours,
             gateway_mac,
+            gateway_address,
         }
     };
     let settings = lb::LbSettings {

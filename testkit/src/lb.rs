@@ -1073,6 +1073,38 @@ impl LbRig {
         Ok(())
     }
 
+    /// Lists `classes` in the controller's admission policy
+    /// (`controller-policy.yaml`, its `classes` variable), as an operator
+    /// does who runs the controller with `--load-balancer-class`.
+    pub fn allow_classes_in_controller_policy(&self, classes: &[&str]) -> Result<()> {
+        let ar = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk(
+                "admissionregistration.k8s.io",
+                "v1",
+                "ValidatingAdmissionPolicy",
+            ),
+            "validatingadmissionpolicies",
+        );
+        let api: Api<DynamicObject> = Api::all_with(self.admin.clone(), &ar);
+        const POLICY: &str = "harvester-node-agent-controller-writes";
+        let mut policy = self.block_on(api.get(POLICY))?;
+        let list = classes
+            .iter()
+            .map(|c| format!("'{c}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let variables = policy.data["spec"]["variables"]
+            .as_array_mut()
+            .context("the controller policy has no variables")?;
+        let classes_var = variables
+            .iter_mut()
+            .find(|v| v["name"] == "classes")
+            .context("the controller policy has no `classes` variable")?;
+        classes_var["expression"] = format!("[{list}]").into();
+        self.block_on(api.replace(POLICY, &PostParams::default(), &policy))?;
+        Ok(())
+    }
+
     /// Installs a `ValidatingWebhookConfiguration` named `name` on UPDATE
     /// of Services and `services/status` with `failurePolicy: Fail`,
     /// pointing at a loopback port nothing listens on: as a policy engine

@@ -136,7 +136,9 @@ fn another_class_is_never_touched_and_a_named_class_is_served() -> Result<()> {
     untouched(&lb, &other)?;
     untouched(&lb, &named)?;
 
-    // --load-balancer-class: that class only.
+    // --load-balancer-class: that class only (listed in the controller's
+    // admission policy too, as its `classes` variable says to).
+    lb.allow_classes_in_controller_policy(&[NAMED_CLASS])?;
     restart_controllers(&mut lb, &["--load-balancer-class", NAMED_CLASS])?;
     let named_served = served(&lb, "named");
     let uid = classless.metadata.uid.as_deref().unwrap();

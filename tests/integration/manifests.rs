@@ -263,6 +263,7 @@ fn full_status() -> node_object::Status {
         default_uplink: Some("eth0".into()),
         nic_macs: vec!["52:54:00:12:34:56".into()],
         gateway_mac: Some("0a:11:22:33:44:55".into()),
+        gateway_address: Some("10.77.0.1".into()),
         held: 1,
         addresses: "10.77.0.150 (default/web)".into(),
         leases: vec![
@@ -1148,6 +1149,19 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
                     )
                     .await,
                 &format!("the status of {name}"),
+            )?;
+            // Nor can it make one "held" first with its finalizer.
+            denied(
+                services
+                    .patch(
+                        name,
+                        &PatchParams::default(),
+                        &Patch::Merge(
+                            json!({ "metadata": { "finalizers": [contract::FINALIZER] } }),
+                        ),
+                    )
+                    .await,
+                &format!("its finalizer on {name}"),
             )?;
         }
         services

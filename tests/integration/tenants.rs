@@ -283,6 +283,19 @@ fn a_tenant_cannot_put_an_address_on_a_host_interface() -> Result<()> {
     Ok(())
 }
 
+/// team-a's tenant (its own token, [`LbRig::tenant`]) and its DHCP Service
+/// `web`, served: the client and the address.
+fn tenants_web(lb: &LbRig) -> Result<(kube::Client, std::net::Ipv4Addr)> {
+    let tenant = lb.tenant("team-a")?;
+    lb.create_service_as(
+        &tenant,
+        "team-a/web",
+        &[(harvester::IPAM, "dhcp")],
+        &[LISTEN_PORT],
+    )?;
+    Ok((tenant, lb.wait_ingress("team-a/web", ADDRESS_WITHIN)))
+}
+
 /// Issue #29: the takeover guard does not rest on an annotation the tenant
 /// writes. With its own token (a ServiceAccount bound to `edit` in its
 /// namespace only), a tenant blanks `kube-vip.io/requestedIP` of its
@@ -299,14 +312,7 @@ fn a_tenant_blanking_requested_ip_cannot_make_two_nodes_answer() -> Result<()> {
     use hna_testkit::failover::{arp_prober, guest_namespaces};
 
     let mut lb = LbRig::start(options())?;
-    let tenant = lb.tenant("team-a")?;
-    lb.create_service_as(
-        &tenant,
-        "team-a/web",
-        &[(harvester::IPAM, "dhcp")],
-        &[LISTEN_PORT],
-    )?;
-    let ip = lb.wait_ingress("team-a/web", ADDRESS_WITHIN);
+    let (_, ip) = tenants_web(&lb)?;
     wait_for(WITHIN, || {
         lb.service("team-a/web")
             .filter(|s| annotation(s, kube_vip::REQUESTED_IP).is_some())
@@ -412,12 +418,11 @@ fn a_tenant_blanking_requested_ip_cannot_make_two_nodes_answer() -> Result<()> {
 }
 
 /// The MAC of `dev` in namespace `ns`, read from the kernel.
-fn kernel_mac(lb: &LbRig, ns: &str, dev: &str) -> Result<String> {
+fn kernel_mac(ns: &str, dev: &str) -> Result<String> {
     let out = std::process::Command::new("ip")
         .args(["-n", ns, "-j", "link", "show", dev])
         .output()?;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let _ = lb;
     v[0]["address"]
         .as_str()
         .map(str::to_ascii_lowercase)
@@ -441,8 +446,8 @@ fn a_tenant_cannot_put_another_hosts_mac_on_the_lan() -> Result<()> {
             let _ = std::net::TcpStream::connect_timeout(&gateway_addr, Duration::from_secs(2));
         })?;
     }
-    let gateway = kernel_mac(&lb, lb.rig.lan_ns(), "br0")?;
-    let other_nic = kernel_mac(&lb, lb.rig.guest_ns(1), "eth0")?;
+    let gateway = kernel_mac(lb.rig.lan_ns(), "br0")?;
+    let other_nic = kernel_mac(lb.rig.guest_ns(1), "eth0")?;
     let reported = wait_for(WITHIN, || {
         let o = lb.node_object(&lb.node_name(0))?;
         let gw = o["status"]["gatewayMac"].as_str()?.to_string();
@@ -460,14 +465,7 @@ fn a_tenant_cannot_put_another_hosts_mac_on_the_lan() -> Result<()> {
         "reported {reported:?}, the kernels say gateway {gateway}, node 1's eth0 {other_nic}"
     );
 
-    let tenant = lb.tenant("team-a")?;
-    lb.create_service_as(
-        &tenant,
-        "team-a/web",
-        &[(harvester::IPAM, "dhcp")],
-        &[LISTEN_PORT],
-    )?;
-    let ip = lb.wait_ingress("team-a/web", ADDRESS_WITHIN);
+    let (tenant, ip) = tenants_web(&lb)?;
     let web_mac = wait_for(WITHIN, || {
         lb.service("team-a/web")
             .and_then(|s| annotation(&s, kube_vip::HWADDR).map(str::to_string))

@@ -50,7 +50,7 @@ fn unit_matches_the_daemon_contract() {
         );
     }
     // What CAP_DAC_READ_SEARCH could read and must not: cluster-admin
-    // kubeconfigs, join tokens, CA keys.
+    // kubeconfigs, join tokens, CA keys, Pods' tokens.
     let hidden = directives("InaccessiblePaths").join(" ");
     for path in [
         "/etc/rancher",
@@ -60,6 +60,8 @@ fn unit_matches_the_daemon_contract() {
         "/etc/kubernetes/super-admin.conf",
         "/etc/kubernetes/pki",
         "/run/systemd/private",
+        // Issue #29: every Pod's Secrets and ServiceAccount tokens.
+        "/var/lib/kubelet/pods",
     ] {
         assert!(
             hidden

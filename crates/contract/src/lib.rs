@@ -174,6 +174,10 @@ pub mod node_object {
         /// table has it: no Service may use it either.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub gateway_mac: Option<String>,
+        /// The default gateway's address: never published as a Service's
+        /// address, whatever a node reports BOUND.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub gateway_address: Option<String>,
         /// Number of leases BOUND (printer column).
         #[serde(default)]
         pub held: u32,

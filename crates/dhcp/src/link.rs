@@ -764,49 +764,38 @@ pub const ROUTE_TABLE: &str = "/proc/self/net/route";
 /// The kernel's ARP table of this process's network namespace.
 pub const ARP_TABLE: &str = "/proc/self/net/arp";
 
+/// The IPv4 default routes that are up in `/proc/net/route` text:
+/// (metric, interface, gateway; 0.0.0.0 for a route without one).
+fn default_routes(proc_net_route: &str) -> impl Iterator<Item = (u32, String, Ipv4Addr)> + '_ {
+    proc_net_route.lines().skip(1).filter_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        // Iface Destination Gateway Flags RefCnt Use Metric Mask ...
+        if f.len() < 8 || f[1] != "00000000" || f[7] != "00000000" {
+            return None;
+        }
+        let flags = u32::from_str_radix(f[3], 16).ok()?;
+        let metric: u32 = f[6].parse().ok()?;
+        // The kernel prints the gateway in host (little-endian) order.
+        let gateway = Ipv4Addr::from(u32::from_str_radix(f[2], 16).ok()?.swap_bytes());
+        // RTF_UP
+        (flags & 1 == 1).then(|| (metric, f[0].to_string(), gateway))
+    })
+}
+
 /// The interface of the IPv4 default route, from `/proc/net/route` text
 /// (the lowest metric wins).
 pub fn default_route_interface(proc_net_route: &str) -> Option<String> {
-    proc_net_route
-        .lines()
-        .skip(1)
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            // Iface Destination Gateway Flags RefCnt Use Metric Mask ...
-            if f.len() >= 8 && f[1] == "00000000" && f[7] == "00000000" {
-                let flags = u32::from_str_radix(f[3], 16).ok()?;
-                let metric: u32 = f[6].parse().ok()?;
-                // RTF_UP
-                (flags & 1 == 1).then(|| (metric, f[0].to_string()))
-            } else {
-                None
-            }
-        })
+    default_routes(proc_net_route)
         .min()
-        .map(|(_, iface)| iface)
+        .map(|(_, iface, _)| iface)
 }
 
 /// The IPv4 default route's interface and gateway, from `/proc/net/route`
 /// text (the lowest metric wins; a route without a gateway has none).
 pub fn default_gateway(proc_net_route: &str) -> Option<(String, Ipv4Addr)> {
-    proc_net_route
-        .lines()
-        .skip(1)
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            if f.len() >= 8 && f[1] == "00000000" && f[7] == "00000000" {
-                let flags = u32::from_str_radix(f[3], 16).ok()?;
-                let metric: u32 = f[6].parse().ok()?;
-                // The kernel prints the gateway in host (little-endian) order.
-                let gw = u32::from_str_radix(f[2], 16).ok()?;
-                let gw = Ipv4Addr::from(gw.swap_bytes());
-                // RTF_UP and RTF_GATEWAY
-                (flags & 3 == 3 && !gw.is_unspecified()).then(|| (metric, f[0].to_string(), gw))
-            } else {
-                None
-            }
-        })
+    default_routes(proc_net_route)
         .min()
+        .filter(|(_, _, gw)| !gw.is_unspecified())
         .map(|(_, iface, gw)| (iface, gw))
 }
 

@@ -28,6 +28,15 @@ pub(super) fn implausible(ip: &str, s: &ServiceIn, world: &World<'_>) -> Option<
     if world.node_networks.addresses.contains(&addr) {
         return Some(format!("{ip} is a Node's own address"));
     }
+    // Issue #29: published, it would make kube-proxy send in-cluster
+    // traffic for the gateway to the Service.
+    if let Some(n) = world
+        .node_objects
+        .iter()
+        .find(|n| n.status.gateway_address.as_deref() == Some(ip))
+    {
+        return Some(format!("{ip} is the default gateway of node {}", n.name));
+    }
     if let Some((net, len)) = world.node_networks.pod_cidr_of(addr) {
         return Some(format!("{ip} is in the Pod CIDR {net}/{len}"));
     }
@@ -143,7 +152,9 @@ mod tests {
             ("c", "10.42.0.7", "Pod CIDR 10.42.0.0/24"),
             ("d", "10.77.0.9", "another Service's"),
             ("e", "127.0.0.1", "not a unicast host address"),
+            ("f", "10.77.0.1", "default gateway of node n1"),
         ];
+        sim.objects[0].status.gateway_address = Some("10.77.0.1".into());
         for (name, lie, _) in lies {
             let s = dhcp(name, &[80]);
             sim.given.insert(s.uid.clone(), lie.into());
