@@ -323,9 +323,21 @@ impl WriteBackoff {
     pub const FIRST: std::time::Duration = std::time::Duration::from_secs(1);
     pub const MAX: std::time::Duration = std::time::Duration::from_secs(30);
 
+    /// At most this many writes that failed before are tried again in one
+    /// pass: with a webhook refusing every Service write, thousands of
+    /// waiting objects must not become hundreds of refused requests a
+    /// second. Writes that never failed (a failover's) are not counted.
+    pub const RETRIES_PER_PASS: usize = 16;
+
     /// Whether a write to `target` may go at `now`.
     pub fn ready(&self, target: &str, now: tokio::time::Instant) -> bool {
         self.failing.get(target).is_none_or(|(_, at)| *at <= now)
+    }
+
+    /// Whether a write to `target` failed before (and has not gone
+    /// through since).
+    pub fn is_retry(&self, target: &str) -> bool {
+        self.failing.contains_key(target)
     }
 
     /// A write to `target` failed at `now`: the wait doubles, jittered.
@@ -455,16 +467,23 @@ pub async fn execute<R: Requests>(
     // that a deposed leader sent (and the server handled late) cannot land
     // over what the new leader wrote since: it fails with a conflict.
     let mut versions: BTreeMap<String, String> = BTreeMap::new();
+    let mut retries = 0;
     'writes: for w in &plan.writes {
         if w.services().iter().any(|s| failed.contains(*s)) {
             out.skipped += 1;
             continue;
         }
         let object = target(w);
-        if !backoff.ready(&object, tokio::time::Instant::now()) {
+        let retry = backoff.is_retry(&object);
+        if !backoff.ready(&object, tokio::time::Instant::now())
+            || (retry && retries >= WriteBackoff::RETRIES_PER_PASS)
+        {
             out.deferred += 1;
             failed.extend(w.services().into_iter().cloned());
             continue;
+        }
+        if retry {
+            retries += 1;
         }
         let version = version_of(&object).unwrap_or_default();
         if memo.already_sent(w, &version) {
@@ -774,6 +793,49 @@ mod tests {
         // A success ends the waiting.
         memory.backoff.succeeded("service/default/web");
         assert_eq!(memory.backoff.waiting(), 0);
+    }
+
+    /// Issue #29: however many objects wait, a pass tries only
+    /// `RETRIES_PER_PASS` of them again; writes that never failed all go.
+    #[tokio::test(start_paused = true)]
+    async fn retries_per_pass_are_bounded_and_fresh_writes_are_not() {
+        let api = Recording::default();
+        *api.fail.lock().unwrap() = Some((Kind::Service, Some("status")));
+        let mut plan = Plan::default();
+        for i in 0..40 {
+            plan.writes.extend(served(&format!("svc{i}")).writes);
+        }
+        let mut memory = Memory::default();
+        let out = execute("hna", &plan, &api, &|| true, &mut memory, &|_| {
+            Some("1".into())
+        })
+        .await;
+        assert_eq!(out.errors.len(), 40, "every first try goes out");
+        tokio::time::advance(WriteBackoff::MAX * 2).await;
+        // Another Service's writes, never failed, beside the 40 waiting.
+        plan.writes.extend(served("fresh").writes);
+        *api.fail.lock().unwrap() = None;
+        let out = execute("hna", &plan, &api, &|| true, &mut memory, &|_| {
+            Some("1".into())
+        })
+        .await;
+        let statuses = api
+            .sent
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| r.subresource == Some("status"))
+            .count();
+        assert_eq!(
+            statuses,
+            WriteBackoff::RETRIES_PER_PASS + 1,
+            "retried {statuses} statuses: {out:?}"
+        );
+        assert_eq!(out.deferred, (40 - WriteBackoff::RETRIES_PER_PASS) as u64);
+        assert!(
+            api.sent.lock().unwrap().iter().any(|r| r.name == "fresh"),
+            "the fresh write went out"
+        );
     }
 
     #[tokio::test]
