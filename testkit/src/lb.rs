@@ -1140,17 +1140,25 @@ impl LbRig {
         let object = serde_json::from_value(body)?;
         self.block_on(api.create(&PostParams::default(), &object))
             .with_context(|| format!("creating ValidatingWebhookConfiguration {name}"))?;
-        // The API server picks it up from its own watch: wait until a
-        // PATCH of a Service (a no-op label of the test's) is refused.
+        // The API server picks it up from its own watch.
+        self.until_service_patches(false)
+            .with_context(|| format!("the API server never called webhook {name}"))
+    }
+
+    /// Waits (30 s at most) until a PATCH of a Service (an annotation of
+    /// the test's, on a Service of its own) goes through (`true`) or is
+    /// refused (`false`): the handshake after a webhook comes or goes.
+    fn until_service_patches(&self, through: bool) -> Option<()> {
         let probe = format!("hna-webhook-probe-{}", std::process::id());
-        self.create_service(&probe, &[], &[80])?;
-        let refused = wait_for(Duration::from_secs(30), || {
-            self.annotate(&probe, "hna.invalid/probe", Some("x"))
-                .is_err()
-                .then_some(())
+        self.create_service(&probe, &[], &[80]).ok()?;
+        let seen = wait_for(Duration::from_secs(30), || {
+            let went = self
+                .annotate(&probe, "hna.invalid/probe", Some("x"))
+                .is_ok();
+            (went == through).then_some(())
         });
         let _ = self.delete_service(&probe);
-        refused.with_context(|| format!("the API server never called webhook {name}"))
+        seen
     }
 
     /// Removes the webhook of [`LbRig::install_failing_webhook`]; returns
@@ -1160,15 +1168,7 @@ impl LbRig {
             Api::all(self.admin.clone());
         self.block_on(api.delete(name, &DeleteParams::default()))
             .with_context(|| format!("deleting ValidatingWebhookConfiguration {name}"))?;
-        let probe = format!("hna-webhook-probe-{}", std::process::id());
-        self.create_service(&probe, &[], &[80])?;
-        let passed = wait_for(Duration::from_secs(30), || {
-            self.annotate(&probe, "hna.invalid/probe", Some("x"))
-                .is_ok()
-                .then_some(())
-        });
-        let _ = self.delete_service(&probe);
-        passed
+        self.until_service_patches(true)
             .with_context(|| format!("Service PATCHes still refused after deleting webhook {name}"))
     }
 

@@ -60,7 +60,8 @@ ensure_etcd() {
   mkdir "$scratch/out"
   step "go build" "$module" "$ETCD_VERSION" \
     go build -trimpath -ldflags='-s -w' -o out/etcd "$module"
-  # Read whole before it is matched (no `| grep -q` under pipefail: SIGPIPE).
+  # Read whole before it is matched: under pipefail a pipe into a grep
+  # that quits at its first match fails at random (SIGPIPE).
   local reported
   reported="$("$scratch/out/etcd" --version 2>&1)" || true
   [[ "$reported" == *"etcd Version: ${ETCD_VERSION#v}"* ]] \

@@ -47,8 +47,8 @@ ensure_kube_vip() {
   step "go build" "$module" "$KUBE_VIP_VERSION" \
     go build -trimpath -ldflags="-s -w -X main.Version=$KUBE_VIP_VERSION -X main.Build=module-proxy" \
     -o out/kube-vip "$module"
-  # Read whole before it is matched: `cmd | grep -q` under pipefail fails
-  # when grep exits at the first match and cmd dies of SIGPIPE.
+  # Read whole before it is matched: under pipefail a pipe into a grep that
+  # quits at its first match fails when kube-vip then dies of SIGPIPE.
   local reported
   reported="$("$scratch/out/kube-vip" version 2>&1)" || true
   [[ "$reported" == *"$KUBE_VIP_VERSION"* ]] \

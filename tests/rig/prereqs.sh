@@ -124,7 +124,7 @@ chown "$cargo_user" "$CARGO_INSTALL_TARGET"
 for tool_version in "${CARGO_TOOLS[@]}"; do
   tool=${tool_version% *}; version=${tool_version#* }
   # `cargo install --list` names what is installed, e.g. "cargo-deb v3.8.0:".
-  # Read whole, then matched (`cmd | grep -q` under pipefail: SIGPIPE race).
+  # Read whole, then matched (a pipe into an early-exiting grep: SIGPIPE race under pipefail).
   installed="$(PATH="$cargo_bin:$PATH" as_cargo_user cargo install --list 2>/dev/null)" || true
   if grep -qx "$tool v$version:" <<<"$installed"; then
     continue
