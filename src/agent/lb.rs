@@ -437,6 +437,13 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                             .filter(|p| node.nics.contains(p) && !node.no_carrier.contains(p));
                         w.uplink = kept.or_else(|| node.default_uplink.clone());
                     }
+                    let mac = crate::mac::format(&w.mac);
+                    // The controller refuses the MACs the nodes report; the
+                    // node checks again, as root, against what its LAN
+                    // shows it now.
+                    let taken_on_lan = (!w.release)
+                        .then(|| node.mac_taken_on_lan(&mac, w.requested_ip))
+                        .flatten();
                     let parent = w.uplink.as_ref();
                     match parent {
                         _ if self.fenced && !w.release => {
@@ -444,10 +451,7 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                         }
                         // A Service's MAC on a link of this node would
                         // steal the node's own traffic.
-                        _ if !w.release
-                            && node.own_macs.contains_key(&crate::mac::format(&w.mac)) =>
-                        {
-                            let mac = crate::mac::format(&w.mac);
+                        _ if !w.release && node.own_macs.contains_key(&mac) => {
                             cut_off.insert(
                                 w.interface.clone(),
                                 format!(
@@ -456,18 +460,8 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
                                 ),
                             );
                         }
-                        // The controller refuses the MACs the nodes
-                        // report; the node checks again, as root, against
-                        // what its LAN shows it now.
-                        _ if !w.release
-                            && node
-                                .mac_taken_on_lan(&crate::mac::format(&w.mac), w.requested_ip)
-                                .is_some() =>
-                        {
-                            let why = node
-                                .mac_taken_on_lan(&crate::mac::format(&w.mac), w.requested_ip)
-                                .unwrap_or_default();
-                            cut_off.insert(w.interface.clone(), why);
+                        _ if taken_on_lan.is_some() => {
+                            cut_off.insert(w.interface.clone(), taken_on_lan.unwrap_or_default());
                         }
                         // The controller allows only uplinks; the node
                         // checks again, as root, against its own cards.

@@ -436,13 +436,15 @@ fn spawn_lb(
     let node = move || {
         let m = macvlan.borrow();
         let sys_class_net = std::path::Path::new("/sys/class/net");
+        // Read once: the uplink and the gateway come from the same table.
+        let routes = std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE).ok();
         let default_uplink = {
             let mut last = last_uplink.lock().unwrap_or_else(|p| p.into_inner());
             let now = crate::dhcp::link::current_uplink(
                 uplink.as_deref(),
-                std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
-                    .ok()
-                    .and_then(|t| crate::dhcp::link::default_route_interface(&t)),
+                routes
+                    .as_deref()
+                    .and_then(crate::dhcp::link::default_route_interface),
                 last.as_deref(),
                 |name| sys_class_net.join(name).exists(),
             );
@@ -454,9 +456,9 @@ fn spawn_lb(
             .unwrap_or_default();
         // Kept while the gateway stays the same: its ARP entry comes and
         // goes with traffic, and `status.gatewayMac` should not.
-        let gateway = std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
-            .ok()
-            .and_then(|t| crate::dhcp::link::default_gateway(&t));
+        let gateway = routes
+            .as_deref()
+            .and_then(crate::dhcp::link::default_gateway);
         let gateway_address = gateway.as_ref().map(|(_, gw)| *gw);
         let gateway_mac = {
             let mut last = last_gateway.lock().unwrap_or_else(|p| p.into_inner());

@@ -19,16 +19,20 @@ pub struct Deletions {
 }
 
 impl Deletions {
+    /// How long, on our clock, the Service with `uid` has been deleting
+    /// (timed from now when first asked).
+    pub fn waited(&mut self, uid: &str, now: Instant) -> std::time::Duration {
+        let first = *self.seen.entry(uid.to_string()).or_insert(now);
+        now.saturating_duration_since(first)
+    }
+
     /// Sets `s.deleting_since` to `wall` minus how long, on our clock, the
     /// Service has been deleting (the pure decision compares it with
     /// `wall`, so only our own clock's elapsed time counts).
     pub fn time(&mut self, s: &mut ServiceIn, now: Instant, wall: i64) {
-        if !s.deleting {
-            return;
+        if s.deleting {
+            s.deleting_since = wall - self.waited(&s.uid, now).as_secs() as i64;
         }
-        let first = *self.seen.entry(s.uid.clone()).or_insert(now);
-        let waited = now.saturating_duration_since(first).as_secs() as i64;
-        s.deleting_since = wall - waited;
     }
 
     /// Forgets the Services not in `keep` (gone, or no longer deleting).

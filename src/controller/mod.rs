@@ -343,12 +343,13 @@ async fn reconcile_loop(
                 .state()
                 .iter()
                 .filter(|s| s.metadata.deletion_timestamp.is_some())
-                .filter_map(|s| kube_edge::service_in(s))
-                .filter(|s| {
-                    let mut s = s.clone();
-                    deletions.time(&mut s, now, wall);
-                    reconcile::release_overdue(&s, wall)
+                .filter_map(|s| {
+                    s.metadata
+                        .uid
+                        .as_deref()
+                        .map(|uid| deletions.waited(uid, now))
                 })
+                .filter(|w| w.as_secs() as i64 >= reconcile::RELEASE_TIMEOUT_SECS)
                 .count(),
             services: watches::fingerprint(caches.services.state().iter().map(|s| &s.metadata)),
             nodes: watches::fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),

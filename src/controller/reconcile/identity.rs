@@ -133,13 +133,28 @@ pub(super) fn known_address(
         .or(id.requested_ip)
 }
 
+/// The identity a primary asks under, or why it cannot be served (the
+/// Warning's reason and message): unreadable annotations, or a MAC that is
+/// another host's on the LAN.
+pub(super) fn checked_identity(
+    pass: &Pass<'_>,
+    s: &ServiceIn,
+) -> Result<AddressIdentity, (&'static str, String)> {
+    let id = crate::contract::address_identity(&s.uid, &s.annotations)
+        .map_err(|e| (reason::INVALID, e))?;
+    match lan_mac_refusal(pass, &id) {
+        Some(why) => Err((reason::MAC_REFUSED, why)),
+        None => Ok(id),
+    }
+}
+
 /// Why a Service may not use `id.mac`, if it may not: it is a MAC a node
 /// reports as one of its network cards or as its default gateway's
 /// (`status.nicMacs`, `status.gatewayMac`). A macvlan with it would make
 /// the LAN's switches send that host's traffic to the Service's holder
 /// (issue #29). Pinning a MAC with `kube-vip.io/hwaddr` stays a feature
 /// (DHCP reservations by MAC); only MACs of other hosts are refused.
-pub(super) fn lan_mac_refusal(pass: &Pass<'_>, id: &AddressIdentity) -> Option<String> {
+fn lan_mac_refusal(pass: &Pass<'_>, id: &AddressIdentity) -> Option<String> {
     let mac = crate::mac::format(&id.mac);
     let whose = pass.nodes.lan_macs.get(&mac)?;
     Some(format!(

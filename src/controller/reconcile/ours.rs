@@ -9,7 +9,7 @@ use crate::contract::{self, Selection, harvester, kube_vip};
 use crate::controller::networks::{self, NoUplink};
 
 use super::events::{EventType, reason};
-use super::identity::{known_address, lan_mac_refusal};
+use super::identity::{checked_identity, known_address};
 use super::pass::Pass;
 use super::plan::Write;
 use super::release::release_holders;
@@ -34,13 +34,7 @@ pub(super) fn admit<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
     match selection {
         Selection::Primary if !ours => take_on(pass, s),
         // What runs is kept while the Service cannot be made sense of.
-        Selection::Primary => match contract::address_identity(&s.uid, &s.annotations) {
-            Ok(id) if lan_mac_refusal(pass, &id).is_some() => {
-                let why = lan_mac_refusal(pass, &id).unwrap_or_default();
-                pass.summary.refused += 1;
-                pass.events
-                    .tell(s, EventType::Warning, reason::MAC_REFUSED, why);
-            }
+        Selection::Primary => match checked_identity(pass, s) {
             Ok(mut id) => {
                 id.requested_ip = known_address(pass, s, &id);
                 match networks::uplink_of(&s.annotations, pass.world.networks, &pass.nodes.uplinks)
@@ -54,9 +48,9 @@ pub(super) fn admit<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
                     }
                 }
             }
-            Err(e) => {
+            Err((why, message)) => {
                 pass.summary.refused += 1;
-                pass.events.tell(s, EventType::Warning, reason::INVALID, e);
+                pass.events.tell(s, EventType::Warning, why, message);
             }
         },
         Selection::Invalid(e) => {
@@ -125,22 +119,16 @@ fn take_on<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
             ),
         );
     } else {
-        let identity = contract::address_identity(&s.uid, &s.annotations);
+        let identity = checked_identity(pass, s);
         match identity.map(|id| {
             (
                 id,
                 networks::uplink_of(&s.annotations, pass.world.networks, &pass.nodes.uplinks),
             )
         }) {
-            Err(e) => {
+            Err((why, message)) => {
                 pass.summary.refused += 1;
-                pass.events.tell(s, EventType::Warning, reason::INVALID, e);
-            }
-            Ok((id, _)) if lan_mac_refusal(pass, &id).is_some() => {
-                let why = lan_mac_refusal(pass, &id).unwrap_or_default();
-                pass.summary.refused += 1;
-                pass.events
-                    .tell(s, EventType::Warning, reason::MAC_REFUSED, why);
+                pass.events.tell(s, EventType::Warning, why, message);
             }
             Ok((_, Err(NoUplink::Wait))) => pass.summary.pending += 1,
             Ok((_, Err(NoUplink::Refused(why)))) => {
