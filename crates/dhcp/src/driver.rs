@@ -159,7 +159,9 @@ pub struct Driver<T: Transport, A: AddressConfig> {
     machine: Machine,
     transport: T,
     addrs: A,
+    /// Given to [`LeaseFiles`] when the loop starts.
     store: Option<Store>,
+    files: Option<LeaseFiles>,
     status: watch::Sender<LeaseStatus>,
     started: Instant,
     deadline: Option<Instant>,
@@ -191,6 +193,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 transport,
                 addrs,
                 store,
+                files: None,
                 status: tx,
                 started: Instant::now(),
                 deadline: None,
@@ -248,6 +251,10 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
     /// stop: without an explicit "no longer wanted", nothing is released.
     pub async fn run(mut self, begin: Begin, mut cmds: mpsc::Receiver<Command>) {
         self.started = Instant::now();
+        self.files = self
+            .store
+            .take()
+            .map(|store| LeaseFiles::start(store, self.name.clone()));
         let first = match begin {
             Begin::Fresh => Event::Start { stored: None },
             Begin::Reboot(l) => Event::Start { stored: Some(l) },
@@ -276,15 +283,19 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                     self.step(Event::Timer).await;
                 }
                 _ = sleep_until_opt(self.lifetime.map(|(_, at)| at)) => self.confirm_address().await,
+                Some(failure) = next_failure(&mut self.files) => self.error(failure),
                 c = cmds.recv() => match c {
                     Some(Command::Announce) => self.step(Event::Announce).await,
                     Some(Command::Stop(mode, done)) => {
                         self.step(Event::Stop(mode)).await;
+                        // Whoever starts this lease again reads its file.
+                        self.flush_files().await;
                         let _ = done.send(());
                         return;
                     }
                     None => {
                         self.step(Event::Stop(StopMode::Handover)).await;
+                        self.flush_files().await;
                         return;
                     }
                 },
@@ -410,23 +421,19 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                         self.error(format!("ARP announce of {address}: {e}"));
                     }
                 }
-                // On the blocking pool: an fsync can take a slow disk
-                // hundreds of milliseconds, which on a runtime worker would
-                // stall every lease and the heartbeat sharing it.
+                // Not waited for: see `LeaseFiles`.
                 Action::Persist(lease) => {
-                    if let Some(store) = self.store.clone() {
-                        let rec =
-                            LeaseRecord::from_lease(&self.name, self.machine.identity(), &lease);
-                        let saved = tokio::task::spawn_blocking(move || store.save(&rec)).await;
-                        self.note_store("save", saved);
+                    if let Some(files) = &self.files {
+                        files.send(FileOp::Save(LeaseRecord::from_lease(
+                            &self.name,
+                            self.machine.identity(),
+                            &lease,
+                        )));
                     }
                 }
                 Action::Forget => {
-                    if let Some(store) = self.store.clone() {
-                        let name = self.name.clone();
-                        let removed =
-                            tokio::task::spawn_blocking(move || store.remove(&name)).await;
-                        self.note_store("remove", removed);
+                    if let Some(files) = &self.files {
+                        files.send(FileOp::Remove);
                     }
                 }
                 // Recorded by `note_transitions` before the step's work.
@@ -436,15 +443,21 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         self.publish();
     }
 
-    fn note_store(
-        &mut self,
-        what: &str,
-        done: Result<Result<(), super::store::StoreError>, tokio::task::JoinError>,
-    ) {
-        match done {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => self.error(e.to_string()),
-            Err(e) => self.error(format!("{what} of the lease file: {e}")),
+    /// Waits until every lease-file write asked for so far is done, and
+    /// notes the failures among them.
+    async fn flush_files(&mut self) {
+        let Some(files) = &mut self.files else {
+            return;
+        };
+        let (done, flushed) = oneshot::channel();
+        files.send(FileOp::Flush(done));
+        let _ = flushed.await;
+        let mut failures = Vec::new();
+        while let Ok(f) = files.failures.try_recv() {
+            failures.push(f);
+        }
+        for f in failures {
+            self.error(f);
         }
     }
 
@@ -493,6 +506,74 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
             transitions: self.transitions.clone(),
         };
         self.status.send_replace(st);
+    }
+}
+
+/// The lease file's writes, carried out in order by a task of their own.
+/// A renewal's save is two fsyncs, which a slow or stalled disk (a busy
+/// host's shared storage, a VM's paused volume) holds for seconds; waited
+/// for in the lease's loop, they held up the confirmation of the address's
+/// lifetime, and a stall of three quarters of a lifetime dropped a healthy
+/// node's address (issue #29). The file only matters at the next start,
+/// which a stop waits for ([`Driver::run`] flushes before it returns).
+struct LeaseFiles {
+    ops: mpsc::UnboundedSender<FileOp>,
+    failures: mpsc::UnboundedReceiver<String>,
+}
+
+enum FileOp {
+    Save(LeaseRecord),
+    Remove,
+    /// Answered once every operation before it is done.
+    Flush(oneshot::Sender<()>),
+}
+
+impl LeaseFiles {
+    fn start(store: Store, name: String) -> LeaseFiles {
+        let (ops, mut rx) = mpsc::unbounded_channel();
+        let (failed, failures) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(op) = rx.recv().await {
+                let store = store.clone();
+                let name = name.clone();
+                // On the blocking pool: an fsync on a runtime worker would
+                // stall every lease sharing it.
+                let (what, done) = match op {
+                    FileOp::Save(rec) => (
+                        "save",
+                        tokio::task::spawn_blocking(move || store.save(&rec)).await,
+                    ),
+                    FileOp::Remove => (
+                        "remove",
+                        tokio::task::spawn_blocking(move || store.remove(&name)).await,
+                    ),
+                    FileOp::Flush(done) => {
+                        let _ = done.send(());
+                        continue;
+                    }
+                };
+                let failure = match done {
+                    Ok(Ok(())) => continue,
+                    Ok(Err(e)) => e.to_string(),
+                    Err(e) => format!("{what} of the lease file: {e}"),
+                };
+                let _ = failed.send(failure);
+            }
+        });
+        LeaseFiles { ops, failures }
+    }
+
+    fn send(&self, op: FileOp) {
+        // The task ends only when `ops` is dropped.
+        let _ = self.ops.send(op);
+    }
+}
+
+/// The next failed lease-file write; never, without a store.
+async fn next_failure(files: &mut Option<LeaseFiles>) -> Option<String> {
+    match files {
+        Some(f) => f.failures.recv().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -876,6 +957,80 @@ mod tests {
         assert!(w.configured.is_empty());
     }
 
+    /// Opens a FIFO's reading end without waiting when dropped, so a
+    /// writer blocked on it goes on even when the test fails first.
+    struct Unblock(std::path::PathBuf);
+
+    impl Drop for Unblock {
+        fn drop(&mut self) {
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let _ = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&self.0);
+        }
+    }
+
+    /// Issue #29: the lease file's save (two fsyncs) is held up by the
+    /// disk, and the address's lifetime is confirmed on time all the
+    /// while; the save's failure, once the disk answers, is reported.
+    /// Real time: a write blocked in a thread stops the paused clock.
+    #[tokio::test]
+    async fn a_stalled_lease_file_write_does_not_hold_up_the_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        // The save opens its temporary file first: a FIFO there blocks
+        // that open until somebody reads, as a stalled disk would.
+        let fifo = store.dir().join(".vip-test.json.tmp");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let unblock = Unblock(fifo.clone());
+        let fake = Fake::default();
+        fake.0.lock().unwrap().addr = Some(Ipv4Addr::new(10, 77, 0, 150));
+        let timing = Timing {
+            renew_floor: Duration::from_secs(1),
+            address_lifetime: Some(Duration::from_secs(1)),
+            ..Timing::default()
+        };
+        let (mut rx, tx, h) = start_with(&fake, Some(store.clone()), None, timing);
+        let deadline = Duration::from_secs(10);
+        tokio::time::timeout(deadline, rx.wait_for(|s| s.state == State::Bound))
+            .await
+            .expect("BOUND while the lease file's save is stalled")
+            .unwrap();
+        let at_bound = fake.0.lock().unwrap().lifetimes.len();
+        // Two lifetimes' worth of confirmations (every 250 ms).
+        tokio::time::timeout(deadline, async {
+            while fake.0.lock().unwrap().lifetimes.len() < at_bound + 8 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the lifetime is confirmed while the save is stalled");
+        assert!(
+            !store.path("vip-test").exists(),
+            "the save went through: the stall did not hold"
+        );
+        assert_eq!(rx.borrow().state, State::Bound);
+
+        // The disk answers: the save fails (a FIFO has no fsync), and says so.
+        let reader = tokio::task::spawn_blocking(move || std::fs::read(&fifo));
+        tokio::time::timeout(
+            deadline,
+            rx.wait_for(|s| s.last_error.as_deref().is_some_and(|e| e.contains("fsync"))),
+        )
+        .await
+        .expect("the failed save is reported")
+        .unwrap();
+        reader.await.unwrap().unwrap();
+        drop(unblock);
+        let (done_tx, done_rx) = oneshot::channel();
+        tx.send(Command::Stop(StopMode::Handover, done_tx))
+            .await
+            .unwrap();
+        done_rx.await.unwrap();
+        h.await.unwrap();
+    }
+
     #[tokio::test(start_paused = true)]
     async fn acquires_renews_and_persists() {
         let dir = tempfile::tempdir().unwrap();
@@ -901,7 +1056,14 @@ mod tests {
             fake.0.lock().unwrap().configured,
             vec![Ipv4Addr::new(10, 77, 0, 150)]
         );
-        assert!(store.load("vip-test").unwrap().is_some());
+        // Saved by a task of its own, soon after.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while store.load("vip-test").unwrap().is_none() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the lease file is saved");
 
         // T1: unicast renewal to the server's MAC, from the lease address.
         // RENEWING lasts no time against this server: look at the history.
