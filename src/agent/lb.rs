@@ -21,7 +21,9 @@
 //!   moved its addresses, so the left links go (handover, never released).
 //! - Output: the status subresource, merge-patched at every heartbeat
 //!   period (`lb_heartbeat`) and, within [`SETTLE`], after every change of
-//!   what is reported (a release shows as the lease leaving `leases`).
+//!   what is reported (a release shows as the lease leaving `leases`), by
+//!   a task of its own ([`super::status_writes`]) so that no round, however
+//!   long, holds up a heartbeat.
 //!
 //! The loop is generic over the engine ([`LeaseEngine`]) and the status
 //! writer ([`StatusWriter`]) so it is tested with the fake engine and paused
@@ -47,6 +49,7 @@ use crate::lb::plan::{self, Action, Running};
 use crate::systemd::{self, Heartbeat};
 
 use super::status::LbStatus;
+use super::status_writes::StatusWrites;
 
 /// How long start-up keeps left links for the first read of the
 /// assignments. Longer than the 3 s after which the controller counts a
@@ -69,8 +72,6 @@ const GUARD_RETRY_MAX: Duration = Duration::from_secs(1);
 /// Retry backoff after a failed action.
 const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
-/// One status write at most this long.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// `state` of a lease the takeover guard holds back: another host still
 /// answers for its address.
 pub const GUARDED: &str = "GUARDED";
@@ -173,9 +174,9 @@ pub struct LbSettings {
 }
 
 /// The loop's state between events.
-struct Lb<E: LeaseEngine, W: StatusWriter> {
+struct Lb<E: LeaseEngine> {
     engine: Arc<E>,
-    writer: W,
+    writes: StatusWrites,
     settings: LbSettings,
     node: Box<dyn Fn() -> NodeView + Send>,
     out: watch::Sender<LbStatus>,
@@ -195,14 +196,6 @@ struct Lb<E: LeaseEngine, W: StatusWriter> {
     backoff: Duration,
     /// Until the next round with a guarded start.
     guard_backoff: Duration,
-    /// The last status written, without its heartbeat.
-    written: Option<Status>,
-    write_error: Option<String>,
-    /// The last heartbeat's time: each one is later (see [`next_beat`]).
-    last_beat: Option<SystemTime>,
-    /// When the next write is due even if nothing changed: a heartbeat
-    /// period after the last write (or attempt).
-    beat_due: Instant,
     /// The agent is stopping: reported as not ready.
     stopping: bool,
     /// The interfaces without carrier at the last look.
@@ -210,10 +203,10 @@ struct Lb<E: LeaseEngine, W: StatusWriter> {
     /// The default uplink at the last round: a new one moves the leases
     /// that follow it.
     uplink: Option<String>,
-    /// When a status write last succeeded (or the loop started).
-    last_write_ok: Instant,
     /// Self-fenced: nothing is held until a status write succeeds again.
     fenced: bool,
+    /// Whether the last status write's failure was logged.
+    write_error_logged: bool,
     /// How each lease this loop started was started (parent, identity), so
     /// a change of either restarts it.
     started: BTreeMap<String, plan::StartedAs>,
@@ -235,9 +228,11 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     let adoption_deadline = Instant::now() + settings.adoption_wait;
     let mut next_settle = Instant::now() + settings.settle;
     let mut beat = tokio::time::interval(beat_every);
+    let writes = StatusWrites::start(writer, settings.heartbeat);
+    let mut written = writes.watch();
     let mut lb = Lb {
         engine,
-        writer,
+        writes,
         settings,
         node: Box::new(node),
         out,
@@ -250,15 +245,11 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         retry_at: None,
         backoff: RETRY_MIN,
         guard_backoff: GUARD_RETRY_MIN,
-        written: None,
-        write_error: None,
-        last_beat: None,
-        beat_due: Instant::now(),
         stopping: false,
         no_carrier: BTreeSet::new(),
         uplink: None,
-        last_write_ok: Instant::now(),
         fenced: false,
+        write_error_logged: false,
         started: BTreeMap::new(),
     };
     let mut carrier = tokio::time::interval(CARRIER_POLL);
@@ -272,7 +263,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                     if changed {
                         systemd::beating(&hb, beat_every, lb.reconcile()).await;
                     }
-                    lb.report(false).await;
+                    lb.report();
                     next_settle = Instant::now() + lb.settle_period();
                 }
                 None => {
@@ -290,15 +281,15 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                     "the assignments could not be read in time: removing the links an earlier run left (not released; lease files kept)"
                 );
                 systemd::beating(&hb, beat_every, lb.sweep()).await;
-                lb.report(false).await;
+                lb.report();
             }
             _ = sleep_until_opt(lb.retry_at) => {
                 lb.retry_at = None;
                 systemd::beating(&hb, beat_every, lb.reconcile()).await;
-                lb.report(false).await;
+                lb.report();
                 next_settle = Instant::now() + lb.settle_period();
             }
-            _ = tokio::time::sleep_until(lb.beat_due) => lb.report(true).await,
+            _ = written.changed() => lb.after_write().await,
             _ = tokio::time::sleep_until(next_settle) => {
                 // A lease whose address the kernel let expire (this
                 // process did not run for its lifetime) starts again,
@@ -306,14 +297,14 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 if lb.engine.snapshot().iter().any(|l| l.state == crate::dhcp::State::Expired) {
                     systemd::beating(&hb, beat_every, lb.reconcile()).await;
                 }
-                lb.report(false).await;
+                lb.report();
                 next_settle = Instant::now() + lb.settle_period();
             }
             _ = carrier.tick() => {
                 let node = (lb.node)();
                 if node.no_carrier != lb.no_carrier || node.default_uplink != lb.uplink {
                     systemd::beating(&hb, beat_every, lb.reconcile()).await;
-                    lb.report(false).await;
+                    lb.report();
                     next_settle = Instant::now() + lb.settle_period();
                 }
             }
@@ -333,7 +324,7 @@ async fn sleep_until_opt(at: Option<Instant>) {
     }
 }
 
-impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
+impl<E: LeaseEngine> Lb<E> {
     /// How soon to look at the leases again: at once (every
     /// [`FAST_SETTLE`]) while one is on its way to an address, so the
     /// controller hears of a new lease within milliseconds; else every
@@ -592,11 +583,8 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
     async fn hand_over_all(&mut self) {
         hand_over_every_lease(&*self.engine).await;
         self.stopping = true;
-        let write = self.report(true);
-        if tokio::time::timeout(STOPPING_WRITE_TIMEOUT, write)
-            .await
-            .is_err()
-        {
+        let status = self.report();
+        if !self.writes.write_now(status, STOPPING_WRITE_TIMEOUT).await {
             tracing::warn!(object = %self.settings.object, "the last status (stopping) was not written within {STOPPING_WRITE_TIMEOUT:?}; the controller moves the addresses once the heartbeat is stale");
         }
     }
@@ -619,9 +607,38 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
         hand_over_every_lease(&*self.engine).await;
     }
 
-    /// Publishes the state and writes the status: always when `heartbeat`,
-    /// else only when what is reported changed since the last write.
-    async fn report(&mut self, heartbeat: bool) {
+    /// A status write succeeded or failed: fences this node when none has
+    /// succeeded for `fence_after`, and lifts the fence at the first that
+    /// does.
+    async fn after_write(&mut self) {
+        let written = self.writes.written();
+        match &written.error {
+            None if self.fenced => {
+                self.fenced = false;
+                tracing::warn!(object = %self.settings.object, "status written again: holding what is assigned again (through the takeover guard)");
+                self.retry_at = Some(Instant::now());
+            }
+            None => {}
+            Some(e) => {
+                let silent = written.last_ok.elapsed();
+                // Only when something is held: a node that never joined
+                // has nothing to let go of (and nothing to log).
+                if !self.fenced
+                    && !self.settings.fence_after.is_zero()
+                    && silent >= self.settings.fence_after
+                    && !self.engine.snapshot().is_empty()
+                {
+                    tracing::warn!(object = %self.settings.object, error = %e, "cannot write the LoadBalancerNode status");
+                    self.fence().await;
+                }
+            }
+        }
+        self.report();
+    }
+
+    /// Publishes the state, and drafts the status (written when what it
+    /// reports changed, and at every heartbeat); returns that status.
+    fn report(&mut self) -> Status {
         let node = (self.node)();
         let mut status = report(
             self.assignments.as_deref().unwrap_or_default(),
@@ -636,59 +653,18 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             status.reason = STOPPING.to_string();
         }
         status.heartbeat_period_ms = u64::try_from(self.settings.heartbeat.as_millis()).ok();
-        let due =
-            heartbeat || self.written.as_ref().map(settled_view) != Some(settled_view(&status));
-        if due {
-            self.beat_due = Instant::now() + self.settings.heartbeat;
-            let beat = next_beat(self.last_beat, SystemTime::now());
-            self.last_beat = Some(beat);
-            status.heartbeat = Some(humantime::format_rfc3339_millis(beat).to_string());
-            // Repeated until it lands (a heartbeat that waits a period after
-            // each failure goes stale on a flaky API server); after a failed
-            // write, a single attempt per period, so an outage gets no burst.
-            let policy =
-                super::delivery::Policy::for_period(self.settings.heartbeat, WRITE_TIMEOUT);
-            let policy = if self.write_error.is_some() {
-                policy.single()
-            } else {
-                policy
-            };
-            let result = super::delivery::deliver(&policy, || self.writer.write(&status)).await;
-            match result {
-                Ok(()) => {
-                    self.last_write_ok = Instant::now();
-                    if self.fenced {
-                        self.fenced = false;
-                        tracing::warn!(object = %self.settings.object, "status written again: holding what is assigned again (through the takeover guard)");
-                        self.retry_at = Some(Instant::now());
-                    }
-                    if self.write_error.take().is_some() {
-                        tracing::info!(object = %self.settings.object, "LoadBalancerNode status written again");
-                    }
-                    status.heartbeat = None;
-                    self.written = Some(status.clone());
+        self.writes.draft(status.clone());
+        let write_error = self.writes.written().error;
+        if write_error.is_some() != self.write_error_logged {
+            match &write_error {
+                Some(e) => {
+                    tracing::warn!(object = %self.settings.object, error = %e, "cannot write the LoadBalancerNode status; leases are kept")
                 }
-                Err(e) => {
-                    if self.write_error.as_ref() != Some(&e) {
-                        tracing::warn!(object = %self.settings.object, error = %e, "cannot write the LoadBalancerNode status; leases are kept");
-                    }
-                    self.write_error = Some(e);
-                    let silent = self.last_write_ok.elapsed();
-                    // Only when something is held: a node that never
-                    // joined has nothing to let go of (and nothing to log).
-                    if !self.fenced
-                        && !self.settings.fence_after.is_zero()
-                        && silent >= self.settings.fence_after
-                        && !self.engine.snapshot().is_empty()
-                    {
-                        self.fence().await;
-                    }
-                    status.heartbeat = None;
-                    // Written again at the next heartbeat, not every settle
-                    // tick: `written` stays as it was.
-                    self.written = Some(status.clone());
+                None => {
+                    tracing::info!(object = %self.settings.object, "LoadBalancerNode status written again")
                 }
             }
+            self.write_error_logged = write_error.is_some();
         }
         let wanted = self
             .assignments
@@ -702,9 +678,10 @@ impl<E: LeaseEngine, W: StatusWriter> Lb<E, W> {
             adopted: self.swept.is_some(),
             removed_at_start: self.swept.clone().unwrap_or_default(),
             wanted,
-            write_error: self.write_error.clone(),
-            status,
+            write_error,
+            status: status.clone(),
         });
+        status
     }
 }
 
@@ -721,21 +698,6 @@ async fn hand_over_every_lease<E: LeaseEngine>(engine: &E) {
                 tracing::warn!(interface = %name, error = %e, "could not hand the lease over cleanly")
             }
         }
-    }
-}
-
-/// The controller only asks whether the heartbeat changed: a clock stepped
-/// back (or two writes within a millisecond) must not repeat one.
-/// Whole milliseconds, as written.
-fn next_beat(last: Option<SystemTime>, now: SystemTime) -> SystemTime {
-    let ms = now
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    let now = SystemTime::UNIX_EPOCH + Duration::from_millis(ms);
-    match last {
-        Some(last) if now <= last => last + Duration::from_millis(1),
-        _ => now,
     }
 }
 
@@ -897,18 +859,6 @@ impl StatusWriter for KubeStatus {
     }
 }
 
-/// What a change-driven write compares: the status without the leases on
-/// their way to an address (INIT, SELECTING, REQUESTING, CHECKING,
-/// INIT-REBOOT). Nobody acts on those, and writing each step would cost the
-/// controller a round trip before the write that matters (BOUND); they are
-/// reported with the next heartbeat.
-fn settled_view(status: &Status) -> Status {
-    const MOVING: [&str; 5] = ["INIT", "SELECTING", "REQUESTING", "CHECKING", "INIT-REBOOT"];
-    let mut s = status.clone();
-    s.leases.retain(|l| !MOVING.contains(&l.state.as_str()));
-    s
-}
-
 /// Watches this node's object with whichever client the daemon has,
 /// starting over when the client changes; the spec goes to `tx`.
 pub async fn follow(
@@ -966,36 +916,3 @@ const FOLLOW_RESTART: Duration = Duration::from_secs(1);
 #[cfg(test)]
 #[path = "lb_tests.rs"]
 mod tests;
-
-#[cfg(test)]
-mod settled_view_tests {
-    use super::*;
-
-    fn lease(state: &str) -> LeaseReport {
-        LeaseReport {
-            service: "default/web".into(),
-            interface: "hlb-3f2a9c1e".into(),
-            state: state.into(),
-            ..LeaseReport::default()
-        }
-    }
-
-    #[test]
-    fn only_leases_on_their_way_are_left_out() {
-        let none = Status::default();
-        let with = |state: &str| Status {
-            leases: vec![lease(state)],
-            ..Status::default()
-        };
-        for moving in ["INIT", "SELECTING", "REQUESTING", "CHECKING", "INIT-REBOOT"] {
-            assert_eq!(settled_view(&with(moving)), settled_view(&none), "{moving}");
-        }
-        for settled in ["BOUND", "RENEWING", "REBINDING", "FAILED"] {
-            assert_ne!(
-                settled_view(&with(settled)),
-                settled_view(&none),
-                "{settled}"
-            );
-        }
-    }
-}

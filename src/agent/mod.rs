@@ -22,6 +22,7 @@ pub mod lb;
 mod macvlan;
 mod publish;
 pub mod status;
+mod status_writes;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,0 +1,240 @@
+//! The `LoadBalancerNode` status's writes, in a task of their own.
+//!
+//! The LoadBalancer loop says what the status is ([`Draft`]); this task
+//! writes it when what it reports changed and at every heartbeat period
+//! whatever else is going on. Written from the loop itself, the heartbeat
+//! waited for each round: 200 Services moving onto one node kept the loop
+//! busy for seconds, and the receiver of a failover looked dead in turn
+//! (issue #29). Here a round takes as long as it takes, and the heartbeat
+//! carries the last status the loop drafted.
+//!
+//! One writer: the drafts go out in order, one write (with its repeats, see
+//! [`super::delivery`]) at a time, so a heartbeat of an older draft never
+//! lands after a newer one.
+
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::lb::StatusWriter;
+use crate::contract::node_object::Status;
+
+/// One write at most this long.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A status to write, without its heartbeat.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Draft {
+    pub status: Status,
+    /// Counts the drafts that must be written even when their settled view
+    /// is unchanged (see [`StatusWrites::write_now`]).
+    pub urgent: u64,
+}
+
+/// What the writes achieved, for the loop (fencing) and `status`.
+#[derive(Debug, Clone)]
+pub struct Written {
+    /// When a write last succeeded (or the task started).
+    pub last_ok: Instant,
+    /// The last failed write's error, until one succeeds.
+    pub error: Option<String>,
+    /// The newest [`Draft::urgent`] whose write was attempted to the end.
+    pub urgent_done: u64,
+}
+
+/// The loop's handle on the task; dropping it stops the task.
+pub struct StatusWrites {
+    drafts: watch::Sender<Draft>,
+    written: watch::Receiver<Written>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for StatusWrites {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl StatusWrites {
+    /// Starts the task; nothing is written until the first draft.
+    pub fn start<W: StatusWriter>(writer: W, heartbeat: Duration) -> StatusWrites {
+        let (drafts, rx) = watch::channel(Draft::default());
+        let (tx, written) = watch::channel(Written {
+            last_ok: Instant::now(),
+            error: None,
+            urgent_done: 0,
+        });
+        let task = tokio::spawn(run(writer, heartbeat, rx, tx));
+        StatusWrites {
+            drafts,
+            written,
+            task,
+        }
+    }
+
+    /// The status is now `status`: written within moments when what it
+    /// reports changed, else with the next heartbeat.
+    pub fn draft(&self, status: Status) {
+        self.drafts.send_if_modified(|d| {
+            let changed = d.status != status;
+            d.status = status;
+            changed
+        });
+    }
+
+    /// Writes `status` now, and waits (at most `within`) until that write
+    /// was tried to the end; `false` when it was not in time.
+    pub async fn write_now(&self, status: Status, within: Duration) -> bool {
+        let mut urgent = 0;
+        self.drafts.send_modify(|d| {
+            d.status = status;
+            d.urgent += 1;
+            urgent = d.urgent;
+        });
+        let mut written = self.written.clone();
+        tokio::time::timeout(within, written.wait_for(|w| w.urgent_done >= urgent))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// What the writes achieved so far.
+    pub fn written(&self) -> Written {
+        self.written.borrow().clone()
+    }
+
+    /// Changes when a write succeeds or fails.
+    pub fn watch(&self) -> watch::Receiver<Written> {
+        self.written.clone()
+    }
+}
+
+async fn run<W: StatusWriter>(
+    writer: W,
+    heartbeat: Duration,
+    mut drafts: watch::Receiver<Draft>,
+    written: watch::Sender<Written>,
+) {
+    // Nothing before the loop's first draft.
+    if drafts.changed().await.is_err() {
+        return;
+    }
+    let mut last: Option<Status> = None;
+    let mut last_beat: Option<SystemTime> = None;
+    let mut urgent_done = 0;
+    let mut beat_due = Instant::now();
+    loop {
+        let draft = drafts.borrow_and_update().clone();
+        let changed = last.as_ref().map(settled_view) != Some(settled_view(&draft.status));
+        let urgent = draft.urgent > urgent_done;
+        if urgent || changed || Instant::now() >= beat_due {
+            beat_due = Instant::now() + heartbeat;
+            let beat = next_beat(last_beat, SystemTime::now());
+            last_beat = Some(beat);
+            let mut status = draft.status.clone();
+            status.heartbeat = Some(humantime::format_rfc3339_millis(beat).to_string());
+            // Repeated until it lands (a heartbeat that waits a period after
+            // each failure goes stale on a flaky API server); after a failed
+            // write, a single attempt per period, so an outage gets no burst.
+            let policy = super::delivery::Policy::for_period(heartbeat, WRITE_TIMEOUT);
+            let policy = if written.borrow().error.is_some() {
+                policy.single()
+            } else {
+                policy
+            };
+            let result = super::delivery::deliver(&policy, || writer.write(&status)).await;
+            urgent_done = draft.urgent;
+            // Written again at the next heartbeat, not at once, when the
+            // write failed: `last` is what was tried.
+            last = Some(draft.status);
+            written.send_modify(|w| {
+                w.urgent_done = urgent_done;
+                match result {
+                    Ok(()) => {
+                        w.last_ok = Instant::now();
+                        w.error = None;
+                    }
+                    Err(e) => w.error = Some(e),
+                }
+            });
+            continue;
+        }
+        tokio::select! {
+            changed = drafts.changed() => if changed.is_err() {
+                return;
+            },
+            _ = tokio::time::sleep_until(beat_due) => {}
+        }
+    }
+}
+
+/// The controller only asks whether the heartbeat changed: a clock stepped
+/// back (or two writes within a millisecond) must not repeat one.
+/// Whole milliseconds, as written.
+fn next_beat(last: Option<SystemTime>, now: SystemTime) -> SystemTime {
+    let ms = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let now = SystemTime::UNIX_EPOCH + Duration::from_millis(ms);
+    match last {
+        Some(last) if now <= last => last + Duration::from_millis(1),
+        _ => now,
+    }
+}
+
+/// What a change-driven write compares: the status without the leases on
+/// their way to an address (INIT, SELECTING, REQUESTING, CHECKING,
+/// INIT-REBOOT). Nobody acts on those, and writing each step would cost the
+/// controller a round trip before the write that matters (BOUND); they are
+/// reported with the next heartbeat.
+fn settled_view(status: &Status) -> Status {
+    const MOVING: [&str; 5] = ["INIT", "SELECTING", "REQUESTING", "CHECKING", "INIT-REBOOT"];
+    let mut s = status.clone();
+    s.leases.retain(|l| !MOVING.contains(&l.state.as_str()));
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::node_object::LeaseReport;
+
+    fn lease(state: &str) -> LeaseReport {
+        LeaseReport {
+            service: "default/web".into(),
+            interface: "hlb-3f2a9c1e".into(),
+            state: state.into(),
+            ..LeaseReport::default()
+        }
+    }
+
+    #[test]
+    fn only_leases_on_their_way_are_left_out() {
+        let none = Status::default();
+        let with = |state: &str| Status {
+            leases: vec![lease(state)],
+            ..Status::default()
+        };
+        for moving in ["INIT", "SELECTING", "REQUESTING", "CHECKING", "INIT-REBOOT"] {
+            assert_eq!(settled_view(&with(moving)), settled_view(&none), "{moving}");
+        }
+        for settled in ["BOUND", "RENEWING", "REBINDING", "FAILED"] {
+            assert_ne!(
+                settled_view(&with(settled)),
+                settled_view(&none),
+                "{settled}"
+            );
+        }
+    }
+
+    #[test]
+    fn heartbeats_never_repeat_or_go_back() {
+        let t = SystemTime::UNIX_EPOCH + Duration::from_millis(5_000);
+        assert_eq!(next_beat(None, t), t);
+        let back = SystemTime::UNIX_EPOCH + Duration::from_millis(4_000);
+        assert_eq!(next_beat(Some(t), back), t + Duration::from_millis(1));
+        assert_eq!(next_beat(Some(t), t), t + Duration::from_millis(1));
+    }
+}
