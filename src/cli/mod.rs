@@ -250,6 +250,22 @@ pub struct ControllerArgs {
     /// most --node-stale-after
     #[arg(long, value_name = "DURATION", env = "HNA_WATCH_QUIET_AFTER", default_value = "2s", value_parser = election_arg)]
     pub watch_quiet_after: Duration,
+    /// A Service whose holder reports its lease FAILED (no macvlan, no
+    /// DHCP answer on that uplink) for this long moves to another node,
+    /// if one can take it
+    #[arg(long, value_name = "DURATION", env = "HNA_SERVICE_FAILED_AFTER", default_value = "30s", value_parser = stale_arg)]
+    pub service_failed_after: Duration,
+    /// A Service whose holder reports its lease GUARDED (another host still
+    /// answers for the address) for this long moves to another node, if
+    /// one can take it. Keep it above the agents' lb_fence_after (120s):
+    /// a former holder cut off from the API server lets go within that
+    #[arg(long, value_name = "DURATION", env = "HNA_SERVICE_GUARDED_AFTER", default_value = "150s", value_parser = stale_arg)]
+    pub service_guarded_after: Duration,
+    /// A node that could not serve a Service (see --service-failed-after)
+    /// is not given that Service again for this long, while another node
+    /// can take it
+    #[arg(long, value_name = "DURATION", env = "HNA_SERVICE_AVOID_FOR", default_value = "10m", value_parser = stale_arg)]
+    pub service_avoid_for: Duration,
     /// Serve Prometheus /metrics and /healthz on ADDR:PORT, e.g. 0.0.0.0:9478 [default: off]
     #[arg(long, value_name = "ADDR:PORT", env = "HNA_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
@@ -405,6 +421,9 @@ pub fn main() -> ExitCode {
                 timing,
                 node_stale_after: args.node_stale_after,
                 watch_quiet_after: args.watch_quiet_after,
+                service_failed_after: args.service_failed_after,
+                service_guarded_after: args.service_guarded_after,
+                service_avoid_for: args.service_avoid_for,
                 metrics_listen: args.metrics_listen,
                 endpoint_source: args.endpoint_source,
                 classes,

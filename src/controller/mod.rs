@@ -18,6 +18,7 @@ pub mod liveness;
 pub mod networks;
 pub mod placement;
 pub mod reconcile;
+pub mod service_health;
 pub mod stats;
 pub mod watches;
 pub mod writer;
@@ -80,6 +81,12 @@ pub struct Options {
     /// No heartbeat change from any node for this long: the watch, not the
     /// nodes, is suspect ([`liveness`]).
     pub watch_quiet_after: Duration,
+    /// A lease reported FAILED, or GUARDED, for this long makes its node
+    /// one to avoid for that Service for `service_avoid_for`
+    /// ([`service_health`]).
+    pub service_failed_after: Duration,
+    pub service_guarded_after: Duration,
+    pub service_avoid_for: Duration,
     /// Serve `/metrics` and `/healthz` here.
     pub metrics_listen: Option<SocketAddr>,
     /// Where `externalTrafficPolicy: Local` reads ready endpoints.
@@ -307,6 +314,11 @@ async fn reconcile_loop(
     let mut memory = writer::Memory::default();
     let mut deletions = deletions::Deletions::default();
     let mut access_ensured: BTreeSet<String> = BTreeSet::new();
+    let mut health = service_health::ServiceHealth::new(
+        opts.service_failed_after,
+        opts.service_guarded_after,
+        opts.service_avoid_for,
+    );
     let mut term = 0;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -323,11 +335,13 @@ async fn reconcile_loop(
             .expect("liveness lock")
             .next_deadline(Instant::now());
         let retry_at = memory.backoff.next_retry(Instant::now());
+        let health_at = health.next_deadline();
         tokio::select! {
             _ = changed.notified() => tokio::time::sleep(coalesce).await,
             _ = tick.tick() => {}
             _ = sleep_until_opt(stale_at) => {}
             _ = sleep_until_opt(retry_at) => {}
+            _ = sleep_until_opt(health_at) => {}
             _ = shutdown.changed() => return,
         }
         let now = Instant::now();
@@ -335,6 +349,7 @@ async fn reconcile_loop(
             let mut alive = alive.lock().expect("liveness lock");
             objects_from(&caches, &mut alive, &mut slow_warned, now)
         };
+        let avoid = health.observe(objects.iter().map(|o| (o.name.as_str(), &o.status)), now);
         let leading = leadership.leading();
         let wall = k8s_openapi::jiff::Timestamp::now().as_second();
         let inputs = Inputs {
@@ -355,6 +370,7 @@ async fn reconcile_loop(
             nodes: watches::fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),
             endpoints: caches.endpoints.fingerprint(),
             objects,
+            avoid,
             networks: caches.networks.lock().expect("network map lock").clone(),
             leading,
             term: leadership.term(),
@@ -391,6 +407,7 @@ async fn reconcile_loop(
             classes: &opts.classes,
             ip_mode,
             node_networks: &node_networks,
+            avoid: &inputs.avoid,
             now: wall,
         });
         coalesce = coalesce_window(now.elapsed());
@@ -482,6 +499,7 @@ struct Inputs {
     nodes: Vec<(String, String)>,
     endpoints: Vec<(String, String)>,
     objects: Vec<reconcile::NodeIn>,
+    avoid: service_health::Avoid,
     networks: networks::NetworkMap,
     leading: bool,
     term: u64,

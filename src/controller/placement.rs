@@ -17,6 +17,9 @@ pub struct ServiceNeed {
     /// Only these nodes may hold it (`externalTrafficPolicy: Local`: those
     /// with a ready endpoint); `None`: any eligible node.
     pub only: Option<BTreeSet<String>>,
+    /// Nodes that could not serve it lately (`controller::service_health`):
+    /// left for another node while there is one, never chosen before one.
+    pub avoid: BTreeSet<String>,
 }
 
 /// Services to holders (`None`: no eligible node).
@@ -33,9 +36,18 @@ pub fn place(
     let mut out = Placement::new();
     let mut homeless = Vec::new();
     let allowed = |s: &ServiceNeed, node: &str| s.only.as_ref().is_none_or(|o| o.contains(node));
+    let elsewhere = |s: &ServiceNeed, holder: &str| {
+        eligible
+            .iter()
+            .any(|n| n != holder && allowed(s, n) && !s.avoid.contains(n))
+    };
     for s in services {
         match current.get(&s.key) {
-            Some(holder) if load.contains_key(holder.as_str()) && allowed(s, holder) => {
+            Some(holder)
+                if load.contains_key(holder.as_str())
+                    && allowed(s, holder)
+                    && !(s.avoid.contains(holder) && elsewhere(s, holder)) =>
+            {
                 *load.get_mut(holder.as_str()).expect("eligible") += 1;
                 out.insert(s.key.clone(), Some(holder.clone()));
             }
@@ -47,7 +59,7 @@ pub fn place(
         let choice = load
             .iter()
             .filter(|(node, _)| allowed(s, node))
-            .min_by_key(|(node, n)| (**n, tie_break(&s.uid, node)))
+            .min_by_key(|(node, n)| (s.avoid.contains(**node), **n, tie_break(&s.uid, node)))
             .map(|(node, _)| node.to_string());
         if let Some(node) = &choice {
             *load.get_mut(node.as_str()).expect("eligible") += 1;
@@ -73,6 +85,7 @@ mod tests {
             },
             uid: format!("{i:08x}-0000-4000-8000-000000000000"),
             only: None,
+            avoid: BTreeSet::new(),
         }
     }
 
@@ -176,5 +189,31 @@ mod tests {
         more.push(svc(9));
         let next = place(&more, &nodes(&["n1", "n2"]), &holders(&back));
         assert_eq!(next[&svc(9).key].as_deref(), Some("n2"));
+    }
+
+    /// Issue #29: a Service its live holder could not serve moves to a
+    /// node it does not avoid, never to an avoided one while another can
+    /// take it, and stays where it is when every node is avoided.
+    #[test]
+    fn a_service_leaves_a_holder_that_could_not_serve_it_when_another_can() {
+        let all = nodes(&["n1", "n2", "n3"]);
+        let mut s = svc(1);
+        let current: BTreeMap<ServiceKey, String> = [(s.key.clone(), "n1".to_string())].into();
+        s.avoid = ["n1".to_string(), "n2".to_string()].into();
+        let p = place(std::slice::from_ref(&s), &all, &current);
+        assert_eq!(p[&s.key].as_deref(), Some("n3"));
+        // A homeless Service never goes to an avoided node first.
+        let p = place(std::slice::from_ref(&s), &all, &BTreeMap::new());
+        assert_eq!(p[&s.key].as_deref(), Some("n3"));
+        // Every node avoided: it stays.
+        s.avoid = all.iter().cloned().collect();
+        let p = place(std::slice::from_ref(&s), &all, &current);
+        assert_eq!(p[&s.key].as_deref(), Some("n1"));
+        // `externalTrafficPolicy: Local` with its endpoint on n1 alone: it
+        // stays on n1, avoided or not.
+        s.avoid = ["n1".to_string()].into();
+        s.only = Some(["n1".to_string()].into());
+        let p = place(std::slice::from_ref(&s), &all, &current);
+        assert_eq!(p[&s.key].as_deref(), Some("n1"));
     }
 }

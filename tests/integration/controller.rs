@@ -135,6 +135,8 @@ fn start_controller(kubeconfig: &Path, log: &Path, metrics: &str) -> Result<Cont
             "500ms",
             "--node-stale-after",
             "5s",
+            "--service-failed-after",
+            "2s",
             "--log-target",
             "stderr",
             "--log-level",
@@ -439,6 +441,57 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
     for r in ["HolderChosen", "AddressAssigned"] {
         assert!(reasons.iter().any(|x| x == r), "{r} in {reasons:?}");
     }
+
+    // Issue #29: the holder stays alive but cannot serve the Service (its
+    // lease FAILED): after --service-failed-after the Service moves to the
+    // other node, and its events say why.
+    let failed = json!([{
+        "service": "default/web", "interface": id.interface, "state": "FAILED",
+        "mac": assignment["mac"], "message": "injected: no DHCP answer on this uplink",
+    }]);
+    let other_idx = 1 - holder_idx;
+    let other_node = nodes[other_idx].clone();
+    wait_for(
+        "the Service moved off the node that could not serve it",
+        Duration::from_secs(30),
+        || {
+            let agents = agents.clone();
+            let lbns = lbns.clone();
+            let failed = failed.clone();
+            let other_node = other_node.clone();
+            async move {
+                for (i, a) in agents.iter().enumerate() {
+                    a.report(if i == holder_idx {
+                        failed.clone()
+                    } else {
+                        json!([])
+                    })
+                    .await?;
+                }
+                Ok(find_assignment(lbns)
+                    .await?
+                    .filter(|(n, _)| *n == other_node)
+                    .map(|_| ()))
+            }
+        },
+    )
+    .await?;
+    let moved: Vec<String> = events
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("web"))
+        .filter(|e| e.reason.as_deref() == Some("HolderMoved"))
+        .filter_map(|e| e.note)
+        .collect();
+    assert!(
+        moved
+            .iter()
+            .any(|m| m.contains("FAILED") && m.contains(&holder)),
+        "{moved:?}"
+    );
+    let (holder, holder_idx) = (other_node, other_idx);
 
     // Delete: release first, the Service goes once the lease is gone.
     services.delete("web", &DeleteParams::default()).await?;

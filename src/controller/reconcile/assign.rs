@@ -33,6 +33,12 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
             key: s.key.clone(),
             uid: s.uid.clone(),
             only: s.local_endpoints.clone(),
+            avoid: pass
+                .world
+                .avoid
+                .get(&s.key.to_string())
+                .cloned()
+                .unwrap_or_default(),
         })
         .collect();
     let placement = placement::place(&service_needs, &pass.nodes.eligible, &current);
@@ -58,7 +64,17 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
                         s,
                         EventType::Normal,
                         reason::MOVED,
-                        if s.local_endpoints.as_ref().is_some_and(|l| !l.contains(old)) {
+                        if pass
+                            .world
+                            .avoid
+                            .get(&s.key.to_string())
+                            .is_some_and(|a| a.contains(old))
+                            && pass.nodes.eligible.contains(old)
+                        {
+                            format!(
+                                "holder moved from {old} (its lease stayed FAILED or GUARDED: it could not serve this Service) to {h}"
+                            )
+                        } else if s.local_endpoints.as_ref().is_some_and(|l| !l.contains(old)) {
                             format!(
                                 "holder moved from {old} (no ready endpoint there; externalTrafficPolicy: Local) to {h}"
                             )

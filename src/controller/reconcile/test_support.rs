@@ -78,6 +78,7 @@ pub(super) struct Sim {
     pub(super) ip_mode: bool,
     pub(super) node_networks: NodeNetworks,
     pub(super) now: i64,
+    pub(super) avoid: crate::controller::service_health::Avoid,
 }
 
 impl Sim {
@@ -95,6 +96,7 @@ impl Sim {
             ip_mode: true,
             node_networks: NodeNetworks::default(),
             now: 1_000_000,
+            avoid: Default::default(),
         };
         sim.settle();
         sim
@@ -110,6 +112,7 @@ impl Sim {
             classes: &self.classes,
             ip_mode: self.ip_mode,
             node_networks: &self.node_networks,
+            avoid: &self.avoid,
             now: self.now,
         })
     }

@@ -144,6 +144,10 @@ pub struct World<'a> {
     /// Now, in seconds on the controller's wall clock (for how long a
     /// deletion has waited).
     pub now: i64,
+    /// The nodes that could not serve a Service lately, per Service
+    /// (`namespace/name`), judged on the controller's clock
+    /// (`controller::service_health`).
+    pub avoid: &'a crate::controller::service_health::Avoid,
     /// The API server knows `status.loadBalancer.ingress[].ipMode`
     /// (Kubernetes 1.30 and later): it is written as [`IP_MODE_VIP`].
     pub ip_mode: bool,

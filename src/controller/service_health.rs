@@ -1,0 +1,200 @@
+//! Which node could not serve which Service, judged on the controller's
+//! clock from what the agents report per lease.
+//!
+//! A node that is alive may still fail one Service: its lease `FAILED`
+//! (the macvlan cannot be made there, the DHCP server does not answer on
+//! that uplink) or `GUARDED` (another host answers for the address). Left
+//! alone such a Service never moved, since placement keeps a holder that
+//! is alive (issue #29). Here a lease that stays `FAILED` for
+//! `failed_after`, or `GUARDED` for `guarded_after`, makes its node one to
+//! avoid for that Service for `avoid_for`: placement moves the Service to
+//! another node if there is one it does not avoid, and otherwise leaves it
+//! where it is.
+//!
+//! `guarded_after` is longer than any wait the guard owes a former holder
+//! of ours: one cut off from the API server lets go within its
+//! `lb_fence_after` (120 s by default), one that was told to let go does so
+//! at once. Past it, whoever answers is not a node that will let go, and
+//! another node's view of the LAN is worth a try; when every node sees the
+//! address answered, the Service's events say so on every move.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::contract::node_object::Status;
+
+/// The lease states that count against a node for a Service.
+const FAILED: &str = "FAILED";
+const GUARDED: &str = "GUARDED";
+
+/// The nodes to avoid per Service (`namespace/name`).
+pub type Avoid = BTreeMap<String, BTreeSet<String>>;
+
+#[derive(Debug, Clone)]
+pub struct ServiceHealth {
+    failed_after: Duration,
+    guarded_after: Duration,
+    avoid_for: Duration,
+    /// `(service, node)`: the unhealthy state reported and since when (our
+    /// clock).
+    since: BTreeMap<(String, String), (&'static str, Instant)>,
+    /// `(service, node)`: avoided until then.
+    avoided: BTreeMap<(String, String), Instant>,
+}
+
+impl ServiceHealth {
+    pub fn new(failed_after: Duration, guarded_after: Duration, avoid_for: Duration) -> Self {
+        ServiceHealth {
+            failed_after,
+            guarded_after,
+            avoid_for,
+            since: BTreeMap::new(),
+            avoided: BTreeMap::new(),
+        }
+    }
+
+    /// Takes in what every node reports now; returns the nodes to avoid
+    /// per Service.
+    pub fn observe<'a>(
+        &mut self,
+        reports: impl IntoIterator<Item = (&'a str, &'a Status)>,
+        now: Instant,
+    ) -> Avoid {
+        let mut seen = BTreeSet::new();
+        for (node, status) in reports {
+            for lease in &status.leases {
+                let state = match lease.state.as_str() {
+                    FAILED => FAILED,
+                    GUARDED => GUARDED,
+                    _ => continue,
+                };
+                let key = (lease.service.clone(), node.to_string());
+                let entry = self.since.entry(key.clone()).or_insert((state, now));
+                if entry.0 != state {
+                    *entry = (state, now);
+                }
+                let bound = if state == FAILED {
+                    self.failed_after
+                } else {
+                    self.guarded_after
+                };
+                if now.saturating_duration_since(entry.1) >= bound {
+                    self.avoided.insert(key.clone(), now + self.avoid_for);
+                }
+                seen.insert(key);
+            }
+        }
+        self.since.retain(|k, _| seen.contains(k));
+        self.avoided.retain(|_, until| *until > now);
+        let mut out = Avoid::new();
+        for (service, node) in self.avoided.keys() {
+            out.entry(service.clone()).or_default().insert(node.clone());
+        }
+        out
+    }
+
+    /// The next time the verdict changes by time alone: a report turning
+    /// unhealthy, or an avoidance running out.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let turning = self.since.iter().map(|(k, (state, at))| {
+            if self.avoided.contains_key(k) {
+                return None;
+            }
+            Some(
+                *at + if *state == FAILED {
+                    self.failed_after
+                } else {
+                    self.guarded_after
+                },
+            )
+        });
+        turning
+            .flatten()
+            .chain(self.avoided.values().copied())
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::node_object::LeaseReport;
+
+    fn status(leases: &[(&str, &str)]) -> Status {
+        Status {
+            leases: leases
+                .iter()
+                .map(|(service, state)| LeaseReport {
+                    service: service.to_string(),
+                    state: state.to_string(),
+                    ..LeaseReport::default()
+                })
+                .collect(),
+            ..Status::default()
+        }
+    }
+
+    fn health() -> ServiceHealth {
+        ServiceHealth::new(
+            Duration::from_secs(30),
+            Duration::from_secs(150),
+            Duration::from_secs(600),
+        )
+    }
+
+    #[test]
+    fn a_lease_failed_for_its_bound_makes_its_node_avoided_for_a_while() {
+        let mut h = health();
+        let t0 = Instant::now();
+        let failed = status(&[("default/web", "FAILED"), ("default/db", "BOUND")]);
+        assert!(h.observe([("node-1", &failed)], t0).is_empty());
+        assert_eq!(h.next_deadline(), Some(t0 + Duration::from_secs(30)));
+        let later = t0 + Duration::from_secs(30);
+        let avoid = h.observe([("node-1", &failed)], later);
+        assert_eq!(avoid["default/web"], BTreeSet::from(["node-1".to_string()]));
+        assert!(!avoid.contains_key("default/db"));
+        // Moved away: node-1 no longer reports it, and stays avoided for
+        // `avoid_for`, then not.
+        let gone = status(&[("default/db", "BOUND")]);
+        assert!(
+            h.observe([("node-1", &gone)], later + Duration::from_secs(599))
+                .contains_key("default/web")
+        );
+        assert_eq!(h.next_deadline(), Some(later + Duration::from_secs(600)));
+        assert!(
+            h.observe([("node-1", &gone)], later + Duration::from_secs(600))
+                .is_empty()
+        );
+        assert_eq!(h.next_deadline(), None);
+    }
+
+    #[test]
+    fn a_guard_gets_the_longer_bound_and_a_recovery_starts_the_count_again() {
+        let mut h = health();
+        let t0 = Instant::now();
+        let guarded = status(&[("default/web", "GUARDED")]);
+        let bound = status(&[("default/web", "BOUND")]);
+        assert!(h.observe([("node-2", &guarded)], t0).is_empty());
+        assert!(
+            h.observe([("node-2", &guarded)], t0 + Duration::from_secs(149))
+                .is_empty()
+        );
+        // It bound: the count ends; guarded again, it starts over.
+        assert!(
+            h.observe([("node-2", &bound)], t0 + Duration::from_secs(149))
+                .is_empty()
+        );
+        let t1 = t0 + Duration::from_secs(150);
+        assert!(h.observe([("node-2", &guarded)], t1).is_empty());
+        assert!(
+            h.observe([("node-2", &guarded)], t1 + Duration::from_secs(100))
+                .is_empty()
+        );
+        assert!(
+            !h.observe([("node-2", &guarded)], t1 + Duration::from_secs(150))
+                .is_empty()
+        );
+    }
+}
