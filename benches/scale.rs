@@ -273,6 +273,7 @@ fn simulated_agents(kubeconfig: &Path, stop: Arc<AtomicBool>) -> Result<AgentWri
                         .to_string(),
                     ),
                     heartbeat_period_ms: None,
+                    restart_grace_ms: None,
                     ready: true,
                     reason: "Ready".into(),
                     macvlan_ready: true,

@@ -206,6 +206,22 @@ pub const KEYS: &[KeySpec] = &[
         kind: Kind::Duration,
     },
     KeySpec {
+        name: "lb_restart_grace",
+        env: "HNA_LB_RESTART_GRACE",
+        flag: "--lb-restart-grace",
+        default: "15s",
+        doc: "When the daemon stops for a restart (see lb_keep_on_stop), it leaves every LoadBalancer address on its link for this long instead of handing it over, and says so in its last status: the controller moves nothing for that long and the next run adopts the links (same lease, nothing sent). A restart that takes longer moves the Services as a dead node's, the kernel dropping the addresses when this runs out. 0s always hands over. Otherwise between 1s and 5m.",
+        kind: Kind::Duration,
+    },
+    KeySpec {
+        name: "lb_keep_on_stop",
+        env: "HNA_LB_KEEP_ON_STOP",
+        flag: "--lb-keep-on-stop",
+        default: "restart",
+        doc: "Which stops keep the addresses for lb_restart_grace: restart (only a restart of the unit by systemd: systemctl restart, a package upgrade; systemctl stop, a shutdown and a crash hand every address over at once) or always (every SIGTERM: for a supervisor other than systemd that restarts the daemon).",
+        kind: Kind::Text,
+    },
+    KeySpec {
         name: "uplink",
         env: "HNA_UPLINK",
         flag: "--uplink",
@@ -262,6 +278,19 @@ pub struct Config {
     pub lb_fence_after: Duration,
     /// The lifetime LoadBalancer addresses are configured with; zero: none.
     pub lb_address_lifetime: Duration,
+    /// How long addresses stay on their links for a restart; zero: never.
+    pub lb_restart_grace: Duration,
+    /// Which stops keep the addresses.
+    pub lb_keep_on_stop: KeepOnStop,
+}
+
+/// `lb_keep_on_stop`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeepOnStop {
+    /// Only when systemd restarts the unit.
+    Restart,
+    /// Every stop.
+    Always,
 }
 
 /// Where a configuration value came from, for error messages.
@@ -436,6 +465,8 @@ pub fn resolve(
         lb_takeover_guard: Duration::from_millis(150),
         lb_fence_after: Duration::from_secs(120),
         lb_address_lifetime: Duration::from_secs(1),
+        lb_restart_grace: Duration::from_secs(15),
+        lb_keep_on_stop: KeepOnStop::Restart,
     };
     for (name, (raw, origin)) in layered {
         let fail = |reason: String| ConfigError::Key {
@@ -536,6 +567,27 @@ pub fn resolve(
                     Err(e) => Err(e),
                 }
                 .map_err(fail)?
+            }
+            "lb_restart_grace" => cfg.lb_restart_grace = match duration_up_to(
+                &text(raw),
+                Duration::from_secs(300),
+            ) {
+                Ok(d) if d.is_zero() || d >= Duration::from_secs(1) => Ok(d),
+                Ok(d) => Err(format!(
+                    "{} is out of range; use 0s (always hand over) or a value between 1s and 5m",
+                    humantime::format_duration(d)
+                )),
+                Err(e) => Err(e),
+            }
+            .map_err(fail)?,
+            "lb_keep_on_stop" => {
+                cfg.lb_keep_on_stop = match text(raw).as_str() {
+                    "restart" => KeepOnStop::Restart,
+                    "always" => KeepOnStop::Always,
+                    other => {
+                        return Err(fail(format!("`{other}` is not one of restart, always")));
+                    }
+                }
             }
             "lb_address_lifetime" => {
                 cfg.lb_address_lifetime = address_lifetime(&text(raw)).map_err(fail)?

@@ -305,3 +305,95 @@ mod tests {
         task.await.unwrap();
     }
 }
+
+/// Whether systemd is stopping this unit to start it again (`systemctl
+/// restart`, `try-restart`, a package's upgrade script): a job of a
+/// restarting type is queued for it. `false` outside systemd, when the
+/// unit cannot be named, or when `systemctl` does not answer within
+/// three seconds: a stop then hands everything over.
+pub async fn restart_pending() -> bool {
+    if std::env::var_os("INVOCATION_ID").is_none() {
+        return false;
+    }
+    let Some(unit) = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|c| own_unit(&c))
+    else {
+        return false;
+    };
+    let out = tokio::time::timeout(
+        Duration::from_secs(3),
+        tokio::process::Command::new("systemctl")
+            .args(["list-jobs", "--no-legend", "--no-pager", "--full", &unit])
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await;
+    match out {
+        Ok(Ok(o)) if o.status.success() => {
+            let restart = restart_job(&String::from_utf8_lossy(&o.stdout), &unit);
+            tracing::info!(
+                unit,
+                restart,
+                "asked systemd whether this stop is a restart"
+            );
+            restart
+        }
+        other => {
+            tracing::warn!(unit, outcome = ?other.map(|r| r.map(|o| o.status)), "cannot ask systemd whether this stop is a restart: handing every address over");
+            false
+        }
+    }
+}
+
+/// The `.service` unit this process runs in, from `/proc/self/cgroup`.
+fn own_unit(cgroup: &str) -> Option<String> {
+    cgroup.lines().find_map(|line| {
+        let path = line.splitn(3, ':').nth(2)?;
+        path.split('/')
+            .rev()
+            .find(|p| p.ends_with(".service"))
+            .map(str::to_string)
+    })
+}
+
+/// Whether `systemctl list-jobs` output (`JOB UNIT TYPE STATE` per line)
+/// has a restarting job for `unit`.
+fn restart_job(list: &str, unit: &str) -> bool {
+    list.lines().any(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        f.len() >= 3 && f[1] == unit && f[2].contains("restart")
+    })
+}
+
+#[cfg(test)]
+mod restart_tests {
+    use super::*;
+
+    #[test]
+    fn the_unit_comes_from_the_cgroup_and_only_a_restart_job_counts() {
+        assert_eq!(
+            own_unit("0::/system.slice/harvester-node-agent.service\n").as_deref(),
+            Some("harvester-node-agent.service")
+        );
+        assert_eq!(
+            own_unit("0::/user.slice/user-0.slice/session-1.scope\n"),
+            None
+        );
+        let unit = "harvester-node-agent.service";
+        assert!(restart_job(
+            "812 harvester-node-agent.service restart running\n",
+            unit
+        ));
+        assert!(restart_job(
+            "812 harvester-node-agent.service try-restart running\n",
+            unit
+        ));
+        assert!(!restart_job(
+            "812 harvester-node-agent.service stop running\n",
+            unit
+        ));
+        assert!(!restart_job("9 other.service restart running\n", unit));
+        assert!(!restart_job("", unit));
+    }
+}

@@ -169,6 +169,11 @@ pub struct LbSettings {
     pub fence_after: Duration,
     pub adoption_wait: Duration,
     pub settle: Duration,
+    /// How long a restart leaves the addresses on their links; zero: every
+    /// stop hands them over.
+    pub restart_grace: Duration,
+    /// Which stops keep them.
+    pub keep_on_stop: crate::config::KeepOnStop,
     /// What every lease shares; `default_uplink` is filled in each round.
     pub leases: Settings,
 }
@@ -310,7 +315,16 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
             }
             _ = beat.tick(), if updates_open => hb.beat(),
             _ = shutdown.changed() => {
-                lb.hand_over_all().await;
+                let keep = !lb.settings.restart_grace.is_zero()
+                    && match lb.settings.keep_on_stop {
+                        crate::config::KeepOnStop::Always => true,
+                        crate::config::KeepOnStop::Restart => systemd::restart_pending().await,
+                    };
+                if keep {
+                    lb.leave_for_restart().await;
+                } else {
+                    lb.hand_over_all().await;
+                }
                 return;
             }
         }
@@ -589,6 +603,29 @@ impl<E: LeaseEngine> Lb<E> {
         }
     }
 
+    /// The agent is restarting: every address stays on its link for
+    /// `restart_grace` (lifetimes set to it, nothing sent, lease files
+    /// kept), then one last status says so, with everything still held,
+    /// so the controller moves nothing for that long. In that order: the
+    /// controller's wait, counted from when it reads the status, ends after
+    /// the kernel has dropped any address the next run did not adopt.
+    async fn leave_for_restart(&mut self) {
+        let grace = self.settings.restart_grace;
+        let mut status = self.report();
+        for e in self.engine.detach_all(grace).await {
+            tracing::warn!(error = %e, "could not leave a lease for the next run");
+        }
+        status.restart_grace_ms = u64::try_from(grace.as_millis()).ok();
+        status.reason = format!(
+            "restarting: addresses left on their links for {}",
+            humantime::format_duration(grace)
+        );
+        tracing::info!(object = %self.settings.object, grace = ?grace, "restarting: every address stays on its link for the next run to adopt");
+        if !self.writes.write_now(status, STOPPING_WRITE_TIMEOUT).await {
+            tracing::warn!(object = %self.settings.object, "the last status (restarting) was not written within {STOPPING_WRITE_TIMEOUT:?}: the controller may move the addresses once the heartbeat is stale (the takeover guard waits for these to go)");
+        }
+    }
+
     fn fence_message(&self) -> String {
         format!(
             "fenced: no status written for {} (lb_fence_after); nothing is held until one is",
@@ -815,6 +852,7 @@ pub fn report(
     Status {
         heartbeat: None,
         heartbeat_period_ms: None,
+        restart_grace_ms: None,
         ready,
         reason,
         macvlan_ready: node.macvlan_ready,
@@ -847,9 +885,21 @@ impl StatusWriter for KubeStatus {
         let api: Api<LoadBalancerNode> =
             Api::namespaced_with(client, &self.namespace, &node_object::api_resource());
         let mut body = serde_json::to_value(status).map_err(|e| e.to_string())?;
-        // A merge patch keeps what it does not mention: say "gone".
-        if status.default_uplink.is_none() {
-            body["defaultUplink"] = serde_json::Value::Null;
+        // A merge patch keeps what it does not mention: say "gone" for
+        // every field left out (a restart's grace must not outlive it).
+        for key in [
+            "defaultUplink",
+            "restartGraceMs",
+            "gatewayMac",
+            "gatewayAddress",
+            "heartbeatPeriodMs",
+        ] {
+            if body.get(key).is_none() {
+                body[key] = serde_json::Value::Null;
+            }
+        }
+        if body.get("nicMacs").is_none() {
+            body["nicMacs"] = serde_json::json!([]);
         }
         let patch = serde_json::json!({ "status": body });
         api.patch_status(&self.node, &PatchParams::default(), &Patch::Merge(&patch))

@@ -104,18 +104,28 @@ fn rig_with_leases(engine: FakeEngine, leases: Settings) -> Rig {
 }
 
 fn rig_beating(engine: FakeEngine, leases: Settings, heartbeat: Duration) -> Rig {
+    rig_custom(engine, |s| {
+        s.leases = leases;
+        s.heartbeat = heartbeat;
+    })
+}
+
+fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
     let writes = Writes::default();
     let (tx, rx) = mpsc::channel(8);
     let (out_tx, out) = watch::channel(LbStatus::default());
     let (stop, shutdown) = watch::channel(false);
-    let settings = LbSettings {
+    let mut settings = LbSettings {
         object: "harvester-node-agent/node-1".into(),
-        heartbeat,
+        heartbeat: Duration::from_secs(5),
         fence_after: FENCE,
         adoption_wait: ADOPTION_WAIT,
         settle: SETTLE,
-        leases,
+        restart_grace: Duration::ZERO,
+        keep_on_stop: crate::config::KeepOnStop::Restart,
+        leases: Settings::default(),
     };
+    custom(&mut settings);
     let view = Arc::new(Mutex::new(NodeView {
         macvlan_ready: true,
         macvlan_reason: String::new(),
@@ -681,6 +691,51 @@ fn the_report_without_macvlan_or_uplink_says_why() {
     a.release = true;
     let s = report(&[a], &BTreeMap::new(), &BTreeMap::new(), &[], &node, true);
     assert!(s.leases.is_empty(), "a release not running is done");
+}
+
+/// Issue #29: a restart leaves every address on its link for the grace
+/// (the engine detaches, nothing is stopped), and the last status still
+/// reports them held, ready, with the grace the controller waits for.
+#[tokio::test(start_paused = true)]
+async fn a_restart_leaves_every_address_for_the_grace_and_says_so() {
+    let engine = FakeEngine::new();
+    let r = rig_custom(engine.clone(), |s| {
+        s.restart_grace = Duration::from_secs(15);
+        s.keep_on_stop = crate::config::KeepOnStop::Always;
+    });
+    let a = assignment("aaaaaaaa");
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the lease started", || r.engine.running().len() == 1).await;
+    r.engine
+        .bind(&a.interface, Ipv4Addr::new(10, 77, 0, 150), SERVER);
+    until("the lease bound and reported", || {
+        r.writes.last().is_some_and(|s| s.held == 1)
+    })
+    .await;
+    r._stop.send(true).unwrap();
+    until("the restarting status", || {
+        r.writes
+            .last()
+            .is_some_and(|s| s.restart_grace_ms.is_some())
+    })
+    .await;
+    let calls = r.engine.calls();
+    assert!(
+        calls.contains(&Call::DetachAll {
+            keep_for: Duration::from_secs(15)
+        }),
+        "{calls:?}"
+    );
+    assert!(
+        !calls.iter().any(|c| matches!(c, Call::Stop { .. })),
+        "nothing stopped: {calls:?}"
+    );
+    assert_eq!(r.engine.links().len(), 1, "the link stays");
+    let last = r.writes.last().unwrap();
+    assert_eq!(last.restart_grace_ms, Some(15_000));
+    assert!(last.ready, "{last:?}");
+    assert_eq!(last.held, 1, "still held: {last:?}");
+    assert!(last.reason.starts_with("restarting"), "{last:?}");
 }
 
 #[tokio::test(start_paused = true)]

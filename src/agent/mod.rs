@@ -210,17 +210,19 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     notifier.stopping();
     notifier.status(&format!("stopping ({signal_name})"));
     let _ = shutdown_tx.send(true);
-    // Stopping the daemon is a handover, never a release: after a restart
-    // or on another node the same address must stay the holder's.
-    for e in start.engine.stop_all(crate::dhcp::StopMode::Handover).await {
-        tracing::warn!(error = %e, "could not stop a DHCP lease cleanly");
-    }
+    // The LoadBalancer task decides what its leases become (handed over,
+    // or left on their links for a restart): it goes first.
     let drain = async { while tasks.join_next().await.is_some() {} };
     if tokio::time::timeout(Duration::from_secs(10), drain)
         .await
         .is_err()
     {
         tracing::warn!("some tasks did not stop within 10s; exiting anyway");
+    }
+    // Whatever still runs (that task gone early): a handover, never a
+    // release, so the address stays the Service's wherever it goes next.
+    for e in start.engine.stop_all(crate::dhcp::StopMode::Handover).await {
+        tracing::warn!(error = %e, "could not stop a DHCP lease cleanly");
     }
     let _ = std::fs::remove_file(&cfg.socket);
     tracing::info!("stopped");
@@ -508,6 +510,8 @@ fn spawn_lb(
         object: format!("{}/{}", cfg.namespace, cfg.node_name),
         heartbeat: cfg.lb_heartbeat,
         fence_after: cfg.lb_fence_after,
+        restart_grace: cfg.lb_restart_grace,
+        keep_on_stop: cfg.lb_keep_on_stop,
         adoption_wait: lb::ADOPTION_WAIT,
         settle: lb::SETTLE,
         leases: crate::lb::apply::Settings {

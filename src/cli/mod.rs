@@ -153,6 +153,12 @@ pub struct ConfigArgs {
     /// Lifetime of every LoadBalancer address, confirmed four times per lifetime: a frozen or paused daemon stops answering within it; 0s is off (whole seconds, 1s to 60s) [default: 1s] [env: HNA_LB_ADDRESS_LIFETIME]
     #[arg(long, value_name = "DURATION")]
     pub lb_address_lifetime: Option<String>,
+    /// Leave the addresses on their links this long when stopping for a restart; 0s always hands over (1s to 5m) [default: 15s] [env: HNA_LB_RESTART_GRACE]
+    #[arg(long, value_name = "DURATION")]
+    pub lb_restart_grace: Option<String>,
+    /// Which stops keep the addresses for --lb-restart-grace: restart (systemd restarts the unit) or always [default: restart] [env: HNA_LB_KEEP_ON_STOP]
+    #[arg(long, value_name = "WHEN")]
+    pub lb_keep_on_stop: Option<String>,
     /// Uplink of the LoadBalancer macvlans when a Service names none [default: the default route's interface] [env: HNA_UPLINK]
     #[arg(long, value_name = "IFACE")]
     pub uplink: Option<String>,
@@ -161,7 +167,7 @@ pub struct ConfigArgs {
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 20] = [
+        let pairs: [(&'static str, &Option<String>); 22] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -181,6 +187,8 @@ impl ConfigArgs {
             ("lb_takeover_guard", &self.lb_takeover_guard),
             ("lb_fence_after", &self.lb_fence_after),
             ("lb_address_lifetime", &self.lb_address_lifetime),
+            ("lb_restart_grace", &self.lb_restart_grace),
+            ("lb_keep_on_stop", &self.lb_keep_on_stop),
             ("uplink", &self.uplink),
         ];
         for (key, value) in pairs {

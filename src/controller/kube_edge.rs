@@ -344,10 +344,15 @@ pub fn watch_all(
         Api::namespaced_with(client.clone(), namespace, &ar),
         move |o: &mut LoadBalancerNode| {
             if let Some(name) = &o.metadata.name {
-                let heartbeat = o.status.as_ref().and_then(|s| s.heartbeat.as_deref());
-                observer.lock().expect("liveness lock").observe(
+                let status = o.status.as_ref();
+                let heartbeat = status.and_then(|s| s.heartbeat.as_deref());
+                let grace = status
+                    .and_then(|s| s.restart_grace_ms)
+                    .map(|ms| Duration::from_millis(ms.min(node_object::MAX_RESTART_GRACE_MS)));
+                observer.lock().expect("liveness lock").observe_with_grace(
                     name,
                     heartbeat,
+                    grace,
                     tokio::time::Instant::now(),
                 );
             }

@@ -14,6 +14,10 @@
 //! change after such a gap gives every node a whole `stale_after` again. A
 //! dead node is told apart from a dead watch by the other nodes' heartbeats
 //! still arriving; so an API server outage of any length moves nothing.
+//!
+//! A restarting agent says so with its last heartbeat (`restartGraceMs`:
+//! it left its addresses on their links for that long): its node is judged
+//! stale only once that much has passed without a newer one.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -24,9 +28,9 @@ use tokio::time::Instant;
 pub struct Liveness {
     stale_after: Duration,
     quiet_after: Duration,
-    /// Per node: the last heartbeat value and when (our clock) it was first
-    /// seen with that value.
-    seen: BTreeMap<String, (String, Instant)>,
+    /// Per node: the last heartbeat value, when (our clock) it was first
+    /// seen with that value, and how long it stays fresh.
+    seen: BTreeMap<String, (String, Instant, Duration)>,
     /// When any node's heartbeat last changed (our clock).
     last_change: Option<Instant>,
 }
@@ -44,18 +48,32 @@ impl Liveness {
 
     /// Records the heartbeat `node` reports now (`None`: it reports none).
     pub fn observe(&mut self, node: &str, heartbeat: Option<&str>, now: Instant) {
+        self.observe_with_grace(node, heartbeat, None, now)
+    }
+
+    /// [`observe`](Self::observe), with the restart grace the node's status
+    /// carries (`None`: none).
+    pub fn observe_with_grace(
+        &mut self,
+        node: &str,
+        heartbeat: Option<&str>,
+        grace: Option<Duration>,
+        now: Instant,
+    ) {
         let Some(hb) = heartbeat.filter(|h| !h.is_empty()) else {
             self.seen.remove(node);
             return;
         };
+        let bound = grace.map_or(self.stale_after, |g| g.max(self.stale_after));
         let changed = match self.seen.get_mut(node) {
-            Some((value, _)) if value == hb => false,
+            Some((value, _, _)) if value == hb => false,
             Some(entry) => {
-                *entry = (hb.to_string(), now);
+                *entry = (hb.to_string(), now, bound);
                 true
             }
             None => {
-                self.seen.insert(node.to_string(), (hb.to_string(), now));
+                self.seen
+                    .insert(node.to_string(), (hb.to_string(), now, bound));
                 true
             }
         };
@@ -63,7 +81,7 @@ impl Liveness {
             if self.quiet(now) {
                 // The first news after a gap: nobody's silence during it
                 // counts against them.
-                for (_, at) in self.seen.values_mut() {
+                for (_, at, _) in self.seen.values_mut() {
                     *at = now;
                 }
             }
@@ -81,8 +99,8 @@ impl Liveness {
     /// Whether `node`'s heartbeat changed within the staleness bound (or
     /// the watch is too quiet to tell).
     pub fn fresh(&self, node: &str, now: Instant) -> bool {
-        self.seen.get(node).is_some_and(|(_, at)| {
-            now.saturating_duration_since(*at) < self.stale_after || self.quiet(now)
+        self.seen.get(node).is_some_and(|(_, at, bound)| {
+            now.saturating_duration_since(*at) < *bound || self.quiet(now)
         })
     }
 
@@ -109,7 +127,7 @@ impl Liveness {
     pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
         self.seen
             .values()
-            .map(|(_, at)| *at + self.stale_after)
+            .map(|(_, at, bound)| *at + *bound)
             .filter(|d| *d > now)
             .min()
     }
@@ -269,5 +287,34 @@ mod tests {
         assert_eq!(l.next_deadline(now + BEAT), Some(now + STALE));
         assert_eq!(l.next_deadline(now + STALE), Some(now + BEAT + STALE));
         assert_eq!(l.next_deadline(now + BEAT + STALE), None);
+    }
+
+    /// Issue #29: a heartbeat that carries a restart grace keeps its node
+    /// fresh for that grace, not the staleness bound; the next heartbeat
+    /// without one brings the bound back.
+    #[tokio::test(start_paused = true)]
+    async fn a_restart_grace_holds_the_judgement_until_it_runs_out() {
+        let mut l = Liveness::new(STALE, QUIET);
+        let t0 = Instant::now();
+        let grace = Some(Duration::from_secs(15));
+        l.observe_with_grace("n1", Some("a"), grace, t0);
+        let mut t = t0;
+        let mut i = 0;
+        while t < t0 + Duration::from_secs(15) {
+            // Another node beats on: the watch is live.
+            beat(&mut l, "n2", i, t);
+            assert!(l.fresh("n1", t), "{:?} into the grace", t - t0);
+            i += 1;
+            t = t0 + BEAT * i as u32;
+        }
+        beat(&mut l, "n2", i, t);
+        assert!(!l.fresh("n1", t), "stale once the grace ran out");
+        assert_eq!(l.next_deadline(t), Some(t + STALE), "n2's");
+        // Back, without a grace: the usual bound again.
+        l.observe_with_grace("n1", Some("b"), None, t);
+        for k in 1..=3u32 {
+            beat(&mut l, "n2", i + u64::from(k), t + BEAT * k);
+        }
+        assert!(!l.fresh("n1", t + STALE));
     }
 }

@@ -26,6 +26,7 @@ tests! {
     a_webhook_refusing_service_writes_does_not_delay_a_failover: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_credential_rotation_that_does_not_connect_yet_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_restarted_agent_keeps_its_addresses_and_nothing_moves: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_moment_without_a_default_route_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_node_whose_heartbeat_is_too_slow_gets_no_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     the_leader_dying_with_the_holder_still_moves_it_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -669,6 +670,73 @@ fn an_api_server_outage_drops_and_moves_nothing() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// Issue #29: a restart of a healthy holder's agent (SIGTERM, then a new
+/// process with the same state directory, as `systemctl restart` and a
+/// package upgrade do) that takes twice the staleness bound moves nothing
+/// and drops no address: the stopping agent leaves its addresses on their
+/// links for `lb_restart_grace` and says so, the controller waits that
+/// long, and the new process adopts the links. `lb_keep_on_stop =
+/// "always"` stands in for systemd's restart job, which the agent asks
+/// systemd about under systemd (the VM image test). Read from the guests'
+/// kernels and a client's TCP connections, not from any report.
+fn a_restarted_agent_keeps_its_addresses_and_nothing_moves() -> Result<()> {
+    let mut opts = options();
+    opts.agent_config = "lb_keep_on_stop = \"always\"\n".into();
+    let mut lb = LbRig::start(opts)?;
+    let (ip, holder) = served(&lb, "web")?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    let stopped = lb.stop_agent(holder);
+    ensure!(stopped.success(), "the agent's stop: {stopped:?}");
+    let down = Instant::now();
+    let mut connects = 0;
+    while down.elapsed() < Duration::from_secs(6) {
+        let answer = lb
+            .tcp_from_client(ip, LISTEN_PORT)
+            .unwrap_or_else(|e| e.to_string());
+        ensure!(
+            answer == lb.node_name(holder),
+            "{ip} answered `{answer}` {:?} after its holder's agent was stopped, not {}:\n{}\nthe agent's log:\n{}",
+            down.elapsed(),
+            lb.node_name(holder),
+            timeline(&watch, ip, t0),
+            lb::tail(&lb.agent_log(holder), 30)
+        );
+        connects += 1;
+    }
+    lb.start_agent(holder)?;
+    let node = lb.node_name(holder);
+    let adopted = wait_for(WITHIN, || {
+        lb.node_object(&node)
+            .is_some_and(|o| o["status"]["held"] == 1 && o["status"]["restartGraceMs"].is_null())
+            .then_some(())
+    });
+    ensure!(
+        adopted.is_some(),
+        "the new run never reported the address held: {:?}",
+        lb.node_object(&node)
+    );
+    // For twice the staleness bound after the new run, nothing moves.
+    let moved = wait_for(Duration::from_secs(6), || {
+        watch.taken_by_other(ip, holder, t0)
+    });
+    ensure!(moved.is_none(), "moved by a restart: {moved:?}");
+    let holders = watch.holders(ip);
+    ensure!(
+        holders.len() == 1 && holders[0].1 == [holder].into(),
+        "{ip} changed hands or had a gap:\n{}",
+        timeline(&watch, ip, t0)
+    );
+    let log = lb.agent_log(holder);
+    ensure!(
+        log.contains("every address stays on its link"),
+        "the stopping agent did not leave its addresses:\n{}",
+        lb::tail(&log, 40)
+    );
+    println!("{connects} client connections reached {ip} on its holder while its agent was down");
     Ok(())
 }
 

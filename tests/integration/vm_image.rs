@@ -388,6 +388,7 @@ fn cloud_init_installs_a_running_agent_in_a_debian_image() -> Result<()> {
 
         dhcp_probe_through_the_nic(g, &rig)?;
         watchdog_restarts_a_frozen_agent(g)?;
+        restart_and_stop_are_told_apart(g)?;
         sandboxed_without_module_privilege(g)?;
         Ok(())
     })?;
@@ -490,6 +491,43 @@ fn watchdog_restarts_a_frozen_agent(g: &mut Guest) -> Result<()> {
         "watchdog (WatchdogUSec={watchdog}) restarted the frozen agent (pid {pid} -> {}) {:.1}s after SIGSTOP",
         after["MainPID"],
         frozen.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Issue #29: the daemon, sandboxed as shipped, asks systemd what its
+/// SIGTERM is for: `systemctl restart` (what the package's upgrade script
+/// runs) is a restart, which keeps the addresses for `lb_restart_grace`;
+/// `systemctl stop` is not, and hands them over at once.
+fn restart_and_stop_are_told_apart(g: &mut Guest) -> Result<()> {
+    // journald keeps the daemon's fields apart from its message.
+    let said = |g: &mut Guest| -> Result<Vec<String>> {
+        let journal = g.sh("journalctl -u harvester-node-agent --no-pager -o json")?;
+        Ok(journal
+            .stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| {
+                e["MESSAGE"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("asked systemd whether this stop is a restart"))
+            })
+            .map(|e| format!("restart={}", e["RESTART"].as_str().unwrap_or("?")))
+            .collect())
+    };
+    let before = said(g)?.len();
+    let restart = g.sh("systemctl restart harvester-node-agent")?;
+    ensure!(restart.success(), "systemctl restart: {restart}");
+    let stop =
+        g.sh("systemctl stop harvester-node-agent && systemctl start harvester-node-agent")?;
+    ensure!(stop.success(), "systemctl stop, start: {stop}");
+    let answers = said(g)?;
+    let new = &answers[before.min(answers.len())..];
+    ensure!(
+        new.len() == 2 && new[0].contains("restart=true") && new[1].contains("restart=false"),
+        "the daemon did not tell the restart from the stop: {new:?}\n{}",
+        g.sh("journalctl -u harvester-node-agent --no-pager -n 40")?
+            .stdout
     );
     Ok(())
 }

@@ -138,6 +138,9 @@ pub mod node_object {
         pub release: bool,
     }
 
+    /// The longest restart grace the controller grants (5 minutes).
+    pub const MAX_RESTART_GRACE_MS: u64 = 300_000;
+
     /// Written by the node's agent only (the `status` subresource).
     #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
     #[serde(rename_all = "camelCase")]
@@ -153,6 +156,13 @@ pub mod node_object {
         /// move back and forth.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub heartbeat_period_ms: Option<u64>,
+        /// The agent is restarting (a package upgrade, `systemctl restart`)
+        /// and left its addresses on their links for this many milliseconds:
+        /// the controller judges the node dead only once this much has
+        /// passed without a new heartbeat (at most [`MAX_RESTART_GRACE_MS`]),
+        /// and its next run adopts the links.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub restart_grace_ms: Option<u64>,
         /// The agent can hold addresses: macvlan usable and, if set, the
         /// default uplink present.
         #[serde(default)]

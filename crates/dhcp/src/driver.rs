@@ -97,6 +97,10 @@ pub enum Command {
     Stop(StopMode, oneshot::Sender<()>),
     /// Gratuitous ARP now (takeover).
     Announce,
+    /// Leave the address where it is for this long more (its lifetime, if
+    /// it has one, is set to it), send nothing, keep the lease file, and
+    /// end: the daemon restarts and its next run adopts the link.
+    Detach(Duration, oneshot::Sender<()>),
 }
 
 /// A lifetime in the kernel's whole seconds, at least one.
@@ -286,6 +290,12 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 Some(failure) = next_failure(&mut self.files) => self.error(failure),
                 c = cmds.recv() => match c {
                     Some(Command::Announce) => self.step(Event::Announce).await,
+                    Some(Command::Detach(keep_for, done)) => {
+                        self.detach(keep_for).await;
+                        self.flush_files().await;
+                        let _ = done.send(());
+                        return;
+                    }
                     Some(Command::Stop(mode, done)) => {
                         self.step(Event::Stop(mode)).await;
                         // Whoever starts this lease again reads its file.
@@ -338,6 +348,22 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 self.lifetime = Some((address, next));
                 self.error(format!("confirm the lifetime of {address}: {e}"));
             }
+        }
+    }
+
+    /// See [`Command::Detach`]: the machine is not told (it would remove
+    /// the address); the next run reads the lease file and finds the
+    /// address on the link.
+    async fn detach(&mut self, keep_for: Duration) {
+        let (Some(address), Some(_)) = (self.configured, self.lifetime) else {
+            return;
+        };
+        match self.addrs.refresh(address, lifetime_secs(keep_for)).await {
+            Ok(true) => {
+                tracing::info!(lease = %self.name, %address, keep_for = ?keep_for, "address left on its link for the next run")
+            }
+            Ok(false) => {}
+            Err(e) => self.error(format!("keep {address} for the next run: {e}")),
         }
     }
 

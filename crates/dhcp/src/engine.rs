@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -267,6 +268,45 @@ impl<L: Links> Engine<L> {
             });
         self.prune_lease_files().await;
         stopped
+    }
+
+    /// Ends every lease without touching the LAN: each address stays on
+    /// its link for `keep_for` more (its lifetime set to that, when it has
+    /// one), nothing is sent, lease files are kept, the links stay. For a
+    /// daemon that restarts: its next run adopts them. Starts under way
+    /// are waited for.
+    pub async fn detach_all(&self, keep_for: Duration) -> Vec<EngineError> {
+        let names: Vec<String> = lock(&self.table).keys().cloned().collect();
+        let mut errors = Vec::new();
+        for name in names {
+            let running = loop {
+                let busy = {
+                    let mut table = lock(&self.table);
+                    match table.get(&name) {
+                        Some(Slot::Starting(s) | Slot::Stopping(s)) => s.clone(),
+                        Some(Slot::Running(_)) => match table.remove(&name) {
+                            Some(Slot::Running(r)) => break Some(r),
+                            _ => unreachable!("looked at under the same lock"),
+                        },
+                        None => break None,
+                    }
+                };
+                busy.wait().await;
+            };
+            let Some(running) = running else { continue };
+            let (done_tx, done_rx) = oneshot::channel();
+            if running
+                .cmds
+                .send(Command::Detach(keep_for, done_tx))
+                .await
+                .is_err()
+                || done_rx.await.is_err()
+            {
+                errors.push(EngineError::Unknown(name.clone()));
+            }
+            let _ = running.task.await;
+        }
+        errors
     }
 
     /// Stops every lease, all at once: a daemon stopping (or handing over)
@@ -557,6 +597,10 @@ impl<L: Links> LeaseEngine for Engine<L> {
 
     async fn sweep(&self, prefix: &str, keep: &BTreeSet<String>) -> SweepReport {
         Engine::sweep(self, prefix, keep).await
+    }
+
+    async fn detach_all(&self, keep_for: Duration) -> Vec<EngineError> {
+        Engine::detach_all(self, keep_for).await
     }
 }
 

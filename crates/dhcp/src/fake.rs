@@ -33,6 +33,10 @@ pub enum Call {
     Announce {
         name: String,
     },
+    /// [`LeaseEngine::detach_all`]
+    DetachAll {
+        keep_for: std::time::Duration,
+    },
     /// [`LeaseEngine::answered`]
     Guard {
         parent: String,
@@ -248,6 +252,14 @@ impl LeaseEngine for FakeEngine {
         }
         w.links.remove(name);
         Ok(())
+    }
+
+    async fn detach_all(&self, keep_for: std::time::Duration) -> Vec<EngineError> {
+        let mut w = self.world();
+        w.calls.push(Call::DetachAll { keep_for });
+        // The links stay, as the real engine leaves them.
+        w.leases.clear();
+        Vec::new()
     }
 
     async fn answered(

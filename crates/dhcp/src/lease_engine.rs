@@ -120,4 +120,12 @@ pub trait LeaseEngine: Send + Sync + 'static {
         prefix: &str,
         keep: &BTreeSet<String>,
     ) -> impl Future<Output = SweepReport> + Send;
+
+    /// Ends every lease for a restart: addresses, links and lease files
+    /// stay, each address's lifetime set to `keep_for`; nothing is sent.
+    /// The next run's [`start`](LeaseEngine::start) adopts them.
+    fn detach_all(
+        &self,
+        keep_for: std::time::Duration,
+    ) -> impl Future<Output = Vec<EngineError>> + Send;
 }
