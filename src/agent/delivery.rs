@@ -13,6 +13,11 @@
 //! merge patch of the same status twice is the same status). Failed answers
 //! come at once, so the repeats cost milliseconds; a slow answer no longer
 //! decides alone when the heartbeat lands.
+//!
+//! Except when the server says how long to wait: a 429 with `Retry-After`
+//! (API Priority and Fairness shedding load) holds every further attempt of
+//! the write back for that long, so a server in trouble is not hammered by
+//! the very repeats that beat its random failures (issue #29).
 
 use std::future::Future;
 use std::time::Duration;
@@ -61,12 +66,36 @@ impl Policy {
     }
 }
 
+/// A failed attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failed {
+    pub message: String,
+    /// The server asked for no attempt before this long (a 429's
+    /// `Retry-After`).
+    pub retry_after: Option<Duration>,
+}
+
+impl From<String> for Failed {
+    fn from(message: String) -> Failed {
+        Failed {
+            message,
+            retry_after: None,
+        }
+    }
+}
+
+impl From<&str> for Failed {
+    fn from(message: &str) -> Failed {
+        Failed::from(message.to_string())
+    }
+}
+
 /// Runs `attempt` until one succeeds, as `policy` says; the error is the
 /// last attempt's, or the timeout.
 pub async fn deliver<F, Fut>(policy: &Policy, mut attempt: F) -> Result<(), String>
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
+    Fut: Future<Output = Result<(), Failed>>,
 {
     let start = Instant::now();
     let deadline = start + policy.timeout;
@@ -77,6 +106,8 @@ where
     let mut last_launch = start;
     let mut retry_at: Option<Instant> = None;
     let mut last_error: Option<String> = None;
+    // Asked by the server: nothing goes out before then.
+    let mut held_until: Option<Instant> = None;
     loop {
         let may_launch = launched < policy.max_attempts && in_flight.len() < policy.max_in_flight;
         let hedge_at = (!in_flight.is_empty()).then(|| last_launch + policy.hedge_after);
@@ -84,6 +115,7 @@ where
             .into_iter()
             .flatten()
             .min()
+            .map(|at| held_until.map_or(at, |h| at.max(h)))
             .filter(|at| may_launch && *at < window_end);
         if in_flight.is_empty() && next_launch.is_none() {
             return Err(last_error.unwrap_or_else(|| "not written".into()));
@@ -92,7 +124,11 @@ where
             Some(result) = in_flight.next(), if !in_flight.is_empty() => match result {
                 Ok(()) => return Ok(()),
                 Err(e) => {
-                    last_error = Some(e);
+                    if let Some(wait) = e.retry_after {
+                        let until = Instant::now() + wait;
+                        held_until = Some(held_until.map_or(until, |h| h.max(until)));
+                    }
+                    last_error = Some(e.message);
                     retry_at = Some(Instant::now() + policy.retry_after);
                 }
             },
@@ -130,7 +166,7 @@ mod tests {
         timeout: Duration::from_secs(10),
     };
 
-    type Attempt = std::pin::Pin<Box<dyn Future<Output = Result<(), String>>>>;
+    type Attempt = std::pin::Pin<Box<dyn Future<Output = Result<(), Failed>>>>;
 
     /// Attempts answer as scripted (delay, success), in order; past the
     /// script, at once with success. Records when each went out.
@@ -143,7 +179,7 @@ mod tests {
             let (ms, ok) = script.next().unwrap_or((0, true));
             Box::pin(async move {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
-                if ok { Ok(()) } else { Err("500".to_string()) }
+                if ok { Ok(()) } else { Err("500".into()) }
             }) as Attempt
         };
         (sent, attempt)
@@ -195,5 +231,49 @@ mod tests {
         let sent = sent.lock().unwrap();
         assert_eq!(sent.len(), POLICY.max_in_flight);
         assert!(sent.iter().all(|at| *at - t0 < POLICY.window));
+    }
+
+    /// A 429 with `Retry-After`: no further attempt (repeat or hedge)
+    /// before it, even where that ends the write unwritten.
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_after_holds_every_further_attempt_back() {
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let log = sent.clone();
+        let mut n = 0;
+        let attempt = move || {
+            log.lock().unwrap().push(Instant::now());
+            n += 1;
+            let first = n == 1;
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                if first {
+                    Err(Failed {
+                        message: "429".into(),
+                        retry_after: Some(Duration::from_millis(600)),
+                    })
+                } else {
+                    Ok(())
+                }
+            }) as Attempt
+        };
+        let t0 = Instant::now();
+        assert_eq!(deliver(&POLICY, attempt).await, Ok(()));
+        let sent = sent.lock().unwrap().clone();
+        assert_eq!(sent.len(), 2, "one repeat, after the wait");
+        assert!(
+            sent[1] - t0 >= Duration::from_millis(600),
+            "{:?}",
+            sent[1] - t0
+        );
+        // Asked to wait past the window: the write ends unwritten.
+        let attempt = || {
+            Box::pin(async {
+                Err(Failed {
+                    message: "429".into(),
+                    retry_after: Some(Duration::from_secs(5)),
+                })
+            }) as Attempt
+        };
+        assert_eq!(deliver(&POLICY, attempt).await, Err("429".into()));
     }
 }

@@ -83,7 +83,10 @@ pub const STOPPING: &str = "stopping: the agent is shutting down and has handed 
 
 /// Writes the status subresource of this node's object.
 pub trait StatusWriter: Send + Sync + 'static {
-    fn write(&self, status: &Status) -> impl Future<Output = Result<(), String>> + Send;
+    fn write(
+        &self,
+        status: &Status,
+    ) -> impl Future<Output = Result<(), super::delivery::Failed>> + Send;
 }
 
 /// What the task needs to know about the node each round.
@@ -876,12 +879,12 @@ pub struct KubeStatus {
 }
 
 impl StatusWriter for KubeStatus {
-    async fn write(&self, status: &Status) -> Result<(), String> {
+    async fn write(&self, status: &Status) -> Result<(), super::delivery::Failed> {
         let client = self
             .client
             .borrow()
             .clone()
-            .ok_or_else(|| "not connected to the cluster".to_string())?;
+            .ok_or_else(|| super::delivery::Failed::from("not connected to the cluster"))?;
         let api: Api<LoadBalancerNode> =
             Api::namespaced_with(client, &self.namespace, &node_object::api_resource());
         let mut body = serde_json::to_value(status).map_err(|e| e.to_string())?;
@@ -905,7 +908,18 @@ impl StatusWriter for KubeStatus {
         api.patch_status(&self.node, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map(|_| ())
-            .map_err(|e| crate::cluster::watch_one::Failure::from_kube(&e).message)
+            .map_err(|e| super::delivery::Failed {
+                retry_after: match &e {
+                    kube::Error::Api(s) if s.code == 429 => s
+                        .details
+                        .as_ref()
+                        .map(|d| d.retry_after_seconds)
+                        .filter(|s| *s > 0)
+                        .map(|s| Duration::from_secs(u64::from(s))),
+                    _ => None,
+                },
+                message: crate::cluster::watch_one::Failure::from_kube(&e).message,
+            })
     }
 }
 

@@ -25,7 +25,7 @@ struct Writes {
 }
 
 impl StatusWriter for Writes {
-    async fn write(&self, status: &Status) -> Result<(), String> {
+    async fn write(&self, status: &Status) -> Result<(), crate::agent::delivery::Failed> {
         if self.fail.load(Ordering::SeqCst) {
             return Err("connection refused".into());
         }

@@ -142,6 +142,32 @@ pub fn set_cable(lb: &LbRig, i: usize, up: bool) -> Result<()> {
     Ok(())
 }
 
+/// Guest `i`'s LAN port on the rig's bridge silent (`false`: the bridge
+/// port disabled, frames dropped both ways, no carrier change, so the guest
+/// cannot tell; its API path untouched) or forwarding again (`true`), as a
+/// switch port's filter or a broken segment behind a live link.
+pub fn set_port(lb: &LbRig, i: usize, forwarding: bool) -> Result<()> {
+    let port = format!("vg{}", i + 1);
+    let state = if forwarding { "3" } else { "0" };
+    let st = Command::new("bridge")
+        .args([
+            "-n",
+            lb.rig.lan_ns(),
+            "link",
+            "set",
+            "dev",
+            &port,
+            "state",
+            state,
+        ])
+        .status()?;
+    ensure!(
+        st.success(),
+        "bridge link set dev {port} state {state}: {st}"
+    );
+    Ok(())
+}
+
 /// Guest `i` paused as a paused VM looks from inside and from the LAN:
 /// every process of its namespace frozen (the cgroup freezer) and its LAN
 /// port silent (the bridge port disabled: frames dropped both ways, no

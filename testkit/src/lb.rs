@@ -1009,10 +1009,15 @@ impl LbRig {
         fs::write(&kubeconfig, serde_json::to_vec_pretty(&yaml)?)?;
         let client = self.block_on(rig::kube_client(&kubeconfig))?;
         // Its rights are the tenant's: its own namespace only.
-        let other: Api<Service> = Api::namespaced(client.clone(), "default");
+        let elsewhere = if namespace == "kube-system" {
+            "default"
+        } else {
+            "kube-system"
+        };
+        let other: Api<Service> = Api::namespaced(client.clone(), elsewhere);
         if self.block_on(other.list(&ListParams::default())).is_ok() {
             bail!(
-                "the tenant of {namespace} can list Services in `default`: not a tenant's rights"
+                "the tenant of {namespace} can list Services in `{elsewhere}`: not a tenant's rights"
             );
         }
         Ok(client)

@@ -512,7 +512,8 @@ fn restart_and_stop_are_told_apart(g: &mut Guest) -> Result<()> {
                     .as_str()
                     .is_some_and(|m| m.contains("asked systemd whether this stop is a restart"))
             })
-            .map(|e| format!("restart={}", e["RESTART"].as_str().unwrap_or("?")))
+            // tracing-journald prefixes every field with `F_`.
+            .map(|e| format!("restart={}", e["F_RESTART"].as_str().unwrap_or("?")))
             .collect())
     };
     let before = said(g)?.len();
