@@ -531,6 +531,7 @@ impl<E: LeaseEngine> Lb<E> {
             .collect();
         let settings = Settings {
             default_uplink: node.default_uplink.clone(),
+            witness: node.gateway_address,
             ..self.settings.leases.clone()
         };
         for (action, o) in actions

@@ -200,6 +200,7 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
             },
             probe: ProbeConfig::default(),
             guarded_at: None,
+            witness: None,
         };
         engine.start(cfg).await?;
     }

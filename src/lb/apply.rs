@@ -28,6 +28,13 @@ pub struct Settings {
     pub probe: ProbeConfig,
     /// How long the takeover guard listens; zero: no guard.
     pub takeover_guard: Duration,
+    /// The default route's gateway: on the default uplink, the guard's
+    /// silence counts only while the gateway answers ARP, so a node that
+    /// cannot hear its LAN (its port silent, a switch filtering it) never
+    /// takes that silence for a free address (issue #29: the soak found
+    /// one binding nine addresses its former holder, cut off from the API
+    /// server, still answered for).
+    pub witness: Option<std::net::Ipv4Addr>,
 }
 
 /// One action's result, by interface.
@@ -61,6 +68,9 @@ pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, String
                 w.service
             )
         })?;
+    let witness = settings
+        .witness
+        .filter(|_| settings.default_uplink.as_deref() == Some(parent.as_str()));
     Ok(LeaseConfig {
         interface: w.interface.clone(),
         parent,
@@ -74,6 +84,7 @@ pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, String
         timing: settings.timing.clone(),
         probe: settings.probe,
         guarded_at: None,
+        witness,
     })
 }
 
@@ -152,7 +163,12 @@ async fn start<E: LeaseEngine>(
         // later (this process frozen meanwhile) asks again (`GUARD_FRESH`).
         cfg.guarded_at = Some(tokio::time::Instant::now());
         let answered = engine
-            .answered(&cfg.parent, addr, guard_probe(settings.takeover_guard))
+            .answered(
+                &cfg.parent,
+                addr,
+                cfg.witness,
+                guard_probe(settings.takeover_guard),
+            )
             .await;
         match answered {
             Ok(false) => {}
@@ -161,6 +177,16 @@ async fn start<E: LeaseEngine>(
                     Err(format!(
                         "{addr} still answers on {}'s LAN (another node holds it): waiting until it stops before taking it over",
                         cfg.parent
+                    )),
+                    true,
+                );
+            }
+            // Guarded, not failed: looked at again soon, as for a holder
+            // that still answers.
+            Err(e @ crate::dhcp::EngineError::Deaf { .. }) => {
+                return (
+                    Err(format!(
+                        "takeover guard for {addr}: {e}; waiting until this node hears its LAN again"
                     )),
                     true,
                 );
@@ -307,6 +333,41 @@ mod tests {
     /// An address the Service already has is taken over only once nobody
     /// answers for it; the guard asks on the uplink the lease would use,
     /// and a new address (none yet) or a guard of zero asks nothing.
+    /// Issue #29: on the default uplink, a guard that hears nobody, not even
+    /// the gateway (this node's LAN port silent), holds the takeover back
+    /// as guarded, never as a free address; heard again, it takes over.
+    #[tokio::test]
+    async fn a_guard_that_cannot_hear_its_lan_does_not_take_over() {
+        let engine = FakeEngine::new();
+        let addr = std::net::Ipv4Addr::new(10, 77, 0, 150);
+        let gateway = std::net::Ipv4Addr::new(10, 77, 0, 1);
+        let mut w = wanted(false, None);
+        w.requested_ip = Some(addr);
+        let s = Settings {
+            witness: Some(gateway),
+            ..settings_guarded()
+        };
+        engine.set_deaf(true);
+        let actions = plan(std::slice::from_ref(&w), &running(&engine));
+        let held = apply(&engine, actions, &s).await;
+        assert!(held[0].guarded, "{held:?}");
+        let message = held[0].result.clone().unwrap_err();
+        assert!(
+            message.contains("10.77.0.1") && message.contains("eth0"),
+            "{message}"
+        );
+        assert!(engine.running().is_empty(), "not started while deaf");
+        engine.set_deaf(false);
+        let actions = plan(std::slice::from_ref(&w), &running(&engine));
+        let taken = apply(&engine, actions, &s).await;
+        assert_eq!(taken[0].result, Ok(()));
+        assert_eq!(
+            engine.config("hlb-3f2a9c1e").unwrap().witness,
+            Some(gateway),
+            "the late binding's re-check asks the gateway too"
+        );
+    }
+
     #[tokio::test]
     async fn a_takeover_waits_while_the_address_answers_elsewhere() {
         let engine = FakeEngine::new();

@@ -1055,7 +1055,22 @@ impl Soak {
             }
             (Fault::ClassSwitched, Target::Service(name)) => {
                 let old = self.churn_ip(name);
-                let switched = set_class(&self.lb, name, Some(OTHER_CLASS));
+                // Not ours once it is a ClusterIP: refused (a webhook), the
+                // fault did not begin.
+                let away = merge_patch(
+                    &self.lb,
+                    name,
+                    serde_json::json!({"spec": {"type": "ClusterIP", "loadBalancerClass": null}}),
+                );
+                if let Err(e) = away {
+                    println!("soak: {} not begun: {e:#}", fault.label());
+                    return Ok(None);
+                }
+                let switched = merge_patch(
+                    &self.lb,
+                    name,
+                    serde_json::json!({"spec": {"type": "LoadBalancer", "loadBalancerClass": OTHER_CLASS}}),
+                );
                 if let Err(e) = switched {
                     // Half switched is still not ours; the end switches it back.
                     println!("soak: {}: {e:#}", fault.label());
@@ -1311,7 +1326,23 @@ impl Soak {
         else {
             return;
         };
-        let held = self.lb.carriers(old);
+        // A holder cut off from the API server cannot hear that the Service
+        // went: it keeps the address until it hears again (or fences), by
+        // design; a node cut off from the API but not the LAN keeps serving.
+        let cut_off = |g: usize| {
+            self.report.faults.iter().any(|f| {
+                f.fault == Fault::ApiCutOff
+                    && f.guest == Some(g)
+                    && f.began <= now
+                    && f.ended.is_none_or(|e| e + Fault::ApiCutOff.bound() >= now)
+            })
+        };
+        let held: Vec<_> = self
+            .lb
+            .carriers(old)
+            .into_iter()
+            .filter(|(node, _)| !cut_off(self.lb.guest_of(node)))
+            .collect();
         if !held.is_empty() {
             self.report.violate(
                 now,

@@ -73,6 +73,7 @@ fn lease(i: u32) -> LeaseConfig {
         timing: timing(),
         probe: ProbeConfig::default(),
         guarded_at: None,
+        witness: None,
     }
 }
 

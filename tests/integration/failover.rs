@@ -27,6 +27,7 @@ tests! {
     a_credential_rotation_that_does_not_connect_yet_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_restarted_agent_keeps_its_addresses_and_nothing_moves: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_guard_that_cannot_hear_its_lan_takes_nothing_over: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_moment_without_a_default_route_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_node_whose_heartbeat_is_too_slow_gets_no_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     the_leader_dying_with_the_holder_still_moves_it_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -737,6 +738,90 @@ fn a_restarted_agent_keeps_its_addresses_and_nothing_moves() -> Result<()> {
         lb::tail(&log, 40)
     );
     println!("{connects} client connections reached {ip} on its holder while its agent was down");
+    Ok(())
+}
+
+/// Issue #29, found by the soak: the holder is cut off from the API server
+/// only (its LAN fine), so the controller gives its Service to another
+/// node, whose takeover guard hears the holder and waits. While that
+/// node's own LAN port is silent (a switch filtering it; its link and its
+/// API path up), its guard hears nobody, not even the gateway, and that
+/// silence is not taken for a free address. Never two holders, read from
+/// the kernels; once the holder hears the API again and lets go, the new
+/// node takes the address.
+fn a_guard_that_cannot_hear_its_lan_takes_nothing_over() -> Result<()> {
+    let mut lb = LbRig::start(options())?;
+    let (ip, holder) = served(&lb, "web")?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    lb.cut_api(holder);
+    let assigned_to = |lb: &LbRig| {
+        (0..3).filter(|g| *g != holder).find(|g| {
+            lb.node_object(&lb.node_name(*g)).is_some_and(|o| {
+                o["spec"]["assignments"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|a| a["service"] == "default/web"))
+            })
+        })
+    };
+    let Some(next) = wait_for(WITHIN, || assigned_to(&lb)) else {
+        anyhow::bail!("the Service never moved off the node cut off from the API");
+    };
+    let lease_message = |lb: &LbRig| -> String {
+        lb.node_object(&lb.node_name(next))
+            .and_then(|o| {
+                o["status"]["leases"].as_array()?.iter().find_map(|l| {
+                    (l["service"] == "default/web")
+                        .then(|| format!("{} {}", l["state"], l["message"]))
+                })
+            })
+            .unwrap_or_default()
+    };
+    let guarded = wait_for(WITHIN, || {
+        let m = lease_message(&lb);
+        m.contains("GUARDED").then_some(m)
+    });
+    ensure!(
+        guarded.is_some(),
+        "the next node never waited for the holder: {}",
+        lease_message(&lb)
+    );
+    failover::set_port(&lb, next, false)?;
+    let deaf = wait_for(WITHIN, || {
+        let m = lease_message(&lb);
+        m.contains("nothing answers").then_some(m)
+    });
+    failover::set_port(&lb, next, true)?;
+    ensure!(
+        deaf.is_some(),
+        "the guard never said it could not hear its LAN: {}",
+        lease_message(&lb)
+    );
+    // The port is back: for a few guard rounds more, still the holder alone.
+    let taken = wait_for(Duration::from_secs(3), || {
+        watch.taken_by_other(ip, holder, t0)
+    });
+    ensure!(
+        taken.is_none(),
+        "{ip} taken while its holder still answered:\n{}",
+        timeline(&watch, ip, t0)
+    );
+    lb.restore_api(holder)?;
+    let moved = wait_for(WITHIN, || {
+        let c = lb.carriers(ip);
+        (c.len() == 1 && lb.guest_of(&c[0].0) == next).then_some(())
+    });
+    ensure!(
+        moved.is_some(),
+        "{ip} never moved to guest {next} once the holder let go:\n{}",
+        timeline(&watch, ip, t0)
+    );
+    ensure!(
+        watch.overlaps(ip).is_empty(),
+        "two guests held {ip}:\n{}",
+        timeline(&watch, ip, t0)
+    );
+    println!("guest {next}'s guard said: {}", deaf.unwrap_or_default());
     Ok(())
 }
 

@@ -297,6 +297,7 @@ impl Bench {
                     },
                     probe: ProbeConfig::default(),
                     guarded_at: None,
+                    witness: None,
                 })
             });
             let mut rxs = Vec::with_capacity(n);
@@ -533,6 +534,7 @@ fn hold(mut args: impl Iterator<Item = String>) -> Result<()> {
                         },
                         probe: ProbeConfig::default(),
                         guarded_at: None,
+                        witness: None,
                     })
                     .await?;
             }

@@ -330,6 +330,7 @@ impl<L: Links> Engine<L> {
         &self,
         parent: &str,
         addr: Ipv4Addr,
+        witness: Option<Ipv4Addr>,
         probe: ProbeConfig,
     ) -> Result<bool, EngineError> {
         let link_err = |source| EngineError::Link {
@@ -355,7 +356,30 @@ impl<L: Links> Engine<L> {
             .links
             .open(link.index, mac, probe)
             .map_err(socket_err)?;
-        transport.arp_probe(addr).await.map_err(socket_err)
+        let Some(witness) = witness else {
+            return transport.arp_probe(addr).await.map_err(socket_err);
+        };
+        let sender = self
+            .links
+            .addresses(link.index)
+            .await
+            .ok()
+            .and_then(|a| a.into_iter().next())
+            .unwrap_or(Ipv4Addr::UNSPECIFIED);
+        let asker = self
+            .links
+            .open(link.index, mac, probe)
+            .map_err(socket_err)?;
+        let (answered, heard) =
+            futures::join!(transport.arp_probe(addr), asker.arp_ask(witness, sender));
+        match (answered.map_err(socket_err)?, heard.map_err(socket_err)?) {
+            (true, _) => Ok(true),
+            (false, true) => Ok(false),
+            (false, false) => Err(EngineError::Deaf {
+                name: parent.to_string(),
+                witness,
+            }),
+        }
     }
 
     /// Gratuitous ARP for a lease now (takeover).
@@ -498,7 +522,37 @@ async fn bring_up<L: Links>(
             ..
         })) => {
             let (links, probe) = (links.clone(), cfg.probe);
-            driver.with_uplink_check(probe_through(move || links.open(index, mac, probe)))
+            match cfg.witness {
+                None => {
+                    driver.with_uplink_check(probe_through(move || links.open(index, mac, probe)))
+                }
+                Some(witness) => driver.with_uplink_check(Box::new(move |addr| {
+                    let links = links.clone();
+                    Box::pin(async move {
+                        let transport = links.open(index, mac, probe)?;
+                        if transport.arp_probe(addr).await? {
+                            return Ok(true);
+                        }
+                        let sender = links
+                            .addresses(index)
+                            .await
+                            .ok()
+                            .and_then(|a| a.into_iter().next())
+                            .unwrap_or(Ipv4Addr::UNSPECIFIED);
+                        if links
+                            .open(index, mac, probe)?
+                            .arp_ask(witness, sender)
+                            .await?
+                        {
+                            Ok(false)
+                        } else {
+                            Err(std::io::Error::other(format!(
+                                "nothing answers on the uplink's LAN, not even {witness}"
+                            )))
+                        }
+                    })
+                })),
+            }
         }
         _ => driver.with_uplink_check(Box::new(|_| {
             Box::pin(async {
@@ -586,9 +640,10 @@ impl<L: Links> LeaseEngine for Engine<L> {
         &self,
         parent: &str,
         addr: Ipv4Addr,
+        witness: Option<Ipv4Addr>,
         probe: ProbeConfig,
     ) -> Result<bool, EngineError> {
-        Engine::answered(self, parent, addr, probe).await
+        Engine::answered(self, parent, addr, witness, probe).await
     }
 
     fn snapshot(&self) -> Vec<LeaseStatus> {

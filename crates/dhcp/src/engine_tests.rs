@@ -283,6 +283,7 @@ fn cfg(name: &str, parent: &str) -> LeaseConfig {
         timing: Timing::default(),
         probe: ProbeConfig::default(),
         guarded_at: None,
+        witness: None,
     }
 }
 

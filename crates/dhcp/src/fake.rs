@@ -71,6 +71,8 @@ struct World {
     answering: BTreeSet<Ipv4Addr>,
     /// How long a guard probe takes (the real one waits for ARP replies).
     guard_delay: std::time::Duration,
+    /// The guard hears nobody, not even a witness (a silent LAN port).
+    deaf: bool,
 }
 
 /// Behaves like the real engine where a caller can tell: a start makes or
@@ -128,6 +130,11 @@ impl FakeEngine {
 
     /// Every guard probe ([`LeaseEngine::answered`]) takes `delay` from
     /// now on, as the real one waits for replies.
+    /// The LAN goes silent for the guard (`true`) or is heard again.
+    pub fn set_deaf(&self, deaf: bool) {
+        self.world().deaf = deaf;
+    }
+
     pub fn set_guard_delay(&self, delay: std::time::Duration) {
         self.world().guard_delay = delay;
     }
@@ -266,6 +273,7 @@ impl LeaseEngine for FakeEngine {
         &self,
         parent: &str,
         addr: Ipv4Addr,
+        witness: Option<Ipv4Addr>,
         _probe: ProbeConfig,
     ) -> Result<bool, EngineError> {
         let delay = {
@@ -277,7 +285,15 @@ impl LeaseEngine for FakeEngine {
             w.guard_delay
         };
         tokio::time::sleep(delay).await;
-        Ok(self.world().answering.contains(&addr))
+        let w = self.world();
+        match witness {
+            _ if w.answering.contains(&addr) => Ok(true),
+            Some(witness) if w.deaf => Err(EngineError::Deaf {
+                name: parent.into(),
+                witness,
+            }),
+            _ => Ok(false),
+        }
     }
 
     async fn announce(&self, name: &str) -> Result<(), EngineError> {
@@ -337,6 +353,7 @@ mod tests {
             timing: Timing::default(),
             probe: ProbeConfig::default(),
             guarded_at: None,
+            witness: None,
         }
     }
 

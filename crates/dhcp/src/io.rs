@@ -83,6 +83,18 @@ pub trait Transport: Send + Sync + 'static {
     fn recv(&self) -> impl Future<Output = Result<Inbound, RecvError>> + Send;
     /// RFC 5227 probe; `true` when another host uses `addr`.
     fn arp_probe(&self, addr: Ipv4Addr) -> impl Future<Output = io::Result<bool>> + Send;
+    /// An ordinary ARP request for `addr` from `sender` (this host's own
+    /// address on the link), with the probe's timing: `true` when `addr`
+    /// answers. Asks whether the LAN can be heard at all (its gateway),
+    /// which some routers do not answer an RFC 5227 probe for.
+    fn arp_ask(
+        &self,
+        addr: Ipv4Addr,
+        sender: Ipv4Addr,
+    ) -> impl Future<Output = io::Result<bool>> + Send {
+        let _ = sender;
+        self.arp_probe(addr)
+    }
     /// Gratuitous ARP (announcement) for `addr`.
     fn arp_announce(&self, addr: Ipv4Addr) -> impl Future<Output = io::Result<()>> + Send;
 }
@@ -402,8 +414,12 @@ impl Transport for AfPacket {
     }
 
     async fn arp_probe(&self, addr: Ipv4Addr) -> io::Result<bool> {
+        self.arp_ask(addr, Ipv4Addr::UNSPECIFIED).await
+    }
+
+    async fn arp_ask(&self, addr: Ipv4Addr, sender: Ipv4Addr) -> io::Result<bool> {
         let sock = self.arp_socket(addr)?;
-        let probe = frame::build_arp(self.mac, Ipv4Addr::UNSPECIFIED, addr);
+        let probe = frame::build_arp(self.mac, sender, addr);
         let mut buf = [0u8; 128];
         let mut next_probe = Instant::now();
         let mut sent = 0;

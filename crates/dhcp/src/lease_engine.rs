@@ -39,6 +39,11 @@ pub struct LeaseConfig {
     /// it (or after the start, without one) asks again before the address
     /// goes on the link.
     pub guarded_at: Option<tokio::time::Instant>,
+    /// An address on the parent's LAN that answers ARP (its default
+    /// gateway): a late first binding's re-check that hears nobody counts
+    /// only when this answers, so a node that cannot hear its LAN (a port
+    /// gone silent) does not take its silence for a free address.
+    pub witness: Option<Ipv4Addr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +54,12 @@ pub enum EngineError {
     Unknown(String),
     #[error("macvlan not ready for {name}: {source}")]
     Link { name: String, source: LinkError },
+    /// The takeover guard heard nobody, not even the witness: its silence
+    /// says nothing about the address.
+    #[error(
+        "nothing answers on {name}'s LAN, not even {witness}: whether another host holds the address cannot be told from here"
+    )]
+    Deaf { name: String, witness: Ipv4Addr },
     #[error("packet socket on {name}: {source}")]
     Socket {
         name: String,
@@ -101,10 +112,14 @@ pub trait LeaseEngine: Send + Sync + 'static {
     /// for `addr`, asked from `parent`'s own MAC (every holder of one
     /// Service shares the lease's MAC, so a probe from that MAC could not
     /// see another holder's answer), with `probe`'s timing. Makes no link.
+    /// With a `witness` (an address on that LAN that answers ARP, its
+    /// gateway), silence counts only when the witness answers; otherwise
+    /// [`EngineError::Deaf`].
     fn answered(
         &self,
         parent: &str,
         addr: Ipv4Addr,
+        witness: Option<Ipv4Addr>,
         probe: ProbeConfig,
     ) -> impl Future<Output = Result<bool, EngineError>> + Send;
 

@@ -43,6 +43,7 @@
 //!             timing: Timing::default(),
 //!             probe: ProbeConfig::default(),
 //!             guarded_at: None,
+//!             witness: None,
 //!         })
 //!         .await?;
 //!     let bound = status.wait_for(|s| s.state.holds_address()).await?.clone();

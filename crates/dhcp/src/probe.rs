@@ -183,6 +183,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
         },
         probe: ProbeConfig::default(),
         guarded_at: None,
+        witness: None,
     };
     let mut status = match engine.start(cfg).await {
         Ok(s) => s,
