@@ -479,6 +479,26 @@ fn deb_holds_the_files_keeps_the_conffile_and_enables_the_unit() -> Result<()> {
             "postinst configure did not start {UNIT} under systemd; it ran {calls:?}"
         );
     }
+    // An upgrade is one systemd restart job (postinst `configure <old>`),
+    // never a stop in the old package's prerm and a start later: the agent
+    // tells a restart job from a stop and keeps its addresses through it
+    // (`lb_keep_on_stop`, issue #29). Read from the scripts, since their
+    // systemd branch runs only where systemd is PID 1.
+    let prerm = std::fs::read_to_string(control.path().join("prerm")).unwrap_or_default();
+    ensure!(
+        postinst.contains("_dh_action=restart")
+            && postinst.contains("deb-systemd-invoke $_dh_action"),
+        "postinst does not restart the unit on upgrade:\n{postinst}"
+    );
+    ensure!(
+        prerm
+            .lines()
+            .filter(|l| l.contains("deb-systemd-invoke stop"))
+            .count()
+            <= 1
+            && prerm.contains("[ \"$1\" = remove ]"),
+        "prerm stops the unit on upgrade, not only on removal:\n{prerm}"
+    );
     Ok(())
 }
 
