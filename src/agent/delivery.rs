@@ -90,9 +90,11 @@ impl From<&str> for Failed {
     }
 }
 
-/// Runs `attempt` until one succeeds, as `policy` says; the error is the
-/// last attempt's, or the timeout.
-pub async fn deliver<F, Fut>(policy: &Policy, mut attempt: F) -> Result<(), String>
+/// Runs `attempt` until one succeeds, as `policy` says. Either way, what is
+/// left of a wait the server asked for comes back (the next write must not
+/// go out before it either: a sibling attempt's success does not lift a
+/// 429's `Retry-After`); the error is the last attempt's, or the timeout.
+pub async fn deliver<F, Fut>(policy: &Policy, mut attempt: F) -> Result<Option<Duration>, Failed>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<(), Failed>>,
@@ -118,11 +120,23 @@ where
             .map(|at| held_until.map_or(at, |h| at.max(h)))
             .filter(|at| may_launch && *at < window_end);
         if in_flight.is_empty() && next_launch.is_none() {
-            return Err(last_error.unwrap_or_else(|| "not written".into()));
+            return Err(Failed {
+                message: last_error.unwrap_or_else(|| "not written".into()),
+                retry_after: held_until
+                    .map(|h| h.saturating_duration_since(Instant::now()))
+                    .filter(|d| !d.is_zero()),
+            });
         }
+        let hold = |held_until: Option<Instant>| {
+            held_until
+                .map(|h| h.saturating_duration_since(Instant::now()))
+                .filter(|d| !d.is_zero())
+        };
         tokio::select! {
+            // Answers first: a 429 that has come holds a hedge due now.
+            biased;
             Some(result) = in_flight.next(), if !in_flight.is_empty() => match result {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(hold(held_until)),
                 Err(e) => {
                     if let Some(wait) = e.retry_after {
                         let until = Instant::now() + wait;
@@ -139,7 +153,7 @@ where
                 retry_at = None;
             }
             _ = tokio::time::sleep_until(deadline) => {
-                return Err(format!("no answer within {:?}", policy.timeout));
+                return Err(format!("no answer within {:?}", policy.timeout).into());
             }
         }
     }
@@ -189,7 +203,7 @@ mod tests {
     async fn failed_attempts_are_repeated_at_once() {
         let (sent, attempt) = scripted(vec![(1, false), (1, false), (1, false)]);
         let t0 = Instant::now();
-        assert_eq!(deliver(&POLICY, attempt).await, Ok(()));
+        assert!(deliver(&POLICY, attempt).await.is_ok());
         assert_eq!(sent.lock().unwrap().len(), 4);
         assert!(
             t0.elapsed() < Duration::from_millis(200),
@@ -202,7 +216,7 @@ mod tests {
     async fn a_slow_attempt_gets_a_second_beside_it_and_the_first_answer_wins() {
         let (sent, attempt) = scripted(vec![(1_900, true), (5, true)]);
         let t0 = Instant::now();
-        assert_eq!(deliver(&POLICY, attempt).await, Ok(()));
+        assert!(deliver(&POLICY, attempt).await.is_ok());
         let took = t0.elapsed();
         assert!(took < Duration::from_millis(300), "{took:?}");
         assert_eq!(sent.lock().unwrap().len(), 2);
@@ -257,7 +271,7 @@ mod tests {
             }) as Attempt
         };
         let t0 = Instant::now();
-        assert_eq!(deliver(&POLICY, attempt).await, Ok(()));
+        assert!(deliver(&POLICY, attempt).await.is_ok());
         let sent = sent.lock().unwrap().clone();
         assert_eq!(sent.len(), 2, "one repeat, after the wait");
         assert!(
@@ -274,6 +288,13 @@ mod tests {
                 })
             }) as Attempt
         };
-        assert_eq!(deliver(&POLICY, attempt).await, Err("429".into()));
+        let failed = deliver(&POLICY, attempt).await.unwrap_err();
+        assert_eq!(failed.message, "429");
+        assert!(
+            failed
+                .retry_after
+                .is_some_and(|d| d > Duration::from_secs(3)),
+            "the rest of the wait is handed on: {failed:?}"
+        );
     }
 }

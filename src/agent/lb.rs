@@ -22,7 +22,7 @@
 //! - Output: the status subresource, merge-patched at every heartbeat
 //!   period (`lb_heartbeat`) and, within [`SETTLE`], after every change of
 //!   what is reported (a release shows as the lease leaving `leases`), by
-//!   a task of its own ([`super::status_writes`]) so that no round, however
+//!   a task of its own (`agent::status_writes`) so that no round, however
 //!   long, holds up a heartbeat.
 //!
 //! The loop is generic over the engine ([`LeaseEngine`]) and the status
@@ -909,18 +909,24 @@ impl StatusWriter for KubeStatus {
         api.patch_status(&self.node, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map(|_| ())
-            .map_err(|e| super::delivery::Failed {
-                retry_after: match &e {
-                    kube::Error::Api(s) if s.code == 429 => s
-                        .details
-                        .as_ref()
-                        .map(|d| d.retry_after_seconds)
-                        .filter(|s| *s > 0)
-                        .map(|s| Duration::from_secs(u64::from(s))),
-                    _ => None,
-                },
-                message: crate::cluster::watch_one::Failure::from_kube(&e).message,
-            })
+            .map_err(|e| failed(&e))
+    }
+}
+
+/// A failed write as [`super::delivery`] needs it: its message, and a
+/// 429's `Retry-After` (`details.retryAfterSeconds` of its `Status`).
+fn failed(e: &kube::Error) -> super::delivery::Failed {
+    super::delivery::Failed {
+        retry_after: match e {
+            kube::Error::Api(s) if s.code == 429 => s
+                .details
+                .as_ref()
+                .map(|d| d.retry_after_seconds)
+                .filter(|s| *s > 0)
+                .map(|s| Duration::from_secs(u64::from(s))),
+            _ => None,
+        },
+        message: crate::cluster::watch_one::Failure::from_kube(e).message,
     }
 }
 
@@ -981,3 +987,20 @@ const FOLLOW_RESTART: Duration = Duration::from_secs(1);
 #[cfg(test)]
 #[path = "lb_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+mod failed_tests {
+    use super::*;
+
+    #[test]
+    fn a_429_carries_its_retry_after() {
+        let status: kube::core::Status = serde_json::from_value(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": "too many requests", "reason": "TooManyRequests", "code": 429,
+            "details": {"retryAfterSeconds": 1},
+        }))
+        .unwrap();
+        let f = failed(&kube::Error::Api(status.boxed()));
+        assert_eq!(f.retry_after, Some(Duration::from_secs(1)));
+    }
+}

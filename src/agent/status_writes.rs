@@ -124,11 +124,14 @@ async fn run<W: StatusWriter>(
     let mut last_beat: Option<SystemTime> = None;
     let mut urgent_done = 0;
     let mut beat_due = Instant::now();
+    // A 429's `Retry-After`: no write before then, but the last one.
+    let mut not_before = Instant::now();
     loop {
         let draft = drafts.borrow_and_update().clone();
         let changed = last.as_ref().map(settled_view) != Some(settled_view(&draft.status));
         let urgent = draft.urgent > urgent_done;
-        if urgent || changed || Instant::now() >= beat_due {
+        let now = Instant::now();
+        if urgent || ((changed || now >= beat_due) && now >= not_before) {
             beat_due = Instant::now() + heartbeat;
             let beat = next_beat(last_beat, SystemTime::now());
             last_beat = Some(beat);
@@ -148,14 +151,21 @@ async fn run<W: StatusWriter>(
             // Written again at the next heartbeat, not at once, when the
             // write failed: `last` is what was tried.
             last = Some(draft.status);
+            let hold = match &result {
+                Ok(hold) => *hold,
+                Err(e) => e.retry_after,
+            };
+            if let Some(wait) = hold {
+                not_before = Instant::now() + wait;
+            }
             written.send_modify(|w| {
                 w.urgent_done = urgent_done;
                 match result {
-                    Ok(()) => {
+                    Ok(_) => {
                         w.last_ok = Instant::now();
                         w.error = None;
                     }
-                    Err(e) => w.error = Some(e),
+                    Err(e) => w.error = Some(e.message),
                 }
             });
             continue;
@@ -164,7 +174,7 @@ async fn run<W: StatusWriter>(
             changed = drafts.changed() => if changed.is_err() {
                 return;
             },
-            _ = tokio::time::sleep_until(beat_due) => {}
+            _ = tokio::time::sleep_until(beat_due.max(not_before)) => {}
         }
     }
 }

@@ -865,8 +865,16 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
         // answers the moment that ends (issue #29).
         for (at, holders) in soak.watch.overlaps(*ip) {
             if holders.len() > 1 {
-                soak.report
-                    .violate(at, format!("{ip} held by guests {holders:?} at once"));
+                let record = kernel_record(
+                    &soak.watch,
+                    *ip,
+                    at.checked_sub(Duration::from_secs(5)).unwrap_or(at),
+                    at + Duration::from_secs(15),
+                );
+                soak.report.violate(
+                    at,
+                    format!("{ip} held by guests {holders:?} at once; {record}"),
+                );
             }
         }
     }
@@ -883,7 +891,34 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
         soak.check_end(quiet_from)?;
     }
     soak.report.rss_end = rss_all(&soak.lb, opts.guests);
+    if !soak.report.violations.is_empty() {
+        keep_logs(&soak.lb, opts.seed);
+    }
     Ok(soak.report)
+}
+
+/// The agents', controllers' and dnsmasq's logs of a run that found
+/// something, copied out of the rig's directory (which goes with the rig)
+/// so that a violation can be traced afterwards.
+fn keep_logs(lb: &LbRig, seed: u64) {
+    let to = std::env::temp_dir().join(format!("hna-soak-{seed}-{}", std::process::id()));
+    let copy = |from: &std::path::Path, name: &str| {
+        let _ = std::fs::create_dir_all(&to);
+        let _ = std::fs::copy(from, to.join(name));
+    };
+    let Ok(entries) = std::fs::read_dir(lb.rig.dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.ends_with(".log") {
+            copy(&path, &name);
+        } else if name.starts_with("agent-") {
+            copy(&path.join("agent.log"), &format!("{name}.log"));
+        }
+    }
+    println!("soak: the logs of this run are kept in {}", to.display());
 }
 
 fn unix_ms(t: SystemTime) -> u64 {

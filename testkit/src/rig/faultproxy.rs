@@ -54,6 +54,33 @@ pub struct FaultConfig {
     /// `max_delay`, before they are forwarded.
     pub delays: f64,
     pub max_delay: Duration,
+    /// Brownouts besides (or instead of) the per-request faults.
+    pub brownout: Option<Brownout>,
+}
+
+/// An API server in a brownout, as one overloaded behind API Priority and
+/// Fairness looks: every so often (seeded) and for a while, every request
+/// is slow, and a share is shed at once with 429 and `Retry-After: 1`.
+/// Faults drawn per request are what hedging beats; a brownout is not.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Brownout {
+    /// From the end of one brownout to the start of the next.
+    pub gap: (Duration, Duration),
+    pub length: (Duration, Duration),
+    /// Each request held back this long (drawn per request).
+    pub delay: (Duration, Duration),
+    /// The share answered 429 at once instead.
+    pub shed: f64,
+}
+
+impl Brownout {
+    /// Every request 1-3 s slow for 5-20 s, a fifth shed, 10-30 s apart.
+    pub const SEVERE: Brownout = Brownout {
+        gap: (Duration::from_secs(10), Duration::from_secs(30)),
+        length: (Duration::from_secs(5), Duration::from_secs(20)),
+        delay: (Duration::from_secs(1), Duration::from_secs(3)),
+        shed: 0.2,
+    };
 }
 
 /// What the proxy did so far.
@@ -73,6 +100,12 @@ pub struct FaultCounts {
     /// Requests the proxy could not forward (answered 502): not a fault
     /// it was asked for.
     pub upstream_failures: u64,
+    /// Brownouts begun.
+    pub brownouts: u64,
+    /// Status writes of a `LoadBalancerNode` that came from a client (by
+    /// its credentials) sooner than the `Retry-After` of the 429 it was
+    /// answered last.
+    pub early_retries: u64,
 }
 
 impl FaultCounts {
@@ -85,7 +118,7 @@ impl std::fmt::Display for FaultCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} requests: {} answered 500, {} answered 503, {} answered 429, {} delayed (longest {} ms), {} watches, {} not forwarded (502)",
+            "{} requests: {} answered 500, {} answered 503, {} answered 429, {} delayed (longest {} ms), {} watches, {} not forwarded (502), {} brownouts, {} status writes sooner than a 429's Retry-After",
             self.requests,
             self.internal_errors,
             self.unavailable,
@@ -93,7 +126,9 @@ impl std::fmt::Display for FaultCounts {
             self.delayed,
             self.longest_delay_ms,
             self.watches,
-            self.upstream_failures
+            self.upstream_failures,
+            self.brownouts,
+            self.early_retries
         )
     }
 }
@@ -183,11 +218,30 @@ struct Counters {
     longest_delay_ms: AtomicU64,
     watches: AtomicU64,
     upstream_failures: AtomicU64,
+    brownouts: AtomicU64,
+    early_retries: AtomicU64,
+}
+
+/// When the brownout under way ends and the next begins.
+#[derive(Default)]
+struct BrownoutClock {
+    until: Option<std::time::Instant>,
+    next: Option<std::time::Instant>,
+}
+
+/// Uniform in `[lo, hi]`.
+fn between(rng: &mut SplitMix64, (lo, hi): (Duration, Duration)) -> Duration {
+    let span = hi.saturating_sub(lo).as_millis() as u64;
+    lo + Duration::from_millis(rng.next_u64() % (span + 1))
 }
 
 struct Shared {
     config: Mutex<Option<FaultConfig>>,
     rng: Mutex<SplitMix64>,
+    brownout: Mutex<BrownoutClock>,
+    /// Per client (its `Authorization` header): when a status write of
+    /// it was last answered 429.
+    shed_at: Mutex<std::collections::HashMap<String, std::time::Instant>>,
     counters: Counters,
     upstream: SocketAddr,
     connector: TlsConnector,
@@ -197,7 +251,45 @@ impl Shared {
     fn fate(&self) -> Fate {
         let config = *self.config.lock().unwrap_or_else(|e| e.into_inner());
         let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = config.and_then(|c| c.brownout) {
+            let now = std::time::Instant::now();
+            let mut clock = self.brownout.lock().unwrap_or_else(|e| e.into_inner());
+            let next = *clock
+                .next
+                .get_or_insert_with(|| now + between(&mut rng, b.gap));
+            if clock.until.is_none_or(|u| now >= u) && now >= next {
+                let until = now + between(&mut rng, b.length);
+                clock.until = Some(until);
+                clock.next = Some(until + between(&mut rng, b.gap));
+                self.counters.brownouts.fetch_add(1, Ordering::Relaxed);
+            }
+            if clock.until.is_some_and(|u| now < u) {
+                return if rng.next_f64() < b.shed {
+                    Fate::Fail(StatusCode::TOO_MANY_REQUESTS)
+                } else {
+                    Fate::Delay(between(&mut rng, b.delay))
+                };
+            }
+        }
         draw(&mut rng, config.as_ref())
+    }
+
+    /// Notes a `LoadBalancerNode` status write: answered 429 now
+    /// (`shed`), or arriving (counted when it comes sooner than the
+    /// `Retry-After` of its client's last 429).
+    fn note_status_write(&self, client: &str, shed: bool) {
+        let now = std::time::Instant::now();
+        let mut at = self.shed_at.lock().unwrap_or_else(|e| e.into_inner());
+        if shed {
+            at.insert(client.to_string(), now);
+        } else if at.get(client).is_some_and(|t| {
+            // A write the client sent before the 429 reached it arrives
+            // within moments of it: not one that ignored it.
+            let since = now.duration_since(*t);
+            since > IN_FLIGHT && since < RETRY_AFTER
+        }) {
+            self.counters.early_retries.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -252,6 +344,8 @@ impl FaultProxy {
         let shared = Arc::new(Shared {
             config: Mutex::new(None),
             rng: Mutex::new(SplitMix64(seed)),
+            brownout: Mutex::new(BrownoutClock::default()),
+            shed_at: Mutex::new(std::collections::HashMap::new()),
             counters: Counters::default(),
             upstream: SocketAddr::from(([127, 0, 0, 1], upstream_port)),
             connector: TlsConnector::from(Arc::new(client)),
@@ -333,6 +427,8 @@ impl FaultProxy {
             longest_delay_ms: get(&c.longest_delay_ms),
             watches: get(&c.watches),
             upstream_failures: get(&c.upstream_failures),
+            brownouts: get(&c.brownouts),
+            early_retries: get(&c.early_retries),
         }
     }
 
@@ -395,11 +491,41 @@ fn is_watch(req: &Request<Incoming>) -> bool {
         .is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"))
 }
 
+/// A PATCH of a `LoadBalancerNode`'s status, and whose credentials sent it.
+fn status_write(req: &Request<Incoming>) -> Option<String> {
+    let path = req.uri().path();
+    (req.method() == hyper::Method::PATCH
+        && path.contains("/loadbalancernodes/")
+        && path.ends_with("/status"))
+    .then(|| {
+        req.headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    })
+}
+
+/// What every 429 of the proxy asks for.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// How late after a 429 a write may arrive that its client sent before
+/// the 429 reached it (loopback: milliseconds).
+const IN_FLIGHT: Duration = Duration::from_millis(50);
+
 async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
     let c = &shared.counters;
     c.requests.fetch_add(1, Ordering::Relaxed);
+    let writer = status_write(&req);
+    if let Some(w) = &writer {
+        shared.note_status_write(w, false);
+    }
     match shared.fate() {
         Fate::Fail(code) => {
+            if let Some(w) = &writer
+                && code == StatusCode::TOO_MANY_REQUESTS
+            {
+                shared.note_status_write(w, true);
+            }
             let counter = match code {
                 StatusCode::INTERNAL_SERVER_ERROR => &c.internal_errors,
                 StatusCode::SERVICE_UNAVAILABLE => &c.unavailable,
@@ -521,6 +647,7 @@ mod tests {
             errors: 0.2,
             delays: 0.2,
             max_delay: Duration::from_secs(2),
+            brownout: None,
         };
         let run = |seed| {
             let mut rng = SplitMix64(seed);
