@@ -492,6 +492,36 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
         "{moved:?}"
     );
     let (holder, holder_idx) = (other_node, other_idx);
+    // The new holder binds and reports; the Service's record follows it.
+    wait_for(
+        "the Service's record naming the new holder",
+        Duration::from_secs(30),
+        || {
+            let agents = agents.clone();
+            let services = services.clone();
+            let bound = bound.clone();
+            let holder = holder.clone();
+            async move {
+                for (i, a) in agents.iter().enumerate() {
+                    a.report(if i == holder_idx {
+                        bound.clone()
+                    } else {
+                        json!([])
+                    })
+                    .await?;
+                }
+                let s = services.get("web").await?;
+                let on_it = s
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(contract::kube_vip::VIP_HOST))
+                    .is_some_and(|h| *h == holder);
+                Ok(on_it.then_some(()))
+            }
+        },
+    )
+    .await?;
 
     // Delete: release first, the Service goes once the lease is gone.
     services.delete("web", &DeleteParams::default()).await?;
