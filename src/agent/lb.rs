@@ -30,7 +30,6 @@
 //! time; [`run_loop`] wires it to the API server.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -81,13 +80,7 @@ const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 /// `status.reason` of a stopping agent.
 pub const STOPPING: &str = "stopping: the agent is shutting down and has handed its addresses over";
 
-/// Writes the status subresource of this node's object.
-pub trait StatusWriter: Send + Sync + 'static {
-    fn write(
-        &self,
-        status: &Status,
-    ) -> impl Future<Output = Result<(), super::delivery::Failed>> + Send;
-}
+pub use super::status_writes::StatusWriter;
 
 /// What the task needs to know about the node each round.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -18,8 +18,15 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::lb::StatusWriter;
 use crate::contract::node_object::Status;
+
+/// Writes the status subresource of this node's object.
+pub trait StatusWriter: Send + Sync + 'static {
+    fn write(
+        &self,
+        status: &Status,
+    ) -> impl std::future::Future<Output = Result<(), super::delivery::Failed>> + Send;
+}
 
 /// One write at most this long.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -188,6 +188,19 @@ impl FakeAgent {
     }
 }
 
+/// Every agent beats; the one at `holder` reports `leases`, the others none.
+async fn report_all(agents: &[FakeAgent], holder: usize, leases: &Value) -> Result<()> {
+    for (i, a) in agents.iter().enumerate() {
+        a.report(if i == holder {
+            leases.clone()
+        } else {
+            json!([])
+        })
+        .await?;
+    }
+    Ok(())
+}
+
 fn a_dhcp_service_gets_its_holders_address_and_is_released_on_delete() -> Result<()> {
     let rig = Rig::start(RigOptions {
         guests: 2,
@@ -460,14 +473,7 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
             let failed = failed.clone();
             let other_node = other_node.clone();
             async move {
-                for (i, a) in agents.iter().enumerate() {
-                    a.report(if i == holder_idx {
-                        failed.clone()
-                    } else {
-                        json!([])
-                    })
-                    .await?;
-                }
+                report_all(&agents, holder_idx, &failed).await?;
                 Ok(find_assignment(lbns)
                     .await?
                     .filter(|(n, _)| *n == other_node)
@@ -502,14 +508,7 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
             let bound = bound.clone();
             let holder = holder.clone();
             async move {
-                for (i, a) in agents.iter().enumerate() {
-                    a.report(if i == holder_idx {
-                        bound.clone()
-                    } else {
-                        json!([])
-                    })
-                    .await?;
-                }
+                report_all(&agents, holder_idx, &bound).await?;
                 let s = services.get("web").await?;
                 let on_it = s
                     .metadata
