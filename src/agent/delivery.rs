@@ -297,4 +297,44 @@ mod tests {
             "the rest of the wait is handed on: {failed:?}"
         );
     }
+
+    /// A slow first attempt, a hedge beside it answered 429 with
+    /// `Retry-After`: no further hedge until the wait is over, and the
+    /// slow one's success hands the rest of the wait on.
+    #[tokio::test(start_paused = true)]
+    async fn a_429_to_a_hedge_stops_the_hedges_beside_a_slow_attempt() {
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let log = sent.clone();
+        let mut n = 0;
+        let attempt = move || {
+            log.lock().unwrap().push(Instant::now());
+            n += 1;
+            let k = n;
+            Box::pin(async move {
+                if k == 1 {
+                    tokio::time::sleep(Duration::from_millis(900)).await;
+                    Ok(())
+                } else {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    Err(Failed {
+                        message: "429".into(),
+                        retry_after: Some(Duration::from_secs(1)),
+                    })
+                }
+            }) as Attempt
+        };
+        let t0 = Instant::now();
+        let hold = deliver(&POLICY, attempt).await.unwrap();
+        let sent = sent.lock().unwrap().clone();
+        assert_eq!(
+            sent.len(),
+            2,
+            "{:?}",
+            sent.iter().map(|t| *t - t0).collect::<Vec<_>>()
+        );
+        assert!(
+            hold.is_some_and(|h| h > Duration::from_millis(300)),
+            "{hold:?}"
+        );
+    }
 }
