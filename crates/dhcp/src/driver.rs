@@ -328,18 +328,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         match self.addrs.refresh(address, lifetime_secs(lifetime)).await {
             Ok(true) => self.lifetime = Some((address, next)),
             Ok(false) => {
-                self.lifetime = None;
-                self.configured = None;
-                tracing::warn!(
-                    lease = %self.name,
-                    %address,
-                    lifetime = ?lifetime,
-                    "the address ran out of its lifetime (this process did not run for that long: frozen, paused or starved) and the kernel removed it; not put back until the lease starts again"
-                );
-                self.last_error = Some(format!(
-                    "{address} expired: not confirmed within its {}s lifetime",
-                    lifetime_secs(lifetime)
-                ));
+                self.note_expired(address, lifetime_secs(lifetime));
                 self.step(Event::AddressExpired).await;
             }
             Err(e) => {
@@ -365,6 +354,23 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
             Ok(false) => {}
             Err(e) => self.error(format!("keep {address} for the next run: {e}")),
         }
+    }
+
+    /// The kernel removed `address` when its lifetime (`lifetime_s`) ran
+    /// out unconfirmed: forgotten here, and said why; the caller tells the
+    /// machine (`AddressExpired`).
+    fn note_expired(&mut self, address: Ipv4Addr, lifetime_s: u32) {
+        self.lifetime = None;
+        self.configured = None;
+        tracing::warn!(
+            lease = %self.name,
+            %address,
+            lifetime_s,
+            "the address ran out of its lifetime (this process did not run for that long: frozen, paused or starved) and the kernel removed it; not put back until the lease starts again"
+        );
+        self.last_error = Some(format!(
+            "{address} expired: not confirmed within its {lifetime_s}s lifetime"
+        ));
     }
 
     fn error(&mut self, e: String) {
@@ -422,12 +428,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                                     .map(|l| (address, Instant::now() + confirm_every(l)));
                             }
                             Ok(false) => {
-                                self.lifetime = None;
-                                self.configured = None;
-                                tracing::warn!(lease = %self.name, %address, "the address ran out of its lifetime before this renewal (this process did not run for that long) and the kernel removed it; not put back until the lease starts again");
-                                self.last_error = Some(format!(
-                                    "{address} expired: not confirmed within its {l}s lifetime"
-                                ));
+                                self.note_expired(address, l);
                                 queue.retain(|a| !matches!(a, Action::ArpAnnounce(_)));
                                 let more =
                                     self.machine.handle(Instant::now(), Event::AddressExpired);
