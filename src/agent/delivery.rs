@@ -185,18 +185,37 @@ mod tests {
     /// Attempts answer as scripted (delay, success), in order; past the
     /// script, at once with success. Records when each went out.
     fn scripted(script: Vec<(u64, bool)>) -> (Arc<Mutex<Vec<Instant>>>, impl FnMut() -> Attempt) {
+        scripted_answers(
+            script
+                .into_iter()
+                .map(|(ms, ok)| (ms, if ok { Ok(()) } else { Err("500".into()) }))
+                .collect(),
+        )
+    }
+
+    /// [`scripted`] with each answer given whole.
+    fn scripted_answers(
+        script: Vec<(u64, Result<(), Failed>)>,
+    ) -> (Arc<Mutex<Vec<Instant>>>, impl FnMut() -> Attempt) {
         let sent = Arc::new(Mutex::new(Vec::new()));
         let log = sent.clone();
         let mut script = script.into_iter();
         let attempt = move || {
             log.lock().unwrap().push(Instant::now());
-            let (ms, ok) = script.next().unwrap_or((0, true));
+            let (ms, answer) = script.next().unwrap_or((0, Ok(())));
             Box::pin(async move {
                 tokio::time::sleep(Duration::from_millis(ms)).await;
-                if ok { Ok(()) } else { Err("500".into()) }
+                answer
             }) as Attempt
         };
         (sent, attempt)
+    }
+
+    fn too_many(retry_after: Duration) -> Result<(), Failed> {
+        Err(Failed {
+            message: "429".into(),
+            retry_after: Some(retry_after),
+        })
     }
 
     #[tokio::test(start_paused = true)]
@@ -251,25 +270,8 @@ mod tests {
     /// before it, even where that ends the write unwritten.
     #[tokio::test(start_paused = true)]
     async fn a_retry_after_holds_every_further_attempt_back() {
-        let sent = Arc::new(Mutex::new(Vec::new()));
-        let log = sent.clone();
-        let mut n = 0;
-        let attempt = move || {
-            log.lock().unwrap().push(Instant::now());
-            n += 1;
-            let first = n == 1;
-            Box::pin(async move {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                if first {
-                    Err(Failed {
-                        message: "429".into(),
-                        retry_after: Some(Duration::from_millis(600)),
-                    })
-                } else {
-                    Ok(())
-                }
-            }) as Attempt
-        };
+        let (sent, attempt) =
+            scripted_answers(vec![(5, too_many(Duration::from_millis(600))), (5, Ok(()))]);
         let t0 = Instant::now();
         assert!(deliver(&POLICY, attempt).await.is_ok());
         let sent = sent.lock().unwrap().clone();
@@ -280,14 +282,7 @@ mod tests {
             sent[1] - t0
         );
         // Asked to wait past the window: the write ends unwritten.
-        let attempt = || {
-            Box::pin(async {
-                Err(Failed {
-                    message: "429".into(),
-                    retry_after: Some(Duration::from_secs(5)),
-                })
-            }) as Attempt
-        };
+        let (_, attempt) = scripted_answers(vec![(0, too_many(Duration::from_secs(5)))]);
         let failed = deliver(&POLICY, attempt).await.unwrap_err();
         assert_eq!(failed.message, "429");
         assert!(
@@ -303,26 +298,8 @@ mod tests {
     /// slow one's success hands the rest of the wait on.
     #[tokio::test(start_paused = true)]
     async fn a_429_to_a_hedge_stops_the_hedges_beside_a_slow_attempt() {
-        let sent = Arc::new(Mutex::new(Vec::new()));
-        let log = sent.clone();
-        let mut n = 0;
-        let attempt = move || {
-            log.lock().unwrap().push(Instant::now());
-            n += 1;
-            let k = n;
-            Box::pin(async move {
-                if k == 1 {
-                    tokio::time::sleep(Duration::from_millis(900)).await;
-                    Ok(())
-                } else {
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                    Err(Failed {
-                        message: "429".into(),
-                        retry_after: Some(Duration::from_secs(1)),
-                    })
-                }
-            }) as Attempt
-        };
+        let (sent, attempt) =
+            scripted_answers(vec![(900, Ok(())), (2, too_many(Duration::from_secs(1)))]);
         let t0 = Instant::now();
         let hold = deliver(&POLICY, attempt).await.unwrap();
         let sent = sent.lock().unwrap().clone();

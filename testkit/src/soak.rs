@@ -542,11 +542,21 @@ fn merge_patch(lb: &LbRig, name: &str, patch: serde_json::Value) -> Result<()> {
 /// ours). The class of a LoadBalancer cannot change in place, so it goes
 /// by way of ClusterIP, as a user must.
 fn set_class(lb: &LbRig, name: &str, class: Option<&str>) -> Result<()> {
+    leave_class(lb, name)?;
+    enter_class(lb, name, class)
+}
+
+/// Service `name` made a ClusterIP: no load balancer's any more.
+fn leave_class(lb: &LbRig, name: &str) -> Result<()> {
     merge_patch(
         lb,
         name,
         serde_json::json!({"spec": {"type": "ClusterIP", "loadBalancerClass": null}}),
-    )?;
+    )
+}
+
+/// Service `name` made a LoadBalancer again, of `class`.
+fn enter_class(lb: &LbRig, name: &str, class: Option<&str>) -> Result<()> {
     merge_patch(
         lb,
         name,
@@ -1092,21 +1102,11 @@ impl Soak {
                 let old = self.churn_ip(name);
                 // Not ours once it is a ClusterIP: refused (a webhook), the
                 // fault did not begin.
-                let away = merge_patch(
-                    &self.lb,
-                    name,
-                    serde_json::json!({"spec": {"type": "ClusterIP", "loadBalancerClass": null}}),
-                );
-                if let Err(e) = away {
+                if let Err(e) = leave_class(&self.lb, name) {
                     println!("soak: {} not begun: {e:#}", fault.label());
                     return Ok(None);
                 }
-                let switched = merge_patch(
-                    &self.lb,
-                    name,
-                    serde_json::json!({"spec": {"type": "LoadBalancer", "loadBalancerClass": OTHER_CLASS}}),
-                );
-                if let Err(e) = switched {
+                if let Err(e) = enter_class(&self.lb, name, Some(OTHER_CLASS)) {
                     // Half switched is still not ours; the end switches it back.
                     println!("soak: {}: {e:#}", fault.label());
                 }
