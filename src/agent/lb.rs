@@ -77,6 +77,10 @@ pub const GUARDED: &str = "GUARDED";
 /// The last status, when stopping: short, so a stop is not held up by an
 /// unreachable API server (`TimeoutStopSec`).
 const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Heartbeats without a status written after which a node takes no address
+/// over: under the controller's `--node-stale-after` (3 heartbeats), so it
+/// stops before the controller may have moved its Services.
+const OUT_OF_TOUCH_AFTER: u32 = 2;
 /// `status.reason` of a stopping agent.
 pub const STOPPING: &str = "stopping: the agent is shutting down and has handed its addresses over";
 
@@ -206,6 +210,9 @@ struct Lb<E: LeaseEngine> {
     uplink: Option<String>,
     /// Self-fenced: nothing is held until a status write succeeds again.
     fenced: bool,
+    /// No status written for [`OUT_OF_TOUCH_AFTER`] heartbeats: what this
+    /// node reads as its assignments may be out of date.
+    out_of_touch: bool,
     /// Whether the last status write's failure was logged.
     write_error_logged: bool,
     /// How each lease this loop started was started (parent, identity), so
@@ -250,6 +257,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         no_carrier: BTreeSet::new(),
         uplink: None,
         fenced: false,
+        out_of_touch: false,
         write_error_logged: false,
         started: BTreeMap::new(),
     };
@@ -420,6 +428,13 @@ impl<E: LeaseEngine> Lb<E> {
         let mut wants = Vec::new();
         let mut untouched = BTreeSet::new();
         let mut cut_off = BTreeMap::new();
+        let holding: BTreeSet<String> = self
+            .engine
+            .snapshot()
+            .into_iter()
+            .filter(|l| l.state.holds_address())
+            .map(|l| l.name)
+            .collect();
         for a in &assignments {
             match plan::want(a) {
                 Ok(mut w) => {
@@ -449,6 +464,18 @@ impl<E: LeaseEngine> Lb<E> {
                     match parent {
                         _ if self.fenced && !w.release => {
                             cut_off.insert(w.interface.clone(), self.fence_message());
+                        }
+                        // Cut off from the API server, this node cannot
+                        // know that an assignment is still its own (the
+                        // controller moves its Services once its heartbeat
+                        // is stale): it keeps serving the addresses it
+                        // holds, and takes none over. A takeover guard
+                        // alone does not protect a stale assignment: a
+                        // holder whose LAN port is silent for a moment
+                        // looks gone, and both answered once it was back
+                        // (the fault soak, issue #29).
+                        _ if self.out_of_touch && !w.release && !holding.contains(&w.interface) => {
+                            cut_off.insert(w.interface.clone(), self.out_of_touch_message());
                         }
                         // A Service's MAC on a link of this node would
                         // steal the node's own traffic.
@@ -623,6 +650,13 @@ impl<E: LeaseEngine> Lb<E> {
         }
     }
 
+    fn out_of_touch_message(&self) -> String {
+        format!(
+            "out of touch: no status written for {} or more, so this assignment may have moved; the addresses held are kept, none is taken over until a status write succeeds",
+            humantime::format_duration(self.settings.heartbeat * OUT_OF_TOUCH_AFTER)
+        )
+    }
+
     fn fence_message(&self) -> String {
         format!(
             "fenced: no status written for {} (lb_fence_after); nothing is held until one is",
@@ -646,6 +680,17 @@ impl<E: LeaseEngine> Lb<E> {
     /// does.
     async fn after_write(&mut self) {
         let written = self.writes.written();
+        let out_of_touch = written.error.is_some()
+            && written.last_ok.elapsed() >= self.settings.heartbeat * OUT_OF_TOUCH_AFTER;
+        if out_of_touch != self.out_of_touch {
+            self.out_of_touch = out_of_touch;
+            if out_of_touch {
+                tracing::warn!(object = %self.settings.object, "{}", self.out_of_touch_message());
+            } else {
+                tracing::info!(object = %self.settings.object, "status written again: taking over what is assigned again (through the takeover guard)");
+            }
+            self.retry_at = Some(Instant::now());
+        }
         match &written.error {
             None if self.fenced => {
                 self.fenced = false;

@@ -147,6 +147,18 @@ pub enum CredentialsError {
 
 /// Kubernetes client configuration from a discovery result.
 pub async fn client_config(found: &Discovery) -> Result<kube::Config, CredentialsError> {
+    let mut cfg = file_or_in_cluster(found).await?;
+    // kube's default client repeats a 429, 503 or 504 by itself, up to 15
+    // times, out of sight: our writers never learn of the `Retry-After`
+    // (so their hedges go out beside the hidden repeat, issue #29), and a
+    // controller write can hang in its backoff for minutes. Every caller
+    // here retries on its own terms (`agent::delivery`, the controller's
+    // writer backoff, the watchers' backoff).
+    cfg.default_retry = false;
+    Ok(cfg)
+}
+
+async fn file_or_in_cluster(found: &Discovery) -> Result<kube::Config, CredentialsError> {
     match found {
         Discovery::File { path, .. } => {
             let kc = Kubeconfig::read_from(path).map_err(|source| CredentialsError::Read {

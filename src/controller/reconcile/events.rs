@@ -31,6 +31,7 @@ pub mod reason {
     pub const RELEASING: &str = "Releasing";
     pub const RELEASED: &str = "Released";
     pub const RELEASED_WITHOUT_DHCPRELEASE: &str = "ReleasedWithoutDHCPRelease";
+    pub const RELEASE_DEFERRED: &str = "ReleaseDeferred";
     pub const SECONDARIES_LIVE: &str = "SecondariesStillShareAddress";
     pub const IPAM_CHANGE_REFUSED: &str = "IPAMChangeRefused";
     pub const PORTS_OVERLAP: &str = "PortsOverlap";

@@ -72,12 +72,25 @@ pub(super) fn admit<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
                 ),
             );
         }
+        // Handed over already; only DHCPRELEASEs owed by holders that
+        // were down are left (see `release_holders`).
+        Selection::NotOurs(_) | Selection::PoolMode | Selection::OptedOut
+            if !ours && !holders.is_empty() && holders.iter().all(|(_, a)| a.release) =>
+        {
+            release_holders(
+                s,
+                &holders,
+                &pass.nodes.live,
+                &mut pass.specs,
+                &mut pass.events,
+            );
+        }
         Selection::NotOurs(_) | Selection::PoolMode => {
             let why = match selection {
                 Selection::NotOurs(why) => why,
                 _ => "pool mode",
             };
-            if ours || !holders.is_empty() {
+            if ours || holders.iter().any(|(_, a)| !a.release) {
                 // An address on a Service that is no LoadBalancer is
                 // false information; a LoadBalancer of another class
                 // keeps what its new implementation may reuse.
@@ -87,7 +100,7 @@ pub(super) fn admit<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
             }
         }
         Selection::OptedOut => {
-            if ours || !holders.is_empty() {
+            if ours || holders.iter().any(|(_, a)| !a.release) {
                 // Released at the DHCP server, the address may go to
                 // anyone: the status no longer claims it. kube-vip's
                 // record stays, so kube-vip asks for the same one.
@@ -373,7 +386,7 @@ mod tests {
     }
 
     #[test]
-    fn handing_over_from_a_down_holder_drops_without_waiting() {
+    fn handing_over_from_a_down_holder_does_not_wait_for_it() {
         let mut sim = Sim::new(&["n1"]);
         sim.services.push(dhcp("web", &[80]));
         sim.settle();
@@ -382,12 +395,17 @@ mod tests {
             .annotations
             .insert(contract::IGNORE.into(), "true".into());
         let plans = sim.settle();
-        assert!(sim.holders("web").is_empty());
         assert!(sim.svc("web").finalizers.is_empty());
         assert_eq!(
             reasons(&plans),
-            vec![reason::RELEASED_WITHOUT_DHCPRELEASE, reason::HANDED_OVER]
+            vec![reason::RELEASE_DEFERRED, reason::HANDED_OVER]
         );
+        // It still owes the DHCPRELEASE, and sends it when it is back.
+        assert!(sim.holders("web")[0].1.release);
+        sim.up.insert("n1".into());
+        sim.settle();
+        assert!(sim.holders("web").is_empty());
+        assert!(sim.given.is_empty(), "DHCPRELEASE sent");
     }
 
     #[test]

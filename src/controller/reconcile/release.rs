@@ -64,14 +64,16 @@ pub(super) fn deleted<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
         &mut pass.events,
     );
     if waiting && release_overdue(s, pass.world.now) {
+        // The assignment stays, marked for release (an orphan from now on:
+        // `orphans` keeps it while the holder lists the lease), so a holder
+        // that lets go late still sends the DHCPRELEASE.
         for (node, _) in &holders {
-            pass.specs.remove(node, &s.uid, &s.key);
             pass.events.tell(
                 s,
                 EventType::Warning,
                 reason::RELEASED_WITHOUT_DHCPRELEASE,
                 format!(
-                    "released without DHCPRELEASE: holder {node} did not let go within {RELEASE_TIMEOUT_SECS} s"
+                    "not waiting for {node}'s DHCPRELEASE any longer: it did not let go within {RELEASE_TIMEOUT_SECS} s (it stays asked to)"
                 ),
             );
         }
@@ -93,9 +95,18 @@ pub(super) fn deleted<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
     }
 }
 
-/// Asks every live holder of `s` that still runs its lease to send
-/// DHCPRELEASE, and drops the assignments of holders that do not (down, or
-/// done releasing). True while some holder is still releasing.
+/// Asks every holder of `s` that still runs its lease to send DHCPRELEASE,
+/// and drops the assignments of holders that do not (done releasing, or
+/// never started). True while a live holder is still releasing.
+///
+/// A holder that is down but may still run the lease (its status lists it:
+/// cut off from the API server with its LAN fine, or frozen) keeps the
+/// assignment, marked for release, and the Service does not wait for it:
+/// the holder sends DHCPRELEASE when it reads its spec again, and the
+/// assignment goes once its status no longer lists the lease. Dropping it
+/// instead made the holder hand the lease over without a DHCPRELEASE when
+/// it came back, after renewing it meanwhile: the server kept the address
+/// for nobody until the lease ran out (the fault soak, issue #29).
 pub(super) fn release_holders(
     s: &ServiceIn,
     holders: &[(String, Assignment)],
@@ -108,37 +119,38 @@ pub(super) fn release_holders(
     for (node, a) in holders {
         let holder = live.get(node.as_str());
         let listed = holder.is_some_and(|o| o.lists_lease(&service, &a.interface));
-        if listed && holder.is_some_and(|o| o.eligible) {
-            waiting = true;
-            if !a.release {
-                specs.put(
-                    node,
-                    Assignment {
-                        release: true,
-                        ..a.clone()
-                    },
-                    &s.key,
-                );
-                events.tell(
-                    s,
-                    EventType::Normal,
-                    reason::RELEASING,
-                    format!(
-                        "{node} sends DHCPRELEASE for {}",
-                        s.first_ip().unwrap_or("the address")
-                    ),
-                );
-            }
-        } else {
-            if listed {
-                events.tell(
-                    s,
-                    EventType::Warning,
-                    reason::RELEASED_WITHOUT_DHCPRELEASE,
-                    format!("released without DHCPRELEASE: holder {node} is down"),
-                );
-            }
+        if !listed {
             specs.remove(node, &s.uid, &s.key);
+            continue;
+        }
+        let up = holder.is_some_and(|o| o.eligible);
+        waiting |= up;
+        if a.release {
+            continue;
+        }
+        specs.put(
+            node,
+            Assignment {
+                release: true,
+                ..a.clone()
+            },
+            &s.key,
+        );
+        let ip = s.first_ip().unwrap_or("the address");
+        if up {
+            events.tell(
+                s,
+                EventType::Normal,
+                reason::RELEASING,
+                format!("{node} sends DHCPRELEASE for {ip}"),
+            );
+        } else {
+            events.tell(
+                s,
+                EventType::Warning,
+                reason::RELEASE_DEFERRED,
+                format!("holder {node} is down: it sends DHCPRELEASE for {ip} when it is back; not waiting for it"),
+            );
         }
     }
     waiting
@@ -155,8 +167,10 @@ fn clear_service(s: &ServiceIn, statuses: &mut Vec<Write>, annotations: &mut Vec
     annotations.extend(removal_of_ours(s));
 }
 
-/// Assignments of Services that are gone (their finalizer removed by
-/// someone else): released where a live holder still runs the lease.
+/// Assignments of Services that are gone (their finalizer removed, by us
+/// or by someone else): kept, marked for release, while their holder's
+/// status lists the lease, up or down (see [`release_holders`]); dropped
+/// once it does not, or once its Node is gone.
 pub(super) fn orphans(pass: &mut Pass<'_>) {
     let uids: BTreeSet<&str> = pass.services.iter().map(|s| s.uid.as_str()).collect();
     let orphans: Vec<(String, Assignment)> = pass
@@ -171,12 +185,12 @@ pub(super) fn orphans(pass: &mut Pass<'_>) {
             namespace: String::new(),
             name: a.service.clone(),
         });
-        let running = pass
+        let listed = pass
             .nodes
             .live
             .get(node.as_str())
-            .is_some_and(|o| o.eligible && o.lists_lease(&a.service, &a.interface));
-        if running {
+            .is_some_and(|o| o.lists_lease(&a.service, &a.interface));
+        if listed {
             if !a.release {
                 pass.specs
                     .put(&node, Assignment { release: true, ..a }, &key);
@@ -189,6 +203,7 @@ pub(super) fn orphans(pass: &mut Pass<'_>) {
 
 #[cfg(test)]
 mod tests {
+    use crate::contract;
     use crate::controller::reconcile::test_support::{Sim, dhcp, events, key, reasons};
     use crate::controller::reconcile::{OUR_ANNOTATIONS, RELEASE_TIMEOUT_SECS, Write, reason};
 
@@ -226,23 +241,62 @@ mod tests {
         assert!(sim.given.is_empty(), "DHCPRELEASE sent");
     }
 
+    /// Issue #29: a holder that is down when its Service is deleted (cut
+    /// off from the API server, its LAN fine: it goes on renewing) keeps
+    /// the assignment, marked for release; the deletion does not wait for
+    /// it, and when it is back it sends the DHCPRELEASE and the assignment
+    /// goes.
     #[test]
-    fn delete_with_a_dead_holder_finishes_with_a_warning() {
+    fn a_holder_down_at_deletion_releases_when_it_is_back() {
         let mut sim = Sim::new(&["n1"]);
         sim.services.push(dhcp("web", &[80]));
         sim.settle();
+        let uid = sim.svc("web").uid.clone();
         sim.up.clear();
         sim.svc_mut("web").deleting = true;
         let plans = sim.settle();
-        assert!(sim.services.is_empty(), "deleted");
-        assert!(sim.holders("web").is_empty());
-        assert_eq!(
-            events(&plans)[0],
-            (
-                reason::RELEASED_WITHOUT_DHCPRELEASE,
-                "released without DHCPRELEASE: holder n1 is down".to_string()
-            )
+        assert!(sim.services.is_empty(), "deleted without waiting");
+        let (why, message) = &events(&plans)[0];
+        assert_eq!(*why, reason::RELEASE_DEFERRED);
+        assert!(
+            message.starts_with("holder n1 is down: it sends DHCPRELEASE for 10.77.0.")
+                && message.ends_with(" when it is back; not waiting for it"),
+            "{message}"
         );
+        let kept = &sim.objects[0].spec.assignments;
+        assert!(
+            kept.len() == 1 && kept[0].uid == uid && kept[0].release,
+            "kept, marked for release: {kept:?}"
+        );
+        assert!(sim.given.contains_key(&uid), "not released yet");
+        // Nothing more is written while it stays down.
+        assert!(sim.settle().iter().all(|p| p.writes.is_empty()));
+        sim.up.insert("n1".into());
+        sim.settle();
+        assert!(!sim.given.contains_key(&uid), "DHCPRELEASE sent");
+        assert!(sim.objects[0].spec.assignments.is_empty(), "then dropped");
+    }
+
+    /// A release the holder owes is forgotten when the Service is served
+    /// again elsewhere: its DHCPRELEASE would free the new holder's lease
+    /// (the same client identifier) at the server.
+    #[test]
+    fn a_release_owed_is_forgotten_when_the_service_is_served_again() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let (old, _) = sim.holders("web")[0].clone();
+        sim.up.remove(&old);
+        sim.svc_mut("web")
+            .annotations
+            .insert(contract::IGNORE.into(), "true".into());
+        sim.settle();
+        assert!(sim.holders("web")[0].1.release, "owed by {old}");
+        sim.svc_mut("web").annotations.remove(contract::IGNORE);
+        sim.settle();
+        let holders = sim.holders("web");
+        assert_eq!(holders.len(), 1, "{holders:?}");
+        assert!(holders[0].0 != old && !holders[0].1.release, "{holders:?}");
     }
 
     /// A holder that stays up but never lets go holds a deletion for
@@ -264,7 +318,6 @@ mod tests {
         let p = sim.plan();
         assert!(p.writes.is_empty(), "still waiting: {p:?}");
         sim.now += 1;
-        sim.now += RELEASE_TIMEOUT_SECS;
         let p = sim.plan();
         assert!(
             p.events
@@ -277,6 +330,17 @@ mod tests {
             p.writes.contains(&Write::RemoveFinalizer(key("web"))),
             "{p:?}"
         );
+        sim.apply(&p);
+        // Still asked to release: when it lets go, late, the DHCPRELEASE
+        // is sent and the assignment goes.
+        assert!(
+            sim.objects
+                .iter()
+                .any(|o| o.spec.assignments.iter().any(|a| a.release))
+        );
+        sim.settle();
+        assert!(sim.given.is_empty(), "DHCPRELEASE sent, late");
+        assert!(sim.objects.iter().all(|o| o.spec.assignments.is_empty()));
     }
 
     #[test]
