@@ -73,6 +73,10 @@ pub struct Failed {
     /// The server asked for no attempt before this long (a 429's
     /// `Retry-After`).
     pub retry_after: Option<Duration>,
+    /// The server answered (an HTTP error): it is there, and repeats within
+    /// the window are what beat its random failures. False: no answer at
+    /// all (unreachable, timed out), where repeats only add load.
+    pub answered: bool,
 }
 
 impl From<String> for Failed {
@@ -80,6 +84,7 @@ impl From<String> for Failed {
         Failed {
             message,
             retry_after: None,
+            answered: false,
         }
     }
 }
@@ -108,6 +113,7 @@ where
     let mut last_launch = start;
     let mut retry_at: Option<Instant> = None;
     let mut last_error: Option<String> = None;
+    let mut last_answered = false;
     // Asked by the server: nothing goes out before then.
     let mut held_until: Option<Instant> = None;
     loop {
@@ -125,6 +131,7 @@ where
                 retry_after: held_until
                     .map(|h| h.saturating_duration_since(Instant::now()))
                     .filter(|d| !d.is_zero()),
+                answered: last_answered,
             });
         }
         let hold = |held_until: Option<Instant>| {
@@ -143,6 +150,7 @@ where
                         held_until = Some(held_until.map_or(until, |h| h.max(until)));
                     }
                     last_error = Some(e.message);
+                    last_answered = e.answered;
                     retry_at = Some(Instant::now() + policy.retry_after);
                 }
             },
@@ -215,6 +223,7 @@ mod tests {
         Err(Failed {
             message: "429".into(),
             retry_after: Some(retry_after),
+            answered: true,
         })
     }
 

@@ -965,6 +965,7 @@ fn failed(e: &kube::Error) -> super::delivery::Failed {
             _ => None,
         },
         message: crate::cluster::watch_one::Failure::from_kube(e).message,
+        answered: matches!(e, kube::Error::Api(_)),
     }
 }
 

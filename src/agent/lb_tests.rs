@@ -20,14 +20,25 @@ const SERVER: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
 struct Writes {
     log: Arc<Mutex<Vec<(Instant, Status)>>>,
     fail: Arc<AtomicBool>,
+    /// Every write is answered with a 503 (the server is there).
+    answer_503: Arc<AtomicBool>,
+    attempts: Arc<std::sync::atomic::AtomicUsize>,
     /// How the next writes answer: after this long, written or failed.
     script: Arc<Mutex<std::collections::VecDeque<(Duration, bool)>>>,
 }
 
 impl StatusWriter for Writes {
     async fn write(&self, status: &Status) -> Result<(), crate::agent::delivery::Failed> {
+        self.attempts.fetch_add(1, Ordering::SeqCst);
         if self.fail.load(Ordering::SeqCst) {
             return Err("connection refused".into());
+        }
+        if self.answer_503.load(Ordering::SeqCst) {
+            return Err(crate::agent::delivery::Failed {
+                message: "503 Service Unavailable".into(),
+                retry_after: None,
+                answered: true,
+            });
         }
         let scripted = self.script.lock().unwrap().pop_front();
         if let Some((after, written)) = scripted {
@@ -1117,5 +1128,38 @@ async fn a_failed_or_slow_heartbeat_write_is_repeated_within_the_period() {
     assert!(
         gap < period + period / 2,
         "{gap:?} between two status writes, heartbeat {period:?}"
+    );
+}
+
+/// After a failed status write, a server that answers (with errors) still
+/// gets repeats within each period: they are what gets a heartbeat through
+/// a flaky server. One that does not answer at all gets a single attempt
+/// per period: an outage gets no burst.
+#[tokio::test(start_paused = true)]
+async fn repeats_go_to_a_server_that_answers_not_to_one_that_is_gone() {
+    let period = Duration::from_secs(5);
+    let per_period = |answer_503: bool| async move {
+        let r = rig();
+        until("the first heartbeat", || !r.writes.all().is_empty()).await;
+        if answer_503 {
+            r.writes.answer_503.store(true, Ordering::SeqCst);
+        } else {
+            r.writes.fail.store(true, Ordering::SeqCst);
+        }
+        // Past the first failed write, then three periods counted.
+        tokio::time::sleep(period * 2).await;
+        let before = r.writes.attempts.load(Ordering::SeqCst);
+        tokio::time::sleep(period * 3).await;
+        (r.writes.attempts.load(Ordering::SeqCst) - before) as f64 / 3.0
+    };
+    let answered = per_period(true).await;
+    let unanswered = per_period(false).await;
+    assert!(
+        answered >= 4.0,
+        "{answered} attempts per period to a server answering 503"
+    );
+    assert!(
+        unanswered <= 1.0,
+        "{unanswered} attempts per period to a server that is gone"
     );
 }

@@ -133,6 +133,8 @@ async fn run<W: StatusWriter>(
     let mut beat_due = Instant::now();
     // A 429's `Retry-After`: no write before then, but the last one.
     let mut not_before = Instant::now();
+    // The last write failed without any answer (unreachable, timed out).
+    let mut unanswered = false;
     loop {
         let draft = drafts.borrow_and_update().clone();
         let changed = last.as_ref().map(settled_view) != Some(settled_view(&draft.status));
@@ -145,14 +147,14 @@ async fn run<W: StatusWriter>(
             let mut status = draft.status.clone();
             status.heartbeat = Some(humantime::format_rfc3339_millis(beat).to_string());
             // Repeated until it lands (a heartbeat that waits a period after
-            // each failure goes stale on a flaky API server); after a failed
-            // write, a single attempt per period, so an outage gets no burst.
+            // each failure goes stale on a flaky API server); after a write
+            // that got no answer at all, a single attempt per period, so an
+            // outage gets no burst. A server that answers, if with errors,
+            // gets the repeats: kube's client made them out of sight until
+            // its retry layer was turned off, and a flaky server then
+            // left a healthy node's heartbeat unwritten for 7 s.
             let policy = super::delivery::Policy::for_period(heartbeat, WRITE_TIMEOUT);
-            let policy = if written.borrow().error.is_some() {
-                policy.single()
-            } else {
-                policy
-            };
+            let policy = if unanswered { policy.single() } else { policy };
             let result = super::delivery::deliver(&policy, || writer.write(&status)).await;
             urgent_done = draft.urgent;
             // Written again at the next heartbeat, not at once, when the
@@ -162,6 +164,7 @@ async fn run<W: StatusWriter>(
                 Ok(hold) => *hold,
                 Err(e) => e.retry_after,
             };
+            unanswered = result.as_ref().is_err_and(|e| !e.answered);
             if let Some(wait) = hold {
                 not_before = Instant::now() + wait;
             }
