@@ -213,6 +213,9 @@ struct Lb<E: LeaseEngine> {
     /// No status written for [`OUT_OF_TOUCH_AFTER`] heartbeats: what this
     /// node reads as its assignments may be out of date.
     out_of_touch: bool,
+    /// The watch of this node's object failed and has not read it since:
+    /// the assignments known are as they were before.
+    spec_stale: bool,
     /// Whether the last status write's failure was logged.
     write_error_logged: bool,
     /// How each lease this loop started was started (parent, identity), so
@@ -258,6 +261,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         uplink: None,
         fenced: false,
         out_of_touch: false,
+        spec_stale: false,
         write_error_logged: false,
         started: BTreeMap::new(),
     };
@@ -376,14 +380,18 @@ impl<E: LeaseEngine> Lb<E> {
                 Vec::new()
             }
             Update::Failed(f) => {
-                // Nothing known changes: every running lease stays.
+                // Nothing known changes: every running lease stays, but
+                // none is taken over from what may be an old view.
                 self.read = format!("cannot read {}: {}", self.settings.object, f.message);
-                return false;
+                let was = self.spec_stale;
+                self.spec_stale = true;
+                return !was;
             }
         };
         let changed = self.assignments.as_ref() != Some(&next);
         self.assignments = Some(next);
-        changed || self.swept.is_none()
+        let was_stale = std::mem::replace(&mut self.spec_stale, false);
+        changed || was_stale || self.swept.is_none()
     }
 
     /// The interfaces the assignments want held (valid, not released).
@@ -476,6 +484,16 @@ impl<E: LeaseEngine> Lb<E> {
                         // (the fault soak, issue #29).
                         _ if self.out_of_touch && !w.release && !holding.contains(&w.interface) => {
                             cut_off.insert(w.interface.clone(), self.out_of_touch_message());
+                        }
+                        // Written again, a node still acts on what it read
+                        // before the cut until its watch reads the object
+                        // again: the soak saw one take an address from its
+                        // old assignments 0.8 s before the new ones came.
+                        _ if self.spec_stale && !w.release && !holding.contains(&w.interface) => {
+                            cut_off.insert(
+                                w.interface.clone(),
+                                "out of touch: this node's assignments could not be read since the watch failed (they may have moved); the addresses held are kept, none is taken over until they are read again".into(),
+                            );
                         }
                         // A Service's MAC on a link of this node would
                         // steal the node's own traffic.

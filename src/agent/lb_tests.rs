@@ -1163,3 +1163,41 @@ async fn repeats_go_to_a_server_that_answers_not_to_one_that_is_gone() {
         "{unanswered} attempts per period to a server that is gone"
     );
 }
+
+/// Issue #29 (the fault soak): once the watch of its object has failed, a
+/// node takes nothing over until it has read the object again, even when
+/// its status writes go through: it would act on assignments that may
+/// have moved meanwhile. What it holds stays.
+#[tokio::test(start_paused = true)]
+async fn after_a_failed_watch_nothing_is_taken_over_until_the_object_is_read_again() {
+    let r = rig();
+    let held = assignment("aaaaaaaa");
+    let later = assignment("bbbbbbbb");
+    r.engine
+        .fail_next_start(&later.interface, link_error(&later.interface, "busy"));
+    r.tx.send(spec(&[held.clone(), later.clone()]))
+        .await
+        .unwrap();
+    until("the first lease", || {
+        r.engine.running() == vec![held.interface.clone()]
+    })
+    .await;
+    assert!(
+        r.engine
+            .bind(&held.interface, Ipv4Addr::new(10, 77, 0, 150), SERVER)
+    );
+    r.tx.send(Update::Failed(Failure {
+        kind: FailureKind::Unreachable,
+        message: "connection refused".into(),
+    }))
+    .await
+    .unwrap();
+    // The failed start's retry comes and goes: nothing new is started.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(r.engine.running(), vec![held.interface.clone()]);
+    // Read again: taken.
+    r.tx.send(spec(&[held.clone(), later.clone()]))
+        .await
+        .unwrap();
+    until("both held", || r.engine.running().len() == 2).await;
+}

@@ -147,15 +147,15 @@ pub enum CredentialsError {
 
 /// Kubernetes client configuration from a discovery result.
 pub async fn client_config(found: &Discovery) -> Result<kube::Config, CredentialsError> {
-    let mut cfg = file_or_in_cluster(found).await?;
-    // kube's default client repeats a 429, 503 or 504 by itself, up to 15
-    // times, out of sight: our writers never learn of the `Retry-After`
-    // (so their hedges go out beside the hidden repeat, issue #29), and a
-    // controller write can hang in its backoff for minutes. Every caller
-    // here retries on its own terms (`agent::delivery`, the controller's
-    // writer backoff, the watchers' backoff).
-    cfg.default_retry = false;
-    Ok(cfg)
+    // kube's default client repeats a 429, 503 or 504 by itself (up to 15
+    // times, honouring `Retry-After` for that request), out of our writers'
+    // sight. It stays on: turned off, a heartbeat that honours a 1 s
+    // `Retry-After` twice in a row goes past the controller's 3 s
+    // staleness bound, and the flaky-API test moved Services off healthy
+    // nodes. Its repeat goes out beside our hedges, so the server's wait is
+    // not honoured by the node as a whole; what ends that is liveness that
+    // does not ride on API writes (issue #30).
+    file_or_in_cluster(found).await
 }
 
 async fn file_or_in_cluster(found: &Discovery) -> Result<kube::Config, CredentialsError> {
