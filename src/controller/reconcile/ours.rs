@@ -12,7 +12,7 @@ use super::events::{EventType, reason};
 use super::identity::{checked_identity, known_address};
 use super::pass::Pass;
 use super::plan::Write;
-use super::release::release_holders;
+use super::release::{release_holders, with_lingering};
 use super::status::families_served;
 use super::world::ServiceIn;
 
@@ -174,9 +174,10 @@ fn hand_over(
     clear_status: bool,
     message: String,
 ) {
+    let holders = with_lingering(s, holders.to_vec(), &pass.nodes.live);
     if release_holders(
         s,
-        holders,
+        &holders,
         &pass.nodes.live,
         &mut pass.specs,
         &mut pass.events,

@@ -55,7 +55,7 @@ pub(super) fn deleted<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
         );
         return;
     }
-    let holders = pass.specs.holders_of(&s.uid);
+    let holders = with_lingering(s, pass.specs.holders_of(&s.uid), &pass.nodes.live);
     let mut waiting = release_holders(
         s,
         &holders,
@@ -93,6 +93,29 @@ pub(super) fn deleted<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
             },
         );
     }
+}
+
+/// `holders`, and the nodes that still list the lease of `s` in their
+/// status though it is no longer assigned to them: it was moved away while
+/// they were cut off from the API server, where they may run it still
+/// (renewing it). They get the assignment back, to release it; without
+/// that, one handed the lease over without a DHCPRELEASE when it came back
+/// after the Service was gone (the fault soak, issue #29).
+pub(super) fn with_lingering(
+    s: &ServiceIn,
+    mut holders: Vec<(String, Assignment)>,
+    live: &BTreeMap<&str, &NodeIn>,
+) -> Vec<(String, Assignment)> {
+    let Some((_, a)) = holders.first().cloned() else {
+        return holders;
+    };
+    let service = s.key.to_string();
+    for (node, o) in live {
+        if !holders.iter().any(|(n, _)| n == node) && o.lists_lease(&service, &a.interface) {
+            holders.push((node.to_string(), a.clone()));
+        }
+    }
+    holders
 }
 
 /// Asks every holder of `s` that still runs its lease to send DHCPRELEASE,
@@ -275,6 +298,41 @@ mod tests {
         sim.settle();
         assert!(!sim.given.contains_key(&uid), "DHCPRELEASE sent");
         assert!(sim.objects[0].spec.assignments.is_empty(), "then dropped");
+    }
+
+    /// The fault soak (issue #29): the holder is cut off from the API
+    /// server, so the Service moves to another node, while the old holder
+    /// still runs the lease (its status, stale, lists it). The Service is
+    /// deleted: the old holder is asked to release too, and does when it is
+    /// back.
+    #[test]
+    fn a_lease_still_run_where_it_moved_away_from_is_released_there_too() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let (old, _) = sim.holders("web")[0].clone();
+        sim.up.remove(&old);
+        sim.settle();
+        let (new, _) = sim.holders("web")[0].clone();
+        assert_ne!(new, old, "moved");
+        sim.svc_mut("web").deleting = true;
+        sim.settle();
+        assert!(sim.services.is_empty(), "deleted without waiting");
+        let owed = |sim: &Sim| {
+            sim.objects
+                .iter()
+                .find(|o| o.name == old)
+                .map(|o| o.spec.assignments.iter().any(|a| a.release))
+                .unwrap_or(false)
+        };
+        assert!(
+            owed(&sim),
+            "{old} is asked to release what it may still run"
+        );
+        sim.up.insert(old.clone());
+        sim.settle();
+        assert!(!owed(&sim), "released, then dropped");
+        assert!(sim.objects.iter().all(|o| o.spec.assignments.is_empty()));
     }
 
     /// A release the holder owes is forgotten when the Service is served
