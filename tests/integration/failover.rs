@@ -2,6 +2,7 @@
 //! holds an address is read from the kernel of every guest, continuously
 //! (`ip monitor address`, [`AddressWatch`]), not from any agent's report.
 
+use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
@@ -1012,16 +1013,14 @@ fn two_hundred_services_moving_onto_one_node_leave_its_heartbeat_beating() -> Re
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    let on_receiver = |ip: &Ipv4Addr| {
+        watch
+            .holders(*ip)
+            .last()
+            .is_some_and(|(_, h)| *h == [receiver].into())
+    };
     let Some(all_moved) = all_moved else {
-        let left = ips
-            .iter()
-            .filter(|ip| {
-                !watch
-                    .holders(**ip)
-                    .last()
-                    .is_some_and(|(_, h)| *h == [receiver].into())
-            })
-            .count();
+        let left = ips.iter().filter(|ip| !on_receiver(ip)).count();
         anyhow::bail!(
             "{left} of {SERVICES} addresses not on guest {receiver} 90 s after guest {giver} was deleted"
         );
