@@ -926,6 +926,16 @@ fn two_hundred_services_moving_onto_one_node_leave_its_heartbeat_beating() -> Re
     opts.wide_lan = true;
     let mut lb = LbRig::start(opts)?;
     let (receiver, giver) = (0, 1);
+    let ready = |lb: &LbRig, i: usize| {
+        lb.node_object(&lb.node_name(i))
+            .is_some_and(|o| o["status"]["ready"] == true)
+    };
+    ensure!(
+        wait_for(WITHIN, || (ready(&lb, receiver) && ready(&lb, giver))
+            .then_some(()))
+        .is_some(),
+        "the agents never reported ready"
+    );
     // All on the giver: the receiver's agent is down while they are placed.
     let stopped = lb.stop_agent(receiver);
     ensure!(stopped.success(), "the agent's stop: {stopped:?}");
@@ -967,12 +977,10 @@ fn two_hundred_services_moving_onto_one_node_leave_its_heartbeat_beating() -> Re
         lb.node_object(&node)
             .and_then(|o| o["status"]["heartbeat"].as_str().map(str::to_string))
     };
-    let ready = wait_for(WITHIN, || {
-        lb.node_object(&node)
-            .is_some_and(|o| o["status"]["ready"] == true)
-            .then_some(())
-    });
-    ensure!(ready.is_some(), "{node} never ready again");
+    ensure!(
+        wait_for(WITHIN, || ready(&lb, receiver).then_some(())).is_some(),
+        "{node} never ready again"
+    );
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
     // The heartbeat as the API server has it, read every 50 ms: a changed
     // value is a write that landed.
