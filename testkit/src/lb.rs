@@ -346,11 +346,15 @@ impl LbRig {
     /// The `LoadBalancerNode` objects, untyped (the caller deserializes
     /// them into the agent's contract types).
     pub fn node_objects(&self) -> Api<DynamicObject> {
-        let ar = ApiResource::from_gvk_with_plural(
-            &GroupVersionKind::gvk("lb.harvester-node-agent.io", "v1alpha1", "LoadBalancerNode"),
-            "loadbalancernodes",
-        );
-        Api::namespaced_with(self.admin.clone(), NAMESPACE, &ar)
+        node_objects_with(self.admin.clone())
+    }
+
+    /// The admin's kubeconfig: for a client of a thread's own (the rig's
+    /// client is driven only by the rig's runtime, on the test's thread).
+    pub fn admin_kubeconfig(&self) -> Option<PathBuf> {
+        self.rig
+            .apiserver()
+            .map(|a| a.admin_kubeconfig().to_path_buf())
     }
 
     /// Node `node`'s object as JSON, if it exists.
@@ -1356,4 +1360,20 @@ pub fn tail(text: &str, lines: usize) -> String {
 fn endpoint_slice_resource(version: &str) -> ApiResource {
     let gvk = GroupVersionKind::gvk("discovery.k8s.io", version, "EndpointSlice");
     ApiResource::from_gvk_with_plural(&gvk, "endpointslices")
+}
+
+/// The node objects through `client`.
+pub fn node_objects_with(client: kube::Client) -> Api<DynamicObject> {
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("lb.harvester-node-agent.io", "v1alpha1", "LoadBalancerNode"),
+        "loadbalancernodes",
+    );
+    Api::namespaced_with(client, NAMESPACE, &ar)
+}
+
+/// A client from kubeconfig `path`, built on the current runtime.
+pub async fn client_from(path: &std::path::Path) -> Result<kube::Client> {
+    let kc = kube::config::Kubeconfig::read_from(path)?;
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
+    Ok(kube::Client::try_from(cfg)?)
 }

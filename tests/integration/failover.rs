@@ -973,37 +973,49 @@ fn two_hundred_services_moving_onto_one_node_leave_its_heartbeat_beating() -> Re
     );
     lb.start_agent(receiver)?;
     let node = lb.node_name(receiver);
-    let beat = |lb: &LbRig| {
-        lb.node_object(&node)
-            .and_then(|o| o["status"]["heartbeat"].as_str().map(str::to_string))
-    };
     ensure!(
         wait_for(WITHIN, || ready(&lb, receiver).then_some(())).is_some(),
         "{node} never ready again"
     );
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
-    // The heartbeat as the API server has it, read every 50 ms: a changed
-    // value is a write that landed.
-    let mut beats: Vec<Instant> = Vec::new();
-    let mut last = beat(&lb);
-    let sample = |lb: &LbRig, last: &mut Option<String>, beats: &mut Vec<Instant>| {
-        let now = beat(lb);
-        if now.is_some() && now != *last {
-            beats.push(Instant::now());
-            *last = now;
-        }
+    // The heartbeat as the API server has it, read every 50 ms on a thread
+    // of its own (the guest's deletion blocks this one for seconds): a
+    // changed value is a write that landed.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let recorder = {
+        let kubeconfig = lb
+            .admin_kubeconfig()
+            .ok_or_else(|| anyhow::anyhow!("the rig has no API server"))?;
+        let stop = stop.clone();
+        let node = node.clone();
+        std::thread::spawn(move || -> Result<Vec<Instant>> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let api = lb::node_objects_with(rt.block_on(lb::client_from(&kubeconfig))?);
+            let mut beats = Vec::new();
+            let mut last: Option<String> = None;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if let Ok(o) = rt.block_on(api.get(&node)) {
+                    let now = o.data["status"]["heartbeat"].as_str().map(str::to_string);
+                    if now.is_some() && now != last {
+                        beats.push(Instant::now());
+                        last = now;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Ok(beats)
+        })
     };
-    let t_before = Instant::now();
-    while t_before.elapsed() < Duration::from_secs(3) {
-        sample(&lb, &mut last, &mut beats);
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    std::thread::sleep(Duration::from_secs(3));
     let t0 = Instant::now();
     lb.delete_guest(giver)?;
-    watch.gone(giver, Instant::now());
+    // Its LAN port goes first, its monitor with its namespace (seconds
+    // later): its addresses went at the start.
+    watch.gone(giver, t0);
     let mut all_moved: Option<Duration> = None;
     while t0.elapsed() < Duration::from_secs(90) {
-        sample(&lb, &mut last, &mut beats);
         if all_moved.is_none()
             && ips.iter().all(|ip| {
                 watch
@@ -1033,11 +1045,28 @@ fn two_hundred_services_moving_onto_one_node_leave_its_heartbeat_beating() -> Re
             "{left} of {SERVICES} addresses not on guest {receiver} 90 s after guest {giver} was deleted"
         );
     };
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let beats = recorder
+        .join()
+        .map_err(|_| anyhow::anyhow!("the heartbeat recorder panicked"))??;
     let gap = beats
         .windows(2)
         .map(|w| w[1] - w[0])
         .max()
         .unwrap_or_default();
+    println!(
+        "{SERVICES} Services moved onto {node} in {:.2} s; its heartbeat's longest gap as the API server had it: {:.2} s ({} writes: {})",
+        all_moved.as_secs_f64(),
+        gap.as_secs_f64(),
+        beats.len(),
+        beats
+            .iter()
+            .map(|b| failover::offset_ms(*b, t0))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let log = lb.agent_log(receiver);
+    let expired = log.matches("ran out of its lifetime").count();
     // Each address taken once, and kept.
     for ip in &ips {
         let after: Vec<_> = watch
@@ -1047,20 +1076,16 @@ fn two_hundred_services_moving_onto_one_node_leave_its_heartbeat_beating() -> Re
             .collect();
         ensure!(
             after.len() == 1 && after[0].1 == [receiver].into(),
-            "{ip} moved more than once:\n{}",
-            timeline(&watch, *ip, t0)
+            "{ip} moved more than once:\n{}\n({expired} addresses ran out of their lifetime on {node}; its log:\n{})",
+            timeline(&watch, *ip, t0),
+            lb::tail(&log, 40)
         );
     }
-    println!(
-        "{SERVICES} Services moved onto {node} in {:.2} s; its heartbeat's longest gap as the API server had it: {:.2} s ({} writes)",
-        all_moved.as_secs_f64(),
-        gap.as_secs_f64(),
-        beats.len()
-    );
-    // The heartbeat is 1 s and a node is stale after 3 s; the gap seen
-    // through the API adds the write's and the read's latency.
+    // The heartbeat is 1 s (a node is stale after 3 s); the gap seen
+    // through the API adds the write's and the read's latency and the
+    // 50 ms between reads (1.17 s seen on this 2-core machine).
     ensure!(
-        gap <= Duration::from_millis(2000),
+        gap <= Duration::from_millis(1500),
         "{node}'s heartbeat stopped for {gap:?} while it took {SERVICES} Services over"
     );
     Ok(())

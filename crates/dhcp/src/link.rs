@@ -213,7 +213,16 @@ struct Connection {
 
 impl Connection {
     fn open() -> Result<Connection, LinkError> {
-        let (conn, handle, _) = rtnetlink::new_connection().map_err(LinkError::Connect)?;
+        // Strict checking: the kernel then filters an address dump by the
+        // interface the request names, instead of sending every address in
+        // the namespace for this side to filter. Each lease confirms its
+        // address's lifetime four times a second, reading the address
+        // before and after: with 200 addresses on a node, unfiltered dumps
+        // made that quadratic (every read returned all 200), and a
+        // debug-build agent on two cores fell behind until addresses ran
+        // out of their lifetime (issue #29's 200-takeover rig test).
+        let (conn, handle, _) =
+            rtnetlink::new_connection_with_strict_check().map_err(LinkError::Connect)?;
         Ok(Connection {
             handle,
             task: tokio::spawn(conn),
@@ -451,19 +460,18 @@ impl Netlink {
     /// The addresses configured on interface `index`.
     pub async fn addresses(&self, index: u32) -> Result<Vec<Ipv4Addr>, LinkError> {
         let _one = self.reads.lock().await;
-        let msgs: Vec<_> = self
-            .handle()?
-            .address()
-            .get()
-            .set_link_index_filter(index)
-            .execute()
-            .try_collect()
-            .await
-            .map_err(|e| LinkError::Netlink {
-                what: "list addresses of",
-                name: format!("ifindex {index}"),
-                reason: reason(&e),
-            })?;
+        let mut request = self.handle()?.address().get().set_link_index_filter(index);
+        filter_in_kernel(&mut request, index);
+        let msgs: Vec<_> =
+            request
+                .execute()
+                .try_collect()
+                .await
+                .map_err(|e| LinkError::Netlink {
+                    what: "list addresses of",
+                    name: format!("ifindex {index}"),
+                    reason: reason(&e),
+                })?;
         Ok(msgs
             .iter()
             .flat_map(|m| m.attributes.iter())
@@ -597,12 +605,15 @@ impl IfAddrs {
         addr: Ipv4Addr,
     ) -> Result<Vec<rtnetlink::packet_route::address::AddressMessage>, LinkError> {
         let _one = self.nl.reads.lock().await;
-        self.nl
+        let mut request = self
+            .nl
             .handle()?
             .address()
             .get()
             .set_link_index_filter(self.index)
-            .set_address_filter(IpAddr::V4(addr))
+            .set_address_filter(IpAddr::V4(addr));
+        filter_in_kernel(&mut request, self.index);
+        request
             .execute()
             .try_collect()
             .await
@@ -612,6 +623,15 @@ impl IfAddrs {
                 reason: format!("{addr}: {}", reason(&e)),
             })
     }
+}
+
+/// Asks the kernel (the connection checks strictly) for the IPv4
+/// addresses of interface `index` only; the request's own filters stay, in
+/// case a kernel without strict checking sends more.
+fn filter_in_kernel(request: &mut rtnetlink::AddressGetRequest, index: u32) {
+    let header = &mut request.message_mut().header;
+    header.family = rtnetlink::packet_route::AddressFamily::Inet;
+    header.index = index;
 }
 
 /// The valid lifetime left, in seconds, of an address entry (`u32::MAX`:
