@@ -150,9 +150,9 @@ async fn run<W: StatusWriter>(
             // each failure goes stale on a flaky API server); after a write
             // that got no answer at all, a single attempt per period, so an
             // outage gets no burst. A server that answers, if with errors,
-            // gets the repeats: kube's client made them out of sight until
-            // its retry layer was turned off, and a flaky server then
-            // left a healthy node's heartbeat unwritten for 7 s.
+            // gets the repeats (with kube's own retry layer off, a single
+            // try per period after any error left a healthy node's
+            // heartbeat unwritten for 7 s on a flaky server).
             let policy = super::delivery::Policy::for_period(heartbeat, WRITE_TIMEOUT);
             let policy = if unanswered { policy.single() } else { policy };
             let result = super::delivery::deliver(&policy, || writer.write(&status)).await;

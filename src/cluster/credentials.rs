@@ -155,10 +155,6 @@ pub async fn client_config(found: &Discovery) -> Result<kube::Config, Credential
     // nodes. Its repeat goes out beside our hedges, so the server's wait is
     // not honoured by the node as a whole; what ends that is liveness that
     // does not ride on API writes (issue #30).
-    file_or_in_cluster(found).await
-}
-
-async fn file_or_in_cluster(found: &Discovery) -> Result<kube::Config, CredentialsError> {
     match found {
         Discovery::File { path, .. } => {
             let kc = Kubeconfig::read_from(path).map_err(|source| CredentialsError::Read {
