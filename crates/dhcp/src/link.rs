@@ -457,21 +457,30 @@ impl Netlink {
         }
     }
 
+    /// A dump of the IPv4 addresses of interface `index`: filtered by the
+    /// kernel (the connection checks strictly), and again here, in case a
+    /// kernel without strict checking sends more.
+    fn address_dump(&self, index: u32) -> Result<rtnetlink::AddressGetRequest, LinkError> {
+        let mut request = self.handle()?.address().get().set_link_index_filter(index);
+        let header = &mut request.message_mut().header;
+        header.family = rtnetlink::packet_route::AddressFamily::Inet;
+        header.index = index;
+        Ok(request)
+    }
+
     /// The addresses configured on interface `index`.
     pub async fn addresses(&self, index: u32) -> Result<Vec<Ipv4Addr>, LinkError> {
         let _one = self.reads.lock().await;
-        let mut request = self.handle()?.address().get().set_link_index_filter(index);
-        filter_in_kernel(&mut request, index);
-        let msgs: Vec<_> =
-            request
-                .execute()
-                .try_collect()
-                .await
-                .map_err(|e| LinkError::Netlink {
-                    what: "list addresses of",
-                    name: format!("ifindex {index}"),
-                    reason: reason(&e),
-                })?;
+        let msgs: Vec<_> = self
+            .address_dump(index)?
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|e| LinkError::Netlink {
+                what: "list addresses of",
+                name: format!("ifindex {index}"),
+                reason: reason(&e),
+            })?;
         Ok(msgs
             .iter()
             .flat_map(|m| m.attributes.iter())
@@ -605,15 +614,9 @@ impl IfAddrs {
         addr: Ipv4Addr,
     ) -> Result<Vec<rtnetlink::packet_route::address::AddressMessage>, LinkError> {
         let _one = self.nl.reads.lock().await;
-        let mut request = self
-            .nl
-            .handle()?
-            .address()
-            .get()
-            .set_link_index_filter(self.index)
-            .set_address_filter(IpAddr::V4(addr));
-        filter_in_kernel(&mut request, self.index);
-        request
+        self.nl
+            .address_dump(self.index)?
+            .set_address_filter(IpAddr::V4(addr))
             .execute()
             .try_collect()
             .await
@@ -623,15 +626,6 @@ impl IfAddrs {
                 reason: format!("{addr}: {}", reason(&e)),
             })
     }
-}
-
-/// Asks the kernel (the connection checks strictly) for the IPv4
-/// addresses of interface `index` only; the request's own filters stay, in
-/// case a kernel without strict checking sends more.
-fn filter_in_kernel(request: &mut rtnetlink::AddressGetRequest, index: u32) {
-    let header = &mut request.message_mut().header;
-    header.family = rtnetlink::packet_route::AddressFamily::Inet;
-    header.index = index;
 }
 
 /// The valid lifetime left, in seconds, of an address entry (`u32::MAX`:
