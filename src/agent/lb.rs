@@ -436,12 +436,12 @@ impl<E: LeaseEngine> Lb<E> {
         let mut wants = Vec::new();
         let mut untouched = BTreeSet::new();
         let mut cut_off = BTreeMap::new();
-        let holding: BTreeSet<String> = self
-            .engine
-            .snapshot()
-            .into_iter()
+        // One look at the leases serves the whole round.
+        let leases = self.engine.snapshot();
+        let holding: BTreeSet<&str> = leases
+            .iter()
             .filter(|l| l.state.holds_address())
-            .map(|l| l.name)
+            .map(|l| l.name.as_str())
             .collect();
         for a in &assignments {
             match plan::want(a) {
@@ -482,14 +482,20 @@ impl<E: LeaseEngine> Lb<E> {
                         // holder whose LAN port is silent for a moment
                         // looks gone, and both answered once it was back
                         // (the fault soak, issue #29).
-                        _ if self.out_of_touch && !w.release && !holding.contains(&w.interface) => {
+                        _ if self.out_of_touch
+                            && !w.release
+                            && !holding.contains(w.interface.as_str()) =>
+                        {
                             cut_off.insert(w.interface.clone(), self.out_of_touch_message());
                         }
                         // Written again, a node still acts on what it read
                         // before the cut until its watch reads the object
                         // again: the soak saw one take an address from its
                         // old assignments 0.8 s before the new ones came.
-                        _ if self.spec_stale && !w.release && !holding.contains(&w.interface) => {
+                        _ if self.spec_stale
+                            && !w.release
+                            && !holding.contains(w.interface.as_str()) =>
+                        {
                             cut_off.insert(
                                 w.interface.clone(),
                                 "out of touch: this node's assignments could not be read since the watch failed (they may have moved); the addresses held are kept, none is taken over until they are read again".into(),
@@ -538,10 +544,9 @@ impl<E: LeaseEngine> Lb<E> {
                 }
             }
         }
-        let running: Vec<Running> = self
-            .engine
-            .snapshot()
-            .into_iter()
+        let running: Vec<Running> = leases
+            .iter()
+            .cloned()
             .filter_map(|l| {
                 Some(Running {
                     mac: crate::mac::parse(&l.mac)?,
