@@ -436,6 +436,7 @@ impl<E: LeaseEngine> Lb<E> {
         let mut wants = Vec::new();
         let mut untouched = BTreeSet::new();
         let mut cut_off = BTreeMap::new();
+        let out_of_touch = self.out_of_touch_reason();
         // One look at the leases serves the whole round.
         let leases = self.engine.snapshot();
         let holding: BTreeSet<&str> = leases
@@ -473,32 +474,17 @@ impl<E: LeaseEngine> Lb<E> {
                         _ if self.fenced && !w.release => {
                             cut_off.insert(w.interface.clone(), self.fence_message());
                         }
-                        // Cut off from the API server, this node cannot
-                        // know that an assignment is still its own (the
-                        // controller moves its Services once its heartbeat
-                        // is stale): it keeps serving the addresses it
-                        // holds, and takes none over. A takeover guard
-                        // alone does not protect a stale assignment: a
-                        // holder whose LAN port is silent for a moment
-                        // looks gone, and both answered once it was back
-                        // (the fault soak, issue #29).
-                        _ if self.out_of_touch
-                            && !w.release
-                            && !holding.contains(w.interface.as_str()) =>
-                        {
-                            cut_off.insert(w.interface.clone(), self.out_of_touch_message());
-                        }
-                        // Written again, a node still acts on what it read
-                        // before the cut until its watch reads the object
-                        // again: the soak saw one take an address from its
-                        // old assignments 0.8 s before the new ones came.
-                        _ if self.spec_stale
+                        // Out of touch, this node cannot know that an
+                        // assignment is still its own: it keeps serving the
+                        // addresses it holds, and takes none over (see
+                        // `out_of_touch_reason`).
+                        _ if out_of_touch.is_some()
                             && !w.release
                             && !holding.contains(w.interface.as_str()) =>
                         {
                             cut_off.insert(
                                 w.interface.clone(),
-                                "out of touch: this node's assignments could not be read since the watch failed (they may have moved); the addresses held are kept, none is taken over until they are read again".into(),
+                                out_of_touch.clone().unwrap_or_default(),
                             );
                         }
                         // A Service's MAC on a link of this node would
@@ -670,6 +656,25 @@ impl<E: LeaseEngine> Lb<E> {
         tracing::info!(object = %self.settings.object, grace = ?grace, "restarting: every address stays on its link for the next run to adopt");
         if !self.writes.write_now(status, STOPPING_WRITE_TIMEOUT).await {
             tracing::warn!(object = %self.settings.object, "the last status (restarting) was not written within {STOPPING_WRITE_TIMEOUT:?}: the controller may move the addresses once the heartbeat is stale (the takeover guard waits for these to go)");
+        }
+    }
+
+    /// Why this node takes nothing over now, if it does not. Cut off from
+    /// the API server, it cannot know that an assignment is still its own
+    /// (the controller moves its Services once its heartbeat is stale); a
+    /// takeover guard alone does not protect a stale assignment: a holder
+    /// whose LAN port is silent for a moment looks gone, and both answered
+    /// once it was back (the fault soak, issue #29). Written again, a node
+    /// still acts on what it read before the cut until its watch reads the
+    /// object again: the soak saw one take an address from its old
+    /// assignments 0.8 s before the new ones came.
+    fn out_of_touch_reason(&self) -> Option<String> {
+        if self.out_of_touch {
+            Some(self.out_of_touch_message())
+        } else if self.spec_stale {
+            Some("out of touch: this node's assignments could not be read since the watch failed (they may have moved); the addresses held are kept, none is taken over until they are read again".into())
+        } else {
+            None
         }
     }
 
