@@ -283,6 +283,7 @@ fn simulated_agents(kubeconfig: &Path, stop: Arc<AtomicBool>) -> Result<AgentWri
                     gateway_address: None,
                     held: leases.len() as u32,
                     addresses: String::new(),
+                    lan: None,
                     leases,
                     agent_version: "simulated".into(),
                 };

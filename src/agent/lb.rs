@@ -934,6 +934,7 @@ pub fn report(
         addresses,
         leases: reports,
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        lan: None,
     }
 }
 

@@ -92,6 +92,7 @@ fn assignment(uid8: &str) -> Assignment {
 fn spec(a: &[Assignment]) -> Update<Spec> {
     Update::Present(Spec {
         assignments: a.to_vec(),
+        ..Spec::default()
     })
 }
 

@@ -11,4 +11,6 @@
 //! reports and the controller's use of them; nothing in the daemon uses
 //! this module yet.
 
+pub mod codec;
+pub mod swim;
 pub mod wire;

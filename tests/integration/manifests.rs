@@ -250,6 +250,10 @@ fn full_spec() -> node_object::Spec {
                 ..Default::default()
             },
         ],
+        peers: vec![contract::membership::Peer {
+            name: "node-b".into(),
+            address: "10.77.0.12:7947".into(),
+        }],
     }
 }
 
@@ -288,6 +292,11 @@ fn full_status() -> node_object::Status {
             },
         ],
         agent_version: "0.1.0".into(),
+        lan: Some(contract::membership::LanReport {
+            address: "10.77.0.11:7947".into(),
+            network: "10.77.0.0/24".into(),
+            down: vec!["node-c".into()],
+        }),
     }
 }
 

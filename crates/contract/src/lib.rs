@@ -109,6 +109,12 @@ pub mod node_object {
     pub struct Spec {
         #[serde(default)]
         pub assignments: Vec<Assignment>,
+        /// The other members of this node's LAN (the agents whose default
+        /// uplink is on the same subnet), whom its agent watches and is
+        /// watched by (`crate::membership`). Written when nodes come, go
+        /// or move, never periodically.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub peers: Vec<crate::membership::Peer>,
     }
 
     /// One address this node is to hold (or release). Everything the node
@@ -198,6 +204,11 @@ pub mod node_object {
         pub leases: Vec<LeaseReport>,
         #[serde(default)]
         pub agent_version: String,
+        /// What the node's agent hears on its LAN (`crate::membership`):
+        /// its own membership address, and the peers it witnesses and
+        /// found dead. `None`: membership is not running.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub lan: Option<crate::membership::LanReport>,
     }
 
     /// One lease as its holder sees it.
@@ -446,6 +457,92 @@ pub fn derived_mac(uid: &str) -> [u8; 6] {
 /// FNV-1a (64 bits) over `parts`, each followed by a zero byte: stable
 /// across processes and versions (unlike `std`'s seeded hasher), so every
 /// node and every controller replica derives the same value.
+/// Liveness on the LAN: the agents of one LAN watch each other there (SWIM,
+/// with each node's death confirmed by its witnesses). What the controller
+/// and the agents must agree on: where the key is, who a node's peers and
+/// witnesses are, and what a node reports.
+pub mod membership {
+    use serde::{Deserialize, Serialize};
+
+    /// The Secret (in the controller's namespace) holding the cluster key
+    /// that seals every membership packet; the controller creates it, each
+    /// node's Role may read it (and nothing else of the namespace's).
+    pub const SECRET_NAME: &str = "harvester-node-agent-membership";
+    /// Its data key: at least 32 random bytes.
+    pub const SECRET_KEY: &str = "key";
+    /// The UDP port the agents' membership listens on (`lb_membership_port`).
+    pub const DEFAULT_PORT: u16 = 7947;
+    /// How many witnesses each node has: the nodes after it on the ring.
+    pub const WITNESSES: usize = 3;
+
+    /// Another member of a node's LAN.
+    #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct Peer {
+        pub name: String,
+        /// `ip:port` its membership listens on.
+        pub address: String,
+    }
+
+    /// A node's membership, in its status.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct LanReport {
+        /// `ip:port` the membership listens on (the default uplink's
+        /// address).
+        pub address: String,
+        /// The uplink's subnet (`10.77.0.0/24`): nodes on the same one are
+        /// peers.
+        pub network: String,
+        /// The peers this node witnesses that it found dead on the LAN (its
+        /// own probes went unanswered), sorted.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub down: Vec<String>,
+    }
+
+    /// The position of `name` on the ring: a hash, so that neighbours on
+    /// the ring are not neighbours by name (racks, naming schemes).
+    fn ring_key(name: &str) -> (u64, &str) {
+        (crate::fnv1a(&[b"hna-ring", name.as_bytes()]), name)
+    }
+
+    /// The witnesses of `node` among `members` (which may or may not
+    /// include it): the [`WITNESSES`] members after it on the ring, fewer
+    /// when the LAN has fewer other members.
+    pub fn witnesses_of<'a>(members: impl IntoIterator<Item = &'a str>, node: &str) -> Vec<String> {
+        let mut ring: Vec<(u64, &str)> = members
+            .into_iter()
+            .filter(|m| *m != node)
+            .map(ring_key)
+            .collect();
+        ring.sort_unstable();
+        ring.dedup();
+        let at = ring.partition_point(|k| *k < ring_key(node));
+        (0..ring.len().min(WITNESSES))
+            .map(|i| ring[(at + i) % ring.len()].1.to_string())
+            .collect()
+    }
+
+    /// The members `node` is a witness of: those whose witnesses include
+    /// it.
+    pub fn witnessed_by<'a>(
+        members: impl IntoIterator<Item = &'a str> + Clone,
+        node: &'a str,
+    ) -> Vec<String> {
+        let all: Vec<&str> = members.clone().into_iter().chain([node]).collect();
+        members
+            .into_iter()
+            .filter(|m| {
+                *m != node
+                    && witnesses_of(all.iter().copied(), m)
+                        .iter()
+                        .any(|w| w == node)
+            })
+            .map(str::to_string)
+            .collect()
+    }
+}
+
 pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for part in parts {
@@ -676,5 +773,43 @@ mod tests {
         for bad in ["", "a", "/b", "a/", "a/b/c"] {
             assert_eq!(parse_service_key(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn every_member_has_three_witnesses_and_witnesses_know_whom_they_watch() {
+        let names: Vec<String> = (0..20).map(|i| format!("node-{i}")).collect();
+        let members: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut watched_count = std::collections::BTreeMap::new();
+        for n in &members {
+            let w = membership::witnesses_of(members.iter().copied(), n);
+            assert_eq!(w.len(), 3, "{n}: {w:?}");
+            assert!(!w.iter().any(|x| x == n));
+            let unique: std::collections::BTreeSet<_> = w.iter().collect();
+            assert_eq!(unique.len(), 3);
+            for x in &w {
+                *watched_count.entry(x.clone()).or_insert(0) += 1;
+                let others: Vec<&str> = members.iter().copied().filter(|m| m != x).collect();
+                assert!(
+                    membership::witnessed_by(others.iter().copied(), x)
+                        .iter()
+                        .any(|m| m == n),
+                    "{x} witnesses {n} but does not know it"
+                );
+            }
+        }
+        // A ring: every member witnesses exactly three others.
+        assert!(watched_count.values().all(|c| *c == 3), "{watched_count:?}");
+        // The same answer whether the node itself is in the list or not.
+        let others: Vec<&str> = members[1..].to_vec();
+        assert_eq!(
+            membership::witnesses_of(others.iter().copied(), members[0]),
+            membership::witnesses_of(members.iter().copied(), members[0])
+        );
+        // Small LANs: everyone else.
+        assert_eq!(
+            membership::witnesses_of(["a", "b"], "a"),
+            vec!["b".to_string()]
+        );
+        assert!(membership::witnesses_of(["a"], "a").is_empty());
     }
 }

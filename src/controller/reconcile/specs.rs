@@ -108,7 +108,10 @@ impl Specs {
                         .map(|s| s.iter().cloned().collect())
                         .unwrap_or_default(),
                     node,
-                    spec: Spec { assignments: list },
+                    spec: Spec {
+                        assignments: list,
+                        peers: Vec::new(),
+                    },
                 });
             }
         }

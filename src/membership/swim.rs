@@ -1,0 +1,921 @@
+//! One node's membership of its LAN, as a state machine with no I/O:
+//! packets and timers in, packets to send and timers to set out
+//! ([`Out`]), the way the DHCP engine is built. The transport
+//! (`membership::transport`) owns the socket and the clock.
+//!
+//! Two layers:
+//!
+//! - SWIM (`foca`): every member probes a random other each
+//!   [`Settings::probe_period`], asks others to probe it indirectly when it
+//!   does not answer, suspects it, and spreads the news by gossip. It finds
+//!   a dead member fast and from anywhere, but its verdict is one member's,
+//!   repeated.
+//! - Witnesses: each node is watched by the [`WITNESSES`] nodes after it on
+//!   a hash ring (`contract::membership`). A witness that SWIM tells of a
+//!   suspect (or that has not heard from one it watches for
+//!   [`Settings::silence_probe`]) probes it itself, [`Settings::confirm_tries`]
+//!   times; only if none of that is answered does it report the node down,
+//!   in its own status. The controller moves a node's Services when two of
+//!   its witnesses agree, so a node is moved on independent voices that each
+//!   tried to reach it, never on one.
+//!
+//! Every packet travels sealed (`membership::wire`); what the gate drops is
+//! counted and never reaches SWIM. Packets go only to the peers the
+//! controller named: an address learned from gossip is never sent to.
+//!
+//! [`WITNESSES`]: crate::contract::membership::WITNESSES
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddrV4;
+use std::num::{NonZeroU8, NonZeroUsize};
+use std::sync::Arc;
+use std::time::Duration;
+
+use foca::{
+    Config, Foca, Identity, NoCustomBroadcast, Notification, PeriodicParams, Runtime, State,
+};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::time::Instant;
+
+use super::codec::Codec;
+use super::wire::{self, Dropped, Gate, Key, Stamp};
+use crate::contract::membership::witnessed_by;
+
+/// A member's identity: its node name (unique in the cluster), where it
+/// listens, and which run of its agent it is (a restarted agent is a new
+/// identity that wins over the old one at once).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Id {
+    pub name: Arc<str>,
+    pub addr: SocketAddrV4,
+    /// When this run of the agent began (Unix ms): also the envelope's epoch.
+    pub run: u64,
+    /// Bumped when the cluster declared this run down and it rejoins.
+    pub renewal: u16,
+}
+
+impl Identity for Id {
+    type Addr = Arc<str>;
+
+    fn renew(&self) -> Option<Self> {
+        Some(Id {
+            renewal: self.renewal.checked_add(1)?,
+            ..self.clone()
+        })
+    }
+
+    fn addr(&self) -> Arc<str> {
+        self.name.clone()
+    }
+
+    fn win_addr_conflict(&self, other: &Self) -> bool {
+        (self.run, self.renewal) > (other.run, other.renewal)
+    }
+}
+
+/// The protocol's timing.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// How often each member probes another (SWIM's protocol period).
+    pub probe_period: Duration,
+    /// How long a direct probe waits before indirect ones are asked for.
+    pub probe_rtt: Duration,
+    /// How long a suspect may refute before SWIM declares it down.
+    pub suspect_to_down: Duration,
+    /// How many probes a witness sends before it reports a node down.
+    pub confirm_tries: u32,
+    /// Between them.
+    pub confirm_every: Duration,
+    /// A witness probes a node it has heard nothing from for this long,
+    /// whatever SWIM says (a node that never joined is no SWIM suspect).
+    pub silence_probe: Duration,
+    /// How often a node reported down is probed again (an answer clears
+    /// the report).
+    pub recheck_down: Duration,
+    /// How often peers SWIM does not count as alive are announced to.
+    pub join_every: Duration,
+}
+
+impl Default for Settings {
+    /// A dead node is suspected within about two probe periods (0.6 s, a
+    /// direct and three indirect probes unanswered) and confirmed by its
+    /// witnesses 0.3 s later: about 1 s from death to the reports, well
+    /// inside the 2 s the failover is allowed, with three tries for a lost
+    /// packet on the way.
+    fn default() -> Settings {
+        Settings {
+            probe_period: Duration::from_millis(300),
+            probe_rtt: Duration::from_millis(100),
+            suspect_to_down: Duration::from_millis(900),
+            confirm_tries: 3,
+            confirm_every: Duration::from_millis(100),
+            silence_probe: Duration::from_secs(3),
+            recheck_down: Duration::from_secs(1),
+            join_every: Duration::from_secs(1),
+        }
+    }
+}
+
+/// A timer the state machine set; handed back through [`Member::timer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Timer {
+    Swim(foca::Timer<Id>),
+    /// The next probe (or the verdict) of a witness's check.
+    Confirm {
+        name: Arc<str>,
+        nonce: u32,
+    },
+    /// Announce to the peers SWIM does not count as alive.
+    Join,
+}
+
+/// What the transport is to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Out {
+    Send { to: SocketAddrV4, packet: Vec<u8> },
+    After { after: Duration, timer: Timer },
+}
+
+/// The first byte of a sealed payload.
+const KIND_SWIM: u8 = 0;
+const KIND_PING: u8 = 1;
+const KIND_PONG: u8 = 2;
+
+/// What a witness knows of a node it watches.
+#[derive(Debug, Clone, Default)]
+struct Watched {
+    /// The last authentic packet from it.
+    heard: Option<Instant>,
+    /// A check under way.
+    check: Option<Check>,
+    /// Reported down since.
+    down_since: Option<Instant>,
+    /// The last check that ended in an answer: SWIM may go on suspecting a
+    /// node its witness has just heard (its news travels by gossip), and a
+    /// check per packet would flood the LAN.
+    cleared: Option<Instant>,
+}
+
+/// A witness's check of one node: its probes carry `nonce`.
+#[derive(Debug, Clone)]
+struct Check {
+    nonce: u32,
+    sent: u32,
+}
+
+/// Counters, for metrics and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// SWIM payloads that did not parse or that SWIM refused.
+    pub swim_errors: u64,
+    /// Packets SWIM wanted to send to a member the controller did not name.
+    pub not_a_peer: u64,
+    /// Witness probes sent.
+    pub witness_probes: u64,
+}
+
+/// One node's membership.
+pub struct Member {
+    me: Id,
+    settings: Settings,
+    foca: Foca<Id, Codec, SmallRng, NoCustomBroadcast>,
+    rng: SmallRng,
+    gate: Gate,
+    seal_with: Key,
+    sequence: u64,
+    peers: BTreeMap<Arc<str>, SocketAddrV4>,
+    watched: BTreeMap<Arc<str>, Watched>,
+    /// The last authentic packet from any peer.
+    heard_any: Option<Instant>,
+    /// When the peers were last set (silence before it counts from then).
+    since: Instant,
+    counters: Counters,
+    out: Vec<Out>,
+}
+
+/// Collects what `foca` asks for during one call.
+#[derive(Default)]
+struct Collect {
+    send: Vec<(Id, Vec<u8>)>,
+    after: Vec<(Duration, foca::Timer<Id>)>,
+}
+
+impl Runtime<Id> for Collect {
+    fn notify(&mut self, _n: Notification<'_, Id>) {}
+
+    fn send_to(&mut self, to: Id, data: &[u8]) {
+        self.send.push((to, data.to_vec()));
+    }
+
+    fn submit_after(&mut self, event: foca::Timer<Id>, after: Duration) {
+        self.after.push((after, event));
+    }
+}
+
+impl Member {
+    /// `keys`: the first seals, all open (a rotation has two). `run`: when
+    /// this run of the agent began (Unix ms).
+    pub fn new(
+        name: &str,
+        addr: SocketAddrV4,
+        run: u64,
+        keys: Vec<Key>,
+        settings: Settings,
+        seed: u64,
+        now: Instant,
+    ) -> Option<Member> {
+        let seal_with = keys.first()?.clone();
+        let me = Id {
+            name: Arc::from(name),
+            addr,
+            run,
+            renewal: 0,
+        };
+        let config = Config {
+            probe_period: settings.probe_period,
+            probe_rtt: settings.probe_rtt,
+            num_indirect_probes: NonZeroUsize::new(3).expect("nonzero"),
+            max_transmissions: NonZeroU8::new(10).expect("nonzero"),
+            suspect_to_down_after: settings.suspect_to_down,
+            remove_down_after: Some(Duration::from_secs(3600)),
+            max_packet_size: NonZeroUsize::new(wire::MAX_PAYLOAD - 1).expect("nonzero"),
+            notify_down_members: true,
+            periodic_announce: Some(PeriodicParams {
+                frequency: Duration::from_secs(30),
+                num_members: NonZeroUsize::new(1).expect("nonzero"),
+            }),
+            periodic_announce_to_down_members: Some(PeriodicParams {
+                frequency: Duration::from_secs(10),
+                num_members: NonZeroUsize::new(2).expect("nonzero"),
+            }),
+            periodic_gossip: Some(PeriodicParams {
+                frequency: Duration::from_millis(100),
+                num_members: NonZeroUsize::new(3).expect("nonzero"),
+            }),
+        };
+        let foca = Foca::new(me.clone(), config, SmallRng::seed_from_u64(seed), Codec);
+        let mut m = Member {
+            me,
+            settings,
+            foca,
+            rng: SmallRng::seed_from_u64(seed ^ 0x5eed),
+            gate: Gate::new(keys, BTreeSet::new()),
+            seal_with,
+            sequence: 0,
+            peers: BTreeMap::new(),
+            watched: BTreeMap::new(),
+            heard_any: None,
+            since: now,
+            counters: Counters::default(),
+            out: Vec::new(),
+        };
+        m.out.push(Out::After {
+            after: Duration::ZERO,
+            timer: Timer::Join,
+        });
+        Some(m)
+    }
+
+    pub fn id(&self) -> &Id {
+        &self.me
+    }
+
+    /// The peers the controller named (this node excluded): only they are
+    /// admitted, sent to and watched.
+    pub fn set_peers(&mut self, peers: &[(String, SocketAddrV4)], now: Instant) {
+        let new: BTreeMap<Arc<str>, SocketAddrV4> = peers
+            .iter()
+            .filter(|(n, _)| **n != *self.me.name)
+            .map(|(n, a)| (Arc::from(n.as_str()), *a))
+            .collect();
+        if new == self.peers {
+            return;
+        }
+        self.peers = new;
+        self.since = now;
+        self.gate
+            .set_members(self.peers.keys().map(|n| n.to_string()).collect());
+        let watch: BTreeSet<String> = witnessed_by(self.peers.keys().map(|n| &**n), &self.me.name)
+            .into_iter()
+            .collect();
+        self.watched.retain(|n, _| watch.contains(&**n));
+        for n in watch {
+            self.watched.entry(Arc::from(n.as_str())).or_default();
+        }
+        self.join();
+    }
+
+    /// A new key set (the first seals).
+    pub fn set_keys(&mut self, keys: Vec<Key>) {
+        if let Some(k) = keys.first() {
+            self.seal_with = k.clone();
+            self.gate.set_keys(keys);
+        }
+    }
+
+    /// A packet arrived.
+    pub fn receive(&mut self, packet: &[u8], now: Instant) {
+        let Some((sender, payload)) = self.gate.admit(packet) else {
+            return;
+        };
+        let Some(name) = self.peers.get_key_value(sender).map(|(n, _)| n.clone()) else {
+            return;
+        };
+        self.heard_any = Some(now);
+        if let Some(w) = self.watched.get_mut(&name) {
+            // Anything authentic from it answers every question about it.
+            w.heard = Some(now);
+            if w.check.take().is_some() || w.down_since.take().is_some() {
+                w.cleared = Some(now);
+            }
+        }
+        match payload.split_first() {
+            Some((&KIND_SWIM, data)) => {
+                // Speaking for another member is refused, however sealed.
+                use foca::Codec as _;
+                match Codec.decode_header(data) {
+                    Ok(h) if *h.src.name == *name => {}
+                    _ => {
+                        self.counters.swim_errors += 1;
+                        return;
+                    }
+                }
+                let mut rt = Collect::default();
+                if self.foca.handle_data(data, &mut rt).is_err() {
+                    self.counters.swim_errors += 1;
+                }
+                self.run_collected(rt);
+            }
+            Some((&KIND_PING, nonce)) if nonce.len() == 4 => {
+                let mut reply = vec![KIND_PONG];
+                reply.extend_from_slice(nonce);
+                self.send_to(&name, &reply);
+            }
+            Some((&KIND_PONG, _)) => {}
+            _ => self.counters.swim_errors += 1,
+        }
+        self.review(now);
+    }
+
+    /// A timer this machine set fired.
+    pub fn timer(&mut self, t: Timer, now: Instant) {
+        match t {
+            Timer::Swim(t) => {
+                let mut rt = Collect::default();
+                if self.foca.handle_timer(t, &mut rt).is_err() {
+                    self.counters.swim_errors += 1;
+                }
+                self.run_collected(rt);
+            }
+            Timer::Join => {
+                self.join();
+                self.out.push(Out::After {
+                    after: self.settings.join_every,
+                    timer: Timer::Join,
+                });
+            }
+            Timer::Confirm { name, nonce } => self.confirm_step(name, nonce, now),
+        }
+        self.review(now);
+    }
+
+    /// Leaves the cluster (a stop that hands the addresses over): the peers
+    /// learn at once instead of after a probe.
+    pub fn leave(&mut self) {
+        let mut rt = Collect::default();
+        let _ = self.foca.leave_cluster(&mut rt);
+        self.run_collected(rt);
+    }
+
+    /// What to do, since the last call.
+    pub fn drain(&mut self) -> Vec<Out> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// The nodes this one watches and found dead (sorted).
+    pub fn down(&self) -> Vec<String> {
+        self.watched
+            .iter()
+            .filter(|(_, w)| w.down_since.is_some())
+            .map(|(n, _)| n.to_string())
+            .collect()
+    }
+
+    /// The nodes this one watches.
+    pub fn watching(&self) -> Vec<String> {
+        self.watched.keys().map(|n| n.to_string()).collect()
+    }
+
+    /// The last authentic packet from any peer (`None`: none yet).
+    pub fn heard_any(&self) -> Option<Instant> {
+        self.heard_any
+    }
+
+    /// When the peers were last set.
+    pub fn peers_since(&self) -> Instant {
+        self.since
+    }
+
+    pub fn has_peers(&self) -> bool {
+        !self.peers.is_empty()
+    }
+
+    /// The peers SWIM counts as alive.
+    pub fn alive(&self) -> usize {
+        self.foca.num_members()
+    }
+
+    pub fn dropped(&self, why: Dropped) -> u64 {
+        self.gate.dropped(why)
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    fn join(&mut self) {
+        let alive: BTreeSet<Arc<str>> = self
+            .foca
+            .iter_members()
+            .map(|m| m.id().name.clone())
+            .collect();
+        let mut rt = Collect::default();
+        let unknown: Vec<(Arc<str>, SocketAddrV4)> = self
+            .peers
+            .iter()
+            .filter(|(n, _)| !alive.contains(*n))
+            .map(|(n, a)| (n.clone(), *a))
+            .collect();
+        // A few at a time: a large LAN is learned through their feeds.
+        for (name, addr) in unknown.into_iter().take(4) {
+            let dst = Id {
+                name,
+                addr,
+                run: 0,
+                renewal: 0,
+            };
+            let _ = self.foca.announce(dst, &mut rt);
+        }
+        self.run_collected(rt);
+    }
+
+    fn run_collected(&mut self, rt: Collect) {
+        for (after, t) in rt.after {
+            self.out.push(Out::After {
+                after,
+                timer: Timer::Swim(t),
+            });
+        }
+        for (to, data) in rt.send {
+            let mut payload = Vec::with_capacity(data.len() + 1);
+            payload.push(KIND_SWIM);
+            payload.extend_from_slice(&data);
+            let name = to.name.clone();
+            self.send_to(&name, &payload);
+        }
+    }
+
+    fn send_to(&mut self, name: &Arc<str>, payload: &[u8]) {
+        let Some(to) = self.peers.get(name).copied() else {
+            self.counters.not_a_peer += 1;
+            return;
+        };
+        self.sequence += 1;
+        let stamp = Stamp {
+            epoch: self.me.run,
+            sequence: self.sequence,
+        };
+        if let Ok(packet) = wire::seal(&self.seal_with, &self.me.name, stamp, payload) {
+            self.out.push(Out::Send { to, packet });
+        }
+    }
+
+    /// Starts a witness's check of every watched node SWIM suspects (or that
+    /// has been silent too long).
+    fn review(&mut self, now: Instant) {
+        let states: BTreeMap<Arc<str>, State> = self
+            .foca
+            .iter_membership_state()
+            .map(|m| (m.id().name.clone(), m.state()))
+            .collect();
+        let mut start = Vec::new();
+        for (name, w) in &self.watched {
+            let cooling = w
+                .cleared
+                .is_some_and(|at| now.saturating_duration_since(at) < self.settings.recheck_down);
+            if w.check.is_some() || w.down_since.is_some() || cooling {
+                continue;
+            }
+            let suspected = matches!(states.get(name), Some(State::Suspect | State::Down));
+            let silent_since = w.heard.unwrap_or(self.since).max(self.since);
+            let silent = now.saturating_duration_since(silent_since) >= self.settings.silence_probe;
+            if suspected || silent {
+                start.push(name.clone());
+            }
+        }
+        for name in start {
+            let nonce = self.rng.next_u32();
+            if let Some(w) = self.watched.get_mut(&name) {
+                w.check = Some(Check { nonce, sent: 0 });
+            }
+            self.confirm_step(name, nonce, now);
+        }
+    }
+
+    /// One step of a check: another probe, or, when every probe went
+    /// unanswered, the verdict (and a recheck later, which an answer ends).
+    fn confirm_step(&mut self, name: Arc<str>, nonce: u32, now: Instant) {
+        let tries = self.settings.confirm_tries;
+        let Some(w) = self.watched.get_mut(&name) else {
+            return;
+        };
+        let Some(check) = w.check.as_mut().filter(|c| c.nonce == nonce) else {
+            return;
+        };
+        if check.sent < tries {
+            check.sent += 1;
+            let mut ping = vec![KIND_PING];
+            ping.extend_from_slice(&nonce.to_be_bytes());
+            self.counters.witness_probes += 1;
+            self.send_to(&name, &ping);
+            self.out.push(Out::After {
+                after: self.settings.confirm_every,
+                timer: Timer::Confirm { name, nonce },
+            });
+            return;
+        }
+        w.down_since.get_or_insert(now);
+        let next = self.rng.next_u32();
+        w.check = Some(Check {
+            nonce: next,
+            sent: 0,
+        });
+        self.out.push(Out::After {
+            after: self.settings.recheck_down,
+            timer: Timer::Confirm { name, nonce: next },
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+
+    use crate::contract::membership::witnesses_of;
+    use rand::RngExt;
+
+    fn key() -> Key {
+        Key::new(1, &[7; 32]).unwrap()
+    }
+
+    enum Event {
+        Deliver(usize, Vec<u8>),
+        Timer(usize, u64, Timer),
+    }
+
+    /// A LAN of members on a virtual clock: packets take 1 ms (or are
+    /// lost), timers fire when due.
+    struct Lan {
+        members: Vec<Member>,
+        addrs: Vec<SocketAddrV4>,
+        /// Per member: its run (timers of an older run are dropped), and
+        /// whether it is cut off (sends and receives nothing).
+        runs: Vec<u64>,
+        cut: Vec<bool>,
+        loss: f64,
+        rng: SmallRng,
+        queue: BinaryHeap<Reverse<(Instant, u64)>>,
+        events: BTreeMap<u64, Event>,
+        seq: u64,
+        now: Instant,
+        delivered: BTreeMap<(String, usize), Vec<u8>>,
+    }
+
+    impl Lan {
+        fn new(n: usize) -> Lan {
+            let now = Instant::now();
+            let addrs: Vec<SocketAddrV4> = (0..n)
+                .map(|i| SocketAddrV4::new([10, 0, 0, 10 + i as u8].into(), 7947))
+                .collect();
+            let mut lan = Lan {
+                members: Vec::new(),
+                addrs,
+                runs: vec![1; n],
+                cut: vec![false; n],
+                loss: 0.0,
+                rng: SmallRng::seed_from_u64(42),
+                queue: BinaryHeap::new(),
+                events: BTreeMap::new(),
+                seq: 0,
+                now,
+                delivered: BTreeMap::new(),
+            };
+            for i in 0..n {
+                let m = lan.member(i, 1);
+                lan.members.push(m);
+                lan.flush(i);
+            }
+            lan
+        }
+
+        fn name(i: usize) -> String {
+            format!("node-{i}")
+        }
+
+        fn peers(&self) -> Vec<(String, SocketAddrV4)> {
+            (0..self.addrs.len())
+                .map(|i| (Lan::name(i), self.addrs[i]))
+                .collect()
+        }
+
+        fn member(&self, i: usize, run: u64) -> Member {
+            let mut m = Member::new(
+                &Lan::name(i),
+                self.addrs[i],
+                run,
+                vec![key()],
+                Settings::default(),
+                i as u64 * 1000 + run,
+                self.now,
+            )
+            .unwrap();
+            m.set_peers(&self.peers(), self.now);
+            m
+        }
+
+        fn push(&mut self, at: Instant, e: Event) {
+            self.seq += 1;
+            self.queue.push(Reverse((at, self.seq)));
+            self.events.insert(self.seq, e);
+        }
+
+        fn flush(&mut self, i: usize) {
+            for out in self.members[i].drain() {
+                match out {
+                    Out::Send { to, packet } => {
+                        if self.cut[i] || self.rng.random_bool(self.loss) {
+                            continue;
+                        }
+                        let j = self.addrs.iter().position(|a| *a == to).unwrap();
+                        self.push(
+                            self.now + Duration::from_millis(1),
+                            Event::Deliver(j, packet),
+                        );
+                    }
+                    Out::After { after, timer } => {
+                        self.push(self.now + after, Event::Timer(i, self.runs[i], timer))
+                    }
+                }
+            }
+        }
+
+        fn run_for(&mut self, d: Duration) {
+            let until = self.now + d;
+            while let Some(Reverse((at, seq))) = self.queue.peek().copied() {
+                if at > until {
+                    break;
+                }
+                self.queue.pop();
+                assert!(
+                    self.seq < 5_000_000,
+                    "runaway: {:?}",
+                    self.events.get(&seq).map(|e| match e {
+                        Event::Deliver(j, _) => format!("deliver to {j}"),
+                        Event::Timer(i, _, t) => format!("timer {i} {t:?}"),
+                    })
+                );
+                self.now = at;
+                match self.events.remove(&seq).unwrap() {
+                    Event::Deliver(j, p) => {
+                        if !self.cut[j] {
+                            if let Ok(o) = wire::open(&[key()], &p) {
+                                self.delivered.insert((o.sender.to_string(), j), p.clone());
+                            }
+                            self.members[j].receive(&p, at);
+                            self.flush(j);
+                        }
+                    }
+                    Event::Timer(i, run, t) => {
+                        if run == self.runs[i] {
+                            self.members[i].timer(t, at);
+                            self.flush(i);
+                        }
+                    }
+                }
+            }
+            self.now = until;
+        }
+
+        /// The last packet from `from` that reached `to`.
+        fn sniff(&self, from: usize, to: usize) -> Option<Vec<u8>> {
+            self.delivered.get(&(Lan::name(from), to)).cloned()
+        }
+
+        /// Who reports node `i` down.
+        fn accusers(&self, i: usize) -> BTreeSet<String> {
+            let name = Lan::name(i);
+            (0..self.members.len())
+                .filter(|j| *j != i && !self.cut[*j])
+                .filter(|j| self.members[*j].down().contains(&name))
+                .map(Lan::name)
+                .collect()
+        }
+
+        fn witnesses(&self, i: usize) -> BTreeSet<String> {
+            let names: Vec<String> = (0..self.members.len()).map(Lan::name).collect();
+            witnesses_of(names.iter().map(String::as_str), &Lan::name(i))
+                .into_iter()
+                .collect()
+        }
+
+        /// Steps until `done` holds; how long it took.
+        fn until(&mut self, limit: Duration, done: impl Fn(&Lan) -> bool) -> Option<Duration> {
+            let start = self.now;
+            while self.now - start < limit {
+                if done(self) {
+                    return Some(self.now - start);
+                }
+                self.run_for(Duration::from_millis(10));
+            }
+            None
+        }
+    }
+
+    #[test]
+    fn members_find_each_other_and_nobody_is_reported() {
+        let mut lan = Lan::new(6);
+        let took = lan.until(Duration::from_secs(5), |l| {
+            l.members.iter().all(|m| m.alive() == 5)
+        });
+        assert!(
+            took.is_some(),
+            "{:?}",
+            lan.members.iter().map(Member::alive).collect::<Vec<_>>()
+        );
+        lan.run_for(Duration::from_secs(30));
+        for i in 0..6 {
+            assert!(
+                lan.accusers(i).is_empty(),
+                "node-{i}: {:?}",
+                lan.accusers(i)
+            );
+            assert_eq!(lan.members[i].watching().len(), 3);
+        }
+    }
+
+    #[test]
+    fn a_dead_node_is_reported_by_its_witnesses_only_within_a_second_and_a_half() {
+        for victim in 0..5 {
+            let mut lan = Lan::new(7);
+            lan.run_for(Duration::from_secs(5));
+            lan.cut[victim] = true;
+            let witnesses = lan.witnesses(victim);
+            let took = lan
+                .until(Duration::from_secs(5), |l| l.accusers(victim) == witnesses)
+                .unwrap_or_else(|| {
+                    panic!("node-{victim}: {:?} of {witnesses:?}", lan.accusers(victim))
+                });
+            assert!(
+                took <= Duration::from_millis(1500),
+                "node-{victim}: {took:?}"
+            );
+            // Nobody else is accused, and nobody but the witnesses accuses.
+            lan.run_for(Duration::from_secs(5));
+            assert_eq!(lan.accusers(victim), witnesses);
+            for i in (0..7).filter(|i| *i != victim) {
+                assert!(
+                    lan.accusers(i).is_empty(),
+                    "node-{i}: {:?}",
+                    lan.accusers(i)
+                );
+            }
+            // Back (a restarted agent, a new run): the reports end.
+            lan.cut[victim] = false;
+            lan.runs[victim] = 2;
+            lan.members[victim] = lan.member(victim, 2);
+            lan.flush(victim);
+            let back = lan.until(Duration::from_secs(5), |l| l.accusers(victim).is_empty());
+            assert!(back.is_some(), "still accused: {:?}", lan.accusers(victim));
+        }
+    }
+
+    #[test]
+    fn a_lossy_lan_makes_no_two_witnesses_agree_on_a_live_node() {
+        let mut lan = Lan::new(8);
+        lan.loss = 0.1;
+        lan.run_for(Duration::from_secs(5));
+        for _ in 0..1200 {
+            lan.run_for(Duration::from_millis(100));
+            for i in 0..8 {
+                assert!(
+                    lan.accusers(i).len() < 2,
+                    "node-{i} at {:?}: {:?}",
+                    lan.now,
+                    lan.accusers(i)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_node_that_never_joined_is_reported_after_the_silence_bound() {
+        let mut lan = Lan::new(5);
+        lan.cut[2] = true;
+        let witnesses = lan.witnesses(2);
+        let took = lan.until(Duration::from_secs(10), |l| l.accusers(2) == witnesses);
+        let took = took.expect("reported");
+        assert!(took <= Duration::from_secs(4), "{took:?}");
+    }
+
+    #[test]
+    fn forged_replayed_and_foreign_packets_are_dropped_and_counted_and_change_nothing() {
+        let mut lan = Lan::new(4);
+        lan.run_for(Duration::from_secs(3));
+        // A real packet from node-1 to node-0, taken off the wire.
+        let real = lan
+            .until(Duration::from_secs(5), |l| l.sniff(1, 0).is_some())
+            .and_then(|_| lan.sniff(1, 0))
+            .expect("node-1 talks to node-0");
+        let now = lan.now;
+        let m0 = &mut lan.members[0];
+        m0.receive(&real, now);
+        m0.receive(&real, now);
+        assert_eq!(m0.dropped(Dropped::Replayed), 2);
+        let mut forged = real.clone();
+        let last = forged.len() - 1;
+        forged[last] ^= 1;
+        m0.receive(&forged, now);
+        assert_eq!(m0.dropped(Dropped::Unauthenticated), 1);
+        m0.receive(b"not ours at all", now);
+        assert_eq!(m0.dropped(Dropped::Malformed), 1);
+        let stranger = wire::seal(
+            &key(),
+            "node-9",
+            Stamp {
+                epoch: 1,
+                sequence: 1,
+            },
+            &[KIND_PING, 0, 0, 0, 1],
+        )
+        .unwrap();
+        m0.receive(&stranger, now);
+        assert_eq!(m0.dropped(Dropped::NotAMember), 1);
+        let other_key = Key::new(2, &[9; 32]).unwrap();
+        let wrong = wire::seal(
+            &other_key,
+            "node-1",
+            Stamp {
+                epoch: 9,
+                sequence: 1,
+            },
+            &[KIND_PING, 0, 0, 0, 1],
+        )
+        .unwrap();
+        m0.receive(&wrong, now);
+        assert_eq!(m0.dropped(Dropped::UnknownKey), 1);
+        // Nobody without the key made anyone look dead.
+        lan.run_for(Duration::from_secs(10));
+        for i in 0..4 {
+            assert!(
+                lan.accusers(i).is_empty(),
+                "node-{i}: {:?}",
+                lan.accusers(i)
+            );
+        }
+    }
+
+    #[test]
+    fn a_member_speaking_for_another_is_refused() {
+        let mut lan = Lan::new(3);
+        lan.run_for(Duration::from_secs(2));
+        let now = lan.now;
+        let mut m2 = lan.member(2, 5);
+        m2.timer(Timer::Join, now);
+        let said: Vec<u8> = m2
+            .drain()
+            .into_iter()
+            .find_map(|o| match o {
+                Out::Send { packet, .. } => Some(packet),
+                _ => None,
+            })
+            .unwrap();
+        let opened = wire::open(&[key()], &said).unwrap();
+        // node-1's name on the envelope, node-2's in the SWIM header.
+        let resealed = wire::seal(
+            &key(),
+            "node-1",
+            Stamp {
+                epoch: 99,
+                sequence: 1,
+            },
+            opened.payload,
+        )
+        .unwrap();
+        let before = lan.members[0].counters().swim_errors;
+        lan.members[0].receive(&resealed, now);
+        assert_eq!(lan.members[0].counters().swim_errors, before + 1);
+    }
+}
