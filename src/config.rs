@@ -37,6 +37,8 @@ enum Kind {
     Duration,
     /// `true` or `false` (also `1`/`0`, `yes`/`no` in environment and flag).
     Bool,
+    /// A UDP or TCP port, 0-65535.
+    Port,
 }
 
 /// One configuration key: its name in the file, its environment variable,
@@ -206,6 +208,14 @@ pub const KEYS: &[KeySpec] = &[
         kind: Kind::Duration,
     },
     KeySpec {
+        name: "lb_membership_port",
+        env: "HNA_LB_MEMBERSHIP_PORT",
+        flag: "--lb-membership-port",
+        default: "7947",
+        doc: "The UDP port on the default uplink's address where the agents of one LAN watch each other (SWIM, packets sealed with the cluster key from the Secret harvester-node-agent-membership): a node whose agent its witnesses cannot reach on the LAN has its Services moved within about 2 s. Allow it between the nodes (not from elsewhere). 0 turns it off: the node is then judged by its status heartbeat only.",
+        kind: Kind::Port,
+    },
+    KeySpec {
         name: "lb_restart_grace",
         env: "HNA_LB_RESTART_GRACE",
         flag: "--lb-restart-grace",
@@ -276,6 +286,8 @@ pub struct Config {
     pub lb_takeover_guard: Duration,
     /// Self-fencing after this long without a status write; zero: never.
     pub lb_fence_after: Duration,
+    /// The membership's UDP port; zero: off.
+    pub lb_membership_port: u16,
     /// The lifetime LoadBalancer addresses are configured with; zero: none.
     pub lb_address_lifetime: Duration,
     /// How long addresses stay on their links for a restart; zero: never.
@@ -464,6 +476,7 @@ pub fn resolve(
         lb_arp_probe: true,
         lb_takeover_guard: Duration::from_millis(150),
         lb_fence_after: Duration::from_secs(120),
+        lb_membership_port: crate::contract::membership::DEFAULT_PORT,
         lb_address_lifetime: Duration::from_secs(1),
         lb_restart_grace: Duration::from_secs(15),
         lb_keep_on_stop: KeepOnStop::Restart,
@@ -557,6 +570,13 @@ pub fn resolve(
                 cfg.namespace = v;
             }
             "lb_arp_probe" => cfg.lb_arp_probe = boolean(&text(raw)).map_err(fail)?,
+            "lb_membership_port" => {
+                cfg.lb_membership_port = text(raw).trim().parse::<u16>().map_err(|_| {
+                    fail(
+                        "is not a port number; use 1-65535, or 0 to turn the membership off".into(),
+                    )
+                })?
+            }
             "lb_fence_after" => {
                 cfg.lb_fence_after = match duration_up_to(&text(raw), Duration::from_secs(3600)) {
                     Ok(d) if d.is_zero() || d >= Duration::from_secs(10) => Ok(d),
@@ -694,6 +714,8 @@ fn raw_from_toml(spec: &KeySpec, value: toml::Value) -> Result<Raw, String> {
         // A bare number is seconds, in the file as in flags and environment.
         (Kind::Bool, toml::Value::Boolean(b)) => Ok(Raw::Text(b.to_string())),
         (Kind::Bool, other) => Err(format!("expected true or false, {}", found(&other))),
+        (Kind::Port, toml::Value::Integer(i)) => Ok(Raw::Text(i.to_string())),
+        (Kind::Port, other) => Err(format!("expected a port number, {}", found(&other))),
         (Kind::Duration, toml::Value::Integer(i)) => Ok(Raw::Text(i.to_string())),
         (Kind::Duration, toml::Value::Float(f)) => Ok(Raw::Text(f.to_string())),
         (Kind::Duration, other) => Err(format!(
@@ -1146,6 +1168,21 @@ mod tests {
             Duration::ZERO
         );
         assert!(resolve_file("lb_fence_after = \"5s\"\n").is_err());
+        assert_eq!(cfg.lb_membership_port, 7947);
+        assert_eq!(
+            resolve_file("lb_membership_port = 0\n")
+                .unwrap()
+                .lb_membership_port,
+            0
+        );
+        assert_eq!(
+            resolve_file("lb_membership_port = \"9000\"\n")
+                .unwrap()
+                .lb_membership_port,
+            9000
+        );
+        assert!(resolve_file("lb_membership_port = 70000\n").is_err());
+        assert!(resolve_file("lb_membership_port = true\n").is_err());
         assert_eq!(cfg.lb_address_lifetime, Duration::from_secs(1));
         assert_eq!(
             resolve_file("lb_address_lifetime = \"0s\"\n")

@@ -45,6 +45,7 @@ use crate::dhcp::LeaseEngine;
 use crate::dhcp::driver::LeaseStatus;
 use crate::lb::apply::{self, Settings};
 use crate::lb::plan::{self, Action, Running};
+use crate::membership::transport::{LanView, Want};
 use crate::systemd::{self, Heartbeat};
 
 use super::status::LbStatus;
@@ -158,6 +159,31 @@ impl NodeView {
     }
 }
 
+/// The LoadBalancer task's side of the LAN membership
+/// (`crate::membership::transport`): it hands on the peers its spec names,
+/// reports what the membership hears, and tells it how the agent stops.
+pub struct LanLink {
+    pub want: Arc<watch::Sender<Want>>,
+    pub view: watch::Receiver<LanView>,
+    /// `Some(true)`: leave the cluster (the addresses are handed over);
+    /// `Some(false)`: just stop (a restart keeps them).
+    pub stop: watch::Sender<Option<bool>>,
+}
+
+impl LanLink {
+    /// A link to no membership (tests; `lb_membership_port = 0`).
+    pub fn detached() -> LanLink {
+        let (view_tx, view) = watch::channel(LanView::default());
+        // The view never changes: its sender may go.
+        drop(view_tx);
+        LanLink {
+            want: Arc::new(watch::channel(Want::default()).0),
+            view,
+            stop: watch::channel(None).0,
+        }
+    }
+}
+
 /// The task's settings.
 #[derive(Debug, Clone)]
 pub struct LbSettings {
@@ -221,6 +247,7 @@ struct Lb<E: LeaseEngine> {
     /// How each lease this loop started was started (parent, identity), so
     /// a change of either restarts it.
     started: BTreeMap<String, plan::StartedAs>,
+    lan: LanLink,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -234,8 +261,11 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     out: watch::Sender<LbStatus>,
     hb: Heartbeat,
     beat_every: Duration,
+    lan: LanLink,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut lan_changes = lan.view.clone();
+    let mut lan_open = true;
     let adoption_deadline = Instant::now() + settings.adoption_wait;
     let mut next_settle = Instant::now() + settings.settle;
     let mut beat = tokio::time::interval(beat_every);
@@ -264,6 +294,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         spec_stale: false,
         write_error_logged: false,
         started: BTreeMap::new(),
+        lan,
     };
     let mut carrier = tokio::time::interval(CARRIER_POLL);
     carrier.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -303,6 +334,12 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 next_settle = Instant::now() + lb.settle_period();
             }
             _ = written.changed() => lb.after_write().await,
+            changed = lan_changes.changed(), if lan_open => match changed {
+                Ok(()) => {
+                    lb.report();
+                }
+                Err(_) => lan_open = false,
+            },
             _ = tokio::time::sleep_until(next_settle) => {
                 // A lease whose address the kernel let expire (this
                 // process did not run for its lifetime) starts again,
@@ -370,6 +407,13 @@ impl<E: LeaseEngine> Lb<E> {
         let next = match u {
             Update::Present(spec) => {
                 self.read = "watching".into();
+                self.lan.want.send_if_modified(|w| {
+                    let changed = w.peers != spec.peers;
+                    if changed {
+                        w.peers.clone_from(&spec.peers);
+                    }
+                    changed
+                });
                 spec.assignments
             }
             Update::Absent => {
@@ -628,6 +672,7 @@ impl<E: LeaseEngine> Lb<E> {
     /// heartbeat goes stale. Links first: the next holder's takeover guard
     /// waits while this node still answers for an address.
     async fn hand_over_all(&mut self) {
+        self.lan.stop.send_replace(Some(true));
         hand_over_every_lease(&*self.engine).await;
         self.stopping = true;
         let status = self.report();
@@ -643,6 +688,7 @@ impl<E: LeaseEngine> Lb<E> {
     /// controller's wait, counted from when it reads the status, ends after
     /// the kernel has dropped any address the next run did not adopt.
     async fn leave_for_restart(&mut self) {
+        self.lan.stop.send_replace(Some(false));
         let grace = self.settings.restart_grace;
         let mut status = self.report();
         for e in self.engine.detach_all(grace).await {
@@ -760,6 +806,7 @@ impl<E: LeaseEngine> Lb<E> {
             status.reason = STOPPING.to_string();
         }
         status.heartbeat_period_ms = u64::try_from(self.settings.heartbeat.as_millis()).ok();
+        status.lan = self.lan.view.borrow().report.clone();
         self.writes.draft(status.clone());
         let write_error = self.writes.written().error;
         if write_error.is_some() != self.write_error_logged {

@@ -171,6 +171,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         out_tx,
         liveness.register("lb"),
         Duration::from_secs(1),
+        super::LanLink::detached(),
         shutdown,
     ));
     Rig {

@@ -525,6 +525,7 @@ fn spawn_lb(
             ..crate::lb::apply::Settings::default()
         },
     };
+    let lan = spawn_membership(tasks, cfg, client.clone(), ctx.shutdown.clone());
     let writer = lb::KubeStatus {
         client,
         namespace: cfg.namespace.clone(),
@@ -539,8 +540,163 @@ fn spawn_lb(
         out,
         ctx.liveness.register("loadbalancer"),
         ctx.beat_every,
+        lan,
         ctx.shutdown.clone(),
     ));
+}
+
+/// How often the default uplink's address is looked at for the membership.
+const UPLINK_ADDRESS_POLL: Duration = Duration::from_secs(1);
+
+/// The LAN membership (`crate::membership`), the watch of its key (the
+/// Secret, which this node's Role may read) and the poll of the address it
+/// listens on; returns the LoadBalancer task's side of it.
+fn spawn_membership(
+    tasks: &mut tokio::task::JoinSet<()>,
+    cfg: &Config,
+    client: watch::Receiver<Option<kube::Client>>,
+    shutdown: watch::Receiver<bool>,
+) -> lb::LanLink {
+    use crate::membership::transport::{self, LanView, Want};
+    let want = Arc::new(
+        watch::channel(Want {
+            node: cfg.node_name.clone(),
+            port: cfg.lb_membership_port,
+            ..Want::default()
+        })
+        .0,
+    );
+    let (view_tx, view) = watch::channel(LanView::default());
+    let (stop, stop_rx) = watch::channel(None);
+    if cfg.lb_membership_port == 0 {
+        view_tx.send_replace(LanView {
+            why_not: Some("off (lb_membership_port = 0)".into()),
+            ..LanView::default()
+        });
+        return lb::LanLink { want, view, stop };
+    }
+    tasks.spawn(transport::run(want.subscribe(), view_tx, stop_rx));
+    let mut stopping = shutdown.clone();
+    let key = follow_membership_key(client, cfg.namespace.clone(), want.clone());
+    tasks.spawn(async move {
+        tokio::select! {
+            _ = key => {}
+            _ = stopping.changed() => {}
+        }
+    });
+    let uplink = cfg.uplink.clone();
+    let poll = want.clone();
+    let mut stopping = shutdown;
+    tasks.spawn(async move {
+        let mut tick = tokio::time::interval(UPLINK_ADDRESS_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stopping.changed() => return,
+            }
+            let interface = uplink.clone().or_else(|| {
+                std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
+                    .ok()
+                    .as_deref()
+                    .and_then(crate::dhcp::link::default_route_interface)
+            });
+            let listen = interface
+                .as_deref()
+                .and_then(crate::dhcp::link::interface_ipv4);
+            poll.send_if_modified(|w| {
+                let changed = w.listen != listen;
+                w.listen = listen;
+                changed
+            });
+        }
+    });
+    lb::LanLink { want, view, stop }
+}
+
+/// Keeps the membership's keys at what the Secret holds, with whichever
+/// client the daemon has.
+async fn follow_membership_key(
+    mut client: watch::Receiver<Option<kube::Client>>,
+    namespace: String,
+    want: Arc<watch::Sender<crate::membership::transport::Want>>,
+) {
+    use crate::cluster::watch_one::{Update, watch_one};
+    use crate::contract::membership::{SECRET_KEY, SECRET_NAME};
+    use crate::membership::transport::KeyBytes;
+    use k8s_openapi::api::core::v1::Secret;
+    loop {
+        let current = client.borrow_and_update().clone();
+        let Some(c) = current else {
+            if client.changed().await.is_err() {
+                return;
+            }
+            continue;
+        };
+        let (tx, mut rx) = mpsc::channel(4);
+        let api: kube::Api<Secret> = kube::Api::namespaced(c, &namespace);
+        let task = tokio::spawn(watch_one(
+            api,
+            SECRET_NAME.to_string(),
+            crate::cluster::credentials::WATCH_TIMEOUT_SECS,
+            tx,
+            |u| u,
+        ));
+        let mut logged = None::<String>;
+        loop {
+            tokio::select! {
+                changed = client.changed() => {
+                    task.abort();
+                    if changed.is_err() {
+                        return;
+                    }
+                    break;
+                }
+                u = rx.recv() => {
+                    let Some(u) = u else {
+                        task.abort();
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        break;
+                    };
+                    let keys = match u {
+                        Update::Present(secret) => {
+                            let bytes = secret
+                                .data
+                                .as_ref()
+                                .and_then(|d| d.get(SECRET_KEY))
+                                .map(|b| b.0.clone())
+                                .unwrap_or_default();
+                            if bytes.len() < 32 {
+                                let why = format!("the Secret {namespace}/{SECRET_NAME} has no `{SECRET_KEY}` of at least 32 bytes; the controller makes it");
+                                if logged.as_deref() != Some(&why) {
+                                    tracing::warn!("{why}");
+                                    logged = Some(why);
+                                }
+                                continue;
+                            }
+                            vec![KeyBytes { id: 1, secret: bytes }]
+                        }
+                        Update::Absent => {
+                            let why = format!("the Secret {namespace}/{SECRET_NAME} does not exist yet (the controller makes it); the LAN membership waits for it");
+                            if logged.as_deref() != Some(&why) {
+                                tracing::info!("{why}");
+                                logged = Some(why);
+                            }
+                            continue;
+                        }
+                        // Unreadable: the key known stays.
+                        Update::Failed(_) => continue,
+                    };
+                    logged = None;
+                    want.send_if_modified(|w| {
+                        let changed = w.keys != keys;
+                        w.keys.clone_from(&keys);
+                        changed
+                    });
+                }
+            }
+        }
+    }
 }
 
 /// The DHCP engine that will hold this node's LoadBalancer addresses. The

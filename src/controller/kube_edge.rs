@@ -122,6 +122,52 @@ impl KubeApi {
         KubeApi { client, reporter }
     }
 
+    /// Makes the LAN membership's key (the Secret
+    /// `contract::membership::SECRET_NAME`: 32 random bytes) unless it
+    /// exists; `true` when this call made it. Never rewrites one: a new key
+    /// would cut every node off the others until each has read it.
+    pub async fn ensure_membership_key(&self, namespace: &str) -> Result<bool, kube::Error> {
+        use crate::contract::membership::{SECRET_KEY, SECRET_NAME};
+        use k8s_openapi::api::core::v1::Secret;
+        use ring::rand::SecureRandom;
+        let api: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
+        if api.get_opt(SECRET_NAME).await?.is_some() {
+            return Ok(false);
+        }
+        let mut key = [0u8; 32];
+        ring::rand::SystemRandom::new()
+            .fill(&mut key)
+            .map_err(|_| kube::Error::Service("the system's random source failed".into()))?;
+        let secret = Secret {
+            metadata: kube::api::ObjectMeta {
+                name: Some(SECRET_NAME.into()),
+                namespace: Some(namespace.into()),
+                labels: Some(
+                    [(
+                        "app.kubernetes.io/managed-by".to_string(),
+                        FIELD_MANAGER.to_string(),
+                    )]
+                    .into(),
+                ),
+                ..Default::default()
+            },
+            data: Some(
+                [(
+                    SECRET_KEY.to_string(),
+                    k8s_openapi::ByteString(key.to_vec()),
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        };
+        match api.create(&kube::api::PostParams::default(), &secret).await {
+            Ok(_) => Ok(true),
+            // Another replica was first.
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Whether the API server keeps `status.loadBalancer.ingress[].ipMode`:
     /// Kubernetes 1.30 and later (the `LoadBalancerIPMode` gate, beta and
     /// on from 1.30, GA in 1.32). An older server drops the field, and

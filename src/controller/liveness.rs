@@ -33,6 +33,10 @@ pub struct Liveness {
     seen: BTreeMap<String, (String, Instant, Duration)>,
     /// When any node's heartbeat last changed (our clock).
     last_change: Option<Instant>,
+    /// Per node that said it is restarting: until when its grace runs,
+    /// whatever it has written since (its next run's first statuses come
+    /// before its membership is heard again).
+    restart_until: BTreeMap<String, Instant>,
 }
 
 impl Liveness {
@@ -43,6 +47,7 @@ impl Liveness {
             quiet_after: quiet_after.min(stale_after),
             seen: BTreeMap::new(),
             last_change: None,
+            restart_until: BTreeMap::new(),
         }
     }
 
@@ -65,6 +70,9 @@ impl Liveness {
             return;
         };
         let bound = grace.map_or(self.stale_after, |g| g.max(self.stale_after));
+        if let Some(g) = grace {
+            self.restart_until.insert(node.to_string(), now + g);
+        }
         let changed = match self.seen.get_mut(node) {
             Some((value, _, _)) if value == hb => false,
             Some(entry) => {
@@ -104,6 +112,15 @@ impl Liveness {
         })
     }
 
+    /// Whether `node`'s agent said it is restarting and that grace has not
+    /// run out, whether or not its next run has written since: its LAN
+    /// membership is down on purpose until the next run's is heard.
+    pub fn restarting(&self, node: &str, now: Instant) -> bool {
+        self.restart_until
+            .get(node)
+            .is_some_and(|until| now < *until)
+    }
+
     /// Eligible to hold addresses: the agent says it is ready, and its
     /// heartbeat is fresh.
     pub fn eligible(&self, node: &str, ready: bool, now: Instant) -> bool {
@@ -135,6 +152,7 @@ impl Liveness {
     /// Forgets the nodes not in `keep` (their objects are gone).
     pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
         self.seen.retain(|n, _| keep(n));
+        self.restart_until.retain(|n, _| keep(n));
     }
 }
 
@@ -316,5 +334,18 @@ mod tests {
             beat(&mut l, "n2", i + u64::from(k), t + BEAT * k);
         }
         assert!(!l.fresh("n1", t + STALE));
+    }
+
+    #[test]
+    fn a_restart_is_remembered_until_its_grace_ends_whatever_the_next_run_writes() {
+        let mut l = Liveness::new(STALE, QUIET);
+        let t0 = Instant::now();
+        l.observe("n1", Some("a"), t0);
+        assert!(!l.restarting("n1", t0));
+        l.observe_with_grace("n1", Some("b"), Some(Duration::from_secs(15)), t0);
+        // The next run writes at once, without a grace.
+        l.observe("n1", Some("c"), t0 + Duration::from_secs(2));
+        assert!(l.restarting("n1", t0 + Duration::from_secs(14)));
+        assert!(!l.restarting("n1", t0 + Duration::from_secs(15)));
     }
 }

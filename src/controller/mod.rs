@@ -13,6 +13,7 @@ pub mod deletions;
 pub mod election;
 pub mod endpoints;
 pub mod kube_edge;
+pub mod lan_verdict;
 pub mod lease;
 pub mod liveness;
 pub mod networks;
@@ -311,9 +312,11 @@ async fn reconcile_loop(
     });
     tracing::info!(ip_mode, "watch caches loaded: reconciling");
     let mut slow_warned: BTreeSet<String> = BTreeSet::new();
+    let mut lan_dead_logged: BTreeSet<String> = BTreeSet::new();
     let mut memory = writer::Memory::default();
     let mut deletions = deletions::Deletions::default();
     let mut access_ensured: BTreeSet<String> = BTreeSet::new();
+    let mut key_ensured = false;
     let mut health = service_health::ServiceHealth::new(
         opts.service_failed_after,
         opts.service_guarded_after,
@@ -347,7 +350,13 @@ async fn reconcile_loop(
         let now = Instant::now();
         let (objects, object_versions) = {
             let mut alive = alive.lock().expect("liveness lock");
-            objects_from(&caches, &mut alive, &mut slow_warned, now)
+            objects_from(
+                &caches,
+                &mut alive,
+                &mut slow_warned,
+                &mut lan_dead_logged,
+                now,
+            )
         };
         let avoid = health.observe(objects.iter().map(|o| (o.name.as_str(), &o.status)), now);
         let leading = leadership.leading();
@@ -428,6 +437,24 @@ async fn reconcile_loop(
             term = leadership.term();
             memory.clear();
             access_ensured.clear();
+            key_ensured = false;
+        }
+        if !key_ensured {
+            match api.ensure_membership_key(&opts.namespace).await {
+                Ok(made) => {
+                    key_ensured = true;
+                    if made {
+                        tracing::info!(
+                            secret = %format!("{}/{}", opts.namespace, contract::membership::SECRET_NAME),
+                            "made the LAN membership's key"
+                        );
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot make the LAN membership's key (Secret {}); the agents' membership waits for it", contract::membership::SECRET_NAME);
+                    stats.lock().expect("stats lock").write_errors += 1;
+                }
+            }
         }
         memory.writes.prune(|t| versions.get(t).cloned());
         let uids: HashMap<&contract::ServiceKey, &str> =
@@ -577,12 +604,39 @@ fn objects_from(
     caches: &kube_edge::Caches,
     alive: &mut liveness::Liveness,
     slow_warned: &mut BTreeSet<String>,
+    lan_dead_logged: &mut BTreeSet<String>,
     now: Instant,
 ) -> (Vec<reconcile::NodeIn>, HashMap<String, String>) {
     let mut versions = HashMap::new();
     let mut objects = Vec::new();
     let mut names = BTreeSet::new();
-    for o in caches.node_objects.state() {
+    let state = caches.node_objects.state();
+    let reporters: Vec<lan_verdict::Reporter<'_>> = state
+        .iter()
+        .filter_map(|o| {
+            let name = o.metadata.name.as_deref()?;
+            Some(lan_verdict::Reporter {
+                name,
+                lan: o.status.as_ref()?.lan.as_ref()?,
+                fresh: alive.fresh(name, now),
+                restarting: alive.restarting(name, now),
+            })
+        })
+        .collect();
+    let lan_dead = lan_verdict::dead_on_lan(&reporters);
+    for n in lan_dead.difference(lan_dead_logged) {
+        let witnesses: Vec<&str> = reporters
+            .iter()
+            .filter(|r| r.lan.down.iter().any(|d| d == n))
+            .map(|r| r.name)
+            .collect();
+        tracing::warn!(node = %n, reported_by = ?witnesses, "dead on its LAN by its witnesses' agreement: its Services move");
+    }
+    for n in lan_dead_logged.difference(&lan_dead) {
+        tracing::info!(node = %n, "no longer dead on its LAN");
+    }
+    lan_dead_logged.clone_from(&lan_dead);
+    for o in state.iter() {
         let Some(name) = o.metadata.name.clone() else {
             continue;
         };
@@ -602,11 +656,13 @@ fn objects_from(
         } else if !too_slow {
             slow_warned.remove(&name);
         }
-        let eligible = !too_slow && alive.eligible(&name, status.is_some_and(|s| s.ready), now);
+        let eligible = !too_slow
+            && !lan_dead.contains(&name)
+            && alive.eligible(&name, status.is_some_and(|s| s.ready), now);
         if let Some(rv) = &o.metadata.resource_version {
             versions.insert(format!("node/{name}"), rv.clone());
         }
-        if let Some(mut n) = kube_edge::node_in(&o, eligible) {
+        if let Some(mut n) = kube_edge::node_in(o, eligible) {
             n.status.heartbeat = None;
             objects.push(n);
         }

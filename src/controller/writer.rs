@@ -125,7 +125,8 @@ fn service(key: &ServiceKey, subresource: Option<&'static str>, verb: Verb) -> R
 }
 
 /// The Role that lets `system:node:<node>` read its own object and write
-/// its status, and nothing else; and the RoleBinding granting it.
+/// its status, and read the LAN membership's key, and nothing else; and
+/// the RoleBinding granting it.
 pub fn node_access(namespace: &str, node: &str) -> [Request; 2] {
     let name = node_object::role_name(node);
     let labels = json!({"app.kubernetes.io/managed-by": FIELD_MANAGER});
@@ -145,6 +146,12 @@ pub fn node_access(namespace: &str, node: &str) -> [Request; 2] {
                 "resources": [format!("{}/status", node_object::PLURAL)],
                 "resourceNames": [node],
                 "verbs": ["get", "update", "patch"],
+            },
+            {
+                "apiGroups": [""],
+                "resources": ["secrets"],
+                "resourceNames": [crate::contract::membership::SECRET_NAME],
+                "verbs": ["get", "list", "watch"],
             },
         ],
     });
@@ -241,6 +248,12 @@ pub fn requests(namespace: &str, w: &Write) -> Vec<Request> {
                 json!({"spec": {"assignments": spec.assignments}}),
             ),
         )],
+        Write::SetPeers { node, peers } => vec![node_req(
+            Kind::LoadBalancerNode,
+            node,
+            None,
+            Verb::Patch(PatchKind::Merge, json!({"spec": {"peers": peers}})),
+        )],
         Write::DeleteNodeObject(node) => {
             let role = node_object::role_name(node);
             vec![
@@ -261,6 +274,7 @@ pub fn target(w: &Write) -> String {
         Write::CreateNodeObject(n)
         | Write::EnsureNodeAccess(n)
         | Write::SetSpec { node: n, .. }
+        | Write::SetPeers { node: n, .. }
         | Write::DeleteNodeObject(n) => format!("node/{n}"),
     }
 }

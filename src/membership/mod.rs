@@ -13,4 +13,5 @@
 
 pub mod codec;
 pub mod swim;
+pub mod transport;
 pub mod wire;

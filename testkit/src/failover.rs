@@ -333,6 +333,7 @@ pub fn fail_over_prepared(
     prepare: impl FnOnce(&LbRig) -> Result<()>,
 ) -> Result<Failover> {
     let (ip, from) = served(lb, name)?;
+    lb.wait_for_membership(Duration::from_secs(30))?;
     let leader = match fault {
         Fault::LeaderAndHolder => {
             let leader = wait_for(Duration::from_secs(30), || lb.leader());

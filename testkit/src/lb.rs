@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::{Event, Node, Service};
 use kube::Api;
 use kube::api::{
@@ -493,6 +493,41 @@ impl LbRig {
         if let Some(mut p) = self.agents[i].take() {
             let _ = p.child.wait();
         }
+        Ok(())
+    }
+
+    /// Waits until the LAN membership of every node that runs one counts
+    /// all the others alive (the failover measured is the one a running
+    /// cluster has, not a membership's first seconds). Nodes without
+    /// membership (`lb_membership_port = 0`) are not waited for.
+    pub fn wait_for_membership(&self, within: Duration) -> Result<()> {
+        let names: Vec<String> = (0..self.rig.guest_count())
+            .filter(|i| self.agents.get(*i).is_some_and(Option::is_some))
+            .map(|i| self.node_name(i).to_string())
+            .collect();
+        let counts = || -> Vec<(String, Option<u64>)> {
+            names
+                .iter()
+                .map(|n| {
+                    let alive = self
+                        .node_object(n)
+                        .and_then(|o| o["status"]["lan"]["alive"].as_u64());
+                    (n.clone(), alive)
+                })
+                .collect()
+        };
+        let done = wait_for(within, || {
+            let c = counts();
+            let members = c.iter().filter(|(_, a)| a.is_some()).count() as u64;
+            c.iter()
+                .all(|(_, a)| a.is_none_or(|a| a + 1 == members))
+                .then_some(())
+        });
+        ensure!(
+            done.is_some(),
+            "the LAN membership did not settle within {within:?}: {:?}",
+            counts()
+        );
         Ok(())
     }
 

@@ -296,6 +296,7 @@ fn full_status() -> node_object::Status {
             address: "10.77.0.11:7947".into(),
             network: "10.77.0.0/24".into(),
             down: vec!["node-c".into()],
+            alive: 1,
         }),
     }
 }
@@ -599,6 +600,8 @@ fn node_role(node: &str) -> Result<(Role, RoleBinding)> {
               "resourceNames": [node], "verbs": ["get", "list", "watch"] },
             { "apiGroups": [node_object::GROUP], "resources": [format!("{}/status", node_object::PLURAL)],
               "resourceNames": [node], "verbs": ["get", "update", "patch"] },
+            { "apiGroups": [""], "resources": ["secrets"],
+              "resourceNames": [contract::membership::SECRET_NAME], "verbs": ["get", "list", "watch"] },
         ]
     }))?;
     let binding: RoleBinding = serde_json::from_value(json!({
@@ -774,6 +777,28 @@ fn rbac_controller_and_nodes() -> Result<()> {
             403,
             "controller lists Secrets",
         )?;
+        // It creates the membership key, and no other Secret.
+        let secrets = Api::<Secret>::namespaced(ctrl.clone(), NS);
+        let key_secret = |name: &str| -> Result<Secret> {
+            Ok(serde_json::from_value(json!({
+                "metadata": { "name": name, "namespace": NS },
+                "data": { contract::membership::SECRET_KEY: "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=" },
+            }))?)
+        };
+        secrets
+            .create(
+                &PostParams::default(),
+                &key_secret(contract::membership::SECRET_NAME)?,
+            )
+            .await
+            .context("controller creates the membership key")?;
+        expect_code(
+            secrets
+                .create(&PostParams::default(), &key_secret("something-else")?)
+                .await,
+            403,
+            "controller creates another Secret",
+        )?;
         expect_code(
             Api::<Lease>::namespaced(ctrl.clone(), "kube-system")
                 .create(&PostParams::default(), &{
@@ -793,6 +818,23 @@ fn rbac_controller_and_nodes() -> Result<()> {
 
         // node-1 with its kubelet-like credentials.
         let n1 = rig::kube_client(api.node_kubeconfig("node-1")).await?;
+        let node_secrets = Api::<Secret>::namespaced(n1.clone(), NS);
+        node_secrets
+            .get(contract::membership::SECRET_NAME)
+            .await
+            .context("node-1 reads the membership key")?;
+        node_secrets
+            .list(&ListParams::default().fields(&format!(
+                "metadata.name={}",
+                contract::membership::SECRET_NAME
+            )))
+            .await
+            .context("node-1 lists the membership key by name (its watch)")?;
+        expect_code(
+            node_secrets.list(&ListParams::default()).await,
+            403,
+            "node-1 lists every Secret",
+        )?;
         let own = lbn_api(&n1);
         let obj = own.get("node-1").await.context("node-1 gets its object")?;
         ensure!(obj.spec == full_spec());
@@ -1065,7 +1107,12 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
         // another name; and the controller's own Role bound to a stranger:
         // all within its RBAC (no escalation), all refused.
         let (mut wide, _) = node_role("node-1")?;
-        for rule in wide.rules.iter_mut().flatten() {
+        for rule in wide
+            .rules
+            .iter_mut()
+            .flatten()
+            .filter(|r| r.api_groups == Some(vec![node_object::GROUP.to_string()]))
+        {
             rule.resource_names = Some(vec!["node-1".into(), "node-2".into()]);
         }
         refused(

@@ -498,6 +498,10 @@ pub mod membership {
         /// own probes went unanswered), sorted.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         pub down: Vec<String>,
+        /// How many of its peers the membership counts alive (changes when
+        /// one joins, leaves or dies, not otherwise).
+        #[serde(default)]
+        pub alive: u32,
     }
 
     /// The position of `name` on the ring: a hash, so that neighbours on

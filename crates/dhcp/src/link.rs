@@ -754,6 +754,31 @@ pub fn interface_macs(
         .collect()
 }
 
+/// The address (and its prefix length) of `interface` that the node is
+/// known by on its LAN: the first IPv4 address with a subnet's prefix. A
+/// /32 (kube-vip and the like put Service addresses on the uplink so) is
+/// taken only when there is nothing else.
+pub fn interface_ipv4(interface: &str) -> Option<(Ipv4Addr, u8)> {
+    let mut host_only = None;
+    for a in nix::ifaddrs::getifaddrs().ok()? {
+        if a.interface_name != interface {
+            continue;
+        }
+        let (Some(addr), Some(mask)) = (a.address, a.netmask) else {
+            continue;
+        };
+        let (Some(ip), Some(mask)) = (addr.as_sockaddr_in(), mask.as_sockaddr_in()) else {
+            continue;
+        };
+        let prefix = mask.ip().to_bits().count_ones() as u8;
+        if prefix < 32 {
+            return Some((ip.ip(), prefix));
+        }
+        host_only.get_or_insert((ip.ip(), prefix));
+    }
+    host_only
+}
+
 /// The default uplink now: the configured one, else the default route's
 /// interface, else the one the route last named while that interface still
 /// exists. A default route is briefly gone whenever the node's own network

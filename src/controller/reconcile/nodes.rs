@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::plan::Write;
 use super::world::{NodeIn, World};
+use crate::contract::membership::Peer;
 
 pub(super) struct Nodes<'a> {
     /// The Kubernetes Nodes.
@@ -81,6 +82,8 @@ impl<'a> Nodes<'a> {
                 lan_macs.insert(mac.clone(), format!("a network card of node {}", o.name));
             }
         }
+        let peers = peer_writes(&live);
+        creates.extend(peers);
         Nodes {
             names,
             live,
@@ -91,6 +94,42 @@ impl<'a> Nodes<'a> {
             deletes,
         }
     }
+}
+
+/// Each live node object's peers: the other live nodes whose membership
+/// reports the same LAN (`status.lan.network`), with where they listen.
+/// Written only when they differ from the spec's.
+fn peer_writes(live: &BTreeMap<&str, &NodeIn>) -> Vec<Write> {
+    let mut networks: BTreeMap<&str, Vec<Peer>> = BTreeMap::new();
+    for o in live.values() {
+        if let Some(lan) = &o.status.lan {
+            networks
+                .entry(lan.network.as_str())
+                .or_default()
+                .push(Peer {
+                    name: o.name.clone(),
+                    address: lan.address.clone(),
+                });
+        }
+    }
+    let mut out = Vec::new();
+    for o in live.values() {
+        let want: Vec<Peer> = match &o.status.lan {
+            Some(lan) => networks[lan.network.as_str()]
+                .iter()
+                .filter(|p| p.name != o.name)
+                .cloned()
+                .collect(),
+            None => Vec::new(),
+        };
+        if want != o.spec.peers {
+            out.push(Write::SetPeers {
+                node: o.name.clone(),
+                peers: want,
+            });
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -133,5 +172,54 @@ mod tests {
         assert_eq!(now.len(), 1);
         assert_ne!(now[0].0, was);
         assert!(sim.objects.iter().all(|o| o.name != was));
+    }
+
+    #[test]
+    fn nodes_on_one_lan_are_each_others_peers_and_only_theirs() {
+        use crate::contract::membership::{LanReport, Peer};
+        let mut sim = Sim::new(&["n1", "n2", "n3"]);
+        sim.settle();
+        for (i, o) in sim.objects.iter_mut().enumerate() {
+            o.status.lan = Some(LanReport {
+                address: format!("10.0.{}.{}:7947", i / 2, 10 + i),
+                network: format!("10.0.{}.0/24", i / 2),
+                down: Vec::new(),
+                alive: 0,
+            });
+        }
+        let plans = sim.settle();
+        let peer_writes = plans
+            .iter()
+            .flat_map(|p| &p.writes)
+            .filter(|w| matches!(w, Write::SetPeers { .. }))
+            .count();
+        assert_eq!(
+            peer_writes, 2,
+            "n3 is alone: its (empty) peers are written by nobody"
+        );
+        let peers = |sim: &Sim, n: &str| {
+            sim.objects
+                .iter()
+                .find(|o| o.name == n)
+                .unwrap()
+                .spec
+                .peers
+                .clone()
+        };
+        assert_eq!(
+            peers(&sim, "n1"),
+            vec![Peer {
+                name: "n2".into(),
+                address: "10.0.0.11:7947".into()
+            }]
+        );
+        assert_eq!(peers(&sim, "n2").len(), 1);
+        assert!(peers(&sim, "n3").is_empty(), "alone on its LAN");
+        // Settled: nothing is written again.
+        assert!(sim.plan().writes.is_empty());
+        // A node that goes leaves its peers' specs.
+        sim.nodes.retain(|n| n != "n2");
+        sim.settle();
+        assert!(peers(&sim, "n1").is_empty());
     }
 }

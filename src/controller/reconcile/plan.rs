@@ -27,6 +27,12 @@ pub enum Write {
         spec: Spec,
         services: Vec<ServiceKey>,
     },
+    /// The whole `spec.peers` of a node object (merge patch): the other
+    /// nodes on its LAN.
+    SetPeers {
+        node: String,
+        peers: Vec<crate::contract::membership::Peer>,
+    },
     /// `status.loadBalancer.ingress` (status subresource, merge patch);
     /// empty clears it.
     ServiceStatus {
@@ -56,6 +62,7 @@ impl Write {
             Write::SetSpec { services, .. } => services.iter().collect(),
             Write::CreateNodeObject(_)
             | Write::EnsureNodeAccess(_)
+            | Write::SetPeers { .. }
             | Write::DeleteNodeObject(_) => Vec::new(),
         }
     }
@@ -67,6 +74,7 @@ impl Write {
             Write::CreateNodeObject(_) => "create_node_object",
             Write::EnsureNodeAccess(_) => "node_access",
             Write::SetSpec { .. } => "node_spec",
+            Write::SetPeers { .. } => "node_peers",
             Write::ServiceStatus { .. } => "service_status",
             Write::ServiceAnnotations { .. } => "service_annotations",
             Write::RemoveFinalizer(_) => "remove_finalizer",

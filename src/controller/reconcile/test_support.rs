@@ -191,7 +191,16 @@ impl Sim {
                         .iter_mut()
                         .find(|o| o.name == *node)
                         .unwrap()
-                        .spec = spec.clone();
+                        .spec
+                        .assignments = spec.assignments.clone();
+                }
+                Write::SetPeers { node, peers } => {
+                    self.objects
+                        .iter_mut()
+                        .find(|o| o.name == *node)
+                        .unwrap()
+                        .spec
+                        .peers = peers.clone();
                 }
                 Write::DeleteNodeObject(n) => self.objects.retain(|o| o.name != *n),
             }

@@ -1,0 +1,224 @@
+//! Which nodes are dead on their LAN, by their witnesses' agreement.
+//!
+//! Each node's agent watches the nodes it is a witness of (the ring in
+//! `contract::membership`) and lists those it found dead, after probes of
+//! its own, in `status.lan.down`. A node is dead on the LAN when at least
+//! two of its live witnesses list it (all of them when it has fewer than
+//! two live ones): never on one voice, so one witness with a bad port or a
+//! bad view cannot move anything. Not counted:
+//!
+//! - a witness whose own status is not fresh (its report may be old);
+//! - a witness the accused lists in turn (two nodes that cannot hear each
+//!   other: which of them is cut off the LAN cannot tell, so neither
+//!   report counts and the other witnesses decide);
+//! - a witness that is itself dead on the LAN (found in a first round).
+//!
+//! A node whose agent is restarting (`restartGraceMs`) is judged by its
+//! heartbeat only, for that long: its membership is down on purpose.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::contract::membership::{LanReport, witnesses_of};
+
+/// One node's membership report, as the decision needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct Reporter<'a> {
+    pub name: &'a str,
+    pub lan: &'a LanReport,
+    /// Its status is fresh (its reports are current).
+    pub fresh: bool,
+    /// Restarting within its grace: not judged on the LAN.
+    pub restarting: bool,
+}
+
+/// The nodes dead on their LAN.
+pub fn dead_on_lan(reporters: &[Reporter<'_>]) -> BTreeSet<String> {
+    let mut networks: BTreeMap<&str, Vec<&Reporter<'_>>> = BTreeMap::new();
+    for r in reporters {
+        networks.entry(r.lan.network.as_str()).or_default().push(r);
+    }
+    let mut dead = BTreeSet::new();
+    for members in networks.values() {
+        let by_name: BTreeMap<&str, &Reporter<'_>> = members.iter().map(|r| (r.name, *r)).collect();
+        let names: Vec<&str> = by_name.keys().copied().collect();
+        let witnesses: BTreeMap<&str, Vec<String>> = names
+            .iter()
+            .map(|n| (*n, witnesses_of(names.iter().copied(), n)))
+            .collect();
+        let accuses = |w: &str, accused: &str| -> bool {
+            let (Some(rw), Some(ra)) = (by_name.get(w), by_name.get(accused)) else {
+                return false;
+            };
+            rw.fresh
+                && rw.lan.down.iter().any(|d| d == accused)
+                && !ra.lan.down.iter().any(|d| d == w)
+        };
+        let judge = |excluded: &BTreeSet<String>| -> BTreeSet<String> {
+            let mut out = BTreeSet::new();
+            for (node, ws) in &witnesses {
+                if by_name[node].restarting {
+                    continue;
+                }
+                let live: Vec<&String> = ws.iter().filter(|w| !excluded.contains(*w)).collect();
+                let need = live.len().min(2);
+                if need == 0 {
+                    continue;
+                }
+                let voices = live.iter().filter(|w| accuses(w, node)).count();
+                if voices >= need {
+                    out.insert(node.to_string());
+                }
+            }
+            out
+        };
+        let first = judge(&BTreeSet::new());
+        dead.extend(judge(&first));
+    }
+    dead
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Net {
+        reports: BTreeMap<String, LanReport>,
+        stale: BTreeSet<String>,
+        restarting: BTreeSet<String>,
+    }
+
+    impl Net {
+        fn new(n: usize) -> Net {
+            Net {
+                reports: (0..n)
+                    .map(|i| {
+                        (
+                            format!("n{i}"),
+                            LanReport {
+                                address: format!("10.0.0.{}:7947", 10 + i),
+                                network: "10.0.0.0/24".into(),
+                                down: Vec::new(),
+                                alive: 0,
+                            },
+                        )
+                    })
+                    .collect(),
+                stale: BTreeSet::new(),
+                restarting: BTreeSet::new(),
+            }
+        }
+
+        fn witnesses(&self, node: &str) -> Vec<String> {
+            witnesses_of(self.reports.keys().map(String::as_str), node)
+        }
+
+        fn accuse(&mut self, witness: &str, node: &str) {
+            self.reports
+                .get_mut(witness)
+                .unwrap()
+                .down
+                .push(node.to_string());
+        }
+
+        fn dead(&self) -> BTreeSet<String> {
+            let r: Vec<Reporter<'_>> = self
+                .reports
+                .iter()
+                .map(|(n, lan)| Reporter {
+                    name: n,
+                    lan,
+                    fresh: !self.stale.contains(n),
+                    restarting: self.restarting.contains(n),
+                })
+                .collect();
+            dead_on_lan(&r)
+        }
+    }
+
+    #[test]
+    fn two_witnesses_agree_one_does_not_suffice() {
+        let mut net = Net::new(6);
+        let w = net.witnesses("n2");
+        assert_eq!(w.len(), 3);
+        net.accuse(&w[0], "n2");
+        assert!(net.dead().is_empty(), "one voice moved it");
+        net.accuse(&w[1], "n2");
+        assert_eq!(net.dead(), BTreeSet::from(["n2".to_string()]));
+    }
+
+    #[test]
+    fn a_node_that_is_no_witness_has_no_voice() {
+        let mut net = Net::new(8);
+        let w = net.witnesses("n3");
+        let others: Vec<String> = net
+            .reports
+            .keys()
+            .filter(|n| *n != "n3" && !w.contains(n))
+            .cloned()
+            .collect();
+        for o in &others {
+            net.accuse(o, "n3");
+        }
+        assert!(net.dead().is_empty());
+    }
+
+    #[test]
+    fn stale_witnesses_and_mutual_accusations_do_not_count() {
+        let mut net = Net::new(6);
+        let w = net.witnesses("n1");
+        net.accuse(&w[0], "n1");
+        net.accuse(&w[1], "n1");
+        net.stale.insert(w[1].clone());
+        assert!(net.dead().is_empty(), "a stale report counted");
+        net.stale.clear();
+        // n1 says w[1] is the one it cannot hear.
+        net.accuse("n1", &w[1]);
+        assert!(net.dead().is_empty(), "a mutual accusation counted");
+        net.accuse(&w[2], "n1");
+        assert_eq!(net.dead(), BTreeSet::from(["n1".to_string()]));
+    }
+
+    #[test]
+    fn a_two_node_lan_moves_on_its_only_witness_unless_both_accuse() {
+        let mut net = Net::new(2);
+        net.accuse("n0", "n1");
+        assert_eq!(net.dead(), BTreeSet::from(["n1".to_string()]));
+        net.accuse("n1", "n0");
+        assert!(net.dead().is_empty());
+    }
+
+    #[test]
+    fn a_dead_witness_leaves_the_verdict_to_the_live_ones() {
+        let mut net = Net::new(7);
+        // The victim and its first witness die together; the two other
+        // witnesses of the victim agree, and the dead witness's own
+        // witnesses agree on it.
+        let victim = "n4";
+        let w = net.witnesses(victim);
+        let dead_witness = w[0].clone();
+        for x in [w[1].clone(), w[2].clone()] {
+            net.accuse(&x, victim);
+        }
+        let ww = net.witnesses(&dead_witness);
+        for x in ww.iter().filter(|x| *x != victim).take(2) {
+            net.accuse(x, &dead_witness);
+        }
+        let dead = net.dead();
+        assert!(dead.contains(victim), "{dead:?}");
+        assert!(dead.contains(&dead_witness), "{dead:?}");
+    }
+
+    #[test]
+    fn a_restarting_node_is_not_judged_on_the_lan_and_networks_are_apart() {
+        let mut net = Net::new(5);
+        let w = net.witnesses("n0");
+        net.accuse(&w[0], "n0");
+        net.accuse(&w[1], "n0");
+        net.restarting.insert("n0".into());
+        assert!(net.dead().is_empty());
+        net.restarting.clear();
+        // On another network, the same reports are no witnesses' at all.
+        net.reports.get_mut("n0").unwrap().network = "10.1.0.0/24".into();
+        assert!(net.dead().is_empty());
+    }
+}
