@@ -826,6 +826,13 @@ impl<E: LeaseEngine> Lb<E> {
             .flatten()
             .filter(|a| !a.release)
             .count() as u32;
+        let (membership_not_running, membership_dropped) = {
+            let v = self.lan.view.borrow();
+            (
+                v.why_not.clone(),
+                v.dropped.iter().map(|(k, n)| (k.to_string(), *n)).collect(),
+            )
+        };
         self.out.send_replace(LbStatus {
             object: self.settings.object.clone(),
             read: self.read.clone(),
@@ -834,6 +841,8 @@ impl<E: LeaseEngine> Lb<E> {
             wanted,
             write_error,
             status: status.clone(),
+            membership_not_running,
+            membership_dropped,
         });
         status
     }

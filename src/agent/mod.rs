@@ -562,6 +562,7 @@ fn spawn_membership(
         watch::channel(Want {
             node: cfg.node_name.clone(),
             port: cfg.lb_membership_port,
+            lifetime: cfg.lb_address_lifetime,
             ..Want::default()
         })
         .0,

@@ -52,6 +52,12 @@ pub struct LbStatus {
     pub write_error: Option<String>,
     /// What is reported (heartbeat aside): `held`, `addresses`, `leases`.
     pub status: crate::contract::node_object::Status,
+    /// Why the LAN membership is not running, while it is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub membership_not_running: Option<String>,
+    /// Membership packets dropped since it started, by reason.
+    #[serde(default)]
+    pub membership_dropped: std::collections::BTreeMap<String, u64>,
 }
 
 impl LbStatus {
@@ -152,6 +158,34 @@ pub fn metrics(st: &AgentStatus) -> String {
         String::new(),
         f64::from(u8::from(st.lb.status.ready)),
     );
+    gauge(
+        "hna_lan_membership_running",
+        "1 while the LAN membership runs (lb_membership_port, a key and an uplink address).",
+        String::new(),
+        f64::from(u8::from(st.lb.status.lan.is_some())),
+    );
+    gauge(
+        "hna_lan_peers_alive",
+        "Peers on this node's LAN the membership counts alive.",
+        String::new(),
+        f64::from(st.lb.status.lan.as_ref().map_or(0, |l| l.alive)),
+    );
+    gauge(
+        "hna_lan_peers_reported_down",
+        "Peers this node witnesses and found dead on the LAN (status.lan.down).",
+        String::new(),
+        st.lb.status.lan.as_ref().map_or(0, |l| l.down.len()) as f64,
+    );
+    let _ = writeln!(
+        out,
+        "# HELP hna_lan_packets_dropped_total Membership packets dropped before the protocol saw them, by reason (malformed, unknown_key, unauthenticated, replayed, not_a_member).\n# TYPE hna_lan_packets_dropped_total counter"
+    );
+    for (reason, n) in &st.lb.membership_dropped {
+        let _ = writeln!(
+            out,
+            "hna_lan_packets_dropped_total{{reason=\"{reason}\"}} {n}"
+        );
+    }
     let _ = writeln!(
         out,
         "# HELP hna_lb_lease_bound 1 while the Service's address is held on this node.\n# TYPE hna_lb_lease_bound gauge"

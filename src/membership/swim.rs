@@ -11,13 +11,18 @@
 //!   a dead member fast and from anywhere, but its verdict is one member's,
 //!   repeated.
 //! - Witnesses: each node is watched by the [`WITNESSES`] nodes after it on
-//!   a hash ring (`contract::membership`). A witness that SWIM tells of a
-//!   suspect (or that has not heard from one it watches for
-//!   [`Settings::silence_probe`]) probes it itself, [`Settings::confirm_tries`]
-//!   times; only if none of that is answered does it report the node down,
-//!   in its own status. The controller moves a node's Services when two of
-//!   its witnesses agree, so a node is moved on independent voices that each
-//!   tried to reach it, never on one.
+//!   a hash ring (`contract::membership`). A witness probes each node it
+//!   watches itself, every [`Settings::witness_every`], and reports it
+//!   down (in its own status) only once its probes have gone unanswered
+//!   for longer than that node's address lifetime (which its answers
+//!   carry) plus [`Settings::margin`]: by then the dead node's kernel has
+//!   dropped every address it held (the lifetime is confirmed only while
+//!   its agent runs), so the node the controller moves its Services to
+//!   cannot answer beside it, even though a frozen holder's kernel still
+//!   answers ARP with the Service's own MAC, which the takeover guard
+//!   cannot tell from the new holder's. The controller moves a node's
+//!   Services when two of its witnesses agree, so a node is moved on
+//!   independent voices that each tried to reach it, never on one.
 //!
 //! Every packet travels sealed (`membership::wire`); what the gate drops is
 //! counted and never reaches SWIM. Packets go only to the peers the
@@ -31,9 +36,7 @@ use std::num::{NonZeroU8, NonZeroUsize};
 use std::sync::Arc;
 use std::time::Duration;
 
-use foca::{
-    Config, Foca, Identity, NoCustomBroadcast, Notification, PeriodicParams, Runtime, State,
-};
+use foca::{Config, Foca, Identity, NoCustomBroadcast, Notification, PeriodicParams, Runtime};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
@@ -83,38 +86,36 @@ pub struct Settings {
     pub probe_rtt: Duration,
     /// How long a suspect may refute before SWIM declares it down.
     pub suspect_to_down: Duration,
-    /// How many probes a witness sends before it reports a node down.
-    pub confirm_tries: u32,
-    /// Between them.
-    pub confirm_every: Duration,
-    /// A witness probes a node it has heard nothing from for this long,
-    /// whatever SWIM says: a node that never joined is no SWIM suspect,
-    /// and SWIM's random probes may pass a node by for a few periods. So
-    /// a death is reported within this plus the checks (1.3 s) at worst,
-    /// for three probe packets a second per watched node at most.
-    pub silence_probe: Duration,
-    /// How often a node reported down is probed again (an answer clears
-    /// the report).
-    pub recheck_down: Duration,
+    /// How often a witness probes each node it watches.
+    pub witness_every: Duration,
+    /// Added to a node's address lifetime before its witness may report
+    /// it: scheduling, clock rates and the probe in flight.
+    pub margin: Duration,
+    /// This node's own address lifetime (`lb_address_lifetime`), told to
+    /// its witnesses in every answer.
+    pub own_lifetime: Duration,
+    /// The lifetime assumed of a node that has not said its own yet.
+    pub default_lifetime: Duration,
     /// How often peers SWIM does not count as alive are announced to.
     pub join_every: Duration,
 }
 
 impl Default for Settings {
-    /// A dead node is suspected within about two probe periods (0.6 s, a
-    /// direct and three indirect probes unanswered) and confirmed by its
-    /// witnesses 0.3 s later: about 1 s from death to the reports, well
-    /// inside the 2 s the failover is allowed, with three tries for a lost
-    /// packet on the way.
+    /// A dead node is reported by its witnesses 1.25-1.35 s after it died
+    /// (its 1 s address lifetime, the margin, and the probe interval): the
+    /// controller's move, the new holder's guard and its DHCP round trip
+    /// follow within about 0.3 s, under the 2 s the failover is allowed.
+    /// Ten probes a second to each of three watched nodes, and their
+    /// answers: about 60 small packets a second per node.
     fn default() -> Settings {
         Settings {
             probe_period: Duration::from_millis(300),
             probe_rtt: Duration::from_millis(100),
             suspect_to_down: Duration::from_millis(900),
-            confirm_tries: 3,
-            confirm_every: Duration::from_millis(100),
-            silence_probe: Duration::from_secs(1),
-            recheck_down: Duration::from_secs(1),
+            witness_every: Duration::from_millis(100),
+            margin: Duration::from_millis(250),
+            own_lifetime: Duration::from_secs(1),
+            default_lifetime: Duration::from_secs(1),
             join_every: Duration::from_secs(1),
         }
     }
@@ -124,11 +125,8 @@ impl Default for Settings {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Timer {
     Swim(foca::Timer<Id>),
-    /// The next probe (or the verdict) of a witness's check.
-    Confirm {
-        name: Arc<str>,
-        nonce: u32,
-    },
+    /// The witnesses' next round of probes.
+    Witness,
     /// Announce to the peers SWIM does not count as alive.
     Join,
 }
@@ -150,21 +148,15 @@ const KIND_PONG: u8 = 2;
 struct Watched {
     /// The last authentic packet from it.
     heard: Option<Instant>,
-    /// A check under way.
-    check: Option<Check>,
+    /// The last probe sent to it.
+    probed: Option<Instant>,
+    /// The first probe of the unanswered run, if the last one is
+    /// unanswered.
+    silent_since: Option<Instant>,
+    /// Its address lifetime, as its answers say.
+    lifetime: Option<Duration>,
     /// Reported down since.
     down_since: Option<Instant>,
-    /// The last check that ended in an answer: SWIM may go on suspecting a
-    /// node its witness has just heard (its news travels by gossip), and a
-    /// check per packet would flood the LAN.
-    cleared: Option<Instant>,
-}
-
-/// A witness's check of one node: its probes carry `nonce`.
-#[derive(Debug, Clone)]
-struct Check {
-    nonce: u32,
-    sent: u32,
 }
 
 /// Counters, for metrics and tests.
@@ -277,6 +269,10 @@ impl Member {
             after: Duration::ZERO,
             timer: Timer::Join,
         });
+        m.out.push(Out::After {
+            after: Duration::ZERO,
+            timer: Timer::Witness,
+        });
         Some(m)
     }
 
@@ -327,10 +323,16 @@ impl Member {
         };
         self.heard_any = Some(now);
         if let Some(w) = self.watched.get_mut(&name) {
-            // Anything authentic from it answers every question about it.
+            // Anything authentic from it (fresh: the gate refuses a replay)
+            // says it runs.
             w.heard = Some(now);
-            if w.check.take().is_some() || w.down_since.take().is_some() {
-                w.cleared = Some(now);
+            w.silent_since = None;
+            w.down_since = None;
+            if let Some((&KIND_PONG, rest)) = payload.split_first()
+                && let Some(ms) = rest.get(4..8)
+            {
+                let ms = u32::from_be_bytes([ms[0], ms[1], ms[2], ms[3]]);
+                w.lifetime = Some(Duration::from_millis(u64::from(ms)));
             }
         }
         match payload.split_first() {
@@ -353,12 +355,13 @@ impl Member {
             Some((&KIND_PING, nonce)) if nonce.len() == 4 => {
                 let mut reply = vec![KIND_PONG];
                 reply.extend_from_slice(nonce);
+                let ms = u32::try_from(self.settings.own_lifetime.as_millis()).unwrap_or(u32::MAX);
+                reply.extend_from_slice(&ms.to_be_bytes());
                 self.send_to(&name, &reply);
             }
             Some((&KIND_PONG, _)) => {}
             _ => self.counters.swim_errors += 1,
         }
-        self.review(now);
     }
 
     /// A timer this machine set fired.
@@ -378,9 +381,14 @@ impl Member {
                     timer: Timer::Join,
                 });
             }
-            Timer::Confirm { name, nonce } => self.confirm_step(name, nonce, now),
+            Timer::Witness => {
+                self.witness_round(now);
+                self.out.push(Out::After {
+                    after: self.settings.witness_every,
+                    timer: Timer::Witness,
+                });
+            }
         }
-        self.review(now);
     }
 
     /// Leaves the cluster (a stop that hands the addresses over): the peers
@@ -494,70 +502,52 @@ impl Member {
         }
     }
 
-    /// Starts a witness's check of every watched node SWIM suspects (or that
-    /// has been silent too long).
-    fn review(&mut self, now: Instant) {
-        let states: BTreeMap<Arc<str>, State> = self
-            .foca
-            .iter_membership_state()
-            .map(|m| (m.id().name.clone(), m.state()))
-            .collect();
-        let mut start = Vec::new();
-        for (name, w) in &self.watched {
-            let cooling = w
-                .cleared
-                .is_some_and(|at| now.saturating_duration_since(at) < self.settings.recheck_down);
-            if w.check.is_some() || w.down_since.is_some() || cooling {
+    /// One round of the witness's probes: each watched node that answered
+    /// before and whose last probe went unanswered is silent since that
+    /// probe; silent for longer than its address lifetime and the margin,
+    /// it is reported down (its kernel has dropped its addresses by then).
+    /// Then the next probes.
+    fn witness_round(&mut self, now: Instant) {
+        let names: Vec<Arc<str>> = self.watched.keys().cloned().collect();
+        for name in names {
+            let Some(w) = self.watched.get_mut(&name) else {
                 continue;
+            };
+            // A node never heard is never reported: its membership may not
+            // run yet (no key, no peers, UDP blocked), and silence from a
+            // node that never spoke says nothing of the addresses it holds.
+            // Its heartbeat judges it.
+            if let (Some(probed), Some(_)) = (w.probed, w.heard) {
+                let answered = w.heard.is_some_and(|h| h >= probed);
+                if !answered {
+                    let since = *w.silent_since.get_or_insert(probed);
+                    // A node without a lifetime (`lb_address_lifetime = 0`)
+                    // is given the default: its addresses never expire by
+                    // themselves, so no wait makes a frozen one safe.
+                    let bound = w
+                        .lifetime
+                        .filter(|l| !l.is_zero())
+                        .unwrap_or(self.settings.default_lifetime)
+                        + self.settings.margin;
+                    if now.saturating_duration_since(since) >= bound && w.down_since.is_none() {
+                        w.down_since = Some(now);
+                        tracing::info!(
+                            peer = %name,
+                            silent_for = ?now.saturating_duration_since(since),
+                            last_heard = ?w.heard.map(|h| now.saturating_duration_since(h)),
+                            bound = ?bound,
+                            "a witnessed peer answers no probe: reporting it dead on the LAN"
+                        );
+                    }
+                }
             }
-            let suspected = matches!(states.get(name), Some(State::Suspect | State::Down));
-            let silent_since = w.heard.unwrap_or(self.since).max(self.since);
-            let silent = now.saturating_duration_since(silent_since) >= self.settings.silence_probe;
-            if suspected || silent {
-                start.push(name.clone());
-            }
-        }
-        for name in start {
+            w.probed = Some(now);
             let nonce = self.rng.next_u32();
-            if let Some(w) = self.watched.get_mut(&name) {
-                w.check = Some(Check { nonce, sent: 0 });
-            }
-            self.confirm_step(name, nonce, now);
-        }
-    }
-
-    /// One step of a check: another probe, or, when every probe went
-    /// unanswered, the verdict (and a recheck later, which an answer ends).
-    fn confirm_step(&mut self, name: Arc<str>, nonce: u32, now: Instant) {
-        let tries = self.settings.confirm_tries;
-        let Some(w) = self.watched.get_mut(&name) else {
-            return;
-        };
-        let Some(check) = w.check.as_mut().filter(|c| c.nonce == nonce) else {
-            return;
-        };
-        if check.sent < tries {
-            check.sent += 1;
             let mut ping = vec![KIND_PING];
             ping.extend_from_slice(&nonce.to_be_bytes());
             self.counters.witness_probes += 1;
             self.send_to(&name, &ping);
-            self.out.push(Out::After {
-                after: self.settings.confirm_every,
-                timer: Timer::Confirm { name, nonce },
-            });
-            return;
         }
-        w.down_since.get_or_insert(now);
-        let next = self.rng.next_u32();
-        w.check = Some(Check {
-            nonce: next,
-            sent: 0,
-        });
-        self.out.push(Out::After {
-            after: self.settings.recheck_down,
-            timer: Timer::Confirm { name, nonce: next },
-        });
     }
 }
 
@@ -691,7 +681,10 @@ mod tests {
                     })
                 );
                 self.now = at;
-                match self.events.remove(&seq).unwrap() {
+                let Some(event) = self.events.remove(&seq) else {
+                    continue;
+                };
+                match event {
                     Event::Deliver(j, p) => {
                         if !self.cut[j] {
                             if let Ok(o) = wire::open(&[key()], &p) {
@@ -710,6 +703,16 @@ mod tests {
                 }
             }
             self.now = until;
+        }
+
+        /// Cuts node `i` off, its packets on the way included.
+        fn silence(&mut self, i: usize) {
+            self.cut[i] = true;
+            let name = Lan::name(i);
+            self.events.retain(|_, e| match e {
+                Event::Deliver(_, p) => wire::open(&[key()], p).map_or(true, |o| o.sender != name),
+                Event::Timer(..) => true,
+            });
         }
 
         /// The last packet from `from` that reached `to`.
@@ -770,7 +773,7 @@ mod tests {
     }
 
     #[test]
-    fn a_dead_node_is_reported_by_its_witnesses_only_within_a_second_and_a_half() {
+    fn a_dead_node_is_reported_by_its_witnesses_only_once_its_addresses_are_gone() {
         for victim in 0..5 {
             let mut lan = Lan::new(7);
             lan.run_for(Duration::from_secs(5));
@@ -781,8 +784,10 @@ mod tests {
                 .unwrap_or_else(|| {
                     panic!("node-{victim}: {:?} of {witnesses:?}", lan.accusers(victim))
                 });
+            // Not before its 1 s address lifetime and the margin have
+            // surely passed; not much after.
             assert!(
-                took <= Duration::from_millis(1500),
+                took >= Duration::from_millis(1250) && took <= Duration::from_millis(1420),
                 "node-{victim}: {took:?}"
             );
             // Nobody else is accused, and nobody but the witnesses accuses.
@@ -806,6 +811,40 @@ mod tests {
     }
 
     #[test]
+    fn a_node_with_a_longer_address_lifetime_is_reported_after_it() {
+        let mut lan = Lan::new(5);
+        let victim = 3;
+        let settings = Settings {
+            own_lifetime: Duration::from_secs(3),
+            ..Settings::default()
+        };
+        let mut m = Member::new(
+            &Lan::name(victim),
+            lan.addrs[victim],
+            2,
+            vec![key()],
+            settings,
+            99,
+            lan.now,
+        )
+        .unwrap();
+        m.set_peers(&lan.peers(), lan.now);
+        lan.runs[victim] = 2;
+        lan.members[victim] = m;
+        lan.flush(victim);
+        lan.run_for(Duration::from_secs(5));
+        lan.cut[victim] = true;
+        let witnesses = lan.witnesses(victim);
+        let took = lan
+            .until(Duration::from_secs(10), |l| l.accusers(victim) == witnesses)
+            .expect("reported");
+        assert!(
+            took >= Duration::from_millis(3250) && took <= Duration::from_millis(3420),
+            "{took:?}"
+        );
+    }
+
+    #[test]
     fn a_lossy_lan_makes_no_two_witnesses_agree_on_a_live_node() {
         let mut lan = Lan::new(8);
         lan.loss = 0.1;
@@ -824,13 +863,23 @@ mod tests {
     }
 
     #[test]
-    fn a_node_that_never_joined_is_reported_after_the_silence_bound() {
+    fn a_node_never_heard_is_never_reported() {
+        // Its membership may not run (no key yet, UDP blocked) while its
+        // agent holds addresses: silence says nothing then.
         let mut lan = Lan::new(5);
+        lan.silence(2);
+        lan.run_for(Duration::from_secs(20));
+        assert!(lan.accusers(2).is_empty(), "{:?}", lan.accusers(2));
+        // Once heard, it is.
+        lan.cut[2] = false;
+        lan.run_for(Duration::from_secs(3));
         lan.cut[2] = true;
         let witnesses = lan.witnesses(2);
         let took = lan.until(Duration::from_secs(10), |l| l.accusers(2) == witnesses);
-        let took = took.expect("reported");
-        assert!(took <= Duration::from_millis(1500), "{took:?}");
+        assert!(
+            took.is_some_and(|t| t <= Duration::from_millis(1420)),
+            "{took:?}"
+        );
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub struct Want {
     pub peers: Vec<Peer>,
     /// From the membership Secret (empty: not read yet).
     pub keys: Vec<KeyBytes>,
+    /// This node's `lb_address_lifetime`, told to its witnesses.
+    pub lifetime: Duration,
 }
 
 /// A key as the Secret holds it, with its id.
@@ -103,7 +105,10 @@ impl Running {
             addr,
             run,
             keys,
-            Settings::default(),
+            Settings {
+                own_lifetime: want.lifetime,
+                ..Settings::default()
+            },
             run ^ u64::from(std::process::id()),
             Instant::now(),
         )
@@ -327,6 +332,16 @@ pub async fn run(
             }
             if let Some(r) = &running {
                 let new = r.view();
+                let down = |v: &LanView| {
+                    v.report
+                        .as_ref()
+                        .map(|r| r.down.clone())
+                        .unwrap_or_default()
+                };
+                let (was, now) = (down(&view.borrow()), down(&new));
+                if was != now {
+                    tracing::warn!(down = ?now, was = ?was, "witnessed peers found dead on the LAN (their probes unanswered for longer than their address lifetime)");
+                }
                 view.send_if_modified(|old| {
                     let tell = worth_telling(old, &new);
                     if tell {
@@ -392,6 +407,7 @@ mod tests {
                 port: 17947,
                 peers: peers.clone(),
                 keys: vec![key.clone()],
+                lifetime: Duration::from_secs(1),
             });
             let (view_tx, view_rx) = watch::channel(LanView::default());
             let (stop_tx, stop_rx) = watch::channel(None);
