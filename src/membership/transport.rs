@@ -97,6 +97,7 @@ impl Running {
         let socket = UdpSocket::bind(addr)
             .await
             .map_err(|e| format!("cannot listen on {addr} (udp): {e}"))?;
+        grow_receive_buffer(&socket);
         let run = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
@@ -194,6 +195,36 @@ impl Running {
         }
     }
 }
+
+/// The socket's receive buffer, as large as [`RECEIVE_BUFFER`]: a burst of
+/// packets (a flood of junk from the LAN included) must not push out the
+/// probes' answers, which a witness would take for a silent peer. Forced
+/// past `net.core.rmem_max` when the agent may (it runs as root or with
+/// `CAP_NET_ADMIN`), else as large as the kernel allows.
+fn grow_receive_buffer(socket: &UdpSocket) {
+    use std::os::fd::AsRawFd;
+    let size: libc::c_int = RECEIVE_BUFFER;
+    for option in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
+        // SAFETY: a valid socket descriptor and a c_int option value of the
+        // size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                option,
+                (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            return;
+        }
+    }
+}
+
+/// 4 MiB: some 20,000 packets of junk, or several seconds of a large LAN's
+/// membership traffic.
+const RECEIVE_BUFFER: libc::c_int = 4 << 20;
 
 fn prefix_mask(prefix: u8) -> u32 {
     match prefix {

@@ -764,6 +764,12 @@ pub fn fail_over(
 ) -> Result<(Served, Failover)> {
     let served = sr.serve(name)?;
     let (ip, from) = (served.ip, served.holder);
+    // Ours: the fault comes to a running cluster, whose LAN membership has
+    // found all its members (the peers' agents need no such wait: their
+    // memberlist and leases are up once they serve).
+    if sr.system.is_ours() {
+        sr.lb.wait_for_membership(Duration::from_secs(30))?;
+    }
     let watch = crate::addrwatch::AddressWatch::start(sr.lb.rig.guest_namespaces())?;
     let arp = crate::failover::arp_prober(&sr.lb, ip)?;
     let tcp = crate::tcpprobe::TcpProber::start(

@@ -189,7 +189,15 @@ impl Drop for ForgedAgent {
 }
 
 fn a_compromised_node_cannot_publish_an_address_or_hold_a_deletion() -> Result<()> {
-    let mut lb = LbRig::start(options())?;
+    // The attacker replaces the holder's agent with one that only writes
+    // the status: with the LAN membership on, the holder's witnesses would
+    // (rightly) find it dead and the deletion would not wait for it at
+    // all. Off here, so the node stays alive by its heartbeat, which is
+    // the attacker's to keep: the bound on how long it holds a deletion is
+    // what is tested.
+    let mut opts = options();
+    opts.agent_config = "lb_membership_port = 0\n".into();
+    let mut lb = LbRig::start(opts)?;
     lb.create_namespace("team-a")?;
     lb.create_service("team-a/web", &[(harvester::IPAM, "dhcp")], &[LISTEN_PORT])?;
     let ip = lb.wait_ingress("team-a/web", ADDRESS_WITHIN);

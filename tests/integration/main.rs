@@ -30,6 +30,7 @@ mod failover;
 mod flaky_api;
 mod hostile_node;
 mod kiwi;
+mod lan_adversary;
 mod loadbalancer;
 mod manifests;
 mod oci_image;
@@ -69,6 +70,7 @@ fn main() -> std::process::ExitCode {
         failover::tests(),
         flaky_api::tests(),
         hostile_node::tests(),
+        lan_adversary::tests(),
         rig_selftest::tests(),
         soak::tests(),
         peers::tests(),

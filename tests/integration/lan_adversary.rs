@@ -1,0 +1,160 @@
+//! A host on the LAN without the cluster key, attacking the agents'
+//! membership (issue #30): it sends each guest's membership port garbage,
+//! envelopes sealed with a key it made up (under the cluster key's id and
+//! under another), and authentic-looking envelopes naming a node that is
+//! no member. Every packet is dropped and counted by reason (the agent's
+//! own `status`), nobody is reported dead, and nothing moves; then the
+//! holder really dies and its Service moves all the same.
+
+use std::net::{SocketAddrV4, UdpSocket};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use harvester_node_agent::contract::membership::DEFAULT_PORT;
+use harvester_node_agent::membership::wire::{self, Key, Stamp};
+use hna_testkit::addrwatch::AddressWatch;
+use hna_testkit::failover::guest_namespaces;
+use hna_testkit::lb::{self, LbRig, node_address, wait_for};
+use hna_testkit::rig::forward::in_netns;
+
+use crate::harness::tests;
+
+tests! {
+    a_lan_host_without_the_key_makes_nobody_dead_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+}
+
+fn options() -> lb::Options {
+    lb::Options::new(
+        crate::BIN,
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes"),
+    )
+}
+
+fn agent_status(lb: &LbRig, i: usize) -> Option<serde_json::Value> {
+    let out = std::process::Command::new(crate::BIN)
+        .args(["status", "--output", "json", "--socket"])
+        .arg(lb.agent_socket(i))
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).ok())
+        .flatten()
+}
+
+fn dropped(lb: &LbRig, i: usize, reason: &str) -> u64 {
+    agent_status(lb, i)
+        .and_then(|s| s["lb"]["membership_dropped"][reason].as_u64())
+        .unwrap_or(0)
+}
+
+/// The attacker's packets, each kind `n` times.
+fn attack(n: usize) -> Vec<(&'static str, Vec<u8>)> {
+    let made_up = Key::new(1, &[0x5a; 32]).expect("a 32-byte key");
+    let other_id = Key::new(9, &[0x5a; 32]).expect("a 32-byte key");
+    let mut out = Vec::new();
+    for seq in 0..n as u64 {
+        let stamp = Stamp {
+            epoch: u64::MAX - 1,
+            sequence: seq,
+        };
+        out.push(("malformed", b"hello, memberlist?".to_vec()));
+        out.push((
+            "unauthenticated",
+            wire::seal(&made_up, "guest-1", stamp, &[1, 0, 0, 0, 1]).expect("sealed"),
+        ));
+        out.push((
+            "unknown_key",
+            wire::seal(&other_id, "guest-2", stamp, &[1, 0, 0, 0, 1]).expect("sealed"),
+        ));
+    }
+    out
+}
+
+fn a_lan_host_without_the_key_makes_nobody_dead_and_moves_nothing() -> Result<()> {
+    let mut lb = LbRig::start(options())?;
+    let (ip, holder) = hna_testkit::failover::served(&lb, "web")?;
+    lb.wait_for_membership(Duration::from_secs(30))?;
+    let guests: Vec<SocketAddrV4> = (0..lb.rig.guest_count())
+        .map(|i| SocketAddrV4::new(node_address(i), DEFAULT_PORT))
+        .collect();
+    let before: Vec<[u64; 3]> = (0..guests.len())
+        .map(|i| {
+            [
+                dropped(&lb, i, "malformed"),
+                dropped(&lb, i, "unauthenticated"),
+                dropped(&lb, i, "unknown_key"),
+            ]
+        })
+        .collect();
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    let packets = attack(300);
+    let sent = in_netns(&lb.client_ns, || -> Result<usize> {
+        let socket = UdpSocket::bind("0.0.0.0:0").context("the attacker's socket")?;
+        let mut sent = 0;
+        // Paced (2,700 packets over about 1.4 s): a burst at line rate
+        // overflows a socket's buffer whoever sends it, and the point here
+        // is what the agent does with each packet it gets.
+        for (_, p) in &packets {
+            for g in &guests {
+                socket.send_to(p, g).context("send")?;
+                sent += 1;
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        }
+        Ok(sent)
+    })??;
+    // Each guest counted every kind (UDP on a bridge in one kernel loses
+    // nothing at this pace; a loss would show as a shortfall here).
+    let per_kind = 300;
+    for (i, b) in before.iter().enumerate() {
+        let counted = wait_for(Duration::from_secs(10), || {
+            let now = [
+                dropped(&lb, i, "malformed"),
+                dropped(&lb, i, "unauthenticated"),
+                dropped(&lb, i, "unknown_key"),
+            ];
+            (0..3).all(|k| now[k] >= b[k] + per_kind).then_some(now)
+        });
+        ensure!(
+            counted.is_some(),
+            "guest {i} did not count the attack's {per_kind} packets of each kind (before {b:?}, now {:?})",
+            agent_status(&lb, i).map(|s| s["lb"]["membership_dropped"].clone())
+        );
+    }
+    // Three seconds on (twice the time a witness needs to report a node):
+    // nobody is reported, nothing moved.
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(t0.elapsed()));
+    for i in 0..guests.len() {
+        let o = lb.node_object(&lb.node_name(i)).context("node object")?;
+        ensure!(
+            o["status"]["lan"]["down"]
+                .as_array()
+                .is_none_or(|d| d.is_empty()),
+            "guest {i} reports {} down after the attack",
+            o["status"]["lan"]["down"]
+        );
+    }
+    ensure!(
+        watch.taken_by_other(ip, holder, t0).is_none() && watch.overlaps(ip).is_empty(),
+        "the attack moved {ip}"
+    );
+    println!(
+        "{sent} packets from a LAN host without the key: every one dropped and counted, nobody reported, nothing moved"
+    );
+    // The membership still works: the holder dies and its Service moves.
+    let f = hna_testkit::failover::fail_over(
+        &mut lb,
+        "after",
+        hna_testkit::failover::Fault::GuestDeleted,
+        Duration::from_secs(10),
+    )?;
+    ensure!(
+        f.took < Duration::from_secs(3),
+        "after the attack the dead holder's Service moved in {:?}",
+        f.took
+    );
+    Ok(())
+}
