@@ -14,7 +14,7 @@ use std::sync::Arc;
 use bytes::{Buf, BufMut};
 use foca::{Header, Member, Message, State};
 
-use super::swim::Id;
+use super::identity::Id;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CodecError {
