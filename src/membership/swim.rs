@@ -7,9 +7,10 @@
 //!
 //! - SWIM (`foca`): every member probes a random other each
 //!   [`Settings::probe_period`], asks others to probe it indirectly when it
-//!   does not answer, suspects it, and spreads the news by gossip. It finds
-//!   a dead member fast and from anywhere, but its verdict is one member's,
-//!   repeated.
+//!   does not answer, suspects it, and spreads the news by gossip. Its view
+//!   of who is alive is reported (`status.lan.alive`); its verdicts move
+//!   nothing: each is one member's, reached at a random moment and
+//!   repeated by gossip.
 //! - Witnesses: each node is watched by the [`WITNESSES`] nodes after it on
 //!   a hash ring (`contract::membership`). A witness probes each node it
 //!   watches itself, every [`Settings::witness_every`], and reports it

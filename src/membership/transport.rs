@@ -54,24 +54,12 @@ pub struct LanView {
     /// Whether the controller named any peers.
     pub has_peers: bool,
     /// When the membership (re)started with its current peers, and the
-    /// last authentic packet from any of them: a node that hears none of
-    /// its peers for `lb_fence_after` fences itself.
+    /// last authentic packet from any of them (for the LAN fence to come:
+    /// a node that hears none of its peers).
     pub peers_since: Option<Instant>,
     pub heard_any: Option<Instant>,
     /// Packets dropped, by reason.
     pub dropped: BTreeMap<&'static str, u64>,
-}
-
-impl LanView {
-    /// How long this node has heard none of its peers (`None`: it has no
-    /// peers, or the membership is not running).
-    pub fn silent_for(&self, now: Instant) -> Option<Duration> {
-        if !self.has_peers {
-            return None;
-        }
-        let since = self.heard_any.max(self.peers_since)?;
-        Some(now.saturating_duration_since(since))
-    }
 }
 
 /// How often the view's `heard_any` is brought up to date (it changes with
