@@ -1,9 +1,20 @@
 //! The one duration syntax of every flag, environment variable and
 //! configuration key: a bare number is seconds (`3`, `2.5`, as dhclient and
 //! udhcpc users type them), or humantime units (`10s`, `1m30s`, `500ms`).
-//! A leaf: it imports nothing of the crate, so any layer may use it.
+//! Also the one wait for an optional deadline ([`sleep_until`]) that the
+//! event loops select on. A leaf: it imports nothing of the crate, so any
+//! layer may use it.
 
 use std::time::Duration;
+
+/// Sleeps until `at`; with no deadline, never wakes (a `select!` arm that
+/// is off until there is one).
+pub async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
 
 /// The accepted forms, for error messages and help texts.
 pub const FORMS: &str =

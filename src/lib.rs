@@ -71,7 +71,15 @@ pub mod topology;
 mod boundaries {
     use std::path::Path;
 
-    const DAEMON: &[&str] = &["agent", "lb", "kmod", "guest", "topology", "node_status"];
+    const DAEMON: &[&str] = &[
+        "agent",
+        "lb",
+        "membership",
+        "kmod",
+        "guest",
+        "topology",
+        "node_status",
+    ];
     const CONTROLLER: &[&str] = &["controller"];
 
     fn sources(module: &str) -> Vec<(String, String)> {

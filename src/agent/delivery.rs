@@ -154,7 +154,7 @@ where
                     retry_at = Some(Instant::now() + policy.retry_after);
                 }
             },
-            _ = sleep_until_opt(next_launch) => {
+            _ = crate::duration::sleep_until(next_launch) => {
                 in_flight.push(attempt());
                 launched += 1;
                 last_launch = Instant::now();
@@ -164,13 +164,6 @@ where
                 return Err(format!("no answer within {:?}", policy.timeout).into());
             }
         }
-    }
-}
-
-async fn sleep_until_opt(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 

@@ -327,7 +327,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 systemd::beating(&hb, beat_every, lb.sweep()).await;
                 lb.report();
             }
-            _ = sleep_until_opt(lb.retry_at) => {
+            _ = crate::duration::sleep_until(lb.retry_at) => {
                 lb.retry_at = None;
                 systemd::beating(&hb, beat_every, lb.reconcile()).await;
                 lb.report();
@@ -373,13 +373,6 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 return;
             }
         }
-    }
-}
-
-async fn sleep_until_opt(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 

@@ -591,17 +591,24 @@ fn spawn_membership(
     tasks.spawn(async move {
         let mut tick = tokio::time::interval(UPLINK_ADDRESS_POLL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The uplink as the LoadBalancer task picks it (`current_uplink`:
+        // kept through a moment without a default route).
+        let mut last: Option<String> = None;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = stopping.changed() => return,
             }
-            let interface = uplink.clone().or_else(|| {
+            let interface = crate::dhcp::link::current_uplink(
+                uplink.as_deref(),
                 std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
                     .ok()
                     .as_deref()
-                    .and_then(crate::dhcp::link::default_route_interface)
-            });
+                    .and_then(crate::dhcp::link::default_route_interface),
+                last.as_deref(),
+                |name| std::path::Path::new("/sys/class/net").join(name).exists(),
+            );
+            last.clone_from(&interface);
             let listen = interface
                 .as_deref()
                 .and_then(crate::dhcp::link::interface_ipv4);

@@ -342,9 +342,9 @@ async fn reconcile_loop(
         tokio::select! {
             _ = changed.notified() => tokio::time::sleep(coalesce).await,
             _ = tick.tick() => {}
-            _ = sleep_until_opt(stale_at) => {}
-            _ = sleep_until_opt(retry_at) => {}
-            _ = sleep_until_opt(health_at) => {}
+            _ = crate::duration::sleep_until(stale_at) => {}
+            _ = crate::duration::sleep_until(retry_at) => {}
+            _ = crate::duration::sleep_until(health_at) => {}
             _ = shutdown.changed() => return,
         }
         let now = Instant::now();
@@ -530,13 +530,6 @@ struct Inputs {
     networks: networks::NetworkMap,
     leading: bool,
     term: u64,
-}
-
-async fn sleep_until_opt(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }
 
 /// The Services and Nodes as the decision reads them, and the

@@ -340,7 +340,7 @@ pub async fn run(
                         r.flush().await;
                     }
                 }
-                _ = sleep_until_opt(next) => {
+                _ = crate::duration::sleep_until(next) => {
                     if let Some(r) = running.as_mut() {
                         r.fire_due().await;
                     }
@@ -376,13 +376,6 @@ pub async fn run(
 async fn recv(r: Option<&Running>, buf: &mut [u8]) -> Option<(usize, SocketAddr)> {
     match r {
         Some(r) => r.socket.recv_from(buf).await.ok(),
-        None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until_opt(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
 }

@@ -26,7 +26,8 @@ impl Drop for Daemon {
     }
 }
 
-fn status(socket: &Path) -> Option<serde_json::Value> {
+/// `status --output json` from the daemon on `socket`, if it answers.
+pub(crate) fn status(socket: &Path) -> Option<serde_json::Value> {
     let out = std::process::Command::new(BIN)
         .args(["status", "--output", "json", "--socket"])
         .arg(socket)

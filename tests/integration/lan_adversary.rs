@@ -32,15 +32,7 @@ fn options() -> lb::Options {
 }
 
 fn agent_status(lb: &LbRig, i: usize) -> Option<serde_json::Value> {
-    let out = std::process::Command::new(crate::BIN)
-        .args(["status", "--output", "json", "--socket"])
-        .arg(lb.agent_socket(i))
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| serde_json::from_slice(&out.stdout).ok())
-        .flatten()
+    crate::cluster::status(&lb.agent_socket(i))
 }
 
 fn dropped(lb: &LbRig, i: usize, reason: &str) -> u64 {
