@@ -171,8 +171,8 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_heartbeat",
         env: "HNA_LB_HEARTBEAT",
         flag: "--lb-heartbeat",
-        default: "1s",
-        doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status. The controller counts a node whose heartbeat has not changed for 3s (its --node-stale-after) as dead and moves its addresses, and gives no address at all to a node whose period does not fit twice in that bound (the period is in the status), so keep it well below half of it. Between 200ms and 10s.",
+        default: "10s",
+        doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status when nothing in it changed (a change is written within a second; a DHCP renewal alone is no change). The backstop of liveness, at the kubelet's node-Lease rate: a node's death is found on the LAN by its peers (lb_membership_port) within about 2s; a node no peer vouches for is counted dead by the controller once its heartbeat has not changed for 40s (its --node-stale-after). A node whose period does not fit twice in that bound gets no address (the period is in the status). Between 200ms and 10s.",
         kind: Kind::Duration,
     },
     KeySpec {
@@ -196,15 +196,15 @@ pub const KEYS: &[KeySpec] = &[
         env: "HNA_LB_ADDRESS_LIFETIME",
         flag: "--lb-address-lifetime",
         default: "1s",
-        doc: "Every LoadBalancer address is configured with this lifetime (the kernel's valid_lft) and the daemon confirms it four times per lifetime: a daemon that stops running (frozen, hung, starved of CPU) stops answering for its addresses within this bound, enforced by the kernel, and after it runs again it brings none back before its takeover guard has checked the LAN. Keep it plus lb_heartbeat (and a margin for the kernel, which deletes an expired address up to a quarter second late) below the controller's --node-stale-after (3s): a node may confirm its addresses up to one heartbeat after the last heartbeat the controller saw, and must stop answering before another node is given them. Keep it above the longest the daemon may go without CPU. Whole seconds; 0s turns it off (addresses stay until removed). Otherwise between 1s and 60s.",
+        doc: "Every LoadBalancer address is configured with this lifetime (the kernel's valid_lft) and the daemon confirms it four times per lifetime: a daemon that stops running (frozen, hung, starved of CPU) stops answering for its addresses within this bound, enforced by the kernel, and after it runs again it brings none back before its takeover guard has checked the LAN. A node's witnesses on the LAN report it dead only after its probes went unanswered for longer than this lifetime (its answers carry it) plus 250ms, so its addresses are gone by then; a node that cannot hear its LAN for this long lets go of them itself (unless the API server still hears it). Keep it plus lb_heartbeat below the controller's --node-stale-after (40s). Keep it above the longest the daemon may go without CPU. Whole seconds; 0s turns it off (addresses stay until removed). Otherwise between 1s and 60s.",
         kind: Kind::Duration,
     },
     KeySpec {
         name: "lb_fence_after",
         env: "HNA_LB_FENCE_AFTER",
         flag: "--lb-fence-after",
-        default: "120s",
-        doc: "Self-fencing: when the daemon has not been able to write its status for this long, it hands every LoadBalancer address over and holds none until a write succeeds. The backstop for a partition the takeover guard cannot see; keep it above the longest API-server outage that should drop nothing. 0s is never. Otherwise between 10s and 1h.",
+        default: "30s",
+        doc: "Self-fencing without a view of the LAN (lb_membership_port = 0, or no peer heard): when the daemon has not been able to write its status for this long, it hands every LoadBalancer address over and holds none until a write succeeds. Keep it below the controller's --node-stale-after (40s), after which the node's Services move. With the LAN membership running, an API-server outage never fences a node that hears its peers; a node fences when it hears none of them, or too few of its witnesses, for lb_address_lifetime and no status write succeeded since. 0s is never. Otherwise between 10s and 1h.",
         kind: Kind::Duration,
     },
     KeySpec {
@@ -471,11 +471,11 @@ pub fn resolve(
             .collect(),
         metrics_listen: None,
         namespace: crate::contract::DEFAULT_NAMESPACE.to_string(),
-        lb_heartbeat: Duration::from_secs(1),
+        lb_heartbeat: Duration::from_secs(10),
         uplink: None,
         lb_arp_probe: true,
         lb_takeover_guard: Duration::from_millis(150),
-        lb_fence_after: Duration::from_secs(120),
+        lb_fence_after: Duration::from_secs(30),
         lb_membership_port: crate::contract::membership::DEFAULT_PORT,
         lb_address_lifetime: Duration::from_secs(1),
         lb_restart_grace: Duration::from_secs(15),
@@ -1139,7 +1139,7 @@ mod tests {
     fn load_balancer_keys_have_defaults_and_are_validated() {
         let cfg = resolve(None, &|_| None, &FlagValues::default(), &|| "n".into()).unwrap();
         assert_eq!(cfg.namespace, "harvester-node-agent");
-        assert_eq!(cfg.lb_heartbeat, Duration::from_secs(1));
+        assert_eq!(cfg.lb_heartbeat, Duration::from_secs(10));
         assert_eq!(
             resolve_file("lb_heartbeat = \"200ms\"\n")
                 .unwrap()
@@ -1160,7 +1160,7 @@ mod tests {
             Duration::ZERO
         );
         assert!(resolve_file("lb_takeover_guard = \"6s\"\n").is_err());
-        assert_eq!(cfg.lb_fence_after, Duration::from_secs(120));
+        assert_eq!(cfg.lb_fence_after, Duration::from_secs(30));
         assert_eq!(
             resolve_file("lb_fence_after = \"0s\"\n")
                 .unwrap()

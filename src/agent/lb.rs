@@ -78,10 +78,13 @@ pub const GUARDED: &str = "GUARDED";
 /// The last status, when stopping: short, so a stop is not held up by an
 /// unreachable API server (`TimeoutStopSec`).
 const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
-/// Heartbeats without a status written after which a node takes no address
-/// over: under the controller's `--node-stale-after` (3 heartbeats), so it
-/// stops before the controller may have moved its Services.
-const OUT_OF_TOUCH_AFTER: u32 = 2;
+/// How long after its last status written, with the last write failed, a
+/// node takes no address over: what it reads as its assignments may have
+/// moved since.
+const OUT_OF_TOUCH_AFTER: Duration = Duration::from_secs(2);
+/// How long the LAN's silence is borne before the fence when the addresses
+/// have no lifetime (`lb_address_lifetime = 0`): the witnesses' default.
+const DEFAULT_LAN_WAIT: Duration = Duration::from_secs(1);
 /// `status.reason` of a stopping agent.
 pub const STOPPING: &str = "stopping: the agent is shutting down and has handed its addresses over";
 
@@ -234,8 +237,14 @@ struct Lb<E: LeaseEngine> {
     /// The default uplink at the last round: a new one moves the leases
     /// that follow it.
     uplink: Option<String>,
-    /// Self-fenced: nothing is held until a status write succeeds again.
-    fenced: bool,
+    /// Self-fenced, and why (`agent::fence`): nothing is held until the
+    /// reason is gone.
+    fence: Option<String>,
+    /// When the fence is to be decided again, the inputs unchanged.
+    fence_again: Option<Instant>,
+    /// The start of the last LAN silence a status write was asked for, to
+    /// show that the API server still hears this node.
+    touched: Option<Instant>,
     /// No status written for [`OUT_OF_TOUCH_AFTER`] heartbeats: what this
     /// node reads as its assignments may be out of date.
     out_of_touch: bool,
@@ -289,7 +298,9 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         stopping: false,
         no_carrier: BTreeSet::new(),
         uplink: None,
-        fenced: false,
+        fence: None,
+        fence_again: None,
+        touched: None,
         out_of_touch: false,
         spec_stale: false,
         write_error_logged: false,
@@ -336,10 +347,16 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
             _ = written.changed() => lb.after_write().await,
             changed = lan_changes.changed(), if lan_open => match changed {
                 Ok(()) => {
+                    lb.judge_fence().await;
                     lb.report();
                 }
                 Err(_) => lan_open = false,
             },
+            _ = crate::duration::sleep_until(lb.fence_again) => {
+                lb.fence_again = None;
+                lb.judge_fence().await;
+                lb.report();
+            }
             _ = tokio::time::sleep_until(next_settle) => {
                 // A lease whose address the kernel let expire (this
                 // process did not run for its lifetime) starts again,
@@ -508,8 +525,11 @@ impl<E: LeaseEngine> Lb<E> {
                         .flatten();
                     let parent = w.uplink.as_ref();
                     match parent {
-                        _ if self.fenced && !w.release => {
-                            cut_off.insert(w.interface.clone(), self.fence_message());
+                        _ if self.fence.is_some() && !w.release => {
+                            cut_off.insert(
+                                w.interface.clone(),
+                                self.fence.clone().unwrap_or_default(),
+                            );
                         }
                         // Out of touch, this node cannot know that an
                         // assignment is still its own: it keeps serving the
@@ -720,35 +740,72 @@ impl<E: LeaseEngine> Lb<E> {
     fn out_of_touch_message(&self) -> String {
         format!(
             "out of touch: no status written for {} or more, so this assignment may have moved; the addresses held are kept, none is taken over until a status write succeeds",
-            humantime::format_duration(self.settings.heartbeat * OUT_OF_TOUCH_AFTER)
+            humantime::format_duration(OUT_OF_TOUCH_AFTER)
         )
     }
 
-    fn fence_message(&self) -> String {
-        format!(
-            "fenced: no status written for {} (lb_fence_after); nothing is held until one is",
-            humantime::format_duration(self.settings.fence_after)
-        )
+    /// The address lifetime: how long the LAN's silence is borne.
+    fn lan_wait(&self) -> Duration {
+        self.settings
+            .leases
+            .timing
+            .address_lifetime
+            .unwrap_or(DEFAULT_LAN_WAIT)
     }
 
-    /// Self-fencing: the controller has not heard from this node for
-    /// `fence_after`, far longer than it waits before moving the Services,
-    /// so they are held elsewhere (or waiting, guarded, for this node to
-    /// let go: a partition the LAN probe cannot see). Every lease is
-    /// handed over; none is held until a status write succeeds again.
-    async fn fence(&mut self) {
-        self.fenced = true;
-        tracing::warn!(object = %self.settings.object, "{}: handing every address over", self.fence_message());
-        hand_over_every_lease(&*self.engine).await;
+    /// Decides the fence ([`super::fence`]): hands every lease over when
+    /// it falls, holds what is assigned again (through the takeover guard)
+    /// when it lifts, and asks for a status write when the LAN went quiet
+    /// and nothing was written since, so that a node the API server still
+    /// hears shows it in time.
+    async fn judge_fence(&mut self) {
+        let written = self.writes.written();
+        let lan = self.lan.view.borrow().clone();
+        let verdict = super::fence::verdict(&super::fence::Inputs {
+            lan: &lan,
+            last_ok: written.last_ok,
+            write_failing: written.error.is_some(),
+            now: Instant::now(),
+            lan_wait: self.lan_wait(),
+            fence_after: self.settings.fence_after,
+        });
+        match verdict {
+            super::fence::Verdict::Hold { again } => {
+                self.fence_again = again;
+                if let Some(why) = self.fence.take() {
+                    tracing::warn!(object = %self.settings.object, was = %why, "no longer fenced: holding what is assigned again (through the takeover guard)");
+                    self.retry_at = Some(Instant::now());
+                }
+                let silences = [lan.hearing.none_since, lan.hearing.short_since];
+                if let Some(since) = silences.into_iter().flatten().max()
+                    && written.last_ok < since
+                    && self.touched != Some(since)
+                {
+                    self.touched = Some(since);
+                    self.writes.touch();
+                }
+            }
+            super::fence::Verdict::Fence(why) => {
+                self.fence_again = None;
+                if self.fence.is_none() {
+                    if let Some(e) = &written.error {
+                        tracing::warn!(object = %self.settings.object, error = %e, "cannot write the LoadBalancerNode status");
+                    }
+                    tracing::warn!(object = %self.settings.object, "{why}: handing every address over");
+                    hand_over_every_lease(&*self.engine).await;
+                }
+                self.fence = Some(why);
+            }
+        }
     }
 
-    /// A status write succeeded or failed: fences this node when none has
-    /// succeeded for `fence_after`, and lifts the fence at the first that
-    /// does.
+    /// A status write succeeded or failed: out of touch after failures
+    /// for [`OUT_OF_TOUCH_AFTER`] (no takeover), and the fence decided
+    /// again.
     async fn after_write(&mut self) {
         let written = self.writes.written();
-        let out_of_touch = written.error.is_some()
-            && written.last_ok.elapsed() >= self.settings.heartbeat * OUT_OF_TOUCH_AFTER;
+        let out_of_touch =
+            written.error.is_some() && written.last_ok.elapsed() >= OUT_OF_TOUCH_AFTER;
         if out_of_touch != self.out_of_touch {
             self.out_of_touch = out_of_touch;
             if out_of_touch {
@@ -758,27 +815,7 @@ impl<E: LeaseEngine> Lb<E> {
             }
             self.retry_at = Some(Instant::now());
         }
-        match &written.error {
-            None if self.fenced => {
-                self.fenced = false;
-                tracing::warn!(object = %self.settings.object, "status written again: holding what is assigned again (through the takeover guard)");
-                self.retry_at = Some(Instant::now());
-            }
-            None => {}
-            Some(e) => {
-                let silent = written.last_ok.elapsed();
-                // Only when something is held: a node that never joined
-                // has nothing to let go of (and nothing to log).
-                if !self.fenced
-                    && !self.settings.fence_after.is_zero()
-                    && silent >= self.settings.fence_after
-                    && !self.engine.snapshot().is_empty()
-                {
-                    tracing::warn!(object = %self.settings.object, error = %e, "cannot write the LoadBalancerNode status");
-                    self.fence().await;
-                }
-            }
-        }
+        self.judge_fence().await;
         self.report();
     }
 
@@ -797,6 +834,9 @@ impl<E: LeaseEngine> Lb<E> {
         if self.stopping {
             status.ready = false;
             status.reason = STOPPING.to_string();
+        } else if let Some(why) = &self.fence {
+            status.ready = false;
+            status.reason = why.clone();
         }
         status.heartbeat_period_ms = u64::try_from(self.settings.heartbeat.as_millis()).ok();
         status.lan = self.lan.view.borrow().report.clone();

@@ -72,6 +72,8 @@ struct Rig {
     /// What the node closure returns.
     view: Arc<Mutex<NodeView>>,
     liveness: Liveness,
+    /// What the membership tells the loop.
+    lan: watch::Sender<crate::membership::transport::LanView>,
     _stop: watch::Sender<bool>,
 }
 
@@ -162,6 +164,11 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
     let shared = view.clone();
     let node = move || shared.lock().unwrap().clone();
     let liveness = Liveness::default();
+    let (lan, lan_view) = watch::channel(crate::membership::transport::LanView::default());
+    let link = super::LanLink {
+        view: lan_view,
+        ..super::LanLink::detached()
+    };
     tokio::spawn(run_loop(
         Arc::new(engine.clone()),
         writes.clone(),
@@ -171,7 +178,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         out_tx,
         liveness.register("lb"),
         Duration::from_secs(1),
-        super::LanLink::detached(),
+        link,
         shutdown,
     ));
     Rig {
@@ -181,6 +188,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         out,
         view,
         liveness,
+        lan,
         _stop: stop,
     }
 }
@@ -1013,6 +1021,88 @@ async fn a_holder_that_cannot_write_for_the_fence_period_lets_go() {
         r.engine.running() == vec![a.interface.clone()]
     })
     .await;
+}
+
+/// Issue #30: with a view of its LAN (peers heard), an API server outage
+/// of any length fences nothing; a node that then hears none of its peers
+/// fences after its address lifetime, since no status was written since;
+/// one whose write lands after the silence began does not (the controller
+/// decides: its peers may all be dead).
+#[tokio::test(start_paused = true)]
+async fn the_fence_follows_the_lan_not_the_api() {
+    use crate::contract::membership::LanReport;
+    use crate::membership::transport::{Hearing, LanView};
+    let r = rig();
+    let heard = LanView {
+        report: Some(LanReport::default()),
+        has_peers: true,
+        heard_any: Some(Instant::now()),
+        hearing: Hearing {
+            convicting: 2,
+            ..Hearing::default()
+        },
+        ..LanView::default()
+    };
+    r.lan.send_replace(heard.clone());
+    let a = assignment("aaaaaaaa");
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the lease", || r.engine.running().len() == 1).await;
+    assert!(
+        r.engine
+            .bind(&a.interface, Ipv4Addr::new(10, 77, 0, 150), SERVER)
+    );
+    until("a write", || !r.writes.all().is_empty()).await;
+    r.writes.fail.store(true, Ordering::SeqCst);
+    tokio::time::sleep(FENCE * 10).await;
+    assert_eq!(r.engine.running().len(), 1, "fenced by an API outage");
+    // Deaf on the LAN too: fenced within the address lifetime (1 s).
+    let deaf = Instant::now();
+    r.lan.send_replace(LanView {
+        hearing: Hearing {
+            none_since: Some(deaf),
+            ..heard.hearing.clone()
+        },
+        ..heard.clone()
+    });
+    until("the fence", || r.engine.running().is_empty()).await;
+    let took = Instant::now() - deaf;
+    assert!(
+        took >= Duration::from_secs(1) && took <= Duration::from_millis(1100),
+        "{took:?}"
+    );
+    let st = r.out.borrow().status.clone();
+    assert!(!st.ready && st.reason.contains("heard none"), "{st:?}");
+    // Heard again, written again: held again.
+    r.lan.send_replace(heard.clone());
+    r.writes.fail.store(false, Ordering::SeqCst);
+    until("held again", || r.engine.running().len() == 1).await;
+    // Deaf again, but the API server hears it (the status write the
+    // silence asks for lands): nothing is let go.
+    let writes_before = r.writes.all().len();
+    let calls_before = r.engine.calls().len();
+    let deaf = Instant::now();
+    r.lan.send_replace(LanView {
+        hearing: Hearing {
+            none_since: Some(deaf),
+            ..heard.hearing.clone()
+        },
+        ..heard.clone()
+    });
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let stops: Vec<_> = r.engine.calls()[calls_before..]
+        .iter()
+        .filter(|c| matches!(c, Call::Stop { .. }))
+        .cloned()
+        .collect();
+    assert!(stops.is_empty(), "fenced while written: {stops:?}");
+    let touch = r.writes.all()[writes_before..]
+        .iter()
+        .map(|(at, _)| *at - deaf)
+        .next();
+    assert!(
+        touch.is_some_and(|t| t < Duration::from_millis(100)),
+        "no status write asked for at once: {touch:?}"
+    );
 }
 
 /// Issue #22: the feed of assignments ending (the follow task gone) must not

@@ -18,6 +18,7 @@
 
 mod conditions;
 mod delivery;
+mod fence;
 pub mod lb;
 mod macvlan;
 mod publish;

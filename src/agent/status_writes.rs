@@ -106,6 +106,13 @@ impl StatusWrites {
             .is_ok_and(|r| r.is_ok())
     }
 
+    /// Writes the status now, changed or not, without waiting: a write
+    /// that lands tells the loop that the API server still hears this
+    /// node (see `agent::fence`).
+    pub fn touch(&self) {
+        self.drafts.send_modify(|d| d.urgent += 1);
+    }
+
     /// What the writes achieved so far.
     pub fn written(&self) -> Written {
         self.written.borrow().clone()
@@ -206,13 +213,23 @@ fn next_beat(last: Option<SystemTime>, now: SystemTime) -> SystemTime {
 
 /// What a change-driven write compares: the status without the leases on
 /// their way to an address (INIT, SELECTING, REQUESTING, CHECKING,
-/// INIT-REBOOT). Nobody acts on those, and writing each step would cost the
-/// controller a round trip before the write that matters (BOUND); they are
-/// reported with the next heartbeat.
+/// INIT-REBOOT), and without what a renewal changes (its steps through
+/// RENEWING and REBINDING, which hold the address as BOUND does, and the
+/// new expiry). Nobody acts on those: writing each step would cost the
+/// controller a round trip before the write that matters (BOUND), and a
+/// write per renewal would grow with the Services held (issue #30). They
+/// are reported with the next heartbeat.
 fn settled_view(status: &Status) -> Status {
     const MOVING: [&str; 5] = ["INIT", "SELECTING", "REQUESTING", "CHECKING", "INIT-REBOOT"];
+    const RENEWAL: [&str; 2] = ["RENEWING", "REBINDING"];
     let mut s = status.clone();
     s.leases.retain(|l| !MOVING.contains(&l.state.as_str()));
+    for l in &mut s.leases {
+        if RENEWAL.contains(&l.state.as_str()) {
+            l.state = "BOUND".into();
+        }
+        l.expires = None;
+    }
     s
 }
 
@@ -247,6 +264,31 @@ mod tests {
                 "{settled}"
             );
         }
+    }
+
+    #[test]
+    fn a_renewal_alone_is_no_change() {
+        let bound = |state: &str, expires: &str| Status {
+            leases: vec![LeaseReport {
+                state: state.into(),
+                address: Some("10.77.0.50".into()),
+                expires: Some(expires.into()),
+                ..lease(state)
+            }],
+            ..Status::default()
+        };
+        let before = settled_view(&bound("BOUND", "2026-11-27T03:00:00Z"));
+        for state in ["RENEWING", "REBINDING", "BOUND"] {
+            assert_eq!(
+                settled_view(&bound(state, "2026-11-27T04:00:00Z")),
+                before,
+                "{state}"
+            );
+        }
+        assert_ne!(
+            settled_view(&bound("FAILED", "2026-11-27T04:00:00Z")),
+            before
+        );
     }
 
     #[test]

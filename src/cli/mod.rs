@@ -138,7 +138,7 @@ pub struct ConfigArgs {
     /// Namespace of this node's LoadBalancerNode object (the controller's) [default: harvester-node-agent] [env: HNA_NAMESPACE]
     #[arg(long, value_name = "NAMESPACE")]
     pub namespace: Option<String>,
-    /// How often the LoadBalancerNode status heartbeat is rewritten (200ms to 10s) [default: 1s] [env: HNA_LB_HEARTBEAT]
+    /// How often the LoadBalancerNode status is rewritten when nothing in it changed (200ms to 10s) [default: 10s] [env: HNA_LB_HEARTBEAT]
     #[arg(long, value_name = "DURATION")]
     pub lb_heartbeat: Option<String>,
     /// ARP-probe a LoadBalancer address before use (true/false) [default: true] [env: HNA_LB_ARP_PROBE]
@@ -147,7 +147,7 @@ pub struct ConfigArgs {
     /// Listen this long for another holder before taking an address over; 0s is off (0s to 5s) [default: 150ms] [env: HNA_LB_TAKEOVER_GUARD]
     #[arg(long, value_name = "DURATION")]
     pub lb_takeover_guard: Option<String>,
-    /// Hand every address over after this long without a status write; 0s is never (10s to 1h) [default: 120s] [env: HNA_LB_FENCE_AFTER]
+    /// Without a view of the LAN: hand every address over after this long without a status write; 0s is never (10s to 1h) [default: 30s] [env: HNA_LB_FENCE_AFTER]
     #[arg(long, value_name = "DURATION")]
     pub lb_fence_after: Option<String>,
     /// Lifetime of every LoadBalancer address, confirmed four times per lifetime: a frozen or paused daemon stops answering within it; 0s is off (whole seconds, 1s to 60s) [default: 1s] [env: HNA_LB_ADDRESS_LIFETIME]
@@ -247,16 +247,19 @@ pub struct ControllerArgs {
     #[arg(long, value_name = "DURATION", env = "HNA_RETRY_PERIOD", default_value = "500ms", value_parser = election_arg)]
     pub retry_period: Duration,
     /// A node whose agent's heartbeat has not changed for this long, as
-    /// seen on the controller's clock, holds no address; its Services move
-    /// to other nodes. Keep it well above the agents' heartbeat period (1s)
-    #[arg(long, value_name = "DURATION", env = "HNA_NODE_STALE_AFTER", default_value = "3s", value_parser = stale_arg)]
+    /// seen on the controller's clock, and that none of its witnesses hears
+    /// on the LAN, holds no address; its Services move to other nodes (a
+    /// node its witnesses find dead on the LAN moves within about 2s,
+    /// whatever its heartbeat). At least twice the agents' heartbeat
+    /// period (lb_heartbeat, 10s), above their lb_fence_after (30s)
+    #[arg(long, value_name = "DURATION", env = "HNA_NODE_STALE_AFTER", default_value = "40s", value_parser = stale_arg)]
     pub node_stale_after: Duration,
     /// When no node's heartbeat has changed for this long, the silence is
     /// blamed on the API server or the watch, not the nodes: nobody is
     /// judged stale, and after it every node gets a whole
-    /// --node-stale-after again. Above the agents' heartbeat period, at
-    /// most --node-stale-after
-    #[arg(long, value_name = "DURATION", env = "HNA_WATCH_QUIET_AFTER", default_value = "2s", value_parser = election_arg)]
+    /// --node-stale-after again. Above the agents' heartbeat period (10s),
+    /// at most --node-stale-after
+    #[arg(long, value_name = "DURATION", env = "HNA_WATCH_QUIET_AFTER", default_value = "15s", value_parser = election_arg)]
     pub watch_quiet_after: Duration,
     /// A Service whose holder reports its lease FAILED (no macvlan, no
     /// DHCP answer on that uplink) for this long moves to another node,
@@ -265,8 +268,9 @@ pub struct ControllerArgs {
     pub service_failed_after: Duration,
     /// A Service whose holder reports its lease GUARDED (another host still
     /// answers for the address) for this long moves to another node, if
-    /// one can take it. Keep it above the agents' lb_fence_after (120s):
-    /// a former holder cut off from the API server lets go within that
+    /// one can take it. Keep it above the agents' lb_fence_after (30s): a
+    /// former holder cut off from the API server and its LAN lets go
+    /// within that
     #[arg(long, value_name = "DURATION", env = "HNA_SERVICE_GUARDED_AFTER", default_value = "150s", value_parser = stale_arg)]
     pub service_guarded_after: Duration,
     /// A node that could not serve a Service (see --service-failed-after)

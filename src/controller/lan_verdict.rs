@@ -8,13 +8,20 @@
 //! bad view cannot move anything. Not counted:
 //!
 //! - a witness whose own status is not fresh (its report may be old);
-//! - a witness the accused lists in turn (two nodes that cannot hear each
-//!   other: which of them is cut off the LAN cannot tell, so neither
-//!   report counts and the other witnesses decide);
+//! - a witness the accused lists in turn, unless more witnesses accuse the
+//!   accused than accuse it: two nodes that cannot hear each other do not
+//!   tell which of them is cut off, but a node whose port went silent
+//!   accuses everyone it watches and is accused by all its witnesses, so
+//!   the count tells (equal counts: neither report counts);
 //! - a witness that is itself dead on the LAN (found in a first round).
 //!
 //! A node whose agent is restarting (`restartGraceMs`) is judged by its
 //! heartbeat only, for that long: its membership is down on purpose.
+//!
+//! The other way round, a node is vouched for on the LAN when a live
+//! witness with a fresh status hears it (`status.lan.hears`): the
+//! controller does not move a node whose own status went stale (cut off
+//! from the API server) while its LAN says it is there.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -31,13 +38,28 @@ pub struct Reporter<'a> {
     pub restarting: bool,
 }
 
+/// What the LAN says of its nodes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LanVerdict {
+    /// Dead on the LAN, by their witnesses' agreement.
+    pub dead: BTreeSet<String>,
+    /// Heard by a live witness with a fresh status.
+    pub vouched: BTreeSet<String>,
+}
+
 /// The nodes dead on their LAN.
 pub fn dead_on_lan(reporters: &[Reporter<'_>]) -> BTreeSet<String> {
+    judge(reporters).dead
+}
+
+/// What the LAN says of every node that reports on it.
+pub fn judge(reporters: &[Reporter<'_>]) -> LanVerdict {
     let mut networks: BTreeMap<&str, Vec<&Reporter<'_>>> = BTreeMap::new();
     for r in reporters {
         networks.entry(r.lan.network.as_str()).or_default().push(r);
     }
     let mut dead = BTreeSet::new();
+    let mut vouched = BTreeSet::new();
     for members in networks.values() {
         let by_name: BTreeMap<&str, &Reporter<'_>> = members.iter().map(|r| (r.name, *r)).collect();
         let names: Vec<&str> = by_name.keys().copied().collect();
@@ -45,13 +67,23 @@ pub fn dead_on_lan(reporters: &[Reporter<'_>]) -> BTreeSet<String> {
             .iter()
             .map(|n| (*n, witnesses_of(names.iter().copied(), n)))
             .collect();
+        let lists = |w: &str, node: &str, of: fn(&LanReport) -> &Vec<String>| {
+            by_name
+                .get(w)
+                .is_some_and(|r| r.fresh && of(r.lan).iter().any(|d| d == node))
+        };
+        // Every fresh witness's accusation, before any is weighed.
+        let accused_by: BTreeMap<&str, usize> = witnesses
+            .iter()
+            .map(|(n, ws)| (*n, ws.iter().filter(|w| lists(w, n, |l| &l.down)).count()))
+            .collect();
         let accuses = |w: &str, accused: &str| -> bool {
-            let (Some(rw), Some(ra)) = (by_name.get(w), by_name.get(accused)) else {
+            let Some(ra) = by_name.get(accused) else {
                 return false;
             };
-            rw.fresh
-                && rw.lan.down.iter().any(|d| d == accused)
-                && !ra.lan.down.iter().any(|d| d == w)
+            let mutual = ra.lan.down.iter().any(|d| d == w);
+            lists(w, accused, |l| &l.down)
+                && (!mutual || accused_by.get(w) < accused_by.get(accused))
         };
         let judge = |excluded: &BTreeSet<String>| -> BTreeSet<String> {
             let mut out = BTreeSet::new();
@@ -72,9 +104,18 @@ pub fn dead_on_lan(reporters: &[Reporter<'_>]) -> BTreeSet<String> {
             out
         };
         let first = judge(&BTreeSet::new());
-        dead.extend(judge(&first));
+        let found = judge(&first);
+        for (node, ws) in &witnesses {
+            if ws
+                .iter()
+                .any(|w| !found.contains(w) && lists(w, node, |l| &l.hears))
+            {
+                vouched.insert(node.to_string());
+            }
+        }
+        dead.extend(found);
     }
-    dead
+    LanVerdict { dead, vouched }
 }
 
 #[cfg(test)]
@@ -98,6 +139,7 @@ mod tests {
                                 address: format!("10.0.0.{}:7947", 10 + i),
                                 network: "10.0.0.0/24".into(),
                                 down: Vec::new(),
+                                hears: Vec::new(),
                                 alive: 0,
                             },
                         )
@@ -121,6 +163,10 @@ mod tests {
         }
 
         fn dead(&self) -> BTreeSet<String> {
+            self.verdict().dead
+        }
+
+        fn verdict(&self) -> LanVerdict {
             let r: Vec<Reporter<'_>> = self
                 .reports
                 .iter()
@@ -131,7 +177,7 @@ mod tests {
                     restarting: self.restarting.contains(n),
                 })
                 .collect();
-            dead_on_lan(&r)
+            judge(&r)
         }
     }
 
@@ -171,11 +217,58 @@ mod tests {
         net.stale.insert(w[1].clone());
         assert!(net.dead().is_empty(), "a stale report counted");
         net.stale.clear();
-        // n1 says w[1] is the one it cannot hear.
-        net.accuse("n1", &w[1]);
+        net.reports.get_mut(&w[1]).unwrap().down.clear();
+        // w[0] and n1 cannot hear each other, and nobody else says a word:
+        // which of them is cut off does not show.
+        net.accuse("n1", &w[0]);
         assert!(net.dead().is_empty(), "a mutual accusation counted");
-        net.accuse(&w[2], "n1");
+        // A second witness of n1 agrees with w[0]: n1 is the one.
+        net.accuse(&w[1], "n1");
         assert_eq!(net.dead(), BTreeSet::from(["n1".to_string()]));
+    }
+
+    /// A node whose LAN port went silent hears nobody: it accuses every
+    /// node it watches, and every witness of it accuses it. The count
+    /// tells which one is cut off; nobody else is moved.
+    #[test]
+    fn a_node_that_hears_nobody_is_the_one_moved() {
+        for n in [3, 4, 7] {
+            let mut net = Net::new(n);
+            let cut = "n1";
+            let names: Vec<String> = net.reports.keys().cloned().collect();
+            for other in names.iter().filter(|o| *o != cut) {
+                if net.witnesses(other).contains(&cut.to_string()) {
+                    net.accuse(cut, other);
+                }
+                if net.witnesses(cut).contains(other) {
+                    net.accuse(other, cut);
+                }
+            }
+            assert_eq!(net.dead(), BTreeSet::from([cut.to_string()]), "{n} nodes");
+        }
+    }
+
+    #[test]
+    fn a_node_a_live_witness_hears_is_vouched_for() {
+        let mut net = Net::new(5);
+        let w = net.witnesses("n3");
+        assert!(net.verdict().vouched.is_empty());
+        net.reports.get_mut(&w[0]).unwrap().hears.push("n3".into());
+        assert_eq!(net.verdict().vouched, BTreeSet::from(["n3".to_string()]));
+        // Not by a stale witness, nor by one that is no witness of it.
+        net.stale.insert(w[0].clone());
+        assert!(net.verdict().vouched.is_empty());
+        net.stale.clear();
+        net.reports.get_mut(&w[0]).unwrap().hears.clear();
+        let stranger = net
+            .reports
+            .keys()
+            .find(|n| *n != "n3" && !w.contains(n))
+            .cloned();
+        if let Some(s) = stranger {
+            net.reports.get_mut(&s).unwrap().hears.push("n3".into());
+            assert!(net.verdict().vouched.is_empty());
+        }
     }
 
     #[test]

@@ -616,8 +616,9 @@ fn objects_from(
             })
         })
         .collect();
-    let lan_dead = lan_verdict::dead_on_lan(&reporters);
-    for n in lan_dead.difference(lan_dead_logged) {
+    let lan = lan_verdict::judge(&reporters);
+    let lan_dead = &lan.dead;
+    for n in lan_dead.difference(&*lan_dead_logged) {
         let witnesses: Vec<&str> = reporters
             .iter()
             .filter(|r| r.lan.down.iter().any(|d| d == n))
@@ -625,10 +626,10 @@ fn objects_from(
             .collect();
         tracing::warn!(node = %n, reported_by = ?witnesses, "dead on its LAN by its witnesses' agreement: its Services move");
     }
-    for n in lan_dead_logged.difference(&lan_dead) {
+    for n in lan_dead_logged.difference(lan_dead) {
         tracing::info!(node = %n, "no longer dead on its LAN");
     }
-    lan_dead_logged.clone_from(&lan_dead);
+    lan_dead_logged.clone_from(lan_dead);
     for o in state.iter() {
         let Some(name) = o.metadata.name.clone() else {
             continue;
@@ -649,9 +650,11 @@ fn objects_from(
         } else if !too_slow {
             slow_warned.remove(&name);
         }
-        let eligible = !too_slow
-            && !lan_dead.contains(&name)
-            && alive.eligible(&name, status.is_some_and(|s| s.ready), now);
+        // A stale status with a witness that hears the node: cut off from
+        // the API server only, it serves on (nothing moves).
+        let heard = alive.fresh(&name, now) || lan.vouched.contains(&name);
+        let eligible =
+            !too_slow && !lan_dead.contains(&name) && heard && status.is_some_and(|s| s.ready);
         if let Some(rv) = &o.metadata.resource_version {
             versions.insert(format!("node/{name}"), rv.clone());
         }

@@ -68,6 +68,9 @@ pub struct Settings {
     pub default_lifetime: Duration,
     /// How often peers SWIM does not count as alive are announced to.
     pub join_every: Duration,
+    /// A peer not heard for this long counts as silent for this node's own
+    /// fence ([`Hearing`]): three of its witness probes missed.
+    pub silent_after: Duration,
 }
 
 impl Default for Settings {
@@ -87,6 +90,7 @@ impl Default for Settings {
             own_lifetime: Duration::from_secs(1),
             default_lifetime: Duration::from_secs(1),
             join_every: Duration::from_secs(1),
+            silent_after: Duration::from_millis(300),
         }
     }
 }
@@ -129,6 +133,26 @@ struct Watched {
     down_since: Option<Instant>,
 }
 
+/// What this node hears of its LAN, for its own fence: the mirror of its
+/// witnesses' verdict. A node that cannot hear enough of its witnesses to
+/// be moved by them (or hears none of its peers) is likely the one cut
+/// off, and must let go of its addresses before they report it, unless
+/// the API server heard from it since (then the controller decides).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Hearing {
+    /// Since when no peer has been heard (none for [`Settings::silent_after`];
+    /// `None`: one was, or none ever was).
+    pub none_since: Option<Instant>,
+    /// Since when [`Hearing::convicting`] of this node's witnesses have
+    /// been silent (each heard before, none for `silent_after`).
+    pub short_since: Option<Instant>,
+    /// This node's witnesses that are silent, sorted.
+    pub silent: Vec<String>,
+    /// How many witnesses' reports move a node (two, or all it has when
+    /// fewer), as the controller counts them.
+    pub convicting: usize,
+}
+
 /// Counters, for metrics and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Counters {
@@ -153,6 +177,10 @@ pub struct Member {
     watched: BTreeMap<Arc<str>, Watched>,
     /// The last authentic packet from any peer.
     heard_any: Option<Instant>,
+    /// The last authentic packet from each peer.
+    heard: BTreeMap<Arc<str>, Instant>,
+    /// This node's own witnesses (the ring's, among the peers).
+    witnesses: Vec<Arc<str>>,
     /// When the peers were last set (silence before it counts from then).
     since: Instant,
     counters: Counters,
@@ -231,6 +259,8 @@ impl Member {
             peers: BTreeMap::new(),
             watched: BTreeMap::new(),
             heard_any: None,
+            heard: BTreeMap::new(),
+            witnesses: Vec::new(),
             since: now,
             counters: Counters::default(),
             out: Vec::new(),
@@ -272,6 +302,12 @@ impl Member {
         for n in watch {
             self.watched.entry(Arc::from(n.as_str())).or_default();
         }
+        let members = self.peers.keys().map(|n| &**n).chain([&*self.me.name]);
+        self.witnesses = crate::contract::membership::witnesses_of(members, &self.me.name)
+            .into_iter()
+            .map(|n| Arc::from(n.as_str()))
+            .collect();
+        self.heard.retain(|n, _| self.peers.contains_key(n));
         self.join();
     }
 
@@ -292,6 +328,7 @@ impl Member {
             return;
         };
         self.heard_any = Some(now);
+        self.heard.insert(name.clone(), now);
         if let Some(w) = self.watched.get_mut(&name) {
             // Anything authentic from it (fresh: the gate refuses a replay)
             // says it runs.
@@ -381,6 +418,46 @@ impl Member {
             .filter(|(_, w)| w.down_since.is_some())
             .map(|(n, _)| n.to_string())
             .collect()
+    }
+
+    /// The nodes this one watches whose probes it hears answered
+    /// (sorted): heard, and not reported down since. A probe or two lost
+    /// changes nothing (no status write for it).
+    pub fn hears(&self) -> Vec<String> {
+        self.watched
+            .iter()
+            .filter(|(_, w)| w.heard.is_some() && w.down_since.is_none())
+            .map(|(n, _)| n.to_string())
+            .collect()
+    }
+
+    /// What this node hears of its LAN at `now`, for its own fence. A
+    /// witness never heard does not count as silent, as a witness never
+    /// reports a node it never heard.
+    pub fn hearing(&self, now: Instant) -> Hearing {
+        let silent_after = self.settings.silent_after;
+        let quiet = |at: Instant| now.saturating_duration_since(at) >= silent_after;
+        let none_since = self.heard_any.filter(|at| quiet(*at));
+        let mut silent: Vec<(Instant, String)> = self
+            .witnesses
+            .iter()
+            .filter_map(|w| {
+                let at = *self.heard.get(w)?;
+                quiet(at).then(|| (at, w.to_string()))
+            })
+            .collect();
+        silent.sort();
+        let convicting = self.witnesses.len().min(2);
+        let short_since =
+            (convicting > 0 && silent.len() >= convicting).then(|| silent[convicting - 1].0);
+        let mut silent: Vec<String> = silent.into_iter().map(|(_, n)| n).collect();
+        silent.sort();
+        Hearing {
+            none_since,
+            short_since,
+            silent,
+            convicting,
+        }
     }
 
     /// The nodes this one watches.
@@ -548,6 +625,8 @@ mod tests {
         /// whether it is cut off (sends and receives nothing).
         runs: Vec<u64>,
         cut: Vec<bool>,
+        /// Pairs that cannot reach each other (a split LAN).
+        split: Option<Box<dyn Fn(usize, usize) -> bool>>,
         loss: f64,
         rng: SmallRng,
         queue: BinaryHeap<Reverse<(Instant, u64)>>,
@@ -568,6 +647,7 @@ mod tests {
                 addrs,
                 runs: vec![1; n],
                 cut: vec![false; n],
+                split: None,
                 loss: 0.0,
                 rng: SmallRng::seed_from_u64(42),
                 queue: BinaryHeap::new(),
@@ -623,6 +703,9 @@ mod tests {
                             continue;
                         }
                         let j = self.addrs.iter().position(|a| *a == to).unwrap();
+                        if self.split.as_ref().is_some_and(|apart| apart(i, j)) {
+                            continue;
+                        }
                         self.push(
                             self.now + Duration::from_millis(1),
                             Event::Deliver(j, packet),
@@ -777,6 +860,100 @@ mod tests {
             lan.flush(victim);
             let back = lan.until(Duration::from_secs(5), |l| l.accusers(victim).is_empty());
             assert!(back.is_some(), "still accused: {:?}", lan.accusers(victim));
+        }
+    }
+
+    /// The mirror of the witnesses' verdict: a node cut off hears none of
+    /// its peers and too few of its witnesses, and its own fence (the
+    /// silence's start plus its 1 s address lifetime) falls before its
+    /// witnesses report it; the others notice nothing of the kind.
+    #[test]
+    fn a_node_cut_off_knows_before_its_witnesses_report_it() {
+        let mut lan = Lan::new(5);
+        lan.run_for(Duration::from_secs(5));
+        let victim = 1;
+        let cut_at = lan.now;
+        lan.cut[victim] = true;
+        let witnesses = lan.witnesses(victim);
+        let reported = lan
+            .until(Duration::from_secs(5), |l| l.accusers(victim) == witnesses)
+            .expect("reported");
+        let h = lan.members[victim].hearing(lan.now);
+        let none = h.none_since.expect("hears none");
+        let short = h.short_since.expect("too few witnesses");
+        assert_eq!(h.convicting, 2);
+        assert_eq!(h.silent.iter().cloned().collect::<BTreeSet<_>>(), witnesses);
+        let lifetime = Settings::default().own_lifetime;
+        for since in [none, short] {
+            assert!(since <= cut_at, "{since:?} after the cut {cut_at:?}");
+            let fence = since + lifetime - cut_at;
+            assert!(
+                fence + Duration::from_millis(200) <= reported,
+                "fenced {fence:?} after the cut, reported {reported:?}"
+            );
+        }
+        for i in (0..5).filter(|i| *i != victim) {
+            let h = lan.members[i].hearing(lan.now);
+            assert_eq!(h.none_since, None, "node-{i}");
+            assert_eq!(h.short_since, None, "node-{i}: {:?}", h.silent);
+        }
+        // Back: it hears them again.
+        lan.cut[victim] = false;
+        lan.run_for(Duration::from_millis(500));
+        assert_eq!(
+            lan.members[victim].hearing(lan.now),
+            Hearing {
+                convicting: 2,
+                ..Hearing::default()
+            }
+        );
+    }
+
+    /// Lost packets (one in ten) never keep a live node from hearing two
+    /// witnesses for the fence's second.
+    #[test]
+    fn a_lossy_lan_fences_nobody() {
+        let mut lan = Lan::new(6);
+        lan.loss = 0.1;
+        lan.run_for(Duration::from_secs(5));
+        for _ in 0..1200 {
+            lan.run_for(Duration::from_millis(100));
+            for i in 0..6 {
+                let h = lan.members[i].hearing(lan.now);
+                let long = |s: Option<Instant>| {
+                    s.is_some_and(|s| lan.now - s >= Duration::from_millis(900))
+                };
+                assert!(
+                    !long(h.none_since) && !long(h.short_since),
+                    "node-{i} at {:?}: {h:?}",
+                    lan.now
+                );
+            }
+        }
+    }
+
+    /// A LAN split three to four: the nodes whose witnesses are mostly
+    /// across know it; a node of the larger side whose witnesses are on
+    /// its side does not.
+    #[test]
+    fn a_split_shows_in_each_nodes_hearing_of_its_witnesses() {
+        let mut lan = Lan::new(7);
+        lan.run_for(Duration::from_secs(5));
+        let side = |i: usize| i < 3;
+        lan.loss = 0.0;
+        lan.split = Some(Box::new(move |a, b| side(a) != side(b)));
+        lan.run_for(Duration::from_secs(2));
+        let names: Vec<String> = (0..7).map(Lan::name).collect();
+        for i in 0..7 {
+            let across = lan
+                .witnesses(i)
+                .iter()
+                .filter(|w| side(names.iter().position(|n| n == *w).unwrap()) != side(i))
+                .count();
+            let h = lan.members[i].hearing(lan.now);
+            assert_eq!(h.none_since, None, "node-{i}");
+            assert_eq!(h.silent.len(), across, "node-{i}: {h:?}");
+            assert_eq!(h.short_since.is_some(), across >= 2, "node-{i}: {h:?}");
         }
     }
 

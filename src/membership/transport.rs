@@ -11,6 +11,7 @@ use tokio::net::UdpSocket;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+pub use super::swim::Hearing;
 use super::swim::{Member, Out, Settings, Timer};
 use super::wire::{Dropped, Key};
 use crate::contract::membership::{LanReport, Peer};
@@ -54,10 +55,12 @@ pub struct LanView {
     /// Whether the controller named any peers.
     pub has_peers: bool,
     /// When the membership (re)started with its current peers, and the
-    /// last authentic packet from any of them (for the LAN fence to come:
-    /// a node that hears none of its peers).
+    /// last authentic packet from any of them.
     pub peers_since: Option<Instant>,
     pub heard_any: Option<Instant>,
+    /// What this node hears of its peers and its witnesses, for its own
+    /// fence.
+    pub hearing: Hearing,
     /// Packets dropped, by reason.
     pub dropped: BTreeMap<&'static str, u64>,
 }
@@ -170,12 +173,14 @@ impl Running {
                 address: SocketAddrV4::new(ip, self.port).to_string(),
                 network: format!("{network}/{prefix}"),
                 down: self.member.down(),
+                hears: self.member.hears(),
                 alive: self.member.alive() as u32,
             }),
             why_not: None,
             has_peers: self.member.has_peers(),
             peers_since: Some(self.member.peers_since()),
             heard_any: self.member.heard_any(),
+            hearing: self.member.hearing(Instant::now()),
             dropped: Dropped::ALL
                 .iter()
                 .map(|d| (d.label(), self.member.dropped(*d)))
@@ -245,6 +250,7 @@ fn worth_telling(old: &LanView, new: &LanView) -> bool {
         || old.why_not != new.why_not
         || old.has_peers != new.has_peers
         || old.peers_since != new.peers_since
+        || old.hearing != new.hearing
         || old.dropped != new.dropped
 }
 

@@ -34,6 +34,9 @@ pub enum Fault {
     /// network service that tears its interfaces down does. Not in
     /// [`Fault::ALL`] (the failover bench's rows).
     UplinkDeleted,
+    /// Its LAN port silent ([`set_port`]): its link up, its API path fine,
+    /// so only its peers on the LAN can tell. Not in [`Fault::ALL`].
+    PortSilenced,
     /// Its VM is gone: the namespace deleted with everything in it.
     GuestDeleted,
     /// `GuestDeleted`, and the controller leader killed at the same moment.
@@ -55,6 +58,7 @@ impl Fault {
             Fault::CablePulled => "uplink down (no carrier)",
             Fault::UplinkSetDown => "uplink set down by its owner",
             Fault::UplinkDeleted => "uplink deleted by its owner",
+            Fault::PortSilenced => "LAN port silent, link and API path up",
             Fault::GuestDeleted => "holder's namespace deleted",
             Fault::LeaderAndHolder => "leader killed + namespace deleted",
         }
@@ -166,6 +170,63 @@ pub fn set_port(lb: &LbRig, i: usize, forwarding: bool) -> Result<()> {
         "bridge link set dev {port} state {state}: {st}"
     );
     Ok(())
+}
+
+/// The rig's LAN split in two: frames between the ports of guests `side`
+/// and the other guests' ports are dropped on the bridge, both ways, with
+/// no carrier change (`ebtables` on the bridge's FORWARD chain); the LAN
+/// namespace's own hosts (DHCP server, gateway, observer) still reach both
+/// halves, so a client there hears both if both answer. Healed by
+/// [`LanSplit::heal`] or when dropped.
+pub struct LanSplit {
+    lan_ns: String,
+    healed: bool,
+}
+
+impl LanSplit {
+    pub fn split(lb: &LbRig, side: &[usize]) -> Result<LanSplit> {
+        let lan_ns = lb.rig.lan_ns().to_string();
+        let split = LanSplit {
+            lan_ns: lan_ns.clone(),
+            healed: false,
+        };
+        let port = |i: usize| format!("vg{}", i + 1);
+        let (a, b): (Vec<usize>, Vec<usize>) =
+            (0..lb.rig.guest_count()).partition(|i| side.contains(i));
+        for x in &a {
+            for y in &b {
+                for (from, to) in [(port(*x), port(*y)), (port(*y), port(*x))] {
+                    let st = Command::new("ip")
+                        .args(["netns", "exec", &lan_ns, "ebtables", "-A", "FORWARD"])
+                        .args(["-i", &from, "-o", &to, "-j", "DROP"])
+                        .status()?;
+                    ensure!(
+                        st.success(),
+                        "ebtables -A FORWARD -i {from} -o {to} -j DROP: {st}"
+                    );
+                }
+            }
+        }
+        Ok(split)
+    }
+
+    pub fn heal(&mut self) -> Result<()> {
+        if self.healed {
+            return Ok(());
+        }
+        self.healed = true;
+        let st = Command::new("ip")
+            .args(["netns", "exec", &self.lan_ns, "ebtables", "-F", "FORWARD"])
+            .status()?;
+        ensure!(st.success(), "ebtables -F FORWARD: {st}");
+        Ok(())
+    }
+}
+
+impl Drop for LanSplit {
+    fn drop(&mut self) {
+        let _ = self.heal();
+    }
 }
 
 /// Guest `i` paused as a paused VM looks from inside and from the LAN:
@@ -356,6 +417,7 @@ pub fn fail_over_prepared(
         Fault::CablePulled => set_cable(lb, from, false)?,
         Fault::UplinkSetDown => set_uplink(lb, from, false)?,
         Fault::UplinkDeleted => delete_uplink(lb, from)?,
+        Fault::PortSilenced => set_port(lb, from, false)?,
         Fault::GuestDeleted | Fault::LeaderAndHolder => {
             if let Some(c) = leader {
                 lb.kill_controller(c);

@@ -91,6 +91,21 @@ pub struct Options {
     pub wide_lan: bool,
 }
 
+impl Options {
+    /// Liveness judged through the API server only, as before issue #30:
+    /// the LAN membership off, a heartbeat every second and a node stale
+    /// after 3 s. For tests of what that path alone must get right (the
+    /// takeover guard behind a holder cut off from the API server, a
+    /// heartbeat too slow for the bound).
+    pub fn api_liveness(mut self) -> Options {
+        self.agent_config
+            .push_str("lb_membership_port = 0\nlb_heartbeat = \"1s\"\n");
+        self.controller_args
+            .extend(["--node-stale-after", "3s", "--watch-quiet-after", "2s"].map(String::from));
+        self
+    }
+}
+
 /// The LAN's prefix with [`Options::wide_lan`].
 pub const WIDE_LAN: &str = "10.77.0.0/22";
 /// The second DHCP range with [`Options::wide_lan`]: 512 addresses.
@@ -400,6 +415,17 @@ impl LbRig {
 
     pub fn agent_socket(&self, i: usize) -> PathBuf {
         self.agent_dir(i).join("agent.sock")
+    }
+
+    /// Whether guest `i`'s spec assigns Service `service` (`namespace/name`)
+    /// to it, to hold (not to release).
+    pub fn assigned(&self, i: usize, service: &str) -> bool {
+        self.node_object(&self.node_name(i)).is_some_and(|o| {
+            o["spec"]["assignments"].as_array().is_some_and(|a| {
+                a.iter()
+                    .any(|a| a["service"] == service && a["release"] != true)
+            })
+        })
     }
 
     pub fn agent_log(&self, i: usize) -> String {

@@ -43,6 +43,9 @@ pub enum Prereq {
     /// `socat` (the VM tests' notify receiver and user-mode network
     /// forward).
     Socat,
+    /// `ebtables` (iptables' nf_tables front end): a LAN split on the
+    /// rig's bridge.
+    Ebtables,
     /// The VM harness's programs: `qemu-system-x86_64`, kmod's `modprobe`
     /// and `depmod`, `cpio`, `busybox`, `ldd` and `strip`.
     Qemu,
@@ -128,6 +131,7 @@ impl Prereq {
             Prereq::Busybox => "busybox",
             Prereq::Curl => "curl",
             Prereq::Socat => "socat",
+            Prereq::Ebtables => "ebtables",
             Prereq::Qemu => "qemu-system-x86",
             Prereq::VmKernel => "the VM kernel",
             Prereq::QemuGuestAgent => "qemu-guest-agent",
@@ -225,6 +229,7 @@ impl Prereq {
             Prereq::Busybox => program("busybox", "busybox"),
             Prereq::Curl => program("curl", "curl"),
             Prereq::Socat => program("socat", "socat"),
+            Prereq::Ebtables => program("ebtables", "iptables"),
             Prereq::Qemu => {
                 for (name, package) in [
                     ("qemu-system-x86_64", "qemu-system-x86"),

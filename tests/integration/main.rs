@@ -35,6 +35,7 @@ mod loadbalancer;
 mod manifests;
 mod oci_image;
 mod packaging;
+mod partitions;
 mod peers;
 mod rig_selftest;
 mod scripts;
@@ -71,6 +72,7 @@ fn main() -> std::process::ExitCode {
         flaky_api::tests(),
         hostile_node::tests(),
         lan_adversary::tests(),
+        partitions::tests(),
         rig_selftest::tests(),
         soak::tests(),
         peers::tests(),

@@ -296,6 +296,7 @@ fn full_status() -> node_object::Status {
             address: "10.77.0.11:7947".into(),
             network: "10.77.0.0/24".into(),
             down: vec!["node-c".into()],
+            hears: vec!["node-b".into()],
             alive: 1,
         }),
     }

@@ -311,7 +311,9 @@ fn a_tenant_blanking_requested_ip_cannot_make_two_nodes_answer() -> Result<()> {
     use hna_testkit::addrwatch::AddressWatch;
     use hna_testkit::failover::{arp_prober, guest_namespaces};
 
-    let mut lb = LbRig::start(options())?;
+    // The move comes from the API path alone (with the LAN membership
+    // on, the holder's witnesses vouch for it and nothing moves).
+    let mut lb = LbRig::start(options().api_liveness())?;
     let (_, ip) = tenants_web(&lb)?;
     wait_for(WITHIN, || {
         lb.service("team-a/web")

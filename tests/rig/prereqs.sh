@@ -23,7 +23,7 @@ set -euo pipefail
 CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
 PACKAGES=(dnsmasq-base iproute2 busybox isc-dhcp-client dhcpcd-base
           procps psmisc jq rsync curl ca-certificates openssl
-          man-db systemd
+          man-db systemd iptables
           rpm rpm2cpio cpio binutils xz-utils)
 
 log() { echo "prereqs: $*" >&2; }

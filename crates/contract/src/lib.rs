@@ -498,6 +498,12 @@ pub mod membership {
         /// own probes went unanswered), sorted.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         pub down: Vec<String>,
+        /// The peers this node witnesses whose probes it hears answered,
+        /// sorted: the controller does not move a node whose status went
+        /// stale (cut off from the API server) while a witness still hears
+        /// it on the LAN.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub hears: Vec<String>,
         /// How many of its peers the membership counts alive (changes when
         /// one joins, leaves or dies, not otherwise).
         #[serde(default)]

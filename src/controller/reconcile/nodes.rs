@@ -184,6 +184,7 @@ mod tests {
                 address: format!("10.0.{}.{}:7947", i / 2, 10 + i),
                 network: format!("10.0.{}.0/24", i / 2),
                 down: Vec::new(),
+                hears: Vec::new(),
                 alive: 0,
             });
         }
