@@ -2,7 +2,8 @@
 //! timings: for each fault done to a Service's holder, the time until
 //! another guest holds the address, as the guests' kernels report it
 //! (`ip monitor address`), over N runs (default 10), each on a fresh rig,
-//! the fault spread over the holder's heartbeat period;
+//! the fault spread over a second (the witnesses' probes come every
+//! 100 ms, the status's changes within a second);
 //! beside it, the longest time a client on the LAN asking who has the
 //! address every 10 ms got no answer. Also counts the moments two guests
 //! held the address or answered one request (must be 0).
@@ -44,8 +45,8 @@ fn main() -> Result<()> {
         let mut overlaps = 0;
         for run in 0..runs {
             let mut lb = LbRig::start(lb::Options::new(BIN, &manifests))?;
-            // Spread over one heartbeat period (1 s): run k of n faults k/n
-            // of the way through it from wherever the phase starts.
+            // Spread over a second: run k of n faults k/n of the way through
+            // it from wherever the phase starts.
             let delay = Duration::from_millis((1000 * run / runs) as u64);
             let f = fail_over_after(
                 &mut lb,

@@ -23,8 +23,8 @@
 //!   state machine, packet sockets, lease files, `dhcp-probe`), the crate
 //!   `hna-dhcp` in `crates/dhcp`;
 //! - [`lb`]: the node's LoadBalancer data plane (assignments to leases);
-//! - [`membership`]: liveness on the LAN (issue #30; so far only the
-//!   authenticated envelope of its packets, not yet used);
+//! - [`membership`]: liveness on the LAN (issue #30): the agents of one
+//!   network watch each other (SWIM and witnesses), with sealed packets;
 //! - [`metrics`]: the optional `/metrics` and `/healthz` endpoint;
 //! - [`contract`]: what the daemon and the controller share (and share
 //!   with the Harvester cloud provider and kube-vip): annotation keys,

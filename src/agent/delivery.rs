@@ -160,8 +160,18 @@ where
                 last_launch = Instant::now();
                 retry_at = None;
             }
+            // The server's wait goes on past the write's end: the next
+            // write must not go out before it either (issue #29: a wait
+            // longer than the timeout was forgotten here).
             _ = tokio::time::sleep_until(deadline) => {
-                return Err(format!("no answer within {:?}", policy.timeout).into());
+                return Err(Failed {
+                    message: match last_error {
+                        Some(e) if in_flight.is_empty() => e,
+                        _ => format!("no answer within {:?}", policy.timeout),
+                    },
+                    retry_after: hold(held_until),
+                    answered: last_answered && in_flight.is_empty(),
+                });
             }
         }
     }
@@ -218,6 +228,30 @@ mod tests {
             retry_after: Some(retry_after),
             answered: true,
         })
+    }
+
+    /// A wait longer than the write's timeout outlives the write: the
+    /// failure carries what is left of it, so the next write waits too.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_longer_than_the_timeout_comes_back_with_the_failure() {
+        let policy = Policy {
+            window: Duration::from_secs(30),
+            ..POLICY
+        };
+        // Answered after 1 ms: 25 s from then.
+        let (sent, attempt) = scripted_answers(vec![(1, too_many(Duration::from_secs(25)))]);
+        let t0 = Instant::now();
+        let e = deliver(&policy, attempt)
+            .await
+            .expect_err("held past the timeout");
+        assert_eq!(sent.lock().unwrap().len(), 1);
+        assert_eq!(t0.elapsed(), POLICY.timeout);
+        let left = e.retry_after.expect("the wait left");
+        assert!(
+            left > Duration::from_secs(14) && left <= Duration::from_millis(15_001),
+            "{left:?}"
+        );
+        assert_eq!(e.message, "429");
     }
 
     #[tokio::test(start_paused = true)]

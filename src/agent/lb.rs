@@ -16,12 +16,11 @@
 //!   ones no assignment wants (no RELEASE, lease files kept) and the wanted
 //!   ones are started, which adopts them (same link, same lease, no DHCP
 //!   exchange while the lease is valid). The wait is bounded
-//!   ([`ADOPTION_WAIT`]): after it, the assignments are unknown and the
-//!   controller has counted this node as dead (3 s without a heartbeat) and
-//!   moved its addresses, so the left links go (handover, never released).
+//!   ([`ADOPTION_WAIT`]): after it, the assignments are still unknown and
+//!   the left links go (handover, never released).
 //! - Output: the status subresource, merge-patched at every heartbeat
-//!   period (`lb_heartbeat`) and, within [`SETTLE`], after every change of
-//!   what is reported (a release shows as the lease leaving `leases`), by
+//!   period (`lb_heartbeat`, a backstop) and, within [`SETTLE`], after every
+//!   change of what is reported (a release shows as the lease leaving `leases`), by
 //!   a task of its own (`agent::status_writes`) so that no round, however
 //!   long, holds up a heartbeat.
 //!
@@ -52,8 +51,11 @@ use super::status::LbStatus;
 use super::status_writes::StatusWrites;
 
 /// How long start-up keeps left links for the first read of the
-/// assignments. Longer than the 3 s after which the controller counts a
-/// silent node as dead: past it, the addresses may be held elsewhere.
+/// assignments. Past it, the controller has moved the addresses of a node
+/// that was down this long (its witnesses report it within about 2 s; a
+/// node none of them hears is stale after 40 s), and the addresses on the
+/// left links have expired (only a running lease confirms their
+/// lifetime): the links only wait to be adopted.
 pub const ADOPTION_WAIT: Duration = Duration::from_secs(30);
 /// How soon a change of what is reported reaches the status.
 pub const SETTLE: Duration = Duration::from_secs(1);

@@ -147,7 +147,9 @@ async fn run<W: StatusWriter>(
         let changed = last.as_ref().map(settled_view) != Some(settled_view(&draft.status));
         let urgent = draft.urgent > urgent_done;
         let now = Instant::now();
-        if urgent || ((changed || now >= beat_due) && now >= not_before) {
+        // A 429's `Retry-After` holds back every write, the urgent ones too
+        // (issue #29: the server's wait is the node's as a whole).
+        if (urgent || changed || now >= beat_due) && now >= not_before {
             beat_due = Instant::now() + heartbeat;
             let beat = next_beat(last_beat, SystemTime::now());
             last_beat = Some(beat);
@@ -187,11 +189,18 @@ async fn run<W: StatusWriter>(
             });
             continue;
         }
+        // Something to write waits for the server's wait only; otherwise
+        // the next heartbeat is due.
+        let wake = if urgent || changed {
+            not_before
+        } else {
+            beat_due.max(not_before)
+        };
         tokio::select! {
             changed = drafts.changed() => if changed.is_err() {
                 return;
             },
-            _ = tokio::time::sleep_until(beat_due.max(not_before)) => {}
+            _ = tokio::time::sleep_until(wake) => {}
         }
     }
 }
@@ -288,6 +297,77 @@ mod tests {
         assert_ne!(
             settled_view(&bound("FAILED", "2026-11-27T04:00:00Z")),
             before
+        );
+    }
+
+    /// Answers 429 with `Retry-After: 20s` until 20 s have passed, and
+    /// records when each attempt came.
+    #[derive(Clone)]
+    struct Shedding {
+        start: Instant,
+        calls: std::sync::Arc<std::sync::Mutex<Vec<Duration>>>,
+    }
+
+    impl StatusWriter for Shedding {
+        async fn write(&self, _status: &Status) -> Result<(), super::super::delivery::Failed> {
+            let at = self.start.elapsed();
+            self.calls.lock().unwrap().push(at);
+            if at < Duration::from_secs(20) {
+                Err(super::super::delivery::Failed {
+                    message: "429 Too Many Requests".into(),
+                    retry_after: Some(Duration::from_secs(20) - at),
+                    answered: true,
+                })
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    /// Issue #29: once the server asked for a wait, no write goes out
+    /// before it ends, an urgent one (a stop, a LAN silence's proof of
+    /// contact) included; and a changed status goes out when it ends, not
+    /// at the next heartbeat.
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_after_holds_back_every_write_then_the_pending_one_goes() {
+        let writer = Shedding {
+            start: Instant::now(),
+            calls: Default::default(),
+        };
+        let writes = StatusWrites::start(writer.clone(), Duration::from_secs(30));
+        writes.draft(Status {
+            reason: "first".into(),
+            ..Status::default()
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        writes.touch();
+        writes.draft(Status {
+            reason: "changed".into(),
+            ..Status::default()
+        });
+        let mut written = writes.watch();
+        tokio::time::timeout(
+            Duration::from_secs(25),
+            written.wait_for(|w| w.error.is_none() && w.urgent_done >= 1),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "not written once the wait is over: {:?} {:?}",
+                writer.calls.lock().unwrap(),
+                writes.written()
+            )
+        })
+        .unwrap();
+        let calls = writer.calls.lock().unwrap().clone();
+        assert_eq!(calls[0], Duration::ZERO, "{calls:?}");
+        assert!(
+            calls[1..].iter().all(|at| *at >= Duration::from_secs(20)),
+            "an attempt within the server's wait: {calls:?}"
+        );
+        assert!(
+            *calls.last().unwrap() < Duration::from_secs(21),
+            "the pending write waited for more than the server asked: {calls:?}"
         );
     }
 

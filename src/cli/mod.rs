@@ -258,9 +258,10 @@ pub struct ControllerArgs {
     /// blamed on the API server or the watch, not the nodes: nobody is
     /// judged stale, and after it every node gets a whole
     /// --node-stale-after again. Above the agents' heartbeat period (10s),
-    /// at most --node-stale-after
-    #[arg(long, value_name = "DURATION", env = "HNA_WATCH_QUIET_AFTER", default_value = "15s", value_parser = election_arg)]
-    pub watch_quiet_after: Duration,
+    /// at most --node-stale-after [default: 15s, or half of
+    /// --node-stale-after when that is less]
+    #[arg(long, value_name = "DURATION", env = "HNA_WATCH_QUIET_AFTER", value_parser = election_arg)]
+    pub watch_quiet_after: Option<Duration>,
     /// A Service whose holder reports its lease FAILED (no macvlan, no
     /// DHCP answer on that uplink) for this long moves to another node,
     /// if one can take it
@@ -321,6 +322,10 @@ fn class_arg(v: &str) -> Result<String, String> {
             format!("{e} (spec.loadBalancerClass is a label-style name, e.g. example.com/dhcp)")
         })
 }
+
+/// `--watch-quiet-after` unless given: above the agents' default heartbeat
+/// period (10s).
+const DEFAULT_WATCH_QUIET_AFTER: Duration = Duration::from_secs(15);
 
 fn election_arg(v: &str) -> Result<Duration, String> {
     let d = crate::duration::parse_duration(v)?;
@@ -409,10 +414,13 @@ pub fn main() -> ExitCode {
                 renew_deadline: args.renew_deadline,
                 retry_period: args.retry_period,
             };
-            if args.watch_quiet_after > args.node_stale_after {
+            let watch_quiet_after = args
+                .watch_quiet_after
+                .unwrap_or_else(|| DEFAULT_WATCH_QUIET_AFTER.min(args.node_stale_after / 2));
+            if watch_quiet_after > args.node_stale_after {
                 eprintln!(
                     "harvester-node-agent: --watch-quiet-after ({}) must not be above --node-stale-after ({})",
-                    humantime::format_duration(args.watch_quiet_after),
+                    humantime::format_duration(watch_quiet_after),
                     humantime::format_duration(args.node_stale_after)
                 );
                 return ExitCode::from(EXIT_CONFIG);
@@ -432,7 +440,7 @@ pub fn main() -> ExitCode {
                     .unwrap_or_else(crate::controller::default_identity),
                 timing,
                 node_stale_after: args.node_stale_after,
-                watch_quiet_after: args.watch_quiet_after,
+                watch_quiet_after,
                 service_failed_after: args.service_failed_after,
                 service_guarded_after: args.service_guarded_after,
                 service_avoid_for: args.service_avoid_for,

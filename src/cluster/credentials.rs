@@ -148,13 +148,13 @@ pub enum CredentialsError {
 /// Kubernetes client configuration from a discovery result.
 pub async fn client_config(found: &Discovery) -> Result<kube::Config, CredentialsError> {
     // kube's default client repeats a 429, 503 or 504 by itself (up to 15
-    // times, honouring `Retry-After` for that request), out of our writers'
-    // sight. It stays on: turned off, a heartbeat that honours a 1 s
-    // `Retry-After` twice in a row goes past the controller's 3 s
-    // staleness bound, and the flaky-API test moved Services off healthy
-    // nodes. Its repeat goes out beside our hedges, so the server's wait is
-    // not honoured by the node as a whole; what ends that is liveness that
-    // does not ride on API writes (issue #30).
+    // times), out of our writers' sight: its repeat went out beside our
+    // hedges, so a server's `Retry-After` was not honoured by the node as a
+    // whole. Off: each writer sees every answer and holds back as asked
+    // (`agent::delivery`, the controller's per-object backoff). It had
+    // stayed on while liveness rode on API writes (a heartbeat that waited
+    // out two 1 s `Retry-After`s went past a 3 s staleness bound); liveness
+    // is on the LAN now, and the backstop heartbeat has 40 s (issue #30).
     match found {
         Discovery::File { path, .. } => {
             let kc = Kubeconfig::read_from(path).map_err(|source| CredentialsError::Read {
@@ -171,9 +171,14 @@ pub async fn client_config(found: &Discovery) -> Result<kube::Config, Credential
             // defaults wait far longer than a health check should.
             cfg.connect_timeout = Some(Duration::from_secs(5));
             cfg.read_timeout = Some(READ_TIMEOUT);
+            cfg.default_retry = false;
             Ok(cfg)
         }
-        Discovery::InCluster => Ok(kube::Config::incluster()?),
+        Discovery::InCluster => {
+            let mut cfg = kube::Config::incluster()?;
+            cfg.default_retry = false;
+            Ok(cfg)
+        }
         Discovery::NotFound { .. } => Err(CredentialsError::NotFound),
     }
 }

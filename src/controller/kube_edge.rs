@@ -104,6 +104,7 @@ pub fn node_in(o: &LoadBalancerNode, eligible: bool) -> Option<NodeIn> {
         spec: o.spec.clone(),
         status: o.status.clone().unwrap_or_default(),
         eligible,
+        keep_only: false,
     })
 }
 

@@ -651,14 +651,17 @@ fn objects_from(
             slow_warned.remove(&name);
         }
         // A stale status with a witness that hears the node: cut off from
-        // the API server only, it serves on (nothing moves).
-        let heard = alive.fresh(&name, now) || lan.vouched.contains(&name);
+        // the API server only, it serves on (nothing moves), and is given
+        // nothing new, which it could not read.
+        let fresh = alive.fresh(&name, now);
+        let heard = fresh || lan.vouched.contains(&name);
         let eligible =
             !too_slow && !lan_dead.contains(&name) && heard && status.is_some_and(|s| s.ready);
         if let Some(rv) = &o.metadata.resource_version {
             versions.insert(format!("node/{name}"), rv.clone());
         }
         if let Some(mut n) = kube_edge::node_in(o, eligible) {
+            n.keep_only = eligible && !fresh;
             n.status.heartbeat = None;
             objects.push(n);
         }

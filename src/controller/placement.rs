@@ -26,10 +26,13 @@ pub struct ServiceNeed {
 pub type Placement = BTreeMap<ServiceKey, Option<String>>;
 
 /// `eligible`: the nodes that may hold addresses now (agent alive,
-/// macvlan ready). `current`: the holders recorded so far.
+/// macvlan ready); of those, `keep_only` keep what they hold and are given
+/// nothing new (cut off from the API server, they would not read it).
+/// `current`: the holders recorded so far.
 pub fn place(
     services: &[ServiceNeed],
     eligible: &[String],
+    keep_only: &BTreeSet<String>,
     current: &BTreeMap<ServiceKey, String>,
 ) -> Placement {
     let mut load: BTreeMap<&str, usize> = eligible.iter().map(|n| (n.as_str(), 0)).collect();
@@ -39,7 +42,7 @@ pub fn place(
     let elsewhere = |s: &ServiceNeed, holder: &str| {
         eligible
             .iter()
-            .any(|n| n != holder && allowed(s, n) && !s.avoid.contains(n))
+            .any(|n| n != holder && allowed(s, n) && !s.avoid.contains(n) && !keep_only.contains(n))
     };
     for s in services {
         match current.get(&s.key) {
@@ -58,7 +61,7 @@ pub fn place(
     for s in homeless {
         let choice = load
             .iter()
-            .filter(|(node, _)| allowed(s, node))
+            .filter(|(node, _)| allowed(s, node) && !keep_only.contains(**node))
             .min_by_key(|(node, n)| (s.avoid.contains(**node), **n, tie_break(&s.uid, node)))
             .map(|(node, _)| node.to_string());
         if let Some(node) = &choice {
@@ -97,25 +100,50 @@ mod tests {
         let eligible = nodes(&["n1", "n2", "n3"]);
         let mut s = svc(1);
         s.only = Some(["n3".to_string()].into());
-        let p = place(std::slice::from_ref(&s), &eligible, &BTreeMap::new());
+        let p = place(
+            std::slice::from_ref(&s),
+            &eligible,
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+        );
         assert_eq!(p[&s.key].as_deref(), Some("n3"));
         // Stays while n3 keeps an endpoint, even with more elsewhere.
         s.only = Some(["n2".to_string(), "n3".to_string()].into());
         let current: BTreeMap<ServiceKey, String> = [(s.key.clone(), "n3".to_string())].into();
-        let p = place(std::slice::from_ref(&s), &eligible, &current);
+        let p = place(
+            std::slice::from_ref(&s),
+            &eligible,
+            &BTreeSet::new(),
+            &current,
+        );
         assert_eq!(p[&s.key].as_deref(), Some("n3"));
         // The endpoint moves to n1: so does the holder.
         s.only = Some(["n1".to_string()].into());
-        let p = place(std::slice::from_ref(&s), &eligible, &current);
+        let p = place(
+            std::slice::from_ref(&s),
+            &eligible,
+            &BTreeSet::new(),
+            &current,
+        );
         assert_eq!(p[&s.key].as_deref(), Some("n1"));
         // Its only endpoint is on a node that is not eligible: no holder.
         s.only = Some(["n9".to_string()].into());
-        let p = place(std::slice::from_ref(&s), &eligible, &current);
+        let p = place(
+            std::slice::from_ref(&s),
+            &eligible,
+            &BTreeSet::new(),
+            &current,
+        );
         assert_eq!(p[&s.key], None);
         // No endpoint at all: no holder either.
         s.only = Some(BTreeSet::new());
         assert_eq!(
-            place(std::slice::from_ref(&s), &eligible, &current)[&s.key],
+            place(
+                std::slice::from_ref(&s),
+                &eligible,
+                &BTreeSet::new(),
+                &current
+            )[&s.key],
             None
         );
     }
@@ -142,7 +170,7 @@ mod tests {
     fn spread_then_stable_then_only_the_dead_nodes_services_move() {
         let services: Vec<ServiceNeed> = (0..10).map(svc).collect();
         let all = nodes(&["n1", "n2", "n3"]);
-        let first = place(&services, &all, &BTreeMap::new());
+        let first = place(&services, &all, &BTreeSet::new(), &BTreeMap::new());
         let mut c: Vec<usize> = counts(&first).into_values().collect();
         c.sort();
         assert_eq!(c, vec![3, 3, 4], "{first:?}");
@@ -150,11 +178,14 @@ mod tests {
         // Nothing fails: nothing moves, also when the order of input changes.
         let mut reversed = services.clone();
         reversed.reverse();
-        assert_eq!(place(&reversed, &all, &holders(&first)), first);
+        assert_eq!(
+            place(&reversed, &all, &BTreeSet::new(), &holders(&first)),
+            first
+        );
 
         // n2 dies: its Services move, the others stay where they were.
         let survivors = nodes(&["n1", "n3"]);
-        let after = place(&services, &survivors, &holders(&first));
+        let after = place(&services, &survivors, &BTreeSet::new(), &holders(&first));
         for (k, was) in holders(&first) {
             let now = after[&k].clone().unwrap();
             if was == "n2" {
@@ -171,10 +202,10 @@ mod tests {
         let services: Vec<ServiceNeed> = (0..5).map(svc).collect();
         let all = nodes(&["a", "b"]);
         assert_eq!(
-            place(&services, &all, &BTreeMap::new()),
-            place(&services, &all, &BTreeMap::new())
+            place(&services, &all, &BTreeSet::new(), &BTreeMap::new()),
+            place(&services, &all, &BTreeSet::new(), &BTreeMap::new())
         );
-        let none = place(&services, &[], &BTreeMap::new());
+        let none = place(&services, &[], &BTreeSet::new(), &BTreeMap::new());
         assert!(none.values().all(Option::is_none));
         assert_eq!(none.len(), 5);
     }
@@ -182,12 +213,27 @@ mod tests {
     #[test]
     fn a_recovered_node_gets_new_services_not_old_ones_back() {
         let services: Vec<ServiceNeed> = (0..4).map(svc).collect();
-        let on_one = place(&services, &nodes(&["n1"]), &BTreeMap::new());
-        let back = place(&services, &nodes(&["n1", "n2"]), &holders(&on_one));
+        let on_one = place(
+            &services,
+            &nodes(&["n1"]),
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+        );
+        let back = place(
+            &services,
+            &nodes(&["n1", "n2"]),
+            &BTreeSet::new(),
+            &holders(&on_one),
+        );
         assert_eq!(back, on_one, "no flapping back");
         let mut more = services.clone();
         more.push(svc(9));
-        let next = place(&more, &nodes(&["n1", "n2"]), &holders(&back));
+        let next = place(
+            &more,
+            &nodes(&["n1", "n2"]),
+            &BTreeSet::new(),
+            &holders(&back),
+        );
         assert_eq!(next[&svc(9).key].as_deref(), Some("n2"));
     }
 
@@ -200,20 +246,44 @@ mod tests {
         let mut s = svc(1);
         let current: BTreeMap<ServiceKey, String> = [(s.key.clone(), "n1".to_string())].into();
         s.avoid = ["n1".to_string(), "n2".to_string()].into();
-        let p = place(std::slice::from_ref(&s), &all, &current);
+        let p = place(std::slice::from_ref(&s), &all, &BTreeSet::new(), &current);
         assert_eq!(p[&s.key].as_deref(), Some("n3"));
         // A homeless Service never goes to an avoided node first.
-        let p = place(std::slice::from_ref(&s), &all, &BTreeMap::new());
+        let p = place(
+            std::slice::from_ref(&s),
+            &all,
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+        );
         assert_eq!(p[&s.key].as_deref(), Some("n3"));
         // Every node avoided: it stays.
         s.avoid = all.iter().cloned().collect();
-        let p = place(std::slice::from_ref(&s), &all, &current);
+        let p = place(std::slice::from_ref(&s), &all, &BTreeSet::new(), &current);
         assert_eq!(p[&s.key].as_deref(), Some("n1"));
         // `externalTrafficPolicy: Local` with its endpoint on n1 alone: it
         // stays on n1, avoided or not.
         s.avoid = ["n1".to_string()].into();
         s.only = Some(["n1".to_string()].into());
-        let p = place(std::slice::from_ref(&s), &all, &current);
+        let p = place(std::slice::from_ref(&s), &all, &BTreeSet::new(), &current);
         assert_eq!(p[&s.key].as_deref(), Some("n1"));
+    }
+
+    /// A node cut off from the API server keeps what it holds and is
+    /// given nothing new: it would not read it.
+    #[test]
+    fn a_keep_only_node_keeps_its_own_and_gets_nothing_new() {
+        let all = nodes(&["n1", "n2", "n3"]);
+        let services: Vec<ServiceNeed> = (0..9).map(svc).collect();
+        let first = place(&services, &all, &BTreeSet::new(), &BTreeMap::new());
+        let cut: BTreeSet<String> = ["n2".to_string()].into();
+        let more: Vec<ServiceNeed> = (0..15).map(svc).collect();
+        let next = place(&more, &all, &cut, &holders(&first));
+        for s in &services {
+            assert_eq!(next[&s.key], first[&s.key], "{} moved", s.key);
+        }
+        for s in &more[9..] {
+            assert_ne!(next[&s.key].as_deref(), Some("n2"), "{} given to n2", s.key);
+            assert!(next[&s.key].is_some());
+        }
     }
 }

@@ -69,6 +69,13 @@ pub struct Options {
     /// Leave `uplink` out of the agents' configuration: each takes its
     /// guest's default route's interface (eth0), as a node does by default.
     pub uplink_from_route: bool,
+    /// The agents reach the API server (or the fault proxy) at the LAN's
+    /// address ([`rig::LAN_ADDR`]) through their uplink, as a single-NIC VM
+    /// reaches its control plane: a fault on the uplink or the LAN cuts
+    /// both (default). Off: through a loopback side channel no LAN fault
+    /// touches (a node with a separate management network); a test that
+    /// turns it off says why.
+    pub api_on_lan: bool,
     /// Put a [`FaultProxy`] in front of the API server and give the agents
     /// and controllers kubeconfigs that point at it (the test's own admin
     /// client still talks to the API server directly). Its faults are off
@@ -123,6 +130,7 @@ impl Options {
             endpoint_slices: false,
             admission_policy: true,
             uplink_from_route: false,
+            api_on_lan: true,
             fault_proxy: false,
             lease_time: None,
             start_ours: true,
@@ -160,6 +168,10 @@ pub struct LbRig {
     /// The proxy's port made reachable in each guest, as the rig does for
     /// the API server's.
     proxy_forwarders: Vec<Forwarder>,
+    /// With [`Options::api_on_lan`]: per guest, the port on the LAN's
+    /// address where its agent reaches the API server, and the forwarder
+    /// there while its path is not cut ([`LbRig::cut_api`]).
+    lan_paths: Vec<(u16, Option<Forwarder>)>,
     proxy: Option<FaultProxy>,
     admin: kube::Client,
     rt: tokio::runtime::Runtime,
@@ -235,6 +247,7 @@ impl LbRig {
             agents: Vec::new(),
             controllers: Vec::new(),
             proxy_forwarders: Vec::new(),
+            lan_paths: Vec::new(),
             proxy: None,
             opts,
         };
@@ -243,6 +256,11 @@ impl LbRig {
         }
         for i in 0..lb.opts.guests {
             lb.configure_uplink(i)?;
+            if lb.opts.api_on_lan {
+                let port = rig::apiserver::free_port()?;
+                lb.lan_paths.push((port, None));
+                lb.open_lan_path(i)?;
+            }
             let node = lb.rig.node_name(i).to_string();
             lb.register_node(&node)?;
             lb.agents.push(None);
@@ -310,16 +328,65 @@ impl LbRig {
         self.proxy.as_ref()
     }
 
+    /// The admin kubeconfig for a process in guest `i` (a peer load
+    /// balancer): through the guest's uplink with [`Options::api_on_lan`],
+    /// as the agent's.
+    pub fn guest_admin_kubeconfig(&self, i: usize) -> Result<PathBuf> {
+        let api = self.rig.apiserver().context("API server")?;
+        match self.lan_paths.get(i) {
+            Some((port, _)) if self.opts.api_on_lan => api.admin_kubeconfig_via(
+                &format!("https://{}:{port}", rig::LAN_ADDR),
+                &format!("guest-{i}-via-lan"),
+            ),
+            _ => Ok(api.admin_kubeconfig().to_path_buf()),
+        }
+    }
+
     /// The kubeconfig guest `i`'s agent was started with (rotate it to try
     /// credential changes).
     pub fn agent_kubeconfig(&self, i: usize) -> Result<PathBuf> {
         self.kubeconfig(Some(&self.node_name(i)))
     }
 
+    /// Guest `i`'s way to the API server (or the fault proxy) on the LAN's
+    /// address, with [`Options::api_on_lan`].
+    fn open_lan_path(&mut self, i: usize) -> Result<()> {
+        let upstream = match &self.proxy {
+            Some(p) => p.port(),
+            None => self.rig.apiserver().context("API server")?.port(),
+        };
+        let lan_ns = self.rig.lan_ns().to_string();
+        let Some((port, fwd)) = self.lan_paths.get_mut(i) else {
+            bail!("guest {i} has no path to the API server on the LAN");
+        };
+        if fwd.is_none() {
+            let listen =
+                std::net::SocketAddr::from((rig::LAN_ADDR.parse::<std::net::Ipv4Addr>()?, *port));
+            *fwd = Some(
+                Forwarder::start_at(&lan_ns, listen, upstream)
+                    .with_context(|| format!("the API server at {listen} for guest {i}"))?,
+            );
+        }
+        Ok(())
+    }
+
     /// The kubeconfig of node `node` (`Some`) or of the controllers: through
-    /// the fault proxy when there is one.
+    /// the fault proxy when there is one; a node's through its uplink with
+    /// [`Options::api_on_lan`].
     fn kubeconfig(&self, node: Option<&str>) -> Result<PathBuf> {
         let api = self.rig.apiserver().context("API server")?;
+        if let (true, Some(n)) = (self.opts.api_on_lan, node) {
+            let i = self.guest_of(n);
+            let (port, _) = self
+                .lan_paths
+                .get(i)
+                .context("the guest's path on the LAN")?;
+            return api.kubeconfig_via(
+                node,
+                &format!("https://{}:{port}", rig::LAN_ADDR),
+                "via-lan",
+            );
+        }
         match (&self.proxy, node) {
             (Some(p), _) => api.kubeconfig_via(node, &p.url(), "via-proxy"),
             (None, Some(n)) => Ok(api.node_kubeconfig(n).to_path_buf()),
@@ -488,8 +555,16 @@ impl LbRig {
     }
 
     /// Guest `i` is cut off from the API server, its LAN untouched
-    /// ([`Rig::cut_api`]; through the fault proxy too, when there is one).
+    /// ([`Rig::cut_api`]; through the fault proxy too, when there is one;
+    /// on the LAN's address with [`Options::api_on_lan`], as a firewall or
+    /// a route on the way to the control plane would): every connection is
+    /// cut and none is accepted.
     pub fn cut_api(&mut self, i: usize) {
+        if let Some((_, fwd)) = self.lan_paths.get_mut(i)
+            && let Some(mut f) = fwd.take()
+        {
+            f.stop();
+        }
         let ns = self.rig.guest_ns(i).to_string();
         for f in self.proxy_forwarders.iter_mut().filter(|f| f.netns() == ns) {
             f.stop();
@@ -500,6 +575,9 @@ impl LbRig {
 
     /// Undoes [`LbRig::cut_api`].
     pub fn restore_api(&mut self, i: usize) -> Result<()> {
+        if self.opts.api_on_lan {
+            self.open_lan_path(i)?;
+        }
         self.rig.restore_api(i)?;
         if let Some(p) = &self.proxy {
             let ns = self.rig.guest_ns(i).to_string();

@@ -90,12 +90,12 @@ impl KubeVip {
 
     /// Starts kube-vip in guest `i`, as node `lb.node_name(i)`, with the
     /// admin kubeconfig (the chart's ClusterRole is wider than any test
-    /// needs), on `eth0`, metrics off.
+    /// needs) through the guest's uplink as our agent's, on `eth0`, metrics
+    /// off.
     pub fn start(&mut self, lb: &LbRig, i: usize) -> Result<()> {
         if self.procs[i].is_some() {
             bail!("kube-vip already runs in guest {i}");
         }
-        let api = lb.rig.apiserver().context("API server")?;
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -110,7 +110,7 @@ impl KubeVip {
             .env("svc_enable", "true")
             .env("svc_election", "true")
             .env("vip_nodename", lb.node_name(i))
-            .env("k8s_config_file", api.admin_kubeconfig())
+            .env("k8s_config_file", lb.guest_admin_kubeconfig(i)?)
             .env("vip_leaseduration", t.duration.to_string())
             .env("vip_renewdeadline", t.renew_deadline.to_string())
             .env("vip_retryperiod", t.retry_period.to_string())

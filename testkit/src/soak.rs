@@ -12,8 +12,8 @@
 //! address's holder.
 //!
 //! The faults include the adversary's (issue #29): one guest cut off from
-//! the API server only, one whose LAN port goes silent while its link and
-//! its API path stay up, a webhook refusing every Service write, and the
+//! the API server only, one whose LAN port goes silent while its link
+//! stays up (its API path, through that port, goes with it), a webhook refusing every Service write, and the
 //! Services' owner (with its own token) blanking `requestedIP` or pointing
 //! `hwaddr` at another LAN host's MAC.
 //!
@@ -179,7 +179,9 @@ impl Fault {
             Fault::UplinkRecreated => "uplink deleted, recreated 0.5-5 s later",
             Fault::GuestReplaced => "guest deleted, a new one of its name 1-5 s later",
             Fault::ApiCutOff => "guest cut off from the API server only 5-60 s",
-            Fault::PortSilenced => "guest's LAN port silent, carrier up, API fine 0.5-5 s",
+            Fault::PortSilenced => {
+                "guest's LAN port silent (its API path with it), carrier up 0.5-5 s"
+            }
             Fault::LeaderKilled => "controller leader SIGKILL",
             Fault::ApiServerDown => "API server + etcd down 1-40 s",
             Fault::DhcpServerRestarted => "DHCP server down 0-5 s",

@@ -763,8 +763,12 @@ fn a_restarted_agent_keeps_its_addresses_and_nothing_moves() -> Result<()> {
 fn a_guard_that_cannot_hear_its_lan_takes_nothing_over() -> Result<()> {
     // Moved off a holder cut off from the API server only: liveness through
     // the API (with the LAN membership on, its witnesses vouch for it and
-    // nothing moves: `partitions::`).
-    let mut lb = LbRig::start(options().api_liveness())?;
+    // nothing moves: `partitions::`). The next node's port goes silent with
+    // its API path up: a side channel to the API server (a management
+    // network), so that its guard, not its API path, is what is tried.
+    let mut opts = options().api_liveness();
+    opts.api_on_lan = false;
+    let mut lb = LbRig::start(opts)?;
     let (ip, holder) = served(&lb, "web")?;
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
     let t0 = Instant::now();

@@ -41,7 +41,12 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
                 .unwrap_or_default(),
         })
         .collect();
-    let placement = placement::place(&service_needs, &pass.nodes.eligible, &current);
+    let placement = placement::place(
+        &service_needs,
+        &pass.nodes.eligible,
+        &pass.nodes.keep_only,
+        &current,
+    );
     for (s, id, uplink) in &pass.needs {
         let was = current.get(&s.key);
         let holder = match placement.get(&s.key).cloned().flatten() {

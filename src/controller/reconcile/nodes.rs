@@ -14,6 +14,8 @@ pub(super) struct Nodes<'a> {
     /// The node objects of existing Nodes.
     pub(super) live: BTreeMap<&'a str, &'a NodeIn>,
     pub(super) eligible: Vec<String>,
+    /// Eligible nodes that only keep what they hold (`NodeIn::keep_only`).
+    pub(super) keep_only: BTreeSet<String>,
     /// The interfaces the nodes report as their uplink: with the network
     /// map's, the only ones a Service may name.
     pub(super) uplinks: BTreeSet<String>,
@@ -63,6 +65,11 @@ impl<'a> Nodes<'a> {
             .filter(|o| o.eligible)
             .map(|o| o.name.clone())
             .collect();
+        let keep_only: BTreeSet<String> = live
+            .values()
+            .filter(|o| o.eligible && o.keep_only)
+            .map(|o| o.name.clone())
+            .collect();
         let uplinks: BTreeSet<String> = live
             .values()
             .filter_map(|o| o.status.default_uplink.clone())
@@ -89,6 +96,7 @@ impl<'a> Nodes<'a> {
             live,
             lan_macs,
             eligible,
+            keep_only,
             uplinks,
             creates,
             deletes,

@@ -202,7 +202,6 @@ spec:
         if self.speakers[i].is_some() {
             bail!("a speaker already runs in guest {i}");
         }
-        let api = lb.rig.apiserver().context("API server")?;
         let (out, err) = self.log(&format!("speaker-{i}"))?;
         let child = lb
             .rig
@@ -213,7 +212,7 @@ spec:
             .env("METALLB_NAMESPACE", NAMESPACE)
             .env("METALLB_ML_BIND_ADDR", node_address(i).to_string())
             .env("METALLB_ML_LABELS", SPEAKER_LABELS)
-            .env("KUBECONFIG", api.admin_kubeconfig())
+            .env("KUBECONFIG", lb.guest_admin_kubeconfig(i)?)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)

@@ -109,6 +109,13 @@ impl ApiServer {
         write_kubeconfig(dir, &file, url, &self.ca_pem, creds)
     }
 
+    /// [`Self::admin_kubeconfig`] pointing at `url`; `tag` keeps the file
+    /// apart.
+    pub fn admin_kubeconfig_via(&self, url: &str, tag: &str) -> Result<PathBuf> {
+        let dir = self.log.parent().context("the rig directory")?;
+        write_kubeconfig(dir, &format!("admin-{tag}"), url, &self.ca_pem, &self.admin)
+    }
+
     /// Kubeconfig of user `hna-rig-admin`, group `system:masters`.
     pub fn admin_kubeconfig(&self) -> &Path {
         &self.admin.kubeconfig
@@ -540,13 +547,14 @@ subjectKeyIdentifier = hash
 basicConstraints = critical,CA:FALSE
 keyUsage = critical,digitalSignature,keyEncipherment
 extendedKeyUsage = serverAuth
-subjectAltName = IP:127.0.0.1,DNS:localhost
+subjectAltName = IP:127.0.0.1,IP:10.77.0.1,DNS:localhost
 subjectKeyIdentifier = hash
 authorityKeyIdentifier = keyid
 ";
 
 /// CA (`ca.crt`/`ca.key`), serving certificate (`apiserver.crt`/`.key`,
-/// SANs IP:127.0.0.1 and DNS:localhost) and service-account key pair
+/// SANs IP:127.0.0.1, the LAN's IP:10.77.0.1 (`rig::LAN_ADDR`, where the
+/// guests reach it through their uplink) and DNS:localhost) and service-account key pair
 /// (`sa.key`/`sa.pub`), all made with the `openssl` tool.
 fn make_pki(pki: &Path, id: &str) -> Result<()> {
     let cnf = pki.join("openssl.cnf");

@@ -54,6 +54,12 @@ impl Forwarder {
     /// connection to `127.0.0.1:<port>` in the namespace of the calling
     /// process. Returns once the listener is bound.
     pub fn start(netns: &str, port: u16) -> Result<Forwarder> {
+        Forwarder::start_at(netns, SocketAddr::from(([127, 0, 0, 1], port)), port)
+    }
+
+    /// Listens on `listen` inside `netns` and forwards each connection to
+    /// `127.0.0.1:<upstream>` in the namespace of the calling process.
+    pub fn start_at(netns: &str, listen: SocketAddr, upstream: u16) -> Result<Forwarder> {
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Conns = Arc::default();
         let (tx, rx) = mpsc::channel::<Result<()>>();
@@ -62,8 +68,8 @@ impl Forwarder {
         let thread = std::thread::Builder::new()
             .name(format!("fwd-{netns}"))
             .spawn(move || {
-                let bound = in_netns(&ns, || TcpListener::bind(("127.0.0.1", port)))
-                    .and_then(|r| r.with_context(|| format!("bind 127.0.0.1:{port} in {ns}")))
+                let bound = in_netns(&ns, || TcpListener::bind(listen))
+                    .and_then(|r| r.with_context(|| format!("bind {listen} in {ns}")))
                     .and_then(|l| {
                         l.set_nonblocking(true)?;
                         Ok(l)
@@ -78,7 +84,7 @@ impl Forwarder {
                         return;
                     }
                 };
-                accept_loop(listener, port, &stop2, &conns2);
+                accept_loop(listener, upstream, &stop2, &conns2);
             })?;
         rx.recv()
             .map_err(|_| anyhow!("forwarder thread for {netns} died"))??;
