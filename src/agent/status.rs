@@ -178,7 +178,7 @@ pub fn metrics(st: &AgentStatus) -> String {
     );
     let _ = writeln!(
         out,
-        "# HELP hna_lan_packets_dropped_total Membership packets dropped before the protocol saw them, by reason (malformed, unknown_key, unauthenticated, replayed, not_a_member).\n# TYPE hna_lan_packets_dropped_total counter"
+        "# HELP hna_lan_packets_dropped_total Membership packets dropped, by reason: received and refused before the protocol saw them (malformed, unknown_key, unauthenticated, replayed, not_a_member), or not sent (unsent: no room in the socket buffer, no route).\n# TYPE hna_lan_packets_dropped_total counter"
     );
     for (reason, n) in &st.lb.membership_dropped {
         let _ = writeln!(

@@ -662,7 +662,13 @@ fn objects_from(
         }
         if let Some(mut n) = kube_edge::node_in(o, eligible) {
             n.keep_only = eligible && !fresh;
+            // Neither the heartbeat nor a renewal's new expiry moves a
+            // decision: without them, a write that carries nothing else
+            // wakes no pass (issue #30).
             n.status.heartbeat = None;
+            for l in &mut n.status.leases {
+                l.expires = None;
+            }
             objects.push(n);
         }
         names.insert(name);

@@ -65,6 +65,10 @@ pub struct LanView {
     pub dropped: BTreeMap<&'static str, u64>,
 }
 
+/// The drop reason of packets this node could not send (no room in the
+/// socket's buffer, no route): counted beside those it refused.
+pub const UNSENT: &str = "unsent";
+
 /// How often the view's `heard_any` is brought up to date (it changes with
 /// every packet; readers need it to a fraction of a second only).
 const HEARD_GRANULARITY: Duration = Duration::from_millis(250);
@@ -132,8 +136,14 @@ impl Running {
     async fn flush(&mut self) {
         for out in self.member.drain() {
             match out {
+                // Never waits: a peer whose VM is gone leaves its packets
+                // queued in the kernel for a neighbour that never answers
+                // ARP, and a send that waited for room in the socket's
+                // buffer stalled the whole membership (its witness rounds
+                // and the answers of every other peer) for seconds. A
+                // packet that finds no room is dropped, as UDP may.
                 Out::Send { to, packet } => {
-                    if self.socket.send_to(&packet, to).await.is_err() {
+                    if self.socket.try_send_to(&packet, to.into()).is_err() {
                         self.send_errors += 1;
                     }
                 }
@@ -184,6 +194,7 @@ impl Running {
             dropped: Dropped::ALL
                 .iter()
                 .map(|d| (d.label(), self.member.dropped(*d)))
+                .chain([(UNSENT, self.send_errors)])
                 .collect(),
         }
     }

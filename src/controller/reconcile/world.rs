@@ -111,12 +111,18 @@ pub struct NodeIn {
 }
 
 impl NodeIn {
-    /// The address of the lease for `service` on `interface`, if BOUND.
+    /// The address of the lease for `service` on `interface`, if it holds
+    /// one: BOUND, or renewing or rebinding it (the address stays
+    /// configured while the lease is extended).
     pub(super) fn bound_address(&self, service: &str, interface: &str) -> Option<&str> {
         self.status
             .leases
             .iter()
-            .find(|l| l.service == service && l.interface == interface && l.state == BOUND)
+            .find(|l| {
+                l.service == service
+                    && l.interface == interface
+                    && matches!(l.state.as_str(), BOUND | "RENEWING" | "REBINDING")
+            })
             .and_then(|l| l.address.as_deref())
     }
 
@@ -186,5 +192,45 @@ impl NodeNetworks {
             let mask = u32::MAX.checked_shl(32 - u32::from(*len)).unwrap_or(0);
             u32::from(ip) & mask == u32::from(*net) & mask
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::node_object::LeaseReport;
+
+    /// A lease being renewed or rebound keeps its address on its link:
+    /// the Service stays published (the agent writes neither step on its
+    /// own; a backstop write may carry either).
+    #[test]
+    fn a_lease_renewing_or_rebinding_still_holds_its_address() {
+        for (state, holds) in [
+            ("BOUND", true),
+            ("RENEWING", true),
+            ("REBINDING", true),
+            ("REQUESTING", false),
+            ("FAILED", false),
+            ("GUARDED", false),
+        ] {
+            let node = NodeIn {
+                status: Status {
+                    leases: vec![LeaseReport {
+                        service: "default/web".into(),
+                        interface: "hlb-3f2a9c1e".into(),
+                        state: state.into(),
+                        address: Some("10.77.0.150".into()),
+                        ..LeaseReport::default()
+                    }],
+                    ..Status::default()
+                },
+                ..NodeIn::default()
+            };
+            assert_eq!(
+                node.bound_address("default/web", "hlb-3f2a9c1e").is_some(),
+                holds,
+                "{state}"
+            );
+        }
     }
 }

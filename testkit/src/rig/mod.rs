@@ -59,6 +59,8 @@ use process::{ChildProc, pid_alive, run, run_args, tail};
 pub use crate::locate::DNSMASQ;
 /// The LAN subnet.
 pub const SUBNET: &str = "10.77.0.0/24";
+/// `br0`'s MAC (locally administered), fixed for the rig's life.
+pub const LAN_MAC: &str = "02:4e:41:00:00:01";
 /// Address of `br0` in the LAN namespace (the DHCP server).
 pub const LAN_ADDR: &str = "10.77.0.1";
 /// The DHCP range's lease time unless [`RigOptions::lease_time`] says.
@@ -465,6 +467,13 @@ impl Rig {
             "forward_delay",
             "0",
         ])?;
+        // A MAC of its own, as a LAN's gateway has: a bridge without one
+        // takes its lowest port's, so a guest leaving (its veth deleted)
+        // could change it, and every guest's ARP entry for the gateway,
+        // the DHCP server and the API server on the LAN would point at a
+        // MAC nobody has until it went stale (a guest's API path hung for
+        // 10 s and more).
+        ip(&["-n", &lan, "link", "set", "br0", "address", LAN_MAC])?;
         ip(&[
             "-n",
             &lan,
