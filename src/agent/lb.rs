@@ -247,8 +247,9 @@ struct Lb<E: LeaseEngine> {
     /// The start of the last LAN silence a status write was asked for, to
     /// show that the API server still hears this node.
     touched: Option<Instant>,
-    /// No status written for [`OUT_OF_TOUCH_AFTER`] heartbeats: what this
-    /// node reads as its assignments may be out of date.
+    /// The last status write failed and none succeeded for
+    /// [`OUT_OF_TOUCH_AFTER`]: what this node reads as its assignments may
+    /// be out of date.
     out_of_touch: bool,
     /// The watch of this node's object failed and has not read it since:
     /// the assignments known are as they were before.

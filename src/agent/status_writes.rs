@@ -220,21 +220,27 @@ fn next_beat(last: Option<SystemTime>, now: SystemTime) -> SystemTime {
     }
 }
 
-/// What a change-driven write compares: the status without the leases on
+/// What a change-driven write compares: the status with the leases on
 /// their way to an address (INIT, SELECTING, REQUESTING, CHECKING,
-/// INIT-REBOOT), and without what a renewal changes (its steps through
-/// RENEWING and REBINDING, which hold the address as BOUND does, and the
-/// new expiry). Nobody acts on those: writing each step would cost the
-/// controller a round trip before the write that matters (BOUND), and a
-/// write per renewal would grow with the Services held (issue #30). They
-/// are reported with the next heartbeat.
+/// INIT-REBOOT) as one step, and without what a renewal changes (its
+/// steps through RENEWING and REBINDING, which hold the address as BOUND
+/// does, and the new expiry). Nobody acts on those: writing each step
+/// would cost the controller a round trip before the write that matters
+/// (BOUND), and a write per renewal would grow with the Services held
+/// (issue #30). They are reported with the next heartbeat. A new lease is
+/// a change, though: listing it tells the controller this node read its
+/// assignment (`controller::service_health`'s unread rule).
 fn settled_view(status: &Status) -> Status {
     const MOVING: [&str; 5] = ["INIT", "SELECTING", "REQUESTING", "CHECKING", "INIT-REBOOT"];
     const RENEWAL: [&str; 2] = ["RENEWING", "REBINDING"];
     let mut s = status.clone();
-    s.leases.retain(|l| !MOVING.contains(&l.state.as_str()));
     for l in &mut s.leases {
-        if RENEWAL.contains(&l.state.as_str()) {
+        if MOVING.contains(&l.state.as_str()) {
+            l.state = "STARTING".into();
+            l.address = None;
+            l.server = None;
+            l.message = None;
+        } else if RENEWAL.contains(&l.state.as_str()) {
             l.state = "BOUND".into();
         }
         l.expires = None;
@@ -257,14 +263,19 @@ mod tests {
     }
 
     #[test]
-    fn only_leases_on_their_way_are_left_out() {
+    fn a_lease_on_its_way_is_one_step_but_its_appearance_is_a_change() {
         let none = Status::default();
         let with = |state: &str| Status {
             leases: vec![lease(state)],
             ..Status::default()
         };
         for moving in ["INIT", "SELECTING", "REQUESTING", "CHECKING", "INIT-REBOOT"] {
-            assert_eq!(settled_view(&with(moving)), settled_view(&none), "{moving}");
+            assert_eq!(
+                settled_view(&with(moving)),
+                settled_view(&with("INIT")),
+                "{moving}"
+            );
+            assert_ne!(settled_view(&with(moving)), settled_view(&none), "{moving}");
         }
         for settled in ["BOUND", "RENEWING", "REBINDING", "FAILED"] {
             assert_ne!(

@@ -358,7 +358,12 @@ async fn reconcile_loop(
                 now,
             )
         };
-        let avoid = health.observe(objects.iter().map(|o| (o.name.as_str(), &o.status)), now);
+        let avoid = health.observe(
+            objects
+                .iter()
+                .map(|o| (o.name.as_str(), &o.spec, &o.status)),
+            now,
+        );
         let leading = leadership.leading();
         let wall = k8s_openapi::jiff::Timestamp::now().as_second();
         let inputs = Inputs {

@@ -23,11 +23,21 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::contract::node_object::Status;
+use crate::contract::node_object::{Spec, Status};
 
 /// The lease states that count against a node for a Service.
 const FAILED: &str = "FAILED";
 const GUARDED: &str = "GUARDED";
+/// Not a state an agent reports: the node's spec assigns the Service and
+/// its status does not list it at all, so the node has not read its
+/// assignment (cut off from the API server, its watch broken). Agents
+/// list a new assignment within about a second.
+const UNREAD: &str = "UNREAD";
+/// How long an assignment may go unlisted before its node is avoided for
+/// it: a node cut off from the API server looks fresh for up to the
+/// staleness bound (its heartbeat is a 10 s backstop), and a Service given
+/// to it meanwhile would wait unserved (the fault soak: 24 s and 48 s).
+pub const UNREAD_AFTER: Duration = Duration::from_secs(3);
 
 /// The nodes to avoid per Service (`namespace/name`).
 pub type Avoid = BTreeMap<String, BTreeSet<String>>;
@@ -55,15 +65,29 @@ impl ServiceHealth {
         }
     }
 
-    /// Takes in what every node reports now; returns the nodes to avoid
-    /// per Service.
+    /// Takes in what every node is assigned and reports now; returns the
+    /// nodes to avoid per Service.
     pub fn observe<'a>(
         &mut self,
-        reports: impl IntoIterator<Item = (&'a str, &'a Status)>,
+        reports: impl IntoIterator<Item = (&'a str, &'a Spec, &'a Status)>,
         now: Instant,
     ) -> Avoid {
         let mut seen = BTreeSet::new();
-        for (node, status) in reports {
+        for (node, spec, status) in reports {
+            for a in spec.assignments.iter().filter(|a| !a.release) {
+                if status.leases.iter().any(|l| l.interface == a.interface) {
+                    continue;
+                }
+                let key = (a.service.clone(), node.to_string());
+                let entry = self.since.entry(key.clone()).or_insert((UNREAD, now));
+                if entry.0 != UNREAD {
+                    *entry = (UNREAD, now);
+                }
+                if now.saturating_duration_since(entry.1) >= UNREAD_AFTER {
+                    self.avoided.insert(key.clone(), now + self.avoid_for);
+                }
+                seen.insert(key);
+            }
             for lease in &status.leases {
                 let state = match lease.state.as_str() {
                     FAILED => FAILED,
@@ -103,10 +127,10 @@ impl ServiceHealth {
                 return None;
             }
             Some(
-                *at + if *state == FAILED {
-                    self.failed_after
-                } else {
-                    self.guarded_after
+                *at + match *state {
+                    FAILED => self.failed_after,
+                    UNREAD => UNREAD_AFTER,
+                    _ => self.guarded_after,
                 },
             )
         });
@@ -149,23 +173,32 @@ mod tests {
         let mut h = health();
         let t0 = Instant::now();
         let failed = status(&[("default/web", "FAILED"), ("default/db", "BOUND")]);
-        assert!(h.observe([("node-1", &failed)], t0).is_empty());
+        assert!(
+            h.observe([("node-1", &Spec::default(), &failed)], t0)
+                .is_empty()
+        );
         assert_eq!(h.next_deadline(), Some(t0 + Duration::from_secs(30)));
         let later = t0 + Duration::from_secs(30);
-        let avoid = h.observe([("node-1", &failed)], later);
+        let avoid = h.observe([("node-1", &Spec::default(), &failed)], later);
         assert_eq!(avoid["default/web"], BTreeSet::from(["node-1".to_string()]));
         assert!(!avoid.contains_key("default/db"));
         // Moved away: node-1 no longer reports it, and stays avoided for
         // `avoid_for`, then not.
         let gone = status(&[("default/db", "BOUND")]);
         assert!(
-            h.observe([("node-1", &gone)], later + Duration::from_secs(599))
-                .contains_key("default/web")
+            h.observe(
+                [("node-1", &Spec::default(), &gone)],
+                later + Duration::from_secs(599)
+            )
+            .contains_key("default/web")
         );
         assert_eq!(h.next_deadline(), Some(later + Duration::from_secs(600)));
         assert!(
-            h.observe([("node-1", &gone)], later + Duration::from_secs(600))
-                .is_empty()
+            h.observe(
+                [("node-1", &Spec::default(), &gone)],
+                later + Duration::from_secs(600)
+            )
+            .is_empty()
         );
         assert_eq!(h.next_deadline(), None);
     }
@@ -176,24 +209,81 @@ mod tests {
         let t0 = Instant::now();
         let guarded = status(&[("default/web", "GUARDED")]);
         let bound = status(&[("default/web", "BOUND")]);
-        assert!(h.observe([("node-2", &guarded)], t0).is_empty());
         assert!(
-            h.observe([("node-2", &guarded)], t0 + Duration::from_secs(149))
+            h.observe([("node-2", &Spec::default(), &guarded)], t0)
                 .is_empty()
+        );
+        assert!(
+            h.observe(
+                [("node-2", &Spec::default(), &guarded)],
+                t0 + Duration::from_secs(149)
+            )
+            .is_empty()
         );
         // It bound: the count ends; guarded again, it starts over.
         assert!(
-            h.observe([("node-2", &bound)], t0 + Duration::from_secs(149))
-                .is_empty()
+            h.observe(
+                [("node-2", &Spec::default(), &bound)],
+                t0 + Duration::from_secs(149)
+            )
+            .is_empty()
         );
         let t1 = t0 + Duration::from_secs(150);
-        assert!(h.observe([("node-2", &guarded)], t1).is_empty());
         assert!(
-            h.observe([("node-2", &guarded)], t1 + Duration::from_secs(100))
+            h.observe([("node-2", &Spec::default(), &guarded)], t1)
                 .is_empty()
         );
         assert!(
-            !h.observe([("node-2", &guarded)], t1 + Duration::from_secs(150))
+            h.observe(
+                [("node-2", &Spec::default(), &guarded)],
+                t1 + Duration::from_secs(100)
+            )
+            .is_empty()
+        );
+        assert!(
+            !h.observe(
+                [("node-2", &Spec::default(), &guarded)],
+                t1 + Duration::from_secs(150)
+            )
+            .is_empty()
+        );
+    }
+
+    /// An assignment its node does not list at all (it has not read it:
+    /// cut off from the API server) makes the node avoided for that
+    /// Service after `UNREAD_AFTER`, so the Service moves; listed in any
+    /// state, it does not.
+    #[test]
+    fn an_assignment_the_node_never_lists_makes_it_avoided() {
+        use crate::contract::node_object::Assignment;
+        let mut h = health();
+        let t0 = Instant::now();
+        let spec = Spec {
+            assignments: vec![Assignment {
+                service: "default/web".into(),
+                interface: "hlb-3f2a9c1e".into(),
+                ..Assignment::default()
+            }],
+            ..Spec::default()
+        };
+        let silent = Status::default();
+        assert!(h.observe([("node-3", &spec, &silent)], t0).is_empty());
+        assert_eq!(h.next_deadline(), Some(t0 + UNREAD_AFTER));
+        let avoid = h.observe([("node-3", &spec, &silent)], t0 + UNREAD_AFTER);
+        assert_eq!(avoid["default/web"], BTreeSet::from(["node-3".to_string()]));
+        let mut h = health();
+        let listed = Status {
+            leases: vec![LeaseReport {
+                service: "default/web".into(),
+                interface: "hlb-3f2a9c1e".into(),
+                state: "STARTING".into(),
+                ..LeaseReport::default()
+            }],
+            ..Status::default()
+        };
+        assert!(h.observe([("node-3", &spec, &listed)], t0).is_empty());
+        assert!(
+            h.observe([("node-3", &spec, &listed)], t0 + Duration::from_secs(60))
                 .is_empty()
         );
     }

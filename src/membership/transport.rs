@@ -92,7 +92,7 @@ impl Running {
         let socket = UdpSocket::bind(addr)
             .await
             .map_err(|e| format!("cannot listen on {addr} (udp): {e}"))?;
-        grow_receive_buffer(&socket);
+        grow_buffers(&socket);
         let run = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
@@ -136,12 +136,11 @@ impl Running {
     async fn flush(&mut self) {
         for out in self.member.drain() {
             match out {
-                // Never waits: a peer whose VM is gone leaves its packets
-                // queued in the kernel for a neighbour that never answers
-                // ARP, and a send that waited for room in the socket's
-                // buffer stalled the whole membership (its witness rounds
-                // and the answers of every other peer) for seconds. A
-                // packet that finds no room is dropped, as UDP may.
+                // Never waits: should the socket's buffer fill up (see
+                // `grow_buffers`), a send that waited for room would stall
+                // the whole membership (its witness rounds and its answers
+                // to every peer). A packet that finds no room is dropped,
+                // as UDP may, and counted.
                 Out::Send { to, packet } => {
                     if self.socket.try_send_to(&packet, to.into()).is_err() {
                         self.send_errors += 1;
@@ -200,35 +199,48 @@ impl Running {
     }
 }
 
-/// The socket's receive buffer, as large as [`RECEIVE_BUFFER`]: a burst of
-/// packets (a flood of junk from the LAN included) must not push out the
-/// probes' answers, which a witness would take for a silent peer. Forced
-/// past `net.core.rmem_max` when the agent may (it runs as root or with
-/// `CAP_NET_ADMIN`), else as large as the kernel allows.
-fn grow_receive_buffer(socket: &UdpSocket) {
+/// The socket's buffers, each as large as [`BUFFER`], forced past
+/// `net.core.rmem_max`/`wmem_max` when the agent may (it runs as root or
+/// with `CAP_NET_ADMIN`), else as large as the kernel allows.
+///
+/// - Receive: a burst of packets (a flood of junk from the LAN included)
+///   must not push out the probes' answers, which a witness would take for
+///   a silent peer.
+/// - Send: packets to a peer whose VM is gone wait in the kernel for an ARP
+///   answer that never comes, up to `unres_qlen_bytes` (208 KiB by
+///   default), charged to this socket. With the default send buffer (the
+///   same 208 KiB) one dead peer filled it: the sends to every live peer
+///   then failed, and two witnesses, whose probes no longer went out,
+///   reported a live node dead (the fault soak).
+fn grow_buffers(socket: &UdpSocket) {
     use std::os::fd::AsRawFd;
-    let size: libc::c_int = RECEIVE_BUFFER;
-    for option in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
-        // SAFETY: a valid socket descriptor and a c_int option value of the
-        // size given.
-        let rc = unsafe {
-            libc::setsockopt(
-                socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                option,
-                (&size as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc == 0 {
-            return;
+    let size: libc::c_int = BUFFER;
+    for options in [
+        [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF],
+        [libc::SO_SNDBUFFORCE, libc::SO_SNDBUF],
+    ] {
+        for option in options {
+            // SAFETY: a valid socket descriptor and a c_int option value of
+            // the size given.
+            let rc = unsafe {
+                libc::setsockopt(
+                    socket.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    option,
+                    (&size as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if rc == 0 {
+                break;
+            }
         }
     }
 }
 
-/// 4 MiB: some 20,000 packets of junk, or several seconds of a large LAN's
-/// membership traffic.
-const RECEIVE_BUFFER: libc::c_int = 4 << 20;
+/// 4 MiB each way: some 20,000 packets of junk, several seconds of a large
+/// LAN's membership traffic, or the ARP queues of a score of dead peers.
+const BUFFER: libc::c_int = 4 << 20;
 
 fn prefix_mask(prefix: u8) -> u32 {
     match prefix {

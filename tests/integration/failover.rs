@@ -112,6 +112,9 @@ fn a_stopped_holder_hands_its_address_over_within_a_second() -> Result<()> {
 fn a_frozen_holder_stops_answering_by_itself_and_not_again_when_it_resumes() -> Result<()> {
     let mut lb = LbRig::start(options())?;
     let (ip, holder) = served(&lb, "web")?;
+    // Its witnesses must have heard it: a node never heard is judged by its
+    // heartbeat alone (40 s).
+    lb.wait_for_membership(WITHIN)?;
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
     let prober = failover::arp_prober(&lb, ip)?;
     let t0 = Instant::now();
@@ -204,6 +207,9 @@ fn a_frozen_holder_stops_answering_by_itself_and_not_again_when_it_resumes() -> 
 fn a_paused_guest_does_not_answer_beside_the_new_holder_when_it_resumes() -> Result<()> {
     let lb = LbRig::start(options())?;
     let (ip, holder) = served(&lb, "web")?;
+    // Its witnesses must have heard it: a node never heard is judged by its
+    // heartbeat alone (40 s).
+    lb.wait_for_membership(WITHIN)?;
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
     let prober = failover::arp_prober(&lb, ip)?;
     let t0 = Instant::now();
@@ -452,23 +458,29 @@ fn a_webhook_refusing_service_writes_does_not_delay_a_failover() -> Result<()> {
 /// credentials every round: its heartbeat goes on, nothing moves, no
 /// address is dropped. Once the file works again it connects with it.
 fn a_credential_rotation_that_does_not_connect_yet_moves_nothing() -> Result<()> {
-    let lb = LbRig::start(options())?;
+    // Liveness through the API (a 3 s staleness bound): a node whose
+    // writes stopped would be moved within the test, so keeping the
+    // working client is what keeps it.
+    let lb = LbRig::start(options().api_liveness())?;
     let (ip, holder) = served(&lb, "web")?;
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
     let path = lb.agent_kubeconfig(holder)?;
     let working = std::fs::read_to_string(&path)?;
-    let api = lb.rig.apiserver().expect("API server");
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let broken = working.replace(
-        &format!("127.0.0.1:{}", api.port()),
-        &format!("127.0.0.1:{closed}"),
-    );
+    // A server nothing listens at, inside the guest.
+    let broken: String = working
+        .lines()
+        .map(|l| {
+            if l.trim_start().starts_with("server: ") {
+                "    server: https://127.0.0.1:1".to_string()
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
     ensure!(
         broken != working,
-        "the kubeconfig names no 127.0.0.1:{}",
-        api.port()
+        "the kubeconfig names no server:\n{working}"
     );
     let t0 = Instant::now();
     // Written whole (a rename), as a rotation does.
