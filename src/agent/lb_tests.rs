@@ -197,6 +197,33 @@ fn rig() -> Rig {
     rig_with(FakeEngine::new())
 }
 
+/// Assignment `uid8` held, BOUND and written once.
+async fn held_and_written(r: &Rig, uid8: &str) -> Assignment {
+    let a = assignment(uid8);
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the lease", || r.engine.running().len() == 1).await;
+    assert!(
+        r.engine
+            .bind(&a.interface, Ipv4Addr::new(10, 77, 0, 150), SERVER)
+    );
+    until("a write", || !r.writes.all().is_empty()).await;
+    a
+}
+
+/// `heard`, but hearing none of its peers since `since`.
+fn hearing_none_since(
+    heard: &crate::membership::transport::LanView,
+    since: Instant,
+) -> crate::membership::transport::LanView {
+    crate::membership::transport::LanView {
+        hearing: crate::membership::transport::Hearing {
+            none_since: Some(since),
+            ..heard.hearing.clone()
+        },
+        ..heard.clone()
+    }
+}
+
 /// Waits (in paused time, so instantly) until `cond` holds; a minute of
 /// virtual time without it is a failure.
 async fn until(what: &str, mut cond: impl FnMut() -> bool) {
@@ -984,14 +1011,7 @@ async fn cut_off_from_the_api_a_node_keeps_what_it_holds_and_takes_nothing_over(
 #[tokio::test(start_paused = true)]
 async fn a_holder_that_cannot_write_for_the_fence_period_lets_go() {
     let r = rig();
-    let a = assignment("aaaaaaaa");
-    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
-    until("the lease", || r.engine.running().len() == 1).await;
-    assert!(
-        r.engine
-            .bind(&a.interface, Ipv4Addr::new(10, 77, 0, 150), SERVER)
-    );
-    until("a write", || !r.writes.all().is_empty()).await;
+    let a = held_and_written(&r, "aaaaaaaa").await;
     r.writes.fail.store(true, Ordering::SeqCst);
     let cut = Instant::now();
     tokio::time::sleep(FENCE - Duration::from_secs(5)).await;
@@ -1044,26 +1064,13 @@ async fn the_fence_follows_the_lan_not_the_api() {
         ..LanView::default()
     };
     r.lan.send_replace(heard.clone());
-    let a = assignment("aaaaaaaa");
-    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
-    until("the lease", || r.engine.running().len() == 1).await;
-    assert!(
-        r.engine
-            .bind(&a.interface, Ipv4Addr::new(10, 77, 0, 150), SERVER)
-    );
-    until("a write", || !r.writes.all().is_empty()).await;
+    held_and_written(&r, "aaaaaaaa").await;
     r.writes.fail.store(true, Ordering::SeqCst);
     tokio::time::sleep(FENCE * 10).await;
     assert_eq!(r.engine.running().len(), 1, "fenced by an API outage");
     // Deaf on the LAN too: fenced within the address lifetime (1 s).
     let deaf = Instant::now();
-    r.lan.send_replace(LanView {
-        hearing: Hearing {
-            none_since: Some(deaf),
-            ..heard.hearing.clone()
-        },
-        ..heard.clone()
-    });
+    r.lan.send_replace(hearing_none_since(&heard, deaf));
     until("the fence", || r.engine.running().is_empty()).await;
     let took = Instant::now() - deaf;
     assert!(
@@ -1081,13 +1088,7 @@ async fn the_fence_follows_the_lan_not_the_api() {
     let writes_before = r.writes.all().len();
     let calls_before = r.engine.calls().len();
     let deaf = Instant::now();
-    r.lan.send_replace(LanView {
-        hearing: Hearing {
-            none_since: Some(deaf),
-            ..heard.hearing.clone()
-        },
-        ..heard.clone()
-    });
+    r.lan.send_replace(hearing_none_since(&heard, deaf));
     tokio::time::sleep(Duration::from_secs(30)).await;
     let stops: Vec<_> = r.engine.calls()[calls_before..]
         .iter()
