@@ -470,11 +470,6 @@ impl Member {
         self.heard_any
     }
 
-    /// When the peers were last set.
-    pub fn peers_since(&self) -> Instant {
-        self.since
-    }
-
     pub fn has_peers(&self) -> bool {
         !self.peers.is_empty()
     }

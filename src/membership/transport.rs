@@ -54,9 +54,7 @@ pub struct LanView {
     pub why_not: Option<String>,
     /// Whether the controller named any peers.
     pub has_peers: bool,
-    /// When the membership (re)started with its current peers, and the
-    /// last authentic packet from any of them.
-    pub peers_since: Option<Instant>,
+    /// The last authentic packet from any peer.
     pub heard_any: Option<Instant>,
     /// What this node hears of its peers and its witnesses, for its own
     /// fence.
@@ -187,7 +185,6 @@ impl Running {
             }),
             why_not: None,
             has_peers: self.member.has_peers(),
-            peers_since: Some(self.member.peers_since()),
             heard_any: self.member.heard_any(),
             hearing: self.member.hearing(Instant::now()),
             dropped: Dropped::ALL
@@ -272,7 +269,6 @@ fn worth_telling(old: &LanView, new: &LanView) -> bool {
         || old.report != new.report
         || old.why_not != new.why_not
         || old.has_peers != new.has_peers
-        || old.peers_since != new.peers_since
         || old.hearing != new.hearing
         || old.dropped != new.dropped
 }
