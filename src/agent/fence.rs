@@ -13,8 +13,15 @@
 //!   witnesses may report it: lifetime plus a margin, counted from their
 //!   first unanswered probe), unless a status write succeeded since that
 //!   silence began. A write that lands proves the API server still hears
-//!   the node, so the controller, which sees every node's report, decides
-//!   (a node whose peers all died is not fenced by their silence, and the
+//!   the node, but not that its clients do: then the node asks its
+//!   gateway, with an ordinary ARP request from its uplink
+//!   ([`GatewayCheck`]). Unanswered, its LAN port is cut off: it fences
+//!   all the same, before its witnesses report it, since the controller's
+//!   word that moves its Services would race the new holders (whose
+//!   takeover guard cannot hear it through the dead port, and which bound
+//!   an address before the old holder had read that it lost it, in the
+//!   fault soak). Answered, its peers are gone and not its LAN: the
+//!   controller decides (a node whose peers all died keeps serving, and the
 //!   side of a split that reaches the API server keeps serving). An API
 //!   server outage alone never fences while the LAN is heard.
 //! - Without one (membership off, not running, no peers or none heard
@@ -40,6 +47,48 @@ pub struct Inputs<'a> {
     pub lan_wait: Duration,
     /// `lb_fence_after` (zero: never, without a LAN view).
     pub fence_after: Duration,
+    /// The newest ask of the gateway (`None`: none yet, or no gateway).
+    pub gateway: Option<GatewayCheck>,
+}
+
+/// One ask whether this node's gateway answers ARP on its uplink.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatewayCheck {
+    pub started: Instant,
+    pub answered: bool,
+}
+
+/// The silences the LAN view shows, oldest first, each with what it says.
+fn silences(lan: &LanView) -> [(Option<Instant>, String); 2] {
+    let h = &lan.hearing;
+    [
+        (
+            h.none_since,
+            "it has heard none of its peers on the LAN".to_string(),
+        ),
+        (
+            h.short_since,
+            format!(
+                "{} of its witnesses on the LAN ({}) have gone silent, enough for them to have its Services moved,",
+                h.silent.len(),
+                h.silent.join(", ")
+            ),
+        ),
+    ]
+}
+
+/// Whether to ask the gateway now (one ask at a time is the caller's
+/// part): the LAN went silent, and no ask was made since, or the last is
+/// a lifetime old (the port may have died or come back since).
+pub fn gateway_check_due(i: &Inputs<'_>) -> bool {
+    if !lan_view_usable(i.lan) {
+        return false;
+    }
+    let Some(since) = silences(i.lan).into_iter().filter_map(|(s, _)| s).min() else {
+        return false;
+    };
+    i.gateway
+        .is_none_or(|c| c.started < since || i.now >= c.started + i.lan_wait)
 }
 
 /// The decision.
@@ -59,37 +108,36 @@ pub fn lan_view_usable(lan: &LanView) -> bool {
 
 pub fn verdict(i: &Inputs<'_>) -> Verdict {
     if lan_view_usable(i.lan) {
-        let h = &i.lan.hearing;
         let mut again = None;
-        let silences = [
-            (
-                h.none_since,
-                "it has heard none of its peers on the LAN".to_string(),
-            ),
-            (
-                h.short_since,
-                format!(
-                    "{} of its witnesses on the LAN ({}) have gone silent, enough for them to have its Services moved,",
-                    h.silent.len(),
-                    h.silent.join(", ")
-                ),
-            ),
-        ];
-        for (since, what) in silences {
+        let mut look_again = |at: Instant| again = Some(again.map_or(at, |a: Instant| a.min(at)));
+        for (since, what) in silences(i.lan) {
             let Some(since) = since else { continue };
-            if i.last_ok >= since {
-                // The API server heard from this node since: the
-                // controller decides.
+            let due = since + i.lan_wait;
+            let written = i.last_ok >= since;
+            // The API server heard from this node since: fenced only when
+            // its gateway, asked since, does not answer either.
+            let cut_off = !written || i.gateway.is_some_and(|c| c.started >= since && !c.answered);
+            if let Some(c) = i.gateway.filter(|_| written) {
+                look_again(c.started + i.lan_wait);
+            }
+            if !cut_off {
+                if !written {
+                    look_again(due);
+                }
                 continue;
             }
-            let due = since + i.lan_wait;
             if i.now >= due {
+                let why = if written {
+                    "its gateway does not answer ARP on its uplink either (its LAN port is cut off, though its status writes land)"
+                } else {
+                    "no status write succeeded since"
+                };
                 return Verdict::Fence(format!(
-                    "fenced: {what} for {} or more, and no status write succeeded since; nothing is held until they are heard or a status write succeeds",
+                    "fenced: {what} for {} or more, and {why}; nothing is held until they are heard or the gateway answers",
                     humantime::format_duration(i.lan_wait)
                 ));
             }
-            again = Some(again.map_or(due, |a: Instant| a.min(due)));
+            look_again(due);
         }
         return Verdict::Hold { again };
     }
@@ -137,6 +185,7 @@ mod tests {
             now,
             lan_wait: WAIT,
             fence_after: FENCE_AFTER,
+            gateway: None,
         }
     }
 
@@ -178,6 +227,94 @@ mod tests {
             verdict(&at(&lan, written, false, since + Duration::from_secs(60))),
             Verdict::Hold { again: None }
         );
+    }
+
+    /// Its LAN port silent, its API path fine (a control plane on a
+    /// network of its own): its writes land, but its gateway does not
+    /// answer, so it fences at its lifetime all the same, before its
+    /// witnesses report it. Found by the fault soak: fenced only on the
+    /// controller's word, it still held 19 addresses when its port came
+    /// back, beside the new holders.
+    #[test]
+    fn writes_that_land_do_not_save_a_node_its_gateway_does_not_hear() {
+        let t0 = Instant::now();
+        let mut lan = lan(t0);
+        let since = t0 + Duration::from_secs(5);
+        lan.hearing.none_since = Some(since);
+        let written = since + Duration::from_millis(300);
+        let mut i = at(&lan, written, false, since + Duration::from_millis(350));
+        assert!(gateway_check_due(&i));
+        let asked = since + Duration::from_millis(350);
+        i.gateway = Some(GatewayCheck {
+            started: asked,
+            answered: false,
+        });
+        assert!(!gateway_check_due(&i), "one ask per lifetime");
+        i.now = since + Duration::from_millis(700);
+        assert_eq!(
+            verdict(&i),
+            Verdict::Hold {
+                again: Some(since + WAIT)
+            }
+        );
+        i.now = since + WAIT;
+        let v = verdict(&i);
+        assert!(fenced(&v), "{v:?}");
+        assert!(
+            format!("{v:?}").contains("gateway does not answer"),
+            "{v:?}"
+        );
+        // Asked again a lifetime later: it answers, the fence lifts (its
+        // peers are gone, not its port).
+        i.now = asked + WAIT;
+        assert!(gateway_check_due(&i));
+        i.gateway = Some(GatewayCheck {
+            started: asked + WAIT,
+            answered: true,
+        });
+        assert_eq!(
+            verdict(&i),
+            Verdict::Hold {
+                again: Some(asked + WAIT + WAIT)
+            }
+        );
+    }
+
+    /// Its peers all died, its gateway answers: it serves on, however
+    /// long; an ask made before the silence began says nothing of it.
+    #[test]
+    fn a_node_whose_peers_died_serves_on_while_its_gateway_answers() {
+        let t0 = Instant::now();
+        let mut lan = lan(t0);
+        let since = t0 + Duration::from_secs(5);
+        lan.hearing.none_since = Some(since);
+        let written = since + Duration::from_millis(300);
+        let mut i = at(&lan, written, false, since + Duration::from_secs(60));
+        i.gateway = Some(GatewayCheck {
+            started: since - Duration::from_millis(1),
+            answered: false,
+        });
+        assert!(!fenced(&verdict(&i)), "an ask from before the silence");
+        assert!(gateway_check_due(&i));
+        i.gateway = Some(GatewayCheck {
+            started: since + Duration::from_secs(59),
+            answered: true,
+        });
+        assert!(!fenced(&verdict(&i)));
+        // No write since: the gateway cannot vouch for it (the
+        // controller, which it cannot hear, may move its Services).
+        let mut unwritten = i;
+        unwritten.last_ok = t0;
+        assert!(fenced(&verdict(&unwritten)));
+        // The LAN heard: nothing to ask.
+        let heard = LanView {
+            hearing: Hearing {
+                convicting: 2,
+                ..Hearing::default()
+            },
+            ..lan.clone()
+        };
+        assert!(!gateway_check_due(&Inputs { lan: &heard, ..i }));
     }
 
     #[test]

@@ -260,6 +260,11 @@ struct Lb<E: LeaseEngine> {
     /// a change of either restarts it.
     started: BTreeMap<String, plan::StartedAs>,
     lan: LanLink,
+    /// The newest ask whether the gateway hears this node (`agent::fence`).
+    gateway: Option<super::fence::GatewayCheck>,
+    /// An ask is on its way; its answer comes on `gateway_answers`.
+    gateway_asking: bool,
+    gateway_answers: mpsc::Sender<super::fence::GatewayCheck>,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -283,6 +288,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     let mut beat = tokio::time::interval(beat_every);
     let writes = StatusWrites::start(writer, settings.heartbeat);
     let mut written = writes.watch();
+    let (gateway_answers, mut gateway_answered) = mpsc::channel(1);
     let mut lb = Lb {
         engine,
         writes,
@@ -309,6 +315,9 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         write_error_logged: false,
         started: BTreeMap::new(),
         lan,
+        gateway: None,
+        gateway_asking: false,
+        gateway_answers,
     };
     let mut carrier = tokio::time::interval(CARRIER_POLL);
     carrier.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -355,6 +364,12 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 }
                 Err(_) => lan_open = false,
             },
+            Some(check) = gateway_answered.recv() => {
+                lb.gateway_asking = false;
+                lb.gateway = Some(check);
+                lb.judge_fence().await;
+                lb.report();
+            }
             _ = crate::duration::sleep_until(lb.fence_again) => {
                 lb.fence_again = None;
                 lb.judge_fence().await;
@@ -764,14 +779,19 @@ impl<E: LeaseEngine> Lb<E> {
     async fn judge_fence(&mut self) {
         let written = self.writes.written();
         let lan = self.lan.view.borrow().clone();
-        let verdict = super::fence::verdict(&super::fence::Inputs {
+        let inputs = super::fence::Inputs {
             lan: &lan,
             last_ok: written.last_ok,
             write_failing: written.error.is_some(),
             now: Instant::now(),
             lan_wait: self.lan_wait(),
             fence_after: self.settings.fence_after,
-        });
+            gateway: self.gateway,
+        };
+        if !self.gateway_asking && super::fence::gateway_check_due(&inputs) {
+            self.ask_gateway();
+        }
+        let verdict = super::fence::verdict(&inputs);
         match verdict {
             super::fence::Verdict::Hold { again } => {
                 self.fence_again = again;
@@ -800,6 +820,36 @@ impl<E: LeaseEngine> Lb<E> {
                 self.fence = Some(why);
             }
         }
+    }
+
+    /// Asks, in a task of its own, whether the default gateway answers ARP
+    /// on the default uplink; the answer comes back to the loop. Without
+    /// either (no default route), nothing is asked.
+    fn ask_gateway(&mut self) {
+        let node = (self.node)();
+        let (Some(uplink), Some(gateway)) = (node.default_uplink, node.gateway_address) else {
+            return;
+        };
+        self.gateway_asking = true;
+        let engine = self.engine.clone();
+        let answers = self.gateway_answers.clone();
+        let probe = self.settings.leases.probe;
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let answered = match engine.hears(&uplink, gateway, probe).await {
+                Ok(answered) => answered,
+                Err(e) => {
+                    tracing::warn!(%uplink, %gateway, error = %e, "cannot ask the gateway whether it hears this node: counted as not heard");
+                    false
+                }
+            };
+            if !answered {
+                tracing::warn!(%uplink, %gateway, "the gateway does not answer ARP on the uplink");
+            }
+            let _ = answers
+                .send(super::fence::GatewayCheck { started, answered })
+                .await;
+        });
     }
 
     /// A status write succeeded or failed: out of touch after failures

@@ -1046,8 +1046,9 @@ async fn a_holder_that_cannot_write_for_the_fence_period_lets_go() {
 /// Issue #30: with a view of its LAN (peers heard), an API server outage
 /// of any length fences nothing; a node that then hears none of its peers
 /// fences after its address lifetime, since no status was written since;
-/// one whose write lands after the silence began does not (the controller
-/// decides: its peers may all be dead).
+/// one whose write lands after the silence began does not while its
+/// gateway answers (the controller decides: its peers may all be dead),
+/// and does when the gateway is silent too (its port is dead).
 #[tokio::test(start_paused = true)]
 async fn the_fence_follows_the_lan_not_the_api() {
     use crate::contract::membership::LanReport;
@@ -1104,6 +1105,34 @@ async fn the_fence_follows_the_lan_not_the_api() {
         touch.is_some_and(|t| t < Duration::from_millis(100)),
         "no status write asked for at once: {touch:?}"
     );
+    assert!(
+        r.engine.calls()[calls_before..].iter().any(
+            |c| matches!(c, Call::Hears { witness, .. } if *witness == Ipv4Addr::new(10, 77, 0, 1))
+        ),
+        "the gateway was not asked"
+    );
+    // Its port dies (its API path is elsewhere): the gateway does not
+    // answer either, so it fences within a lifetime or two (the next ask
+    // comes a lifetime after the last), though its writes land.
+    r.lan.send_replace(heard.clone());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    r.engine.set_deaf(true);
+    let deaf = Instant::now();
+    r.lan.send_replace(hearing_none_since(&heard, deaf));
+    until("the fence", || r.engine.running().is_empty()).await;
+    let took = Instant::now() - deaf;
+    assert!(
+        took >= Duration::from_secs(1) && took <= Duration::from_millis(1100),
+        "{took:?}"
+    );
+    let st = r.out.borrow().status.clone();
+    assert!(
+        !st.ready && st.reason.contains("gateway does not answer"),
+        "{st:?}"
+    );
+    // The gateway answers again (its peers still silent): held again.
+    r.engine.set_deaf(false);
+    until("held again", || r.engine.running().len() == 1).await;
 }
 
 /// Issue #22: the feed of assignments ending (the follow task gone) must not

@@ -174,6 +174,13 @@ async fn run<W: StatusWriter>(
                 Err(e) => e.retry_after,
             };
             unanswered = result.as_ref().is_err_and(|e| !e.answered);
+            tracing::debug!(
+                heartbeat = ?status.heartbeat,
+                ready = status.ready,
+                lan_down = ?status.lan.as_ref().map(|l| &l.down),
+                ok = result.is_ok(),
+                "status write tried"
+            );
             if let Some(wait) = hold {
                 not_before = Instant::now() + wait;
             }

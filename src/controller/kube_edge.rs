@@ -393,6 +393,13 @@ pub fn watch_all(
             if let Some(name) = &o.metadata.name {
                 let status = o.status.as_ref();
                 let heartbeat = status.and_then(|s| s.heartbeat.as_deref());
+                tracing::debug!(
+                    node = %name,
+                    heartbeat = ?heartbeat,
+                    ready = ?status.map(|s| s.ready),
+                    lan_down = ?status.and_then(|s| s.lan.as_ref()).map(|l| &l.down),
+                    "node object seen"
+                );
                 let grace = status
                     .and_then(|s| s.restart_grace_ms)
                     .map(|ms| Duration::from_millis(ms.min(node_object::MAX_RESTART_GRACE_MS)));

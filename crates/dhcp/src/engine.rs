@@ -333,6 +333,46 @@ impl<L: Links> Engine<L> {
         witness: Option<Ipv4Addr>,
         probe: ProbeConfig,
     ) -> Result<bool, EngineError> {
+        let uplink = self.uplink(parent).await?;
+        let transport = uplink.open(probe)?;
+        let Some(witness) = witness else {
+            return transport.arp_probe(addr).await.map_err(|e| uplink.error(e));
+        };
+        let asker = uplink.open(probe)?;
+        let (answered, heard) = futures::join!(
+            transport.arp_probe(addr),
+            asker.arp_ask(witness, uplink.sender)
+        );
+        match (
+            answered.map_err(|e| uplink.error(e))?,
+            heard.map_err(|e| uplink.error(e))?,
+        ) {
+            (true, _) => Ok(true),
+            (false, true) => Ok(false),
+            (false, false) => Err(EngineError::Deaf {
+                name: parent.to_string(),
+                witness,
+            }),
+        }
+    }
+
+    /// See [`LeaseEngine::hears`].
+    pub async fn hears(
+        &self,
+        parent: &str,
+        witness: Ipv4Addr,
+        probe: ProbeConfig,
+    ) -> Result<bool, EngineError> {
+        let uplink = self.uplink(parent).await?;
+        uplink
+            .open(probe)?
+            .arp_ask(witness, uplink.sender)
+            .await
+            .map_err(|e| uplink.error(e))
+    }
+
+    /// `parent`'s index, MAC and first address, to ask its LAN from.
+    async fn uplink<'a>(&'a self, parent: &'a str) -> Result<Uplink<'a, L>, EngineError> {
         let link_err = |source| EngineError::Link {
             name: parent.to_string(),
             source,
@@ -343,22 +383,10 @@ impl<L: Links> Engine<L> {
             .await
             .map_err(link_err)?
             .ok_or_else(|| link_err(LinkError::NotFound(parent.to_string())))?;
-        let socket_err = |source| EngineError::Socket {
+        let mac = link.mac.ok_or_else(|| EngineError::Socket {
             name: parent.to_string(),
-            source,
-        };
-        let mac = link.mac.ok_or_else(|| {
-            socket_err(std::io::Error::other(format!(
-                "{parent} has no MAC address"
-            )))
+            source: std::io::Error::other(format!("{parent} has no MAC address")),
         })?;
-        let transport = self
-            .links
-            .open(link.index, mac, probe)
-            .map_err(socket_err)?;
-        let Some(witness) = witness else {
-            return transport.arp_probe(addr).await.map_err(socket_err);
-        };
         let sender = self
             .links
             .addresses(link.index)
@@ -366,20 +394,13 @@ impl<L: Links> Engine<L> {
             .ok()
             .and_then(|a| a.into_iter().next())
             .unwrap_or(Ipv4Addr::UNSPECIFIED);
-        let asker = self
-            .links
-            .open(link.index, mac, probe)
-            .map_err(socket_err)?;
-        let (answered, heard) =
-            futures::join!(transport.arp_probe(addr), asker.arp_ask(witness, sender));
-        match (answered.map_err(socket_err)?, heard.map_err(socket_err)?) {
-            (true, _) => Ok(true),
-            (false, true) => Ok(false),
-            (false, false) => Err(EngineError::Deaf {
-                name: parent.to_string(),
-                witness,
-            }),
-        }
+        Ok(Uplink {
+            links: &self.links,
+            name: parent,
+            index: link.index,
+            mac,
+            sender,
+        })
     }
 
     /// Gratuitous ARP for a lease now (takeover).
@@ -623,6 +644,31 @@ async fn undo<L: Links>(links: &L, name: &str, link: Ensured) {
     }
 }
 
+/// An uplink to ask the LAN from ([`Engine::answered`], [`Engine::hears`]).
+struct Uplink<'a, L: Links> {
+    links: &'a L,
+    name: &'a str,
+    index: u32,
+    mac: [u8; 6],
+    /// Its own address (unspecified when it has none).
+    sender: Ipv4Addr,
+}
+
+impl<L: Links> Uplink<'_, L> {
+    fn open(&self, probe: ProbeConfig) -> Result<L::Transport, EngineError> {
+        self.links
+            .open(self.index, self.mac, probe)
+            .map_err(|e| self.error(e))
+    }
+
+    fn error(&self, source: std::io::Error) -> EngineError {
+        EngineError::Socket {
+            name: self.name.to_string(),
+            source,
+        }
+    }
+}
+
 impl<L: Links> LeaseEngine for Engine<L> {
     async fn start(&self, cfg: LeaseConfig) -> Result<watch::Receiver<LeaseStatus>, EngineError> {
         Engine::start(self, cfg).await
@@ -644,6 +690,15 @@ impl<L: Links> LeaseEngine for Engine<L> {
         probe: ProbeConfig,
     ) -> Result<bool, EngineError> {
         Engine::answered(self, parent, addr, witness, probe).await
+    }
+
+    async fn hears(
+        &self,
+        parent: &str,
+        witness: Ipv4Addr,
+        probe: ProbeConfig,
+    ) -> Result<bool, EngineError> {
+        Engine::hears(self, parent, witness, probe).await
     }
 
     fn snapshot(&self) -> Vec<LeaseStatus> {

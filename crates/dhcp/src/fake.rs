@@ -42,6 +42,11 @@ pub enum Call {
         parent: String,
         addr: Ipv4Addr,
     },
+    /// [`LeaseEngine::hears`]
+    Hears {
+        parent: String,
+        witness: Ipv4Addr,
+    },
     Sweep {
         prefix: String,
         keep: BTreeSet<String>,
@@ -294,6 +299,26 @@ impl LeaseEngine for FakeEngine {
             }),
             _ => Ok(false),
         }
+    }
+
+    /// The witness answers unless the LAN is deaf ([`FakeEngine::set_deaf`]),
+    /// after the guard's delay.
+    async fn hears(
+        &self,
+        parent: &str,
+        witness: Ipv4Addr,
+        _probe: ProbeConfig,
+    ) -> Result<bool, EngineError> {
+        let delay = {
+            let mut w = self.world();
+            w.calls.push(Call::Hears {
+                parent: parent.into(),
+                witness,
+            });
+            w.guard_delay
+        };
+        tokio::time::sleep(delay).await;
+        Ok(!self.world().deaf)
     }
 
     async fn announce(&self, name: &str) -> Result<(), EngineError> {

@@ -123,6 +123,17 @@ pub trait LeaseEngine: Send + Sync + 'static {
         probe: ProbeConfig,
     ) -> impl Future<Output = Result<bool, EngineError>> + Send;
 
+    /// Whether `witness` (an address on `parent`'s LAN that answers ARP,
+    /// its gateway) answers an ordinary ARP request sent from `parent`
+    /// with its own MAC and address, with `probe`'s timing: whether this
+    /// node's LAN port is heard at all. Makes no link.
+    fn hears(
+        &self,
+        parent: &str,
+        witness: Ipv4Addr,
+        probe: ProbeConfig,
+    ) -> impl Future<Output = Result<bool, EngineError>> + Send;
+
     /// Every running lease's current status.
     fn snapshot(&self) -> Vec<LeaseStatus>;
 
