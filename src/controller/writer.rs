@@ -455,11 +455,78 @@ impl Memory {
     }
 }
 
+/// At most this many writes (and, after them, Events) in flight at once.
+/// One after another, a failover of 200 Services spent seconds on their
+/// record annotations and Events, during which no other pass ran (issue
+/// #30); all at once, it would be a burst the API server's fairness queues
+/// shed.
+pub const WRITES_IN_FLIGHT: usize = 8;
+
+/// How one write went.
+enum Sent {
+    /// Every request landed; the object's version after the last guarded
+    /// one, if any.
+    Done(Option<String>),
+    /// A request failed (its namespace/name, the error).
+    Failed(String, SendError),
+    /// Leadership lapsed before a request.
+    Stopped,
+}
+
+/// One write's requests, in order, each asked of `leading` first; `known`:
+/// the object's version to carry as the first precondition.
+async fn send_write<R: Requests>(
+    namespace: &str,
+    w: &Write,
+    mut known: String,
+    api: &R,
+    leading: &(dyn Fn() -> bool + Sync),
+) -> Sent {
+    let mut after = None;
+    for r in requests(namespace, w) {
+        if !leading() {
+            return Sent::Stopped;
+        }
+        let guarded = matches!(
+            r.verb,
+            Verb::Patch(PatchKind::Merge | PatchKind::Strategic, _)
+        );
+        let precondition = Some(known.clone()).filter(|v| guarded && !v.is_empty());
+        match api.send(&r, precondition.as_deref()).await {
+            Ok(Some(v)) if guarded => {
+                known.clone_from(&v);
+                after = Some(v);
+            }
+            Ok(_) => {}
+            Err(e) => return Sent::Failed(format!("{}/{}", r.namespace, r.name), e),
+        }
+    }
+    Sent::Done(after)
+}
+
+/// One Event, unless leadership lapsed (`None`).
+async fn tell<R: Requests>(
+    e: &EventOut,
+    api: &R,
+    leading: &(dyn Fn() -> bool + Sync),
+) -> Option<Result<(), String>> {
+    if !leading() {
+        return None;
+    }
+    Some(api.event(e).await)
+}
+
 /// Carries out `plan` in order. `leading` is asked before every request:
-/// a leader that lost its Lease stops at once. `version_of(target)` is the
+/// a leader that lost its Lease stops. `version_of(target)` is the
 /// resourceVersion the plan was decided on (for the [`WriteMemo`]). A write
 /// whose object waits out its [`WriteBackoff`] is held back (with the
 /// later writes of its Services), the others go.
+///
+/// The plan's order is kept between kinds of write (a finalizer before an
+/// assignment, a status before its annotations): the writes of one kind
+/// that follow each other, each to an object of its own, go out together,
+/// [`WRITES_IN_FLIGHT`] at a time, and the next kind waits for them all.
+/// The Events go out the same way, last.
 pub async fn execute<R: Requests>(
     namespace: &str,
     plan: &Plan,
@@ -468,6 +535,7 @@ pub async fn execute<R: Requests>(
     memory: &mut Memory,
     version_of: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Outcome {
+    use futures::StreamExt as _;
     let Memory {
         writes: memo,
         events,
@@ -482,81 +550,103 @@ pub async fn execute<R: Requests>(
     // over what the new leader wrote since: it fails with a conflict.
     let mut versions: BTreeMap<String, String> = BTreeMap::new();
     let mut retries = 0;
-    'writes: for w in &plan.writes {
-        if w.services().iter().any(|s| failed.contains(*s)) {
-            out.skipped += 1;
-            continue;
-        }
-        let object = target(w);
-        let retry = backoff.is_retry(&object);
-        if !backoff.ready(&object, tokio::time::Instant::now())
-            || (retry && retries >= WriteBackoff::RETRIES_PER_PASS)
-        {
-            out.deferred += 1;
-            failed.extend(w.services().into_iter().cloned());
-            continue;
-        }
-        if retry {
-            retries += 1;
-        }
-        let version = version_of(&object).unwrap_or_default();
-        if memo.already_sent(w, &version) {
-            continue;
-        }
-        for r in requests(namespace, w) {
-            if !leading() {
-                out.stopped = true;
-                return out;
+    let mut next = 0;
+    while next < plan.writes.len() {
+        let kind = plan.writes[next].kind();
+        let mut objects = HashSet::new();
+        let wave_end = plan.writes[next..]
+            .iter()
+            .position(|w| w.kind() != kind || !objects.insert(target(w)))
+            .map_or(plan.writes.len(), |p| next + p);
+        let wave = &plan.writes[next..wave_end];
+        next = wave_end;
+        // Which of the wave go, decided in order.
+        let mut go: Vec<(&Write, String, String)> = Vec::new();
+        for w in wave {
+            if w.services().iter().any(|s| failed.contains(*s)) {
+                out.skipped += 1;
+                continue;
             }
-            let guarded = matches!(
-                r.verb,
-                Verb::Patch(PatchKind::Merge | PatchKind::Strategic, _)
-            );
-            let precondition = guarded
-                .then(|| {
-                    versions
-                        .get(&object)
-                        .cloned()
-                        .unwrap_or_else(|| version.clone())
-                })
-                .filter(|v| !v.is_empty());
-            match api.send(&r, precondition.as_deref()).await {
-                Ok(after) => {
-                    if let (true, Some(v)) = (guarded, after) {
+            let object = target(w);
+            let retry = backoff.is_retry(&object);
+            if !backoff.ready(&object, tokio::time::Instant::now())
+                || (retry && retries >= WriteBackoff::RETRIES_PER_PASS)
+            {
+                out.deferred += 1;
+                failed.extend(w.services().into_iter().cloned());
+                continue;
+            }
+            if retry {
+                retries += 1;
+            }
+            let version = version_of(&object).unwrap_or_default();
+            if memo.already_sent(w, &version) {
+                continue;
+            }
+            go.push((w, object, version));
+        }
+        // Futures made up front, not in a stream's closure: a borrowing
+        // closure's future is not `Send` for every lifetime.
+        let sending: Vec<_> = go
+            .iter()
+            .map(|(w, object, version)| {
+                let known = versions
+                    .get(object)
+                    .cloned()
+                    .unwrap_or_else(|| version.clone());
+                send_write(namespace, w, known, api, leading)
+            })
+            .collect();
+        let results: Vec<Sent> = futures::stream::iter(sending)
+            .buffered(WRITES_IN_FLIGHT)
+            .collect()
+            .await;
+        let sent = go.into_iter().zip(results);
+        for ((w, object, version), result) in sent {
+            match result {
+                Sent::Done(after) => {
+                    if let Some(v) = after {
                         versions.insert(object.clone(), v);
                     }
+                    backoff.succeeded(&object);
+                    memo.record(w, &version);
+                    *out.writes.entry(w.kind()).or_default() += 1;
+                    if let Write::EnsureNodeAccess(n) = w {
+                        out.access_ensured.insert(n.clone());
+                    }
                 }
-                Err(e) => {
+                Sent::Failed(what, e) => {
                     if e.conflict {
                         out.conflicts += 1;
                     } else {
                         backoff.failed(&object, tokio::time::Instant::now());
-                        out.errors
-                            .push(format!("{} {}/{}: {e}", w.kind(), r.namespace, r.name));
+                        out.errors.push(format!("{} {what}: {e}", w.kind()));
                     }
                     failed.extend(w.services().into_iter().cloned());
-                    continue 'writes;
                 }
+                Sent::Stopped => out.stopped = true,
             }
         }
-        backoff.succeeded(&object);
-        memo.record(w, &version);
-        *out.writes.entry(w.kind()).or_default() += 1;
-        if let Write::EnsureNodeAccess(n) = w {
-            out.access_ensured.insert(n.clone());
-        }
-    }
-    for e in &plan.events {
-        if !leading() {
-            out.stopped = true;
+        if out.stopped {
             return out;
         }
-        if !events.first_time(e) {
-            continue;
-        }
-        match api.event(e).await {
-            Ok(()) => out.published.push(e.clone()),
-            Err(err) => out
+    }
+    let to_tell: Vec<&EventOut> = plan
+        .events
+        .iter()
+        .filter(|e| events.first_time(e))
+        .collect();
+    let telling: Vec<_> = to_tell.iter().map(|e| tell(e, api, leading)).collect();
+    let results: Vec<Option<Result<(), String>>> = futures::stream::iter(telling)
+        .buffered(WRITES_IN_FLIGHT)
+        .collect()
+        .await;
+    let told = to_tell.into_iter().zip(results);
+    for (e, result) in told {
+        match result {
+            None => out.stopped = true,
+            Some(Ok(())) => out.published.push(e.clone()),
+            Some(Err(err)) => out
                 .errors
                 .push(format!("event {} on {}: {err}", e.reason, e.service)),
         }
@@ -568,6 +658,7 @@ pub async fn execute<R: Requests>(
 mod tests {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
 
     use tokio::time::Instant;
 
@@ -850,6 +941,86 @@ mod tests {
             api.sent.lock().unwrap().iter().any(|r| r.name == "fresh"),
             "the fresh write went out"
         );
+    }
+
+    /// Takes 100 ms per request and records when each ran.
+    #[derive(Default)]
+    struct Slow {
+        ran: Mutex<Vec<(&'static str, Instant, Instant)>>,
+        in_flight: std::sync::atomic::AtomicUsize,
+        most: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Requests for Slow {
+        async fn send(
+            &self,
+            r: &Request,
+            _precondition: Option<&str>,
+        ) -> Result<Option<String>, SendError> {
+            let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            let began = Instant::now();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            let kind = if r.subresource == Some("status") {
+                "status"
+            } else {
+                "annotations"
+            };
+            self.ran.lock().unwrap().push((kind, began, Instant::now()));
+            Ok(Some("2".into()))
+        }
+        async fn event(&self, _e: &EventOut) -> Result<(), String> {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok(())
+        }
+    }
+
+    /// Issue #30: a failover's 40 writes (a status and the record
+    /// annotations of 20 Services) and 20 Events go out
+    /// `WRITES_IN_FLIGHT` at a time, not one after another (6 s at 100 ms
+    /// each), and never out of their order: every status has landed
+    /// before the first annotation goes.
+    #[tokio::test(start_paused = true)]
+    async fn a_failovers_writes_go_out_together_in_their_order() {
+        let mut plan = Plan::default();
+        let mut annotations = Vec::new();
+        for i in 0..20 {
+            let p = served(&format!("s{i:02}"));
+            plan.writes.push(p.writes[0].clone());
+            annotations.push(p.writes[1].clone());
+            plan.events.extend(p.events.into_iter().map(|mut e| {
+                e.message = format!("{} ({i})", e.message);
+                e
+            }));
+        }
+        plan.writes.extend(annotations);
+        let api = Slow::default();
+        let t0 = Instant::now();
+        let out = execute(
+            "hna",
+            &plan,
+            &api,
+            &|| true,
+            &mut Memory::default(),
+            &|_| Some("1".into()),
+        )
+        .await;
+        let took = t0.elapsed();
+        assert_eq!(out.writes.values().sum::<u64>(), 40, "{out:?}");
+        assert_eq!(out.published.len(), 20);
+        assert!(out.errors.is_empty(), "{:?}", out.errors);
+        // 3 rounds of 8 per kind, and for the Events: 900 ms.
+        assert_eq!(took, Duration::from_millis(900), "{took:?}");
+        assert_eq!(api.most.load(Ordering::SeqCst), WRITES_IN_FLIGHT);
+        let ran = api.ran.lock().unwrap();
+        let last_status = ran.iter().filter(|r| r.0 == "status").map(|r| r.2).max();
+        let first_annotation = ran
+            .iter()
+            .filter(|r| r.0 == "annotations")
+            .map(|r| r.1)
+            .min();
+        assert!(last_status <= first_annotation, "{ran:?}");
     }
 
     #[tokio::test]

@@ -460,3 +460,102 @@ pub fn arp_prober(lb: &LbRig, ip: Ipv4Addr) -> Result<ArpProber> {
 pub fn arp_prober_every(lb: &LbRig, ip: Ipv4Addr, every: Duration) -> Result<ArpProber> {
     ArpProber::start(&lb.observer.ns, "eth0", lb.observer.addr, ip, every)
 }
+
+/// `n` DHCP Services named `{prefix}-NNN`, every one held by guest
+/// `holder`: the other guests' agents are stopped while they are placed,
+/// then started again and left to report ready. Returns their addresses,
+/// in name order, once the holder's kernel has them all.
+pub fn all_on_one(lb: &mut LbRig, holder: usize, prefix: &str, n: usize) -> Result<Vec<Ipv4Addr>> {
+    let within = Duration::from_secs(60);
+    let ready = |lb: &LbRig, i: usize| {
+        lb.node_object(&lb.node_name(i))
+            .is_some_and(|o| o["status"]["ready"] == true)
+    };
+    let guests: Vec<usize> = (0..lb.guests()).collect();
+    ensure!(
+        wait_for(within, || guests
+            .iter()
+            .all(|g| ready(lb, *g))
+            .then_some(()))
+        .is_some(),
+        "the agents never reported ready"
+    );
+    let others: Vec<usize> = guests.iter().copied().filter(|g| *g != holder).collect();
+    for g in &others {
+        let stopped = lb.stop_agent(*g);
+        ensure!(stopped.success(), "guest {g}'s agent's stop: {stopped:?}");
+    }
+    let names: Vec<String> = (0..n).map(|i| format!("{prefix}-{i:03}")).collect();
+    for name in &names {
+        lb.create_service(name, &[(IPAM, "dhcp")], &[LISTEN_PORT])?;
+    }
+    let mut ips = Vec::new();
+    for name in &names {
+        ips.push(lb.wait_ingress(name, Duration::from_secs(180)));
+    }
+    let on_holder = wait_for(Duration::from_secs(120), || {
+        let held: std::collections::BTreeSet<String> = lb
+            .hlb_links(holder)
+            .into_iter()
+            .flat_map(|l| l.addrs)
+            .map(|a| a.trim_end_matches("/32").to_string())
+            .collect();
+        ips.iter()
+            .all(|ip| held.contains(&ip.to_string()))
+            .then_some(())
+    });
+    ensure!(
+        on_holder.is_some(),
+        "not all {n} addresses on guest {holder}"
+    );
+    for g in &others {
+        lb.start_agent(*g)?;
+    }
+    ensure!(
+        wait_for(within, || others
+            .iter()
+            .all(|g| ready(lb, *g))
+            .then_some(()))
+        .is_some(),
+        "the other agents never reported ready again"
+    );
+    lb.wait_for_membership(within)?;
+    Ok(ips)
+}
+
+/// Deletes guest `holder` (its VM gone) and waits, up to `within`, until
+/// every one of `ips` is held by another guest as their kernels report it
+/// (`watch` must have been started before). Returns how long that took.
+pub fn delete_until_all_moved(
+    lb: &mut LbRig,
+    holder: usize,
+    ips: &[Ipv4Addr],
+    watch: &AddressWatch,
+    within: Duration,
+) -> Result<Duration> {
+    let t0 = Instant::now();
+    lb.delete_guest(holder)?;
+    // Its LAN port goes first, its monitor with its namespace (seconds
+    // later): its addresses went at the start.
+    watch.gone(holder, t0);
+    let moved = |ip: &Ipv4Addr| {
+        watch
+            .holders(*ip)
+            .last()
+            .is_some_and(|(_, h)| h.iter().any(|g| *g != holder))
+    };
+    match wait_for(within, || ips.iter().all(moved).then(|| t0.elapsed())) {
+        Some(took) => Ok(took),
+        None => {
+            let left: Vec<&Ipv4Addr> = ips.iter().filter(|ip| !moved(ip)).collect();
+            bail!(
+                "{} of {} addresses not held by another guest {within:?} after guest {holder} was deleted; the first: {}",
+                left.len(),
+                ips.len(),
+                left.first()
+                    .map(|ip| timeline(watch, **ip, t0))
+                    .unwrap_or_default()
+            )
+        }
+    }
+}

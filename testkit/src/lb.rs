@@ -439,6 +439,11 @@ impl LbRig {
             .map(|a| a.admin_kubeconfig().to_path_buf())
     }
 
+    /// How many guests the rig was started with.
+    pub fn guests(&self) -> usize {
+        self.opts.guests
+    }
+
     /// Node `node`'s object as JSON, if it exists.
     pub fn node_object(&self, node: &str) -> Option<serde_json::Value> {
         let obj = self.block_on(self.node_objects().get_opt(node)).ok()??;

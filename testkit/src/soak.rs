@@ -1715,6 +1715,11 @@ fn check_tcp(report: &mut SoakReport, watch: &AddressWatch, ip: Ipv4Addr, rec: &
     check_gaps(report, watch, ip, &rec.answered(), Probe::Tcp);
 }
 
+/// What a guest given an address it cannot read (cut off from the API
+/// server) adds to the address's silence: the controller's unread rule
+/// (`controller::service_health`, 3 s) and a margin.
+const UNREAD_HOP: Duration = Duration::from_millis(3_500);
+
 /// How often the TCP client connects to each address. Every connection
 /// forks a listener on the holder, so not every 10 ms as ARP asks.
 const TCP_EVERY: Duration = Duration::from_millis(250);
@@ -1756,9 +1761,24 @@ fn check_gaps(
             .into_iter()
             .filter(|f| f.service.is_none() && f.guest.is_none_or(|g| holders.contains(&g)))
             .collect();
+        // A guest cut off from the API server that never held the address
+        // may still have been given it (it looks live for up to the
+        // staleness bound, 40 s) and not read it: each such guest costs
+        // one move after the unread rule (3 s). The soak saw two in a row
+        // (8.1 s for a deleted guest's Services), each cut off just before
+        // it was chosen.
+        let unread_hops = report
+            .around(from, to)
+            .into_iter()
+            .filter(|f| {
+                f.fault == Fault::ApiCutOff && f.guest.is_some_and(|g| !holders.contains(&g))
+            })
+            .count() as u32;
         // The largest bound among them, not their sum: denser faults
         // excuse no more (issue #29).
-        let bound = slack + around.iter().map(|f| bound_of(f)).max().unwrap_or_default();
+        let bound = slack
+            + around.iter().map(|f| bound_of(f)).max().unwrap_or_default()
+            + UNREAD_HOP * unread_hops;
         let key = around
             .iter()
             .max_by_key(|f| bound_of(f))

@@ -957,57 +957,9 @@ fn two_hundred_services_moving_onto_one_node_leave_its_heartbeat_beating() -> Re
     opts.agent_config = "lb_heartbeat = \"1s\"\n".into();
     let mut lb = LbRig::start(opts)?;
     let (receiver, giver) = (0, 1);
-    let ready = |lb: &LbRig, i: usize| {
-        lb.node_object(&lb.node_name(i))
-            .is_some_and(|o| o["status"]["ready"] == true)
-    };
-    ensure!(
-        wait_for(WITHIN, || (ready(&lb, receiver) && ready(&lb, giver))
-            .then_some(()))
-        .is_some(),
-        "the agents never reported ready"
-    );
     // All on the giver: the receiver's agent is down while they are placed.
-    let stopped = lb.stop_agent(receiver);
-    ensure!(stopped.success(), "the agent's stop: {stopped:?}");
-    let names: Vec<String> = (0..SERVICES).map(|i| format!("mass-{i:03}")).collect();
-    for n in &names {
-        lb.create_service(n, &[(failover::IPAM, "dhcp")], &[LISTEN_PORT])?;
-    }
-    let mut ips = Vec::new();
-    for n in &names {
-        ips.push(lb.wait_ingress(n, Duration::from_secs(180)));
-    }
-    // Who holds each address, from both kernels at once.
-    let held = |lb: &LbRig| -> std::collections::BTreeMap<String, Vec<usize>> {
-        let mut m: std::collections::BTreeMap<String, Vec<usize>> = Default::default();
-        for g in [receiver, giver] {
-            for link in lb.hlb_links(g) {
-                for a in link.addrs {
-                    m.entry(a.trim_end_matches("/32").to_string())
-                        .or_default()
-                        .push(g);
-                }
-            }
-        }
-        m
-    };
-    let on_giver = wait_for(Duration::from_secs(120), || {
-        let m = held(&lb);
-        ips.iter()
-            .all(|ip| m.get(&ip.to_string()).is_some_and(|h| *h == [giver]))
-            .then_some(())
-    });
-    ensure!(
-        on_giver.is_some(),
-        "not all {SERVICES} addresses on guest {giver}"
-    );
-    lb.start_agent(receiver)?;
+    let ips = failover::all_on_one(&mut lb, giver, "mass", SERVICES)?;
     let node = lb.node_name(receiver);
-    ensure!(
-        wait_for(WITHIN, || ready(&lb, receiver).then_some(())).is_some(),
-        "{node} never ready again"
-    );
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
     // The heartbeat as the API server has it, read every 50 ms on a thread
     // of its own (the guest's deletion blocks this one for seconds): a

@@ -123,7 +123,7 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
         // An address no DHCP server of the VM network would give: not
         // published, and the Service waits.
         let address = match address {
-            Some((holder, ip)) => match implausible(ip, s, &pass.world) {
+            Some((holder, ip)) => match implausible(ip, s, &pass.world, &pass.taken) {
                 Some(why) => {
                     pass.events.tell(
                         s,
@@ -165,7 +165,7 @@ mod tests {
 
     use crate::contract::kube_vip;
     use crate::controller::reconcile::reason;
-    use crate::controller::reconcile::test_support::{Sim, dhcp, reasons};
+    use crate::controller::reconcile::sim::{Sim, dhcp, reasons};
 
     #[test]
     fn a_healthy_holder_is_kept_a_dead_ones_services_move_and_keep_their_address() {

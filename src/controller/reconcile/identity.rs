@@ -188,7 +188,7 @@ mod tests {
 
     use crate::contract::kube_vip;
     use crate::controller::reconcile::reason;
-    use crate::controller::reconcile::test_support::{Sim, dhcp, in_namespace, key, uid};
+    use crate::controller::reconcile::sim::{Sim, dhcp, in_namespace, key, uid};
 
     /// Issue #29: the address a new holder asks for, and that its
     /// takeover guard asks the LAN about, is the one the Service holds,
@@ -252,7 +252,7 @@ mod tests {
         sim.services.push(thief);
         sim.services.push(dhcp("web", &[80]));
         let plans = sim.settle();
-        let told = crate::controller::reconcile::test_support::events(&plans);
+        let told = crate::controller::reconcile::sim::events(&plans);
         let (_, why) = told
             .iter()
             .find(|(r, _)| *r == reason::MAC_REFUSED)
@@ -271,7 +271,7 @@ mod tests {
             .insert(kube_vip::HWADDR.into(), "0a:11:22:33:44:55".into());
         let plans = sim.settle();
         assert!(
-            crate::controller::reconcile::test_support::events(&plans)
+            crate::controller::reconcile::sim::events(&plans)
                 .iter()
                 .any(|(r, m)| *r == reason::MAC_REFUSED && m.contains("default gateway")),
             "{plans:?}"

@@ -85,12 +85,11 @@ pub fn reconcile(world: World<'_>) -> Plan {
     }
 }
 
-#[cfg(test)]
-mod test_support;
+pub mod sim;
 
 #[cfg(test)]
 mod tests {
-    use super::test_support::{Sim, dhcp, key, port, reasons, uid};
+    use super::sim::{Sim, dhcp, key, port, reasons, uid};
     use super::{IP_MODE_VIP, Ingress, Write, reason};
     use crate::contract::{self, Annotations, kube_vip};
 

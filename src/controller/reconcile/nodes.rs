@@ -143,7 +143,7 @@ fn peer_writes(live: &BTreeMap<&str, &NodeIn>) -> Vec<Write> {
 #[cfg(test)]
 mod tests {
     use crate::controller::reconcile::Write;
-    use crate::controller::reconcile::test_support::{Sim, dhcp};
+    use crate::controller::reconcile::sim::{Sim, dhcp};
 
     #[test]
     fn nodes_get_an_object_and_access_and_lose_them_with_the_node() {

@@ -243,9 +243,7 @@ fn clear_secondaries(pass: &mut Pass<'_>, primary: &ServiceIn) {
 mod tests {
     use crate::contract::{self, ClassPolicy, harvester, kube_vip};
     use crate::controller::networks::NetworkMap;
-    use crate::controller::reconcile::test_support::{
-        Sim, dhcp, events, key, port, reasons, secondary,
-    };
+    use crate::controller::reconcile::sim::{Sim, dhcp, events, key, port, reasons, secondary};
     use crate::controller::reconcile::{Ingress, reason};
 
     #[test]

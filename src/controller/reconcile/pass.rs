@@ -10,6 +10,7 @@ use super::events::Events;
 use super::nodes::Nodes;
 use super::plan::{Summary, Write};
 use super::specs::Specs;
+use super::status::Taken;
 use super::world::{ServiceIn, World};
 
 /// A primary to place, with its identity and its uplink.
@@ -17,6 +18,8 @@ pub(super) type Need<'a> = (&'a ServiceIn, AddressIdentity, Option<String>);
 
 pub(super) struct Pass<'a> {
     pub(super) world: World<'a>,
+    /// What a load-balancer address must not be.
+    pub(super) taken: Taken<'a>,
     pub(super) nodes: Nodes<'a>,
     /// By key: the order in which Services are decided, and so the order
     /// of their Events.
@@ -54,6 +57,7 @@ impl<'a> Pass<'a> {
             .map(|s| (&s.key, contract::select(&s.view(), world.classes)))
             .collect();
         Pass {
+            taken: Taken::of(&world),
             world,
             nodes,
             services,

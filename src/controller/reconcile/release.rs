@@ -227,7 +227,7 @@ pub(super) fn orphans(pass: &mut Pass<'_>) {
 #[cfg(test)]
 mod tests {
     use crate::contract;
-    use crate::controller::reconcile::test_support::{Sim, dhcp, events, key, reasons};
+    use crate::controller::reconcile::sim::{Sim, dhcp, events, key, reasons};
     use crate::controller::reconcile::{OUR_ANNOTATIONS, RELEASE_TIMEOUT_SECS, Write, reason};
 
     #[test]

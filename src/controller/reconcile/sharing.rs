@@ -174,7 +174,7 @@ pub(super) fn clear_unshared(pass: &mut Pass<'_>, sharing: &BTreeSet<&ServiceKey
 #[cfg(test)]
 mod tests {
     use crate::contract::{self, harvester};
-    use crate::controller::reconcile::test_support::{
+    use crate::controller::reconcile::sim::{
         Sim, dhcp, events, in_namespace, key, ns_key, port, reasons, secondary, uid,
     };
     use crate::controller::reconcile::{IP_MODE_VIP, Ingress, reason};

@@ -1,5 +1,8 @@
-//! The cluster the tests run decisions in: Services as the cloud provider
-//! leaves them, and the API server and node agents answering the writes.
+//! A simulated cluster to run decisions in: Services as the cloud
+//! provider leaves them, and the API server and node agents answering the
+//! writes, as plain data. The unit tests of the decisions run in it, and
+//! so does the pass benchmark (`cargo bench --bench reconcile`), which is
+//! why it is public; nothing else uses it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -9,21 +12,21 @@ use crate::controller::networks::NetworkMap;
 
 use super::{BOUND, NodeIn, NodeNetworks, Plan, Port, ServiceIn, World, Write, reconcile};
 
-pub(super) const NS: &str = "default";
+pub const NS: &str = "default";
 
-pub(super) fn key(name: &str) -> ServiceKey {
+pub fn key(name: &str) -> ServiceKey {
     ServiceKey {
         namespace: NS.into(),
         name: name.into(),
     }
 }
 
-pub(super) fn uid(name: &str) -> String {
+pub fn uid(name: &str) -> String {
     let h = contract::fnv1a(&[name.as_bytes()]);
     format!("{:08x}-0000-4000-8000-{:012x}", h as u32, h >> 16)
 }
 
-pub(super) fn port(p: i32) -> Port {
+pub fn port(p: i32) -> Port {
     Port {
         port: p,
         protocol: "TCP".into(),
@@ -31,7 +34,7 @@ pub(super) fn port(p: i32) -> Port {
 }
 
 /// A DHCP-mode LoadBalancer as the cloud provider leaves it.
-pub(super) fn dhcp(name: &str, ports: &[i32]) -> ServiceIn {
+pub fn dhcp(name: &str, ports: &[i32]) -> ServiceIn {
     ServiceIn {
         key: key(name),
         uid: uid(name),
@@ -50,7 +53,7 @@ pub(super) fn dhcp(name: &str, ports: &[i32]) -> ServiceIn {
     }
 }
 
-pub(super) fn secondary(name: &str, primary: &str, ports: &[i32]) -> ServiceIn {
+pub fn secondary(name: &str, primary: &str, ports: &[i32]) -> ServiceIn {
     let mut s = dhcp(name, ports);
     s.annotations = [(
         harvester::PRIMARY_SERVICE.to_string(),
@@ -63,26 +66,27 @@ pub(super) fn secondary(name: &str, primary: &str, ports: &[i32]) -> ServiceIn {
 /// The cluster, the API server and the node agents, as far as the
 /// controller's writes go.
 #[derive(Debug, Clone)]
-pub(super) struct Sim {
-    pub(super) services: Vec<ServiceIn>,
-    pub(super) nodes: Vec<String>,
-    pub(super) objects: Vec<NodeIn>,
-    pub(super) access: BTreeSet<String>,
+pub struct Sim {
+    pub services: Vec<ServiceIn>,
+    pub nodes: Vec<String>,
+    pub objects: Vec<NodeIn>,
+    pub access: BTreeSet<String>,
     /// Nodes whose agents run (they are eligible and report leases).
-    pub(super) up: BTreeSet<String>,
+    pub up: BTreeSet<String>,
     /// Addresses the DHCP server hands out, by client.
-    pub(super) next_ip: u8,
-    pub(super) given: BTreeMap<String, String>,
-    pub(super) networks: NetworkMap,
-    pub(super) classes: ClassPolicy,
-    pub(super) ip_mode: bool,
-    pub(super) node_networks: NodeNetworks,
-    pub(super) now: i64,
-    pub(super) avoid: crate::controller::service_health::Avoid,
+    /// The next address the DHCP server gives, counted up from 10.77.0.150.
+    pub next_ip: u32,
+    pub given: BTreeMap<String, String>,
+    pub networks: NetworkMap,
+    pub classes: ClassPolicy,
+    pub ip_mode: bool,
+    pub node_networks: NodeNetworks,
+    pub now: i64,
+    pub avoid: crate::controller::service_health::Avoid,
 }
 
 impl Sim {
-    pub(super) fn new(nodes: &[&str]) -> Sim {
+    pub fn new(nodes: &[&str]) -> Sim {
         let mut sim = Sim {
             services: Vec::new(),
             nodes: nodes.iter().map(|n| n.to_string()).collect(),
@@ -102,7 +106,7 @@ impl Sim {
         sim
     }
 
-    pub(super) fn plan(&self) -> Plan {
+    pub fn plan(&self) -> Plan {
         reconcile(World {
             services: &self.services,
             nodes: &self.nodes,
@@ -117,18 +121,18 @@ impl Sim {
         })
     }
 
-    pub(super) fn svc(&self, name: &str) -> &ServiceIn {
+    pub fn svc(&self, name: &str) -> &ServiceIn {
         self.services.iter().find(|s| s.key == key(name)).unwrap()
     }
 
-    pub(super) fn svc_mut(&mut self, name: &str) -> &mut ServiceIn {
+    pub fn svc_mut(&mut self, name: &str) -> &mut ServiceIn {
         self.services
             .iter_mut()
             .find(|s| s.key == key(name))
             .unwrap()
     }
 
-    pub(super) fn holders(&self, name: &str) -> Vec<(String, Assignment)> {
+    pub fn holders(&self, name: &str) -> Vec<(String, Assignment)> {
         self.objects
             .iter()
             .flat_map(|o| {
@@ -141,32 +145,31 @@ impl Sim {
             .collect()
     }
 
-    pub(super) fn apply(&mut self, plan: &Plan) {
+    pub fn apply(&mut self, plan: &Plan) {
+        // By key: the benchmark applies tens of thousands of writes.
+        let at: std::collections::HashMap<ServiceKey, usize> = self
+            .services
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.key.clone(), i))
+            .collect();
         for w in &plan.writes {
             match w {
                 Write::AddFinalizer(k) => {
-                    let s = self.services.iter_mut().find(|s| s.key == *k).unwrap();
+                    let s = &mut self.services[at[k]];
                     if !s.finalizers.iter().any(|f| f == FINALIZER) {
                         s.finalizers.push(FINALIZER.into());
                     }
                 }
                 Write::RemoveFinalizer(k) => {
-                    let s = self.services.iter_mut().find(|s| s.key == *k).unwrap();
+                    let s = &mut self.services[at[k]];
                     s.finalizers.retain(|f| f != FINALIZER);
                 }
                 Write::ServiceStatus { service, ingress } => {
-                    self.services
-                        .iter_mut()
-                        .find(|s| s.key == *service)
-                        .unwrap()
-                        .ingress = ingress.clone();
+                    self.services[at[service]].ingress = ingress.clone();
                 }
                 Write::ServiceAnnotations { service, set } => {
-                    let s = self
-                        .services
-                        .iter_mut()
-                        .find(|s| s.key == *service)
-                        .unwrap();
+                    let s = &mut self.services[at[service]];
                     for (k, v) in set {
                         for forbidden in
                             [kube_vip::LOADBALANCER_IPS, "cloudprovider.harvesterhci.io/"]
@@ -211,7 +214,7 @@ impl Sim {
     }
 
     /// The agents act on their specs and report.
-    pub(super) fn agents(&mut self) {
+    pub fn agents(&mut self) {
         for o in &mut self.objects {
             o.eligible = self.up.contains(&o.name);
             if !o.eligible {
@@ -224,10 +227,12 @@ impl Sim {
                     continue;
                 }
                 let ip = self.given.entry(a.uid.clone()).or_insert_with(|| {
-                    let ip = a
-                        .requested_ip
-                        .clone()
-                        .unwrap_or(format!("10.77.0.{}", self.next_ip));
+                    let ip = a.requested_ip.clone().unwrap_or_else(|| {
+                        std::net::Ipv4Addr::from(
+                            u32::from(std::net::Ipv4Addr::new(10, 77, 0, 0)) + self.next_ip,
+                        )
+                        .to_string()
+                    });
                     self.next_ip += 1;
                     ip
                 });
@@ -247,7 +252,7 @@ impl Sim {
 
     /// Reconcile and let the world answer until nothing is written;
     /// returns every plan on the way.
-    pub(super) fn settle(&mut self) -> Vec<Plan> {
+    pub fn settle(&mut self) -> Vec<Plan> {
         let mut plans = Vec::new();
         for _ in 0..10 {
             self.agents();
@@ -263,24 +268,24 @@ impl Sim {
     }
 }
 
-pub(super) fn events(plans: &[Plan]) -> Vec<(&'static str, String)> {
+pub fn events(plans: &[Plan]) -> Vec<(&'static str, String)> {
     plans
         .iter()
         .flat_map(|p| p.events.iter().map(|e| (e.reason, e.message.clone())))
         .collect()
 }
 
-pub(super) fn reasons(plans: &[Plan]) -> Vec<&'static str> {
+pub fn reasons(plans: &[Plan]) -> Vec<&'static str> {
     events(plans).into_iter().map(|(r, _)| r).collect()
 }
 
-pub(super) fn in_namespace(mut s: ServiceIn, namespace: &str) -> ServiceIn {
+pub fn in_namespace(mut s: ServiceIn, namespace: &str) -> ServiceIn {
     s.key.namespace = namespace.into();
     s.uid = uid(&format!("{namespace}/{}", s.key.name));
     s
 }
 
-pub(super) fn ns_key(namespace: &str, name: &str) -> ServiceKey {
+pub fn ns_key(namespace: &str, name: &str) -> ServiceKey {
     ServiceKey {
         namespace: namespace.into(),
         name: name.into(),
