@@ -23,7 +23,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use hna_testkit::addrwatch::AddressWatch;
 use hna_testkit::failover::{
-    Fault, all_on_one, delete_until_all_moved, fail_over_after, guest_namespaces,
+    Fault, all_on_one, delete_until_all_moved, fail_over_after, guest_namespaces, timeline,
 };
 use hna_testkit::lb::{self, LbRig};
 
@@ -105,9 +105,17 @@ fn main() -> Result<()> {
             let ips = all_on_one(&mut lb, holder, &format!("mass{run}"), mass)?;
             let watch = AddressWatch::start(&guest_namespaces(&lb))?;
             std::thread::sleep(Duration::from_secs(1));
+            let t0 = std::time::Instant::now();
             let t = delete_until_all_moved(&mut lb, holder, &ips, &watch, Duration::from_secs(60))?;
             // Long enough for a second move to show.
             std::thread::sleep(Duration::from_secs(3));
+            let doubled: Vec<&std::net::Ipv4Addr> = ips
+                .iter()
+                .filter(|ip| !watch.overlaps(**ip).is_empty())
+                .collect();
+            for ip in doubled.iter().take(3) {
+                eprintln!("{ip} held twice:\n{}", timeline(&watch, **ip, t0));
+            }
             overlaps += ips
                 .iter()
                 .map(|ip| watch.overlaps(*ip).len())

@@ -425,6 +425,12 @@ async fn reconcile_loop(
             now: wall,
         });
         coalesce = coalesce_window(now.elapsed());
+        tracing::debug!(
+            took = ?now.elapsed(),
+            services = services.len(),
+            writes = plan.writes.len(),
+            "pass decided"
+        );
         {
             let mut s = stats.lock().expect("stats lock");
             s.reconciles += 1;

@@ -597,10 +597,12 @@ pub async fn execute<R: Requests>(
                 send_write(namespace, w, known, api, leading)
             })
             .collect();
+        let began = tokio::time::Instant::now();
         let results: Vec<Sent> = futures::stream::iter(sending)
             .buffered(WRITES_IN_FLIGHT)
             .collect()
             .await;
+        tracing::debug!(kind, n = results.len(), took = ?began.elapsed(), "writes sent");
         let sent = go.into_iter().zip(results);
         for ((w, object, version), result) in sent {
             match result {

@@ -29,6 +29,11 @@ pub struct AddrEvent {
 pub struct AddressWatch {
     children: Vec<Child>,
     events: Arc<Mutex<Vec<AddrEvent>>>,
+    /// Per guest, which of its monitors counts: [`AddressWatch::gone`]
+    /// moves it on, so what a deleted guest's monitor still reads (its
+    /// agent refreshing address lifetimes in a namespace whose LAN port is
+    /// already gone) counts for nothing.
+    generations: Generations,
     /// The guests holding each address when the watch started.
     initial: Vec<(usize, Ipv4Addr)>,
     started: Instant,
@@ -64,8 +69,18 @@ fn addresses(ns: &str) -> Result<Vec<Ipv4Addr>> {
         .collect())
 }
 
-/// `ip -o monitor address` in `ns`, its events recorded as guest `guest`'s.
-fn monitor(ns: &str, guest: usize, events: &Arc<Mutex<Vec<AddrEvent>>>) -> Result<Child> {
+type Generations = Arc<Mutex<std::collections::BTreeMap<usize, u64>>>;
+
+/// `ip -o monitor address` in `ns`, its events recorded as guest `guest`'s
+/// while the guest's generation is the one it started in.
+fn monitor(
+    ns: &str,
+    guest: usize,
+    events: &Arc<Mutex<Vec<AddrEvent>>>,
+    generations: &Generations,
+) -> Result<Child> {
+    let generation = *generations.lock().unwrap().entry(guest).or_default();
+    let generations = generations.clone();
     let mut child = Command::new("ip")
         .args(["-n", ns, "-o", "monitor", "address"])
         .stdout(Stdio::piped())
@@ -77,6 +92,9 @@ fn monitor(ns: &str, guest: usize, events: &Arc<Mutex<Vec<AddrEvent>>>) -> Resul
     std::thread::spawn(move || {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
             let at = Instant::now();
+            if generations.lock().unwrap().get(&guest) != Some(&generation) {
+                continue;
+            }
             if let Some((added, addr)) = parse(&line) {
                 events.lock().unwrap().push(AddrEvent {
                     at,
@@ -131,9 +149,10 @@ impl AddressWatch {
     /// Watches the guest namespaces `guests` (index = guest number).
     pub fn start(guests: &[String]) -> Result<AddressWatch> {
         let events = Arc::new(Mutex::new(Vec::new()));
+        let generations = Generations::default();
         let mut children = Vec::new();
         for (guest, ns) in guests.iter().enumerate() {
-            children.push(monitor(ns, guest, &events)?);
+            children.push(monitor(ns, guest, &events, &generations)?);
         }
         for (guest, ns) in guests.iter().enumerate() {
             handshake(ns, guest, &events)?;
@@ -148,6 +167,7 @@ impl AddressWatch {
         Ok(AddressWatch {
             children,
             events,
+            generations,
             initial,
             started,
         })
@@ -157,7 +177,8 @@ impl AddressWatch {
     /// one that is [`gone`](Self::gone)): watched again from now on, with
     /// what it holds already counted as added now.
     pub fn rewatch(&mut self, guest: usize, ns: &str) -> Result<()> {
-        self.children.push(monitor(ns, guest, &self.events)?);
+        self.children
+            .push(monitor(ns, guest, &self.events, &self.generations)?);
         handshake(ns, guest, &self.events)?;
         let at = Instant::now();
         let held = addresses(ns)?;
@@ -176,7 +197,10 @@ impl AddressWatch {
     /// Guest `guest` is gone (its namespace deleted, so its monitor too):
     /// from `at` on it holds nothing.
     pub fn gone(&self, guest: usize, at: Instant) {
+        *self.generations.lock().unwrap().entry(guest).or_default() += 1;
         let mut events = self.events.lock().unwrap();
+        // What its monitor read after `at`, before the line above.
+        events.retain(|e| !(e.guest == guest && e.at >= at));
         let held: BTreeSet<Ipv4Addr> = self
             .initial
             .iter()
@@ -306,6 +330,7 @@ mod tests {
         // from 6 s on.
         let w = AddressWatch {
             children: Vec::new(),
+            generations: Generations::default(),
             events: Arc::new(Mutex::new(vec![
                 event(1_000, 0, false),
                 event(3_000, 1, true),

@@ -534,7 +534,25 @@ pub fn delete_until_all_moved(
     within: Duration,
 ) -> Result<Duration> {
     let t0 = Instant::now();
+    let wall = {
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis()
+            % 86_400_000;
+        format!(
+            "{:02}:{:02}:{:02}.{:03} UTC",
+            ms / 3_600_000,
+            ms / 60_000 % 60,
+            ms / 1000 % 60,
+            ms % 1000
+        )
+    };
     lb.delete_guest(holder)?;
+    eprintln!(
+        "guest {holder} deleted at {wall} in {:.0} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
     // Its LAN port goes first, its monitor with its namespace (seconds
     // later): its addresses went at the start.
     watch.gone(holder, t0);
@@ -544,8 +562,17 @@ pub fn delete_until_all_moved(
             .last()
             .is_some_and(|(_, h)| h.iter().any(|g| *g != holder))
     };
-    match wait_for(within, || ips.iter().all(moved).then(|| t0.elapsed())) {
-        Some(took) => Ok(took),
+    // When each was first held by another guest, from the kernels' record
+    // (not when this loop saw it: the deletion itself takes seconds).
+    let taken_at = |ip: &Ipv4Addr| {
+        watch
+            .holders(*ip)
+            .into_iter()
+            .find(|(at, h)| *at >= t0 && h.iter().any(|g| *g != holder))
+            .map(|(at, _)| at - t0)
+    };
+    match wait_for(within, || ips.iter().all(moved).then_some(())) {
+        Some(()) => Ok(ips.iter().filter_map(taken_at).max().unwrap_or_default()),
         None => {
             let left: Vec<&Ipv4Addr> = ips.iter().filter(|ip| !moved(ip)).collect();
             bail!(
