@@ -366,6 +366,17 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
             },
             Some(check) = gateway_answered.recv() => {
                 lb.gateway_asking = false;
+                // Asked every lifetime while the LAN is silent: told when
+                // the answer changes, not each time.
+                match (lb.gateway.map(|g| g.answered), check.answered) {
+                    (Some(false), true) => {
+                        tracing::info!("the default gateway answers ARP on the uplink again")
+                    }
+                    (Some(true) | None, false) => {
+                        tracing::warn!("the default gateway does not answer ARP on the uplink")
+                    }
+                    _ => {}
+                }
                 lb.gateway = Some(check);
                 lb.judge_fence().await;
                 lb.report();
@@ -843,9 +854,7 @@ impl<E: LeaseEngine> Lb<E> {
                     false
                 }
             };
-            if !answered {
-                tracing::warn!(%uplink, %gateway, "the gateway does not answer ARP on the uplink");
-            }
+            tracing::debug!(%uplink, %gateway, answered, "asked the gateway");
             let _ = answers
                 .send(super::fence::GatewayCheck { started, answered })
                 .await;

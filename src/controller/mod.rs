@@ -439,7 +439,12 @@ async fn reconcile_loop(
             s.holder = leadership.holder();
         }
         if !leading {
-            settled = plan.writes.is_empty().then_some(inputs);
+            // A follower writes nothing: the same inputs give the same
+            // summary. (Its plan always has writes, each node's access
+            // among them, which only a leader ensures: settled on an
+            // empty plan, it ran a whole pass every second, 0.2 s of CPU a
+            // second at 10,000 Services.)
+            settled = Some(inputs);
             continue;
         }
         if leadership.term() != term {

@@ -614,23 +614,44 @@ impl LbRig {
             .filter(|i| self.agents.get(*i).is_some_and(Option::is_some))
             .map(|i| self.node_name(i).to_string())
             .collect();
-        let counts = || -> Vec<(String, Option<u64>)> {
+        // Per node: how many others SWIM counts alive, and whom of those it
+        // watches it has heard itself (`status.lan.hears`).
+        let counts = || -> Vec<(String, Option<u64>, Vec<String>)> {
             names
                 .iter()
                 .map(|n| {
-                    let alive = self
-                        .node_object(n)
-                        .and_then(|o| o["status"]["lan"]["alive"].as_u64());
-                    (n.clone(), alive)
+                    let lan = self.node_object(n).map(|o| o["status"]["lan"].clone());
+                    let alive = lan.as_ref().and_then(|l| l["alive"].as_u64());
+                    let hears = lan
+                        .as_ref()
+                        .and_then(|l| l["hears"].as_array().cloned())
+                        .unwrap_or_default()
+                        .iter()
+                        .filter_map(|h| h.as_str().map(str::to_string))
+                        .collect();
+                    (n.clone(), alive, hears)
                 })
                 .collect()
         };
         let done = wait_for(within, || {
             let c = counts();
-            let members = c.iter().filter(|(_, a)| a.is_some()).count() as u64;
-            c.iter()
-                .all(|(_, a)| a.is_none_or(|a| a + 1 == members))
-                .then_some(())
+            let members: Vec<&String> = c
+                .iter()
+                .filter(|(_, a, _)| a.is_some())
+                .map(|(n, _, _)| n)
+                .collect();
+            let everyone_alive = c
+                .iter()
+                .all(|(_, a, _)| a.is_none_or(|a| a + 1 == members.len() as u64));
+            // A witness reports only a node it has heard itself: until two
+            // (or all, with fewer) have heard each member, a member that
+            // dies now is never convicted (a guest paused half a second
+            // after the membership started was heard by one witness only).
+            let need = members.len().saturating_sub(1).min(2);
+            let everyone_heard = members
+                .iter()
+                .all(|m| c.iter().filter(|(_, _, hears)| hears.contains(*m)).count() >= need);
+            (everyone_alive && everyone_heard).then_some(())
         });
         ensure!(
             done.is_some(),
