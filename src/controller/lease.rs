@@ -459,32 +459,43 @@ mod tests {
         (leadership, stop)
     }
 
+    /// Runs the election of `identity` against `fake` until it leads.
+    async fn leader(fake: &Arc<FakeApi>, identity: &str) -> (Arc<Leadership>, watch::Sender<bool>) {
+        let (leadership, stop) = elect(fake, identity);
+        let t0 = Instant::now();
+        while !leadership.leading() {
+            assert!(t0.elapsed() < Duration::from_secs(5), "never led");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (leadership, stop)
+    }
+
+    /// Leading at every moment for `long`, from now, while `what` go on.
+    async fn leads_throughout(leadership: &Leadership, long: Duration, what: &str) {
+        let led = Instant::now();
+        while led.elapsed() < long {
+            assert!(
+                leadership.leading(),
+                "stopped leading {:?} after the {what} began",
+                led.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// A leader whose renewals fail (500, 503, 429) keeps leading and
     /// keeps its Lease fresh: it gave up the lead at the first failed
     /// write.
     #[tokio::test(start_paused = true)]
     async fn failed_renewals_neither_end_the_lead_nor_let_the_lease_expire() {
         let fake = FakeApi::new(None);
-        let (leadership, _stop) = elect(&fake, "b");
-        let t0 = Instant::now();
-        while !leadership.leading() {
-            assert!(t0.elapsed() < Duration::from_secs(5), "never led");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let (leadership, _stop) = leader(&fake, "b").await;
         fake.puts.lock().unwrap().extend([
             Fault(1, Some(500)),
             Fault(1, Some(503)),
             Fault(1, Some(429)),
         ]);
-        let led = Instant::now();
-        while led.elapsed() < Duration::from_secs(10) {
-            assert!(
-                leadership.leading(),
-                "stopped leading {:?} after the failures began",
-                led.elapsed()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        leads_throughout(&leadership, Duration::from_secs(10), "failures").await;
         assert_eq!(leadership.term(), 1);
         assert!(fake.puts.lock().unwrap().is_empty(), "the script ran");
         let writes = fake.writes.lock().unwrap().clone();
@@ -499,26 +510,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn retry_afters_in_a_row_do_not_cost_the_lease() {
         let fake = FakeApi::new(None);
-        let (leadership, _stop) = elect(&fake, "b");
-        let t0 = Instant::now();
-        while !leadership.leading() {
-            assert!(t0.elapsed() < Duration::from_secs(5), "never led");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let (leadership, _stop) = leader(&fake, "b").await;
         fake.puts.lock().unwrap().extend([
             Fault(1, Some(429)),
             Fault(1, Some(429)),
             Fault(1, Some(429)),
         ]);
-        let led = Instant::now();
-        while led.elapsed() < Duration::from_secs(6) {
-            assert!(
-                leadership.leading(),
-                "stopped leading {:?} after the 429s began",
-                led.elapsed()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        leads_throughout(&leadership, Duration::from_secs(6), "429s").await;
         assert!(fake.puts.lock().unwrap().is_empty(), "the script ran");
     }
 
@@ -529,25 +527,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_round_whose_first_attempts_fail_slowly_still_renews() {
         let fake = FakeApi::new(None);
-        let (leadership, _stop) = elect(&fake, "b");
-        let t0 = Instant::now();
-        while !leadership.leading() {
-            assert!(t0.elapsed() < Duration::from_secs(5), "never led");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let (leadership, _stop) = leader(&fake, "b").await;
         fake.puts
             .lock()
             .unwrap()
             .extend([Fault(1_600, Some(500)), Fault(1_600, Some(503))]);
-        let led = Instant::now();
-        while led.elapsed() < Duration::from_secs(6) {
-            assert!(
-                leadership.leading(),
-                "stopped leading {:?} after the slow failures began",
-                led.elapsed()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        leads_throughout(&leadership, Duration::from_secs(6), "slow failures").await;
         assert_eq!(leadership.term(), 1);
         assert!(fake.puts.lock().unwrap().is_empty(), "the script ran");
     }
@@ -558,12 +543,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn renewals_that_answer_late_still_keep_the_lease() {
         let fake = FakeApi::new(None);
-        let (leadership, _stop) = elect(&fake, "b");
-        let t0 = Instant::now();
-        while !leadership.leading() {
-            assert!(t0.elapsed() < Duration::from_secs(5), "never led");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let (_leadership, _stop) = leader(&fake, "b").await;
         fake.puts.lock().unwrap().extend([Fault(1_500, None); 20]);
         let slow = Instant::now();
         tokio::time::sleep(Duration::from_secs(15)).await;
