@@ -93,8 +93,9 @@ pub fn place(
         };
         if let Some(node) = choice {
             let n = load.get_mut(node).expect("eligible");
-            if by_load.remove(&(*n, tie_break(node), node)) {
-                by_load.insert((*n + 1, tie_break(node), node));
+            let tie = tie_break(node);
+            if by_load.remove(&(*n, tie, node)) {
+                by_load.insert((*n + 1, tie, node));
             }
             *n += 1;
         }

@@ -564,13 +564,7 @@ pub fn delete_until_all_moved(
     };
     // When each was first held by another guest, from the kernels' record
     // (not when this loop saw it: the deletion itself takes seconds).
-    let taken_at = |ip: &Ipv4Addr| {
-        watch
-            .holders(*ip)
-            .into_iter()
-            .find(|(at, h)| *at >= t0 && h.iter().any(|g| *g != holder))
-            .map(|(at, _)| at - t0)
-    };
+    let taken_at = |ip: &Ipv4Addr| watch.taken_by_other(*ip, holder, t0).map(|(at, _)| at - t0);
     match wait_for(within, || ips.iter().all(moved).then_some(())) {
         Some(()) => Ok(ips.iter().filter_map(taken_at).max().unwrap_or_default()),
         None => {

@@ -1011,13 +1011,7 @@ fn two_hundred_services_moving_onto_one_node_leave_its_heartbeat_beating() -> Re
             // (the deletion itself takes seconds).
             all_moved = ips
                 .iter()
-                .filter_map(|ip| {
-                    watch
-                        .holders(*ip)
-                        .into_iter()
-                        .find(|(at, h)| *at >= t0 && h.contains(&receiver))
-                        .map(|(at, _)| at - t0)
-                })
+                .filter_map(|ip| watch.taken_by_other(*ip, giver, t0).map(|(at, _)| at - t0))
                 .max();
         }
         // Past the takeover by twice the staleness bound: a second move
