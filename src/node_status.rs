@@ -14,9 +14,13 @@ use kube::api::{Patch, PatchParams};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-/// How often conditions are re-sent even when unchanged, so
-/// `lastHeartbeatTime` shows the agent is alive.
-pub const HEARTBEAT: Duration = Duration::from_secs(300);
+/// How often the Node is read again, and its conditions written if they
+/// are not what the agent wants (something else changed them). Never
+/// written when unchanged: the agent's liveness is its LoadBalancerNode
+/// status and its LAN membership, and a re-send every 5 minutes from every
+/// node is 1.7 writes a second at 500 nodes on top of the kubelet's own
+/// (issue #30).
+pub const RECHECK: Duration = Duration::from_secs(300);
 
 /// One condition as the agent wants it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,5 +1,7 @@
 //! The daemon's Node-conditions task: `MacvlanReady` and `GuestAgentReady`
-//! on its own Node, on every change and every [`node_status::HEARTBEAT`].
+//! on its own Node, on every change, and looked at again every
+//! [`node_status::RECHECK`] (written then only if the Node shows something
+//! else).
 
 use std::time::Duration;
 
@@ -57,11 +59,12 @@ pub struct Sent {
     pub at: Instant,
 }
 
-/// Whether a write is due even if the Node already shows `wanted`: nothing
-/// sent yet, something changed, or the heartbeat period has passed.
-pub fn heartbeat_due(last: Option<&Sent>, wanted: &[Condition], now: Instant) -> bool {
+/// Whether the Node is to be looked at again (and written if it shows
+/// something else): never looked at yet, something changed, or
+/// [`node_status::RECHECK`] has passed.
+pub fn look_due(last: Option<&Sent>, wanted: &[Condition], now: Instant) -> bool {
     match last {
-        Some(s) => s.conditions != wanted || now.duration_since(s.at) >= node_status::HEARTBEAT,
+        Some(s) => s.conditions != wanted || now.duration_since(s.at) >= node_status::RECHECK,
         None => true,
     }
 }
@@ -81,10 +84,10 @@ pub fn after(
                 conditions: wanted,
                 at: now,
             }),
-            node_status::HEARTBEAT,
+            node_status::RECHECK,
         ),
-        Reported::Reported { .. } => (last, node_status::HEARTBEAT),
-        Reported::NotConnected => (None, node_status::HEARTBEAT),
+        Reported::Reported { .. } => (last, node_status::RECHECK),
+        Reported::NotConnected => (None, node_status::RECHECK),
         Reported::NodeNotRegistered | Reported::Failed { .. } => (last, retry),
     }
 }
@@ -103,10 +106,11 @@ pub async fn report(
         let current_client = client.borrow().clone();
         let wanted = wanted(&macvlan.borrow(), &guest.borrow());
         let now = Instant::now();
-        let due = heartbeat_due(last.as_ref(), &wanted, now);
+        let due = look_due(last.as_ref(), &wanted, now);
         let result = match current_client {
             None => Reported::NotConnected,
-            Some(c) => node_status::reconcile(&c, &ctx.node, &wanted, due).await,
+            // Written only when the Node shows something else.
+            Some(c) => node_status::reconcile(&c, &ctx.node, &wanted, false).await,
         };
         if let Reported::Failed { error } = &result {
             tracing::warn!(%error, "could not report Node conditions");
@@ -137,24 +141,24 @@ mod tests {
     }
 
     #[test]
-    fn due_on_first_change_and_heartbeat_only() {
+    fn due_on_first_change_and_recheck_only() {
         let t0 = Instant::now();
-        assert!(heartbeat_due(None, &c("BuiltIn"), t0));
+        assert!(look_due(None, &c("BuiltIn"), t0));
         let sent = Sent {
             conditions: c("BuiltIn"),
             at: t0,
         };
-        assert!(!heartbeat_due(
+        assert!(!look_due(
             Some(&sent),
             &c("BuiltIn"),
             t0 + Duration::from_secs(299)
         ));
-        assert!(heartbeat_due(
+        assert!(look_due(
             Some(&sent),
             &c("BuiltIn"),
-            t0 + node_status::HEARTBEAT
+            t0 + node_status::RECHECK
         ));
-        assert!(heartbeat_due(
+        assert!(look_due(
             Some(&sent),
             &c("Loaded"),
             t0 + Duration::from_secs(1)
@@ -174,7 +178,7 @@ mod tests {
         );
         let reported = Reported::Reported { at: "now".into() };
         let (last, wait) = after(&reported, None, c("BuiltIn"), true, t0, retry);
-        assert_eq!(wait, node_status::HEARTBEAT);
+        assert_eq!(wait, node_status::RECHECK);
         assert_eq!(last.unwrap().conditions, c("BuiltIn"));
         // Disconnected: forget what was sent, so reconnecting writes at once.
         let sent = Some(Sent {

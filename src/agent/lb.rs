@@ -265,6 +265,13 @@ struct Lb<E: LeaseEngine> {
     /// An ask is on its way; its answer comes on `gateway_answers`.
     gateway_asking: bool,
     gateway_answers: mpsc::Sender<super::fence::GatewayCheck>,
+    /// When this loop was last seen running, on both clocks
+    /// ([`did_not_run_for`]).
+    ran: (Instant, SystemTime),
+    /// Longer than this between two looks, and this node was not running.
+    awake_within: Duration,
+    /// Asks the watch of this node's object to read it again ([`follow`]).
+    relist: watch::Sender<u64>,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -279,6 +286,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     hb: Heartbeat,
     beat_every: Duration,
     lan: LanLink,
+    relist: watch::Sender<u64>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut lan_changes = lan.view.clone();
@@ -318,7 +326,11 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         gateway: None,
         gateway_asking: false,
         gateway_answers,
+        ran: (Instant::now(), SystemTime::now()),
+        awake_within: Duration::ZERO,
+        relist,
     };
+    lb.awake_within = beat_every + lb.lan_wait();
     let mut carrier = tokio::time::interval(CARRIER_POLL);
     carrier.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut updates_open = true;
@@ -404,7 +416,10 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                     next_settle = Instant::now() + lb.settle_period();
                 }
             }
-            _ = beat.tick(), if updates_open => hb.beat(),
+            _ = beat.tick(), if updates_open => {
+                hb.beat();
+                lb.note_running();
+            }
             _ = shutdown.changed() => {
                 let keep = !lb.settings.restart_grace.is_zero()
                     && match lb.settings.keep_on_stop {
@@ -507,6 +522,39 @@ impl<E: LeaseEngine> Lb<E> {
     /// One round: plan over the assignments and the running leases, act,
     /// note what failed and when to try again.
     async fn reconcile(&mut self) {
+        self.note_running();
+        self.reconcile_round().await;
+        self.note_running();
+    }
+
+    /// A pause longer than the address lifetime (a paused VM, a frozen
+    /// cgroup, SIGSTOP) let the kernel drop the addresses, and the
+    /// assignments may have moved meanwhile while the watch, paused too,
+    /// has not said so yet: the fault soak saw a resumed node take a
+    /// deleted Service's address back for a second from what it had read
+    /// before. So the object is read again, and nothing is taken over
+    /// until it is (what is still held stays).
+    fn note_running(&mut self) {
+        let now = (Instant::now(), SystemTime::now());
+        let gap = did_not_run_for(self.ran, now);
+        self.ran = now;
+        if gap > self.awake_within {
+            tracing::warn!(
+                gap = ?gap,
+                object = %self.settings.object,
+                "this node did not run for longer than its address lifetime (paused or frozen): reading its assignments again before taking anything over"
+            );
+            self.spec_stale = true;
+            self.read = format!(
+                "reading {} again after a pause of {}",
+                self.settings.object,
+                humantime::format_duration(Duration::from_millis(gap.as_millis() as u64))
+            );
+            self.relist.send_modify(|n| *n += 1);
+        }
+    }
+
+    async fn reconcile_round(&mut self) {
         let Some(assignments) = self.assignments.clone() else {
             return;
         };
@@ -982,6 +1030,18 @@ fn rfc3339_ms(unix_ms: u64) -> String {
     humantime::format_rfc3339_seconds(t).to_string()
 }
 
+/// How long between two looks at both clocks: the larger of the two
+/// spans, since a paused VM's monotonic clock may stand still (some
+/// hypervisors hide the pause from it) while its wall clock is set right
+/// on resume (KubeVirt does so through the guest agent). A wall clock
+/// stepped back counts for nothing; one stepped forward only costs a read
+/// of the node's object.
+pub fn did_not_run_for(before: (Instant, SystemTime), now: (Instant, SystemTime)) -> Duration {
+    let monotonic = now.0.saturating_duration_since(before.0);
+    let wall = now.1.duration_since(before.1).unwrap_or_default();
+    monotonic.max(wall)
+}
+
 /// The status to report (without its heartbeat), as a pure function of
 /// the assignments, the last round's failures, the engine's leases and the
 /// node. A released assignment is reported only while its lease still
@@ -1150,12 +1210,14 @@ fn failed(e: &kube::Error) -> super::delivery::Failed {
 }
 
 /// Watches this node's object with whichever client the daemon has,
-/// starting over when the client changes; the spec goes to `tx`.
+/// starting over (with a list) when the client changes or the loop asks
+/// through `relist`; the spec goes to `tx`.
 pub async fn follow(
     mut client: watch::Receiver<Option<kube::Client>>,
     namespace: String,
     node: String,
     tx: mpsc::Sender<Update<Spec>>,
+    mut relist: watch::Receiver<u64>,
 ) {
     loop {
         let current = client.borrow_and_update().clone();
@@ -1184,6 +1246,14 @@ pub async fn follow(
             changed = client.changed() => {
                 task.abort();
                 if changed.is_err() {
+                    return;
+                }
+            }
+            // The loop was paused: a watch that ran on may not have told
+            // everything yet; a new one lists the object first.
+            asked = relist.changed() => {
+                task.abort();
+                if asked.is_err() {
                     return;
                 }
             }

@@ -17,13 +17,13 @@
 //! - the control socket and the optional metrics endpoint.
 
 mod conditions;
-mod delivery;
+pub mod delivery;
 mod fence;
 pub mod lb;
 mod macvlan;
 mod publish;
 pub mod status;
-mod status_writes;
+pub mod status_writes;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -428,11 +428,13 @@ fn spawn_lb(
     out: watch::Sender<LbStatus>,
 ) {
     let (tx, rx) = mpsc::channel(16);
+    let (relist, relist_asked) = watch::channel(0);
     tasks.spawn(lb::follow(
         client.clone(),
         cfg.namespace.clone(),
         cfg.node_name.clone(),
         tx,
+        relist_asked,
     ));
     let uplink = cfg.uplink.clone();
     let last_uplink = std::sync::Mutex::new(None::<String>);
@@ -542,6 +544,7 @@ fn spawn_lb(
         ctx.liveness.register("loadbalancer"),
         ctx.beat_every,
         lan,
+        relist,
         ctx.shutdown.clone(),
     ));
 }

@@ -96,6 +96,9 @@ pub struct Options {
     /// addresses. The guests keep their /24: a LoadBalancer address is a
     /// /32 on its own link.
     pub wide_lan: bool,
+    /// Names of nodes without a guest that get node credentials
+    /// ([`rig::RigOptions::credential_only_nodes`]): a bench simulates them.
+    pub simulated_nodes: Vec<String>,
 }
 
 impl Options {
@@ -135,6 +138,7 @@ impl Options {
             lease_time: None,
             start_ours: true,
             wide_lan: false,
+            simulated_nodes: Vec::new(),
         }
     }
 }
@@ -194,6 +198,7 @@ impl LbRig {
             dhcp: true,
             apiserver: true,
             lease_time: opts.lease_time.clone(),
+            credential_only_nodes: opts.simulated_nodes.clone(),
             dnsmasq_args: if opts.wide_lan {
                 vec![format!(
                     "--dhcp-range={},{},255.255.252.0,{}",

@@ -20,6 +20,7 @@ pub mod lb;
 pub mod locate;
 pub mod peers;
 pub mod prereq;
+pub mod promtext;
 pub mod rig;
 pub mod soak;
 pub mod tcpprobe;

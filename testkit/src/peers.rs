@@ -700,16 +700,12 @@ impl SystemRig {
 /// The sum of `apiserver_request_total` over the writing verbs in a
 /// Prometheus text exposition.
 pub fn write_count(metrics: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("apiserver_request_total{"))
-        .filter(|l| {
-            ["POST", "PUT", "PATCH", "DELETE", "APPLY"]
-                .iter()
-                .any(|v| l.contains(&format!("verb=\"{v}\"")))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    let samples = crate::promtext::parse(metrics);
+    crate::promtext::sum(
+        &samples,
+        "apiserver_request_total",
+        crate::promtext::is_write,
+    )
 }
 
 /// A process's VmRSS in KiB.

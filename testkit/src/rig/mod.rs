@@ -120,6 +120,9 @@ pub struct RigOptions {
     /// Node name per guest; empty means `guest-1` … `guest-N`. When not
     /// empty it must have exactly `guests` entries.
     pub node_names: Vec<String>,
+    /// More node names that get credentials ([`ApiServer::node_kubeconfig`])
+    /// but no guest: nodes a bench simulates.
+    pub credential_only_nodes: Vec<String>,
     /// Extra dnsmasq arguments, appended after the rig's own.
     pub dnsmasq_args: Vec<String>,
     /// Lease time of the rig's DHCP range in dnsmasq syntax (dnsmasq's
@@ -149,6 +152,7 @@ impl Default for RigOptions {
             dhcp: true,
             apiserver: false,
             node_names: Vec::new(),
+            credential_only_nodes: Vec::new(),
             dnsmasq_args: Vec::new(),
             lease_time: None,
         }
@@ -430,7 +434,13 @@ impl Rig {
         }
         if opts.apiserver {
             let bins = Binaries::find().map_err(|m| anyhow::anyhow!("missing {m}"))?;
-            let api = ApiServer::start(&rig.dir, &rig.id, &bins, &rig.node_names)
+            let credentials: Vec<String> = rig
+                .node_names
+                .iter()
+                .chain(&opts.credential_only_nodes)
+                .cloned()
+                .collect();
+            let api = ApiServer::start(&rig.dir, &rig.id, &bins, &credentials)
                 .context("start kube-apiserver")?;
             let port = api.port();
             rig.apiserver = Some(api);
