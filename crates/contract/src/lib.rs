@@ -533,6 +533,43 @@ pub mod membership {
             .collect()
     }
 
+    /// How many members on each side of a node on the ring are its peers
+    /// (its `spec.peers`, the only members its membership talks to). Its
+    /// witnesses and those it witnesses ([`WITNESSES`] each way) come out
+    /// the same among its peers as on the whole ring, with room for SWIM's
+    /// indirect probes; a node's spec stays small and a join rewrites
+    /// `2 × PEERS_EACH_SIDE` specs, not every one (with every member a
+    /// peer, a node's spec named 499 others at 500 nodes: 22 KB written
+    /// again with each status heartbeat, issue #30).
+    pub const PEERS_EACH_SIDE: usize = 8;
+
+    /// Every member's peers ([`PEERS_EACH_SIDE`] each way on the ring;
+    /// every other member on a LAN of `2 × PEERS_EACH_SIDE + 1` or fewer),
+    /// each list sorted by name. The relation is symmetric: a node's peers
+    /// have it as a peer.
+    pub fn ring_peers<'a>(
+        members: impl IntoIterator<Item = &'a str>,
+    ) -> std::collections::BTreeMap<&'a str, Vec<&'a str>> {
+        let mut ring: Vec<(u64, &str)> = members.into_iter().map(ring_key).collect();
+        ring.sort_unstable();
+        ring.dedup();
+        let n = ring.len();
+        ring.iter()
+            .enumerate()
+            .map(|(i, (_, name))| {
+                let mut peers: Vec<&str> = if n <= 2 * PEERS_EACH_SIDE + 1 {
+                    ring.iter().map(|(_, m)| *m).filter(|m| m != name).collect()
+                } else {
+                    (1..=PEERS_EACH_SIDE)
+                        .flat_map(|d| [ring[(i + d) % n].1, ring[(i + n - d) % n].1])
+                        .collect()
+                };
+                peers.sort_unstable();
+                (*name, peers)
+            })
+            .collect()
+    }
+
     /// The members `node` is a witness of: those whose witnesses include
     /// it.
     pub fn witnessed_by<'a>(
@@ -821,5 +858,38 @@ mod tests {
             vec!["b".to_string()]
         );
         assert!(membership::witnesses_of(["a"], "a").is_empty());
+    }
+
+    /// A node computes its witnesses, and whom it witnesses, from its
+    /// peers only: the answers must be the whole ring's.
+    #[test]
+    fn among_its_ring_peers_a_node_finds_the_whole_rings_witnesses() {
+        for size in [1, 2, 3, 5, 16, 17, 18, 40, 100] {
+            let names: Vec<String> = (0..size).map(|i| format!("sim-{i:04}")).collect();
+            let all: Vec<&str> = names.iter().map(String::as_str).collect();
+            let peers = membership::ring_peers(all.iter().copied());
+            assert_eq!(peers.len(), size);
+            for n in &all {
+                let mine = &peers[n];
+                assert!(mine.len() <= 2 * membership::PEERS_EACH_SIDE, "{n}");
+                assert_eq!(mine.len(), (size - 1).min(2 * membership::PEERS_EACH_SIDE));
+                assert!(!mine.contains(n));
+                for p in mine {
+                    assert!(peers[p].contains(n), "{p} is {n}'s peer, not the other way");
+                }
+                let with_me = mine.iter().copied().chain([*n]);
+                assert_eq!(
+                    membership::witnesses_of(with_me, n),
+                    membership::witnesses_of(all.iter().copied(), n),
+                    "{n}'s witnesses, {size} members"
+                );
+                let others: Vec<&str> = all.iter().copied().filter(|m| m != n).collect();
+                assert_eq!(
+                    membership::witnessed_by(mine.iter().copied(), n),
+                    membership::witnessed_by(others.iter().copied(), n),
+                    "whom {n} witnesses, {size} members"
+                );
+            }
+        }
     }
 }

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::plan::Write;
 use super::world::{NodeIn, World};
-use crate::contract::membership::Peer;
+use crate::contract::membership::{Peer, ring_peers};
 
 pub(super) struct Nodes<'a> {
     /// The Kubernetes Nodes.
@@ -104,29 +104,33 @@ impl<'a> Nodes<'a> {
     }
 }
 
-/// Each live node object's peers: the other live nodes whose membership
-/// reports the same LAN (`status.lan.network`), with where they listen.
-/// Written only when they differ from the spec's.
+/// Each live node object's peers: the live nodes whose membership reports
+/// the same LAN (`status.lan.network`) and that are near it on the ring
+/// (`contract::membership::ring_peers`), with where they listen. Written
+/// only when they differ from the spec's.
 fn peer_writes(live: &BTreeMap<&str, &NodeIn>) -> Vec<Write> {
-    let mut networks: BTreeMap<&str, Vec<Peer>> = BTreeMap::new();
+    let mut networks: BTreeMap<&str, BTreeMap<&str, &str>> = BTreeMap::new();
     for o in live.values() {
         if let Some(lan) = &o.status.lan {
             networks
                 .entry(lan.network.as_str())
                 .or_default()
-                .push(Peer {
-                    name: o.name.clone(),
-                    address: lan.address.clone(),
-                });
+                .insert(o.name.as_str(), lan.address.as_str());
         }
     }
+    let rings: BTreeMap<&str, BTreeMap<&str, Vec<&str>>> = networks
+        .iter()
+        .map(|(net, members)| (*net, ring_peers(members.keys().copied())))
+        .collect();
     let mut out = Vec::new();
     for o in live.values() {
         let want: Vec<Peer> = match &o.status.lan {
-            Some(lan) => networks[lan.network.as_str()]
+            Some(lan) => rings[lan.network.as_str()][o.name.as_str()]
                 .iter()
-                .filter(|p| p.name != o.name)
-                .cloned()
+                .map(|p| Peer {
+                    name: p.to_string(),
+                    address: networks[lan.network.as_str()][p].to_string(),
+                })
                 .collect(),
             None => Vec::new(),
         };
@@ -230,5 +234,55 @@ mod tests {
         sim.nodes.retain(|n| n != "n2");
         sim.settle();
         assert!(peers(&sim, "n1").is_empty());
+    }
+
+    /// Issue #30: at 500 nodes every spec named every peer (22 KB, written
+    /// again with each heartbeat) and a join rewrote all 500 specs.
+    #[test]
+    fn on_a_big_lan_a_node_has_its_ring_neighbours_as_peers_and_a_join_rewrites_only_theirs() {
+        use crate::contract::membership::{LanReport, PEERS_EACH_SIDE};
+        let lan = |i: usize| LanReport {
+            address: format!("10.0.0.{}:7947", 10 + i),
+            network: "10.0.0.0/24".into(),
+            down: Vec::new(),
+            hears: Vec::new(),
+            alive: 0,
+        };
+        let names: Vec<String> = (0..41).map(|i| format!("n{i:02}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut sim = Sim::new(&refs[..40]);
+        sim.settle();
+        for (i, o) in sim.objects.iter_mut().enumerate() {
+            o.status.lan = Some(lan(i));
+        }
+        sim.settle();
+        assert!(
+            sim.objects
+                .iter()
+                .all(|o| o.spec.peers.len() == 2 * PEERS_EACH_SIDE),
+            "each node names its ring neighbours only"
+        );
+        sim.nodes.push(names[40].clone());
+        sim.settle();
+        let joined = sim
+            .objects
+            .iter_mut()
+            .find(|o| o.name == names[40])
+            .unwrap();
+        joined.status.lan = Some(lan(40));
+        let writes: Vec<String> = sim
+            .settle()
+            .iter()
+            .flat_map(|p| &p.writes)
+            .filter_map(|w| match w {
+                Write::SetPeers { node, .. } => Some(node.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            writes.len(),
+            2 * PEERS_EACH_SIDE + 1,
+            "the new node and its neighbours on each side: {writes:?}"
+        );
     }
 }
