@@ -71,6 +71,7 @@ struct Args {
     controllers: usize,
     lease_time: Duration,
     create_parallel: usize,
+    baseline: usize,
 }
 
 impl Args {
@@ -82,6 +83,7 @@ impl Args {
             controllers: 2,
             lease_time: Duration::from_secs(600),
             create_parallel: 16,
+            baseline: 1000,
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
@@ -94,11 +96,12 @@ impl Args {
                 "--controllers" => a.controllers = next()?.parse()?,
                 "--lease-time" => a.lease_time = Duration::from_secs(next()?.parse()?),
                 "--create-parallel" => a.create_parallel = next()?.parse()?,
+                "--baseline" => a.baseline = next()?.parse()?,
                 "--help" | "-h" => {
                     println!(
                         "sudo cargo bench --bench scale -- [--nodes 500] [--services 10000] \
                          [--rest-minutes 12] [--controllers 2] [--lease-time SECS (600)] \
-                         [--create-parallel 16]"
+                         [--create-parallel 16] [--baseline 1000]"
                     );
                     std::process::exit(0);
                 }
@@ -182,6 +185,8 @@ struct Report {
     controllers: Vec<ControllerUse>,
     failover: FailoverResult,
     denied: String,
+    /// Services per second the API server creates when nobody reacts.
+    baseline: Option<f64>,
 }
 
 async fn run(args: &Args, setup: &Setup) -> Result<Report> {
@@ -258,34 +263,31 @@ async fn run(args: &Args, setup: &Setup) -> Result<Report> {
     let registered = t.elapsed();
     eprintln!("{} nodes report, after {registered:?}", args.nodes);
     let denied = node_authorization_applies(&setup.nodes).await?;
+    let baseline = if args.baseline > 0 {
+        eprintln!(
+            "the API server's own pace: {} ClusterIP Services nobody reacts to",
+            args.baseline
+        );
+        let t = Instant::now();
+        create_services(
+            &admin,
+            "baseline",
+            args.baseline,
+            args.create_parallel,
+            false,
+        )
+        .await?;
+        Some(args.baseline as f64 / t.elapsed().as_secs_f64())
+    } else {
+        None
+    };
 
     eprintln!(
         "creating {} Services, {} at a time",
         args.services, args.create_parallel
     );
-    let services: Api<Service> = Api::namespaced(admin.clone(), "default");
     let t0 = Instant::now();
-    futures::stream::iter(0..args.services)
-        .map(|i| {
-            let services = services.clone();
-            async move {
-                let name = format!("scale-{i:05}");
-                let svc: Service = serde_json::from_value(serde_json::json!({
-                    "apiVersion": "v1", "kind": "Service",
-                    "metadata": {"name": name, "annotations": {harvester::IPAM: "dhcp"}},
-                    "spec": {"type": "LoadBalancer", "selector": {"app": name},
-                             "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]},
-                }))?;
-                services
-                    .create(&PostParams::default(), &svc)
-                    .await
-                    .with_context(|| format!("creating Service {name}"))?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(args.create_parallel)
-        .try_collect::<Vec<()>>()
-        .await?;
+    create_services(&admin, "default", args.services, args.create_parallel, true).await?;
     let created = t0.elapsed();
     eprintln!("created in {created:?}; waiting until each has an address");
     wait(
@@ -355,7 +357,76 @@ async fn run(args: &Args, setup: &Setup) -> Result<Report> {
         controllers,
         failover,
         denied,
+        baseline,
     })
+}
+
+/// Creates `count` Services in `namespace`, `parallel` at a time: DHCP
+/// LoadBalancers (`ours`), else ClusterIP Services nobody reacts to. The
+/// namespace is made when it is not `default`.
+async fn create_services(
+    admin: &kube::Client,
+    namespace: &str,
+    count: usize,
+    parallel: usize,
+    ours: bool,
+) -> Result<()> {
+    if namespace != "default" {
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(admin.clone());
+        let ns = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}
+        }))?;
+        namespaces.create(&PostParams::default(), &ns).await?;
+    }
+    let services: Api<Service> = Api::namespaced(admin.clone(), namespace);
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let services = services.clone();
+            async move {
+                let name = format!("scale-{i:05}");
+                let ports = serde_json::json!([{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]);
+                let body = if ours {
+                    // No NodePorts: the range holds 2,768, and an L2
+                    // LoadBalancer needs none.
+                    serde_json::json!({
+                        "apiVersion": "v1", "kind": "Service",
+                        "metadata": {"name": name, "annotations": {harvester::IPAM: "dhcp"}},
+                        "spec": {"type": "LoadBalancer", "selector": {"app": name}, "ports": ports,
+                                 "allocateLoadBalancerNodePorts": false},
+                    })
+                } else {
+                    serde_json::json!({
+                        "apiVersion": "v1", "kind": "Service",
+                        "metadata": {"name": name},
+                        "spec": {"type": "ClusterIP", "selector": {"app": name}, "ports": ports},
+                    })
+                };
+                let svc: Service = serde_json::from_value(body)?;
+                // As a client creating many would: an overloaded server's
+                // timeout or 5xx (or APF's 429) is tried again, and the
+                // first attempt may have landed.
+                let mut attempt = 0;
+                loop {
+                    attempt += 1;
+                    match services.create(&PostParams::default(), &svc).await {
+                        Ok(_) => break,
+                        Err(kube::Error::Api(e)) if e.code == 409 && attempt > 1 => break,
+                        Err(e) if attempt < 5 && !matches!(&e, kube::Error::Api(a) if a.code < 500 && a.code != 429) => {
+                            eprintln!("creating Service {namespace}/{name} (attempt {attempt}): {e}; again");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                        Err(e) => {
+                            return Err(e).with_context(|| format!("creating Service {namespace}/{name}"));
+                        }
+                    }
+                }
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(parallel)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(())
 }
 
 /// One node may not write another's object: the bench's nodes are what
@@ -997,15 +1068,23 @@ impl Report {
             args.controllers, setup.version
         );
         println!("node authorization: {}", self.denied);
+        if let Some(pace) = self.baseline {
+            println!(
+                "the API server's own pace on this machine: {pace:.0} ClusterIP Services created per second ({} at a time, nobody reacting)",
+                args.create_parallel
+            );
+        }
         println!(
             "{n} Nodes registered and every node's first status written: {:.1} s",
             self.registered.as_secs_f64()
         );
         println!(
-            "{s} Services created in {:.1} s ({} at a time); the last has an address {:.1} s after the first was created",
+            "{s} Services created in {:.1} s ({} at a time, {:.0} per second); the last has an address {:.1} s after the first was created, {:.1} s after the last was",
             self.created.as_secs_f64(),
             args.create_parallel,
-            self.converged.as_secs_f64()
+            s as f64 / self.created.as_secs_f64(),
+            self.converged.as_secs_f64(),
+            (self.converged.saturating_sub(self.created)).as_secs_f64()
         );
         let rest_minutes = args.rest_minutes;
         println!(

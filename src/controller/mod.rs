@@ -673,8 +673,10 @@ fn objects_from(
         let heard = fresh || lan.vouched.contains(&name);
         let eligible =
             !too_slow && !lan_dead.contains(&name) && heard && status.is_some_and(|s| s.ready);
-        if let Some(rv) = &o.metadata.resource_version {
-            versions.insert(format!("node/{name}"), rv.clone());
+        // Its spec's version: the status moves the resourceVersion with
+        // every write of the node's (`kube_edge::generation_guarded`).
+        if let Some(g) = o.metadata.generation {
+            versions.insert(format!("node/{name}"), kube_edge::generation_token(g));
         }
         if let Some(mut n) = kube_edge::node_in(o, eligible) {
             n.keep_only = eligible && !fresh;

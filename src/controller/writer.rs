@@ -81,9 +81,10 @@ impl std::fmt::Display for SendError {
 
 /// The API edge.
 pub trait Requests: Sync {
-    /// Sends `r`; a `precondition` (a resourceVersion) makes a PATCH fail
-    /// with a conflict when the object changed since. Returns the object's
-    /// resourceVersion after the write, when the answer has one.
+    /// Sends `r`; a `precondition` makes a PATCH fail with a conflict when
+    /// the object changed since: a resourceVersion, or for a node object's
+    /// spec its generation (`kube_edge::generation_guarded`). Returns that
+    /// version after the write, when the answer has one.
     fn send(
         &self,
         r: &Request,
