@@ -629,13 +629,8 @@ pub fn run(bin: &str, manifests: PathBuf, opts: &SoakOptions) -> Result<SoakRepo
     // Outside systemd, a restart is told apart by configuration: the
     // `AgentRestarted` fault is a restart that keeps the addresses.
     lo.agent_config = "lb_keep_on_stop = \"always\"\n".into();
-    // The API server on the side channel, not behind the guests' uplinks:
-    // on the field's topology the soak found two defects still open (a
-    // guest resumed from a pause acts on the assignments it read before,
-    // its API path having gone down with its port, and took a deleted
-    // Service's address back for a moment; a live node briefly moved
-    // after a guest was replaced), listed in docs/loadbalancer-design.md.
-    lo.api_on_lan = false;
+    // The API server behind the guests' uplinks, as a single-NIC guest
+    // reaches it (the rig's default): an uplink or port fault cuts both.
     let lb = LbRig::start(lo)?;
     let tenant = lb.tenant("default")?;
 
