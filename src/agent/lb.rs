@@ -542,7 +542,7 @@ impl<E: LeaseEngine> Lb<E> {
             tracing::warn!(
                 gap = ?gap,
                 object = %self.settings.object,
-                "this node did not run for longer than its address lifetime (paused or frozen): reading its assignments again before taking anything over"
+                "this node did not run (paused, frozen or stalled) for longer than its address lifetime: reading its assignments again before taking anything over"
             );
             self.spec_stale = true;
             self.read = format!(
@@ -1220,6 +1220,8 @@ pub async fn follow(
     mut relist: watch::Receiver<u64>,
 ) {
     loop {
+        // Every start lists the object: an ask made before it is answered.
+        relist.borrow_and_update();
         let current = client.borrow_and_update().clone();
         let task = current.map(|c| {
             let api: Api<LoadBalancerNode> =
