@@ -515,7 +515,7 @@ async fn fail_one(
         services: held.len(),
         assigned: last(&f.assigned),
         bound: last(&f.bound),
-        writes: Window::between(&before, &after, 1.0).writes,
+        writes: Window::between(&before, &after, 0.0).writes,
     })
 }
 

@@ -615,6 +615,26 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
     Ok(())
 }
 
+/// Carries out `plan` as the leader would, as if it had been decided on
+/// `version` of every object it writes.
+async fn execute_decided_on(
+    edge: &harvester_node_agent::controller::kube_edge::KubeApi,
+    namespace: &str,
+    plan: harvester_node_agent::controller::reconcile::Plan,
+    version: Option<String>,
+) -> harvester_node_agent::controller::writer::Outcome {
+    let mut memory = harvester_node_agent::controller::writer::Memory::default();
+    harvester_node_agent::controller::writer::execute(
+        namespace,
+        &plan,
+        edge,
+        &|| true,
+        &mut memory,
+        &move |_| version.clone(),
+    )
+    .await
+}
+
 /// Issue #22: the controller's writes carry the resourceVersion their plan
 /// was decided on. A write a deposed leader sent, landing after the new
 /// leader's, is one decided on an older version: the real API server
@@ -623,7 +643,6 @@ fn a_write_decided_on_an_old_version_is_refused() -> Result<()> {
     use harvester_node_agent::contract::ServiceKey;
     use harvester_node_agent::controller::kube_edge::KubeApi;
     use harvester_node_agent::controller::reconcile::{Ingress, Plan, Write};
-    use harvester_node_agent::controller::writer;
 
     let rig = Rig::start(RigOptions {
         guests: 1,
@@ -665,14 +684,7 @@ fn a_write_decided_on_an_old_version_is_refused() -> Result<()> {
             };
             let edge = KubeApi::new(admin.clone(), "test");
             let write = |plan: Plan, version: String| {
-                let edge = &edge;
-                async move {
-                    let mut memory = writer::Memory::default();
-                    writer::execute("default", &plan, edge, &|| true, &mut memory, &move |_| {
-                        Some(version.clone())
-                    })
-                    .await
-                }
+                execute_decided_on(&edge, "default", plan, Some(version))
             };
             // The new leader writes first, on the current version...
             let newer = write(status("10.77.0.160"), decided_on.clone()).await;
@@ -709,7 +721,6 @@ fn a_nodes_status_does_not_refuse_a_spec_write_but_a_newer_spec_does() -> Result
     use harvester_node_agent::contract::node_object::{Assignment, Spec};
     use harvester_node_agent::controller::kube_edge::{KubeApi, generation_token};
     use harvester_node_agent::controller::reconcile::{Plan, Write};
-    use harvester_node_agent::controller::writer;
 
     let rig = Rig::start(RigOptions {
         guests: 1,
@@ -728,16 +739,8 @@ fn a_nodes_status_does_not_refuse_a_spec_write_but_a_newer_spec_does() -> Result
             let admin = rig::kube_client(api.admin_kubeconfig()).await?;
             rig::manifests::apply(&admin, &manifests, rig::manifests::Mode::Apply).await?;
             let edge = KubeApi::new(admin.clone(), "test");
-            let run = |plan: Plan, version: Option<String>| {
-                let edge = &edge;
-                async move {
-                    let mut memory = writer::Memory::default();
-                    writer::execute(NS, &plan, edge, &|| true, &mut memory, &move |_| {
-                        version.clone()
-                    })
-                    .await
-                }
-            };
+            let run =
+                |plan: Plan, version: Option<String>| execute_decided_on(&edge, NS, plan, version);
             let spec = |service: &str| Plan {
                 writes: vec![Write::SetSpec {
                     node: "guest-1".into(),
