@@ -180,6 +180,8 @@ struct Report {
     created: Duration,
     converged: Duration,
     rest: Window,
+    /// Counts from the first of our Services created until at rest.
+    creation: Window,
     whole: Window,
     etcd: Vec<EtcdSample>,
     controllers: Vec<ControllerUse>,
@@ -286,6 +288,7 @@ async fn run(args: &Args, setup: &Setup) -> Result<Report> {
         "creating {} Services, {} at a time",
         args.services, args.create_parallel
     );
+    let creation_from = api_metrics(&admin).await?;
     let t0 = Instant::now();
     create_services(&admin, "default", args.services, args.create_parallel, true).await?;
     let created = t0.elapsed();
@@ -310,6 +313,9 @@ async fn run(args: &Args, setup: &Setup) -> Result<Report> {
     .await?;
 
     let rest_from = (api_metrics(&admin).await?, Instant::now());
+    // Everything written from the first creation until the cluster is at
+    // rest, counted (not a rate): divided by the Services, what one costs.
+    let creation = Window::between(&creation_from, &rest_from.0, 0.0);
     let cpu_from: Vec<u64> = setup
         .controllers
         .iter()
@@ -352,6 +358,7 @@ async fn run(args: &Args, setup: &Setup) -> Result<Report> {
         created,
         converged,
         rest,
+        creation,
         whole,
         etcd,
         controllers,
@@ -1085,6 +1092,17 @@ impl Report {
             s as f64 / self.created.as_secs_f64(),
             self.converged.as_secs_f64(),
             (self.converged.saturating_sub(self.created)).as_secs_f64()
+        );
+        println!(
+            "\nAPI writes from the first Service created until at rest, per Service (every writer, the node backstop included):"
+        );
+        println!("| resource | verb | per Service |\n|---|---|---|");
+        for ((r, v), count) in &self.creation.writes {
+            println!("| {r} | {v} | {:.2} |", count / s as f64);
+        }
+        println!(
+            "| **all** | | **{:.2}** |",
+            self.creation.total() / s as f64
         );
         let rest_minutes = args.rest_minutes;
         println!(

@@ -172,7 +172,7 @@ pub const KEYS: &[KeySpec] = &[
         env: "HNA_LB_HEARTBEAT",
         flag: "--lb-heartbeat",
         default: "10s",
-        doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status when nothing in it changed (a change is written within a second; a DHCP renewal alone is no change). The backstop of liveness, at the kubelet's node-Lease rate: a node's death is found on the LAN by its peers (lb_membership_port) within about 2s; a node no peer vouches for is counted dead by the controller once its heartbeat has not changed for 40s (its --node-stale-after). A node whose period does not fit twice in that bound gets no address (the period is in the status). Between 200ms and 10s.",
+        doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status when nothing in it changed (a change is written within a second; a DHCP renewal alone is no change). The backstop of liveness, at the kubelet's node-Lease rate: a node's death is found on the LAN by its peers (lb_membership_port) within about 2s; a node no peer vouches for is counted dead by the controller once its heartbeat has not changed for 40s (its --node-stale-after). A node whose period does not fit twice in that bound gets no address (the period is in the status). While this node reports a peer dead on the LAN it beats every 2s instead (at most 5 minutes per report), since the controller counts a report only while its writer's heartbeat is on time. Between 200ms and 10s.",
         kind: Kind::Duration,
     },
     KeySpec {

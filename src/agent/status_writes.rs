@@ -31,6 +31,48 @@ pub trait StatusWriter: Send + Sync + 'static {
 /// One write at most this long.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// While the status accuses a peer (lists it in `lan.down`), its
+/// heartbeat goes out at least this often, and says so in
+/// `heartbeatPeriodMs`: the controller counts an accusation only while
+/// its writer's heartbeat is on time by its stated period (two periods and
+/// a second). A witness cut off from the API server after it accused
+/// cannot take the accusation back when the accused returns; this way its
+/// word stops counting within 5 s instead of at the 40 s staleness bound
+/// (the soak saw a live node moved on two such 11 s-old accusations).
+pub const ACCUSING_PERIOD: Duration = Duration::from_secs(2);
+/// For how long after its newest accusation a node beats at
+/// [`ACCUSING_PERIOD`]: well past the controller's staleness bound, after
+/// which a node that is still dead is judged by its own silence. A peer
+/// left dead for hours (a stopped VM) then costs its witnesses no writes.
+pub const ACCUSING_FAST_FOR: Duration = Duration::from_secs(300);
+
+/// The heartbeat period while the status accuses `down` since `since`.
+fn period_for(heartbeat: Duration, accusing_since: Option<Instant>, now: Instant) -> Duration {
+    match accusing_since {
+        Some(since) if now.saturating_duration_since(since) < ACCUSING_FAST_FOR => {
+            heartbeat.min(ACCUSING_PERIOD)
+        }
+        _ => heartbeat,
+    }
+}
+
+/// When the status's accusations began, for [`period_for`]: a new name
+/// among them starts the count again, none ends it.
+fn accusing_since(
+    since: Option<Instant>,
+    before: &[String],
+    now_accused: &[String],
+    now: Instant,
+) -> Option<Instant> {
+    if now_accused.is_empty() {
+        None
+    } else if since.is_none() || now_accused.iter().any(|n| !before.contains(n)) {
+        Some(now)
+    } else {
+        since
+    }
+}
+
 /// A status to write, without its heartbeat.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Draft {
@@ -137,7 +179,10 @@ async fn run<W: StatusWriter>(
     let mut last: Option<Status> = None;
     let mut last_beat: Option<SystemTime> = None;
     let mut urgent_done = 0;
-    let mut beat_due = Instant::now();
+    // When the last write began: the next beat is due a period later.
+    let mut last_sent = Instant::now();
+    let mut accused: Vec<String> = Vec::new();
+    let mut since: Option<Instant> = None;
     // A 429's `Retry-After`: no write before then, but the last one.
     let mut not_before = Instant::now();
     // The last write failed without any answer (unreachable, timed out).
@@ -147,14 +192,22 @@ async fn run<W: StatusWriter>(
         let changed = last.as_ref().map(settled_view) != Some(settled_view(&draft.status));
         let urgent = draft.urgent > urgent_done;
         let now = Instant::now();
+        let down = draft.status.lan.as_ref().map_or(&[][..], |l| &l.down[..]);
+        since = accusing_since(since, &accused, down, now);
+        accused = down.to_vec();
+        let period = period_for(heartbeat, since, now);
+        let beat_due = last_sent + period;
         // A 429's `Retry-After` holds back every write, the urgent ones too
         // (issue #29: the server's wait is the node's as a whole).
         if (urgent || changed || now >= beat_due) && now >= not_before {
-            beat_due = Instant::now() + heartbeat;
+            last_sent = Instant::now();
             let beat = next_beat(last_beat, SystemTime::now());
             last_beat = Some(beat);
             let mut status = draft.status.clone();
             status.heartbeat = Some(humantime::format_rfc3339_millis(beat).to_string());
+            if period < heartbeat {
+                status.heartbeat_period_ms = Some(period.as_millis() as u64);
+            }
             // Repeated until it lands (a heartbeat that waits a period after
             // each failure goes stale on a flaky API server); after a write
             // that got no answer at all, a single attempt per period, so an
@@ -162,7 +215,7 @@ async fn run<W: StatusWriter>(
             // gets the repeats (with kube's own retry layer off, a single
             // try per period after any error left a healthy node's
             // heartbeat unwritten for 7 s on a flaky server).
-            let policy = super::delivery::Policy::for_period(heartbeat, WRITE_TIMEOUT);
+            let policy = super::delivery::Policy::for_period(period, WRITE_TIMEOUT);
             let policy = if unanswered { policy.single() } else { policy };
             let result = super::delivery::deliver(&policy, || writer.write(&status)).await;
             urgent_done = draft.urgent;
@@ -386,6 +439,130 @@ mod tests {
         assert!(
             *calls.last().unwrap() < Duration::from_secs(21),
             "the pending write waited for more than the server asked: {calls:?}"
+        );
+    }
+
+    /// When a write came, and the period it stated.
+    type Stated = (Instant, Option<u64>);
+
+    /// Records each write.
+    #[derive(Clone, Default)]
+    struct Recorder {
+        writes: std::sync::Arc<std::sync::Mutex<Vec<Stated>>>,
+    }
+
+    impl StatusWriter for Recorder {
+        async fn write(&self, status: &Status) -> Result<(), super::super::delivery::Failed> {
+            self.writes
+                .lock()
+                .unwrap()
+                .push((Instant::now(), status.heartbeat_period_ms));
+            Ok(())
+        }
+    }
+
+    fn accusing(down: &[&str]) -> Status {
+        Status {
+            heartbeat_period_ms: Some(10_000),
+            lan: Some(crate::contract::membership::LanReport {
+                down: down.iter().map(|d| d.to_string()).collect(),
+                ..Default::default()
+            }),
+            ..Status::default()
+        }
+    }
+
+    /// While it accuses a peer a node beats every 2 s and says so; once it
+    /// accuses nobody, or after [`ACCUSING_FAST_FOR`], at its own period
+    /// again.
+    #[tokio::test(start_paused = true)]
+    async fn an_accusing_node_beats_at_the_fast_period_for_a_while() {
+        let rec = Recorder::default();
+        let t0 = Instant::now();
+        let writes = StatusWrites::start(rec.clone(), Duration::from_secs(10));
+        writes.draft(accusing(&[]));
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        writes.draft(accusing(&["n2"]));
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        writes.draft(accusing(&[]));
+        tokio::time::sleep(Duration::from_secs(25)).await;
+        let at = |from: Duration, to: Duration| -> Vec<(Duration, Option<u64>)> {
+            rec.writes
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(t, p)| (*t - t0, *p))
+                .filter(|(t, _)| *t >= from && *t < to)
+                .collect()
+        };
+        let s = Duration::from_secs;
+        assert_eq!(
+            at(s(0), s(15)),
+            [(s(0), Some(10_000)), (s(10), Some(10_000))],
+            "not accusing"
+        );
+        assert_eq!(
+            at(s(15), s(24)),
+            [15, 17, 19, 21, 23].map(|t| (s(t), Some(2_000))),
+            "accusing"
+        );
+        assert_eq!(
+            at(s(24), s(49)),
+            [24, 34, 44].map(|t| (s(t), Some(10_000))),
+            "accusation taken back"
+        );
+
+        // An accusation that stands: fast for ACCUSING_FAST_FOR, then slow.
+        let t1 = Instant::now();
+        writes.draft(accusing(&["n3"]));
+        tokio::time::sleep(ACCUSING_FAST_FOR + s(30)).await;
+        let fast_end = t1 - t0 + ACCUSING_FAST_FOR;
+        let late = at(fast_end + s(1), fast_end + s(30));
+        assert!(
+            late.len() <= 3 && late.iter().all(|(_, p)| *p == Some(10_000)),
+            "{late:?}"
+        );
+        let during = at(t1 - t0, fast_end);
+        assert!(
+            during.len() as u64 >= ACCUSING_FAST_FOR.as_secs() / 2
+                && during.iter().all(|(_, p)| *p == Some(2_000)),
+            "{} writes while accusing",
+            during.len()
+        );
+    }
+
+    #[test]
+    fn a_new_name_among_the_accused_starts_the_count_again() {
+        let t = Instant::now();
+        let later = t + Duration::from_secs(100);
+        let n = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(accusing_since(None, &[], &[], t), None);
+        assert_eq!(accusing_since(None, &[], &n(&["a"]), t), Some(t));
+        assert_eq!(
+            accusing_since(Some(t), &n(&["a"]), &n(&["a"]), later),
+            Some(t)
+        );
+        assert_eq!(
+            accusing_since(Some(t), &n(&["a"]), &n(&["a", "b"]), later),
+            Some(later)
+        );
+        assert_eq!(
+            accusing_since(Some(t), &n(&["a", "b"]), &n(&["b"]), later),
+            Some(t)
+        );
+        assert_eq!(accusing_since(Some(t), &n(&["a"]), &[], later), None);
+        assert_eq!(
+            period_for(Duration::from_secs(10), Some(t), later),
+            ACCUSING_PERIOD
+        );
+        assert_eq!(
+            period_for(Duration::from_secs(10), Some(t), t + ACCUSING_FAST_FOR),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            period_for(Duration::from_secs(1), Some(t), later),
+            Duration::from_secs(1),
+            "a faster period of its own stays"
         );
     }
 

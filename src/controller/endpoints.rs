@@ -101,6 +101,7 @@ enum Chosen {
 #[derive(Clone)]
 pub struct EndpointCache {
     chosen: tokio::sync::watch::Receiver<Option<Chosen>>,
+    generation: super::watches::Generation,
 }
 
 impl EndpointCache {
@@ -117,17 +118,10 @@ impl EndpointCache {
         }
     }
 
-    /// `(uid, resourceVersion)` of every cached object, sorted: changes
-    /// whenever what [`EndpointCache::ready_nodes`] says may change.
-    pub fn fingerprint(&self) -> Vec<(String, String)> {
-        use super::watches::fingerprint;
-        match &*self.chosen.borrow() {
-            Some(Chosen::Slices(store)) => fingerprint(store.state().iter().map(|o| &o.metadata)),
-            Some(Chosen::Endpoints(store)) => {
-                fingerprint(store.state().iter().map(|o| &o.metadata))
-            }
-            None => Vec::new(),
-        }
+    /// Changes whenever what [`EndpointCache::ready_nodes`] says may
+    /// change.
+    pub fn generation(&self) -> u64 {
+        self.generation.get()
     }
 
     /// Every Service's nodes with a ready endpoint.
@@ -172,6 +166,8 @@ pub fn watch(
     on_error: Arc<dyn Fn(String) + Send + Sync>,
 ) -> EndpointCache {
     let (chosen_tx, chosen) = tokio::sync::watch::channel(None);
+    let generation = super::watches::Generation::default();
+    let counted = generation.clone();
     let client = client.clone();
     tasks.spawn(async move {
         let mut wait = Duration::from_millis(500);
@@ -207,7 +203,10 @@ pub fn watch(
                     writer,
                     Api::all_with(client, &ar),
                     strip_slice,
-                    changed,
+                    super::watches::Changed {
+                        generation: counted,
+                        wake: changed,
+                    },
                     on_error,
                 );
                 Chosen::Slices(store)
@@ -220,7 +219,10 @@ pub fn watch(
                     writer,
                     Api::all(client),
                     strip_endpoints,
-                    changed,
+                    super::watches::Changed {
+                        generation: counted,
+                        wake: changed,
+                    },
                     on_error,
                 );
                 Chosen::Endpoints(store)
@@ -230,7 +232,7 @@ pub fn watch(
         // Dropping `inner` would abort the watch.
         while inner.join_next().await.is_some() {}
     });
-    EndpointCache { chosen }
+    EndpointCache { chosen, generation }
 }
 
 async fn slices_served(client: &kube::Client) -> Result<SlicesServed, kube::Error> {

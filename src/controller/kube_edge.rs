@@ -18,7 +18,7 @@ use crate::contract::node_object::{self, LoadBalancerNode};
 use crate::controller::endpoints::{self, EndpointCache, EndpointSetting};
 use crate::controller::networks::{self, NetworkMap};
 use crate::controller::reconcile::{EventOut, EventType, Ingress, NodeIn, Port, ServiceIn};
-use crate::controller::watches::{spawn_watch, watch_config};
+use crate::controller::watches::{Changed, Generation, spawn_watch, watch_config};
 use crate::controller::writer::{
     FIELD_MANAGER, Kind, PatchKind, Request, Requests, SendError, Verb,
 };
@@ -367,7 +367,9 @@ impl Requests for KubeApi {
 #[derive(Clone)]
 pub struct Caches {
     pub services: Store<Service>,
+    pub services_generation: Generation,
     pub nodes: Store<Node>,
+    pub nodes_generation: Generation,
     pub node_objects: Store<LoadBalancerNode>,
     /// The node agents' liveness, fed by the node objects' watch as each
     /// heartbeat arrives.
@@ -407,16 +409,21 @@ pub fn watch_all(
     tasks: &mut tokio::task::JoinSet<()>,
 ) -> Caches {
     let (services, w) = reflector::store::<Service>();
+    let services_generation = Generation::default();
     spawn_watch(
         tasks,
         "Services",
         w,
         Api::all(client.clone()),
         |_| {},
-        changed.clone(),
+        Changed {
+            generation: services_generation.clone(),
+            wake: changed.clone(),
+        },
         on_error.clone(),
     );
     let (nodes, w) = reflector::store::<Node>();
+    let nodes_generation = Generation::default();
     spawn_watch(
         tasks,
         "Nodes",
@@ -437,7 +444,10 @@ pub fn watch_all(
             n.metadata.annotations = None;
             n.metadata.labels = None;
         },
-        changed.clone(),
+        Changed {
+            generation: nodes_generation.clone(),
+            wake: changed.clone(),
+        },
         on_error.clone(),
     );
     let endpoints = endpoints::watch(
@@ -468,25 +478,35 @@ pub fn watch_all(
                     lan_down = ?status.and_then(|s| s.lan.as_ref()).map(|l| &l.down),
                     "node object seen"
                 );
-                let grace = status
-                    .and_then(|s| s.restart_grace_ms)
-                    .map(|ms| Duration::from_millis(ms.min(node_object::MAX_RESTART_GRACE_MS)));
-                observer.lock().expect("liveness lock").observe_with_grace(
+                let beat = super::liveness::Beat {
+                    grace: status
+                        .and_then(|s| s.restart_grace_ms)
+                        .map(|ms| Duration::from_millis(ms.min(node_object::MAX_RESTART_GRACE_MS))),
+                    period: status
+                        .and_then(|s| s.heartbeat_period_ms)
+                        .map(Duration::from_millis),
+                };
+                observer.lock().expect("liveness lock").observe_status(
                     name,
                     heartbeat,
-                    grace,
+                    beat,
                     tokio::time::Instant::now(),
                 );
             }
         },
-        changed.clone(),
+        Changed {
+            generation: Generation::default(),
+            wake: changed.clone(),
+        },
         on_error.clone(),
     );
     let networks = Arc::new(std::sync::Mutex::new(NetworkMap::Unknown));
     spawn_network_map_watch(tasks, client, networks.clone(), changed, on_error);
     Caches {
         services,
+        services_generation,
         nodes,
+        nodes_generation,
         node_objects,
         alive,
         endpoints,

@@ -7,7 +7,12 @@
 //! two live ones): never on one voice, so one witness with a bad port or a
 //! bad view cannot move anything. Not counted:
 //!
-//! - a witness whose own status is not fresh (its report may be old);
+//! - a witness whose heartbeat is not on time by its own stated period
+//!   (two periods and a second, `Liveness::on_time`): a witness cut off
+//!   from the API server after it accused cannot take the accusation back
+//!   when the accused comes back, so its word stops counting within
+//!   seconds, not at the 40 s staleness bound. An accusing agent beats
+//!   every 2 s (`agent::status_writes::ACCUSING_PERIOD`) to stay on time;
 //! - a witness the accused lists in turn, unless more witnesses accuse the
 //!   accused than accuse it: two nodes that cannot hear each other do not
 //!   tell which of them is cut off, but a node whose port went silent
@@ -25,15 +30,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::contract::membership::{LanReport, witnesses_of};
+use crate::contract::membership::{LanReport, witnesses_all};
 
 /// One node's membership report, as the decision needs it.
 #[derive(Debug, Clone, Copy)]
 pub struct Reporter<'a> {
     pub name: &'a str,
     pub lan: &'a LanReport,
-    /// Its status is fresh (its reports are current).
+    /// Its status is fresh (not stale): what it hears counts.
     pub fresh: bool,
+    /// Its heartbeat is on time by its stated period: what it accuses
+    /// counts.
+    pub on_time: bool,
     /// Restarting within its grace: not judged on the LAN.
     pub restarting: bool,
 }
@@ -63,27 +71,28 @@ pub fn judge(reporters: &[Reporter<'_>]) -> LanVerdict {
     for members in networks.values() {
         let by_name: BTreeMap<&str, &Reporter<'_>> = members.iter().map(|r| (r.name, *r)).collect();
         let names: Vec<&str> = by_name.keys().copied().collect();
-        let witnesses: BTreeMap<&str, Vec<String>> = names
-            .iter()
-            .map(|n| (*n, witnesses_of(names.iter().copied(), n)))
-            .collect();
-        let lists = |w: &str, node: &str, of: fn(&LanReport) -> &Vec<String>| {
+        let witnesses: BTreeMap<&str, Vec<String>> = witnesses_all(names.iter().copied());
+        let accused_in = |w: &str, node: &str| {
             by_name
                 .get(w)
-                .is_some_and(|r| r.fresh && of(r.lan).iter().any(|d| d == node))
+                .is_some_and(|r| r.on_time && r.lan.down.iter().any(|d| d == node))
+        };
+        let heard_in = |w: &str, node: &str| {
+            by_name
+                .get(w)
+                .is_some_and(|r| r.fresh && r.lan.hears.iter().any(|d| d == node))
         };
         // Every fresh witness's accusation, before any is weighed.
         let accused_by: BTreeMap<&str, usize> = witnesses
             .iter()
-            .map(|(n, ws)| (*n, ws.iter().filter(|w| lists(w, n, |l| &l.down)).count()))
+            .map(|(n, ws)| (*n, ws.iter().filter(|w| accused_in(w, n)).count()))
             .collect();
         let accuses = |w: &str, accused: &str| -> bool {
             let Some(ra) = by_name.get(accused) else {
                 return false;
             };
             let mutual = ra.lan.down.iter().any(|d| d == w);
-            lists(w, accused, |l| &l.down)
-                && (!mutual || accused_by.get(w) < accused_by.get(accused))
+            accused_in(w, accused) && (!mutual || accused_by.get(w) < accused_by.get(accused))
         };
         let judge = |excluded: &BTreeSet<String>| -> BTreeSet<String> {
             let mut out = BTreeSet::new();
@@ -106,10 +115,7 @@ pub fn judge(reporters: &[Reporter<'_>]) -> LanVerdict {
         let first = judge(&BTreeSet::new());
         let found = judge(&first);
         for (node, ws) in &witnesses {
-            if ws
-                .iter()
-                .any(|w| !found.contains(w) && lists(w, node, |l| &l.hears))
-            {
+            if ws.iter().any(|w| !found.contains(w) && heard_in(w, node)) {
                 vouched.insert(node.to_string());
             }
         }
@@ -125,6 +131,7 @@ mod tests {
     struct Net {
         reports: BTreeMap<String, LanReport>,
         stale: BTreeSet<String>,
+        late: BTreeSet<String>,
         restarting: BTreeSet<String>,
     }
 
@@ -146,12 +153,13 @@ mod tests {
                     })
                     .collect(),
                 stale: BTreeSet::new(),
+                late: BTreeSet::new(),
                 restarting: BTreeSet::new(),
             }
         }
 
         fn witnesses(&self, node: &str) -> Vec<String> {
-            witnesses_of(self.reports.keys().map(String::as_str), node)
+            crate::contract::membership::witnesses_of(self.reports.keys().map(String::as_str), node)
         }
 
         fn accuse(&mut self, witness: &str, node: &str) {
@@ -174,6 +182,7 @@ mod tests {
                     name: n,
                     lan,
                     fresh: !self.stale.contains(n),
+                    on_time: !self.stale.contains(n) && !self.late.contains(n),
                     restarting: self.restarting.contains(n),
                 })
                 .collect();
@@ -225,6 +234,30 @@ mod tests {
         // A second witness of n1 agrees with w[0]: n1 is the one.
         net.accuse(&w[1], "n1");
         assert_eq!(net.dead(), BTreeSet::from(["n1".to_string()]));
+    }
+
+    /// The soak's stale accusation: two witnesses accused n1, then lost
+    /// the API server; n1 came back and they cleared their lists, which
+    /// could not land. Their statuses are still fresh (inside the
+    /// staleness bound) and what they hear still counts, but their
+    /// heartbeats are late by their own period, so their accusations no
+    /// longer do.
+    #[test]
+    fn a_late_witness_accuses_nobody_but_still_vouches() {
+        let mut net = Net::new(6);
+        let w = net.witnesses("n1");
+        net.accuse(&w[0], "n1");
+        net.accuse(&w[1], "n1");
+        assert_eq!(net.dead(), BTreeSet::from(["n1".to_string()]));
+        net.late.insert(w[0].clone());
+        assert!(net.dead().is_empty(), "a late accusation counted");
+        net.reports.get_mut(&w[2]).unwrap().hears.push("n1".into());
+        net.late.insert(w[2].clone());
+        assert_eq!(
+            net.verdict().vouched,
+            BTreeSet::from(["n1".to_string()]),
+            "a late but fresh witness's hearing"
+        );
     }
 
     /// A node whose LAN port went silent hears nobody: it accuses every

@@ -18,19 +18,51 @@
 //! A restarting agent says so with its last heartbeat (`restartGraceMs`:
 //! it left its addresses on their links for that long): its node is judged
 //! stale only once that much has passed without a newer one.
+//!
+//! A second, tighter bound says whether a node's heartbeat is on time by
+//! the period it states (`heartbeatPeriodMs`): two periods and
+//! [`ON_TIME_SLACK`]. Staleness judges whether a node is there; being on
+//! time judges whether what it reports of others is its present view: a
+//! node whose heartbeat is late is probably cut off from the API server,
+//! and its accusations may be ones it has taken back since
+//! (`lan_verdict`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+/// How late past two of its stated periods a heartbeat may come and still
+/// be on time: a write's way through a loaded API server.
+pub const ON_TIME_SLACK: Duration = Duration::from_secs(1);
+
+/// One node's last heartbeat as seen.
+#[derive(Debug, Clone)]
+struct Seen {
+    value: String,
+    /// When (our clock) it was first seen with that value.
+    at: Instant,
+    /// How long it stays fresh.
+    bound: Duration,
+    /// How long it stays on time: two stated periods and the slack, at
+    /// most `bound`.
+    on_time: Duration,
+}
+
+/// What a node's status says of its heartbeat, besides its value.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Beat {
+    /// The restart grace it carries (`restartGraceMs`).
+    pub grace: Option<Duration>,
+    /// How often it says it writes (`heartbeatPeriodMs`).
+    pub period: Option<Duration>,
+}
+
 #[derive(Debug, Clone)]
 pub struct Liveness {
     stale_after: Duration,
     quiet_after: Duration,
-    /// Per node: the last heartbeat value, when (our clock) it was first
-    /// seen with that value, and how long it stays fresh.
-    seen: BTreeMap<String, (String, Instant, Duration)>,
+    seen: BTreeMap<String, Seen>,
     /// When any node's heartbeat last changed (our clock).
     last_change: Option<Instant>,
     /// Per node that said it is restarting: until when its grace runs,
@@ -53,35 +85,45 @@ impl Liveness {
 
     /// Records the heartbeat `node` reports now (`None`: it reports none).
     pub fn observe(&mut self, node: &str, heartbeat: Option<&str>, now: Instant) {
-        self.observe_with_grace(node, heartbeat, None, now)
+        self.observe_status(node, heartbeat, Beat::default(), now)
     }
 
-    /// [`observe`](Self::observe), with the restart grace the node's status
-    /// carries (`None`: none).
-    pub fn observe_with_grace(
+    /// [`observe`](Self::observe), with what else the node's status says of
+    /// its heartbeat.
+    pub fn observe_status(
         &mut self,
         node: &str,
         heartbeat: Option<&str>,
-        grace: Option<Duration>,
+        beat: Beat,
         now: Instant,
     ) {
         let Some(hb) = heartbeat.filter(|h| !h.is_empty()) else {
             self.seen.remove(node);
             return;
         };
-        let bound = grace.map_or(self.stale_after, |g| g.max(self.stale_after));
-        if let Some(g) = grace {
+        let bound = beat
+            .grace
+            .map_or(self.stale_after, |g| g.max(self.stale_after));
+        if let Some(g) = beat.grace {
             self.restart_until.insert(node.to_string(), now + g);
         }
+        let on_time = beat.period.map_or(bound, |p| {
+            p.saturating_mul(2).saturating_add(ON_TIME_SLACK).min(bound)
+        });
+        let fresh = Seen {
+            value: hb.to_string(),
+            at: now,
+            bound,
+            on_time,
+        };
         let changed = match self.seen.get_mut(node) {
-            Some((value, _, _)) if value == hb => false,
+            Some(seen) if seen.value == hb => false,
             Some(entry) => {
-                *entry = (hb.to_string(), now, bound);
+                *entry = fresh;
                 true
             }
             None => {
-                self.seen
-                    .insert(node.to_string(), (hb.to_string(), now, bound));
+                self.seen.insert(node.to_string(), fresh);
                 true
             }
         };
@@ -89,8 +131,8 @@ impl Liveness {
             if self.quiet(now) {
                 // The first news after a gap: nobody's silence during it
                 // counts against them.
-                for (_, at, _) in self.seen.values_mut() {
-                    *at = now;
+                for seen in self.seen.values_mut() {
+                    seen.at = now;
                 }
             }
             self.last_change = Some(now);
@@ -107,9 +149,19 @@ impl Liveness {
     /// Whether `node`'s heartbeat changed within the staleness bound (or
     /// the watch is too quiet to tell).
     pub fn fresh(&self, node: &str, now: Instant) -> bool {
-        self.seen.get(node).is_some_and(|(_, at, bound)| {
-            now.saturating_duration_since(*at) < *bound || self.quiet(now)
-        })
+        self.seen
+            .get(node)
+            .is_some_and(|s| now.saturating_duration_since(s.at) < s.bound || self.quiet(now))
+    }
+
+    /// Whether `node`'s heartbeat changed within two of its stated periods
+    /// and [`ON_TIME_SLACK`] (or the watch is too quiet to tell): what it
+    /// reports of other nodes is its present view. A node that states no
+    /// period is on time while it is fresh.
+    pub fn on_time(&self, node: &str, now: Instant) -> bool {
+        self.seen
+            .get(node)
+            .is_some_and(|s| now.saturating_duration_since(s.at) < s.on_time || self.quiet(now))
     }
 
     /// Whether `node`'s agent said it is restarting and that grace has not
@@ -139,12 +191,12 @@ impl Liveness {
         self.stale_after
     }
 
-    /// The next moment a node now fresh turns stale if nothing changes:
-    /// when to decide again without news.
+    /// The next moment a node now fresh turns stale, or one now on time
+    /// turns late, if nothing changes: when to decide again without news.
     pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
         self.seen
             .values()
-            .map(|(_, at, bound)| *at + *bound)
+            .flat_map(|s| [s.at + s.on_time, s.at + s.bound])
             .filter(|d| *d > now)
             .min()
     }
@@ -307,6 +359,43 @@ mod tests {
         assert_eq!(l.next_deadline(now + BEAT + STALE), None);
     }
 
+    /// A node that states a 2 s period is on time for 5 s after its
+    /// heartbeat changed (two periods and the slack), fresh for the whole
+    /// staleness bound; the moment it turns late is a deadline too.
+    #[tokio::test(start_paused = true)]
+    async fn a_heartbeat_is_on_time_for_two_stated_periods_and_fresh_for_the_bound() {
+        let stale = Duration::from_secs(40);
+        let mut l = Liveness::new(stale, Duration::from_secs(20));
+        let t0 = Instant::now();
+        let period = Some(Duration::from_secs(2));
+        l.observe_status(
+            "n1",
+            Some("a"),
+            Beat {
+                grace: None,
+                period,
+            },
+            t0,
+        );
+        beat(&mut l, "n2", 0, t0);
+        let late = t0 + Duration::from_secs(5);
+        assert_eq!(l.next_deadline(t0), Some(late));
+        let mut t = t0;
+        let mut i = 1;
+        while t < t0 + stale {
+            // n2 beats on: the watch is live.
+            beat(&mut l, "n2", i, t);
+            assert_eq!(l.on_time("n1", t), t < late, "{:?}", t - t0);
+            assert!(l.fresh("n1", t), "{:?}", t - t0);
+            i += 1;
+            t += Duration::from_millis(500);
+        }
+        beat(&mut l, "n2", i, t);
+        assert!(!l.fresh("n1", t) && !l.on_time("n1", t));
+        // No stated period: on time while fresh.
+        assert!(l.on_time("n2", t));
+    }
+
     /// Issue #29: a heartbeat that carries a restart grace keeps its node
     /// fresh for that grace, not the staleness bound; the next heartbeat
     /// without one brings the bound back.
@@ -315,7 +404,15 @@ mod tests {
         let mut l = Liveness::new(STALE, QUIET);
         let t0 = Instant::now();
         let grace = Some(Duration::from_secs(15));
-        l.observe_with_grace("n1", Some("a"), grace, t0);
+        l.observe_status(
+            "n1",
+            Some("a"),
+            Beat {
+                grace,
+                period: None,
+            },
+            t0,
+        );
         let mut t = t0;
         let mut i = 0;
         while t < t0 + Duration::from_secs(15) {
@@ -329,7 +426,7 @@ mod tests {
         assert!(!l.fresh("n1", t), "stale once the grace ran out");
         assert_eq!(l.next_deadline(t), Some(t + STALE), "n2's");
         // Back, without a grace: the usual bound again.
-        l.observe_with_grace("n1", Some("b"), None, t);
+        l.observe("n1", Some("b"), t);
         for k in 1..=3u32 {
             beat(&mut l, "n2", i + u64::from(k), t + BEAT * k);
         }
@@ -342,7 +439,16 @@ mod tests {
         let t0 = Instant::now();
         l.observe("n1", Some("a"), t0);
         assert!(!l.restarting("n1", t0));
-        l.observe_with_grace("n1", Some("b"), Some(Duration::from_secs(15)), t0);
+        let grace = Some(Duration::from_secs(15));
+        l.observe_status(
+            "n1",
+            Some("b"),
+            Beat {
+                grace,
+                period: None,
+            },
+            t0,
+        );
         // The next run writes at once, without a grace.
         l.observe("n1", Some("c"), t0 + Duration::from_secs(2));
         assert!(l.restarting("n1", t0 + Duration::from_secs(14)));

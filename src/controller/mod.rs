@@ -380,9 +380,9 @@ async fn reconcile_loop(
                 })
                 .filter(|w| w.as_secs() as i64 >= reconcile::RELEASE_TIMEOUT_SECS)
                 .count(),
-            services: watches::fingerprint(caches.services.state().iter().map(|s| &s.metadata)),
-            nodes: watches::fingerprint(caches.nodes.state().iter().map(|n| &n.metadata)),
-            endpoints: caches.endpoints.fingerprint(),
+            services: caches.services_generation.get(),
+            nodes: caches.nodes_generation.get(),
+            endpoints: caches.endpoints.generation(),
             objects,
             avoid,
             networks: caches.networks.lock().expect("network map lock").clone(),
@@ -529,18 +529,18 @@ async fn reconcile_loop(
     }
 }
 
-/// What a pass decides from, as far as it can change: resourceVersions
-/// (they change with every change of an object), the node objects as the
-/// decision reads them (without their heartbeat: liveness has read it), and
-/// leadership.
+/// What a pass decides from, as far as it can change: the caches'
+/// generations (they change with every change of an object), the node
+/// objects as the decision reads them (without their heartbeat: liveness
+/// has read it), and leadership.
 #[derive(Debug, PartialEq)]
 struct Inputs {
     /// Deletions that have waited past the release timeout: time alone
     /// changes a decision there.
     overdue: usize,
-    services: Vec<(String, String)>,
-    nodes: Vec<(String, String)>,
-    endpoints: Vec<(String, String)>,
+    services: u64,
+    nodes: u64,
+    endpoints: u64,
     objects: Vec<reconcile::NodeIn>,
     avoid: service_health::Avoid,
     networks: networks::NetworkMap,
@@ -628,6 +628,7 @@ fn objects_from(
                 name,
                 lan: o.status.as_ref()?.lan.as_ref()?,
                 fresh: alive.fresh(name, now),
+                on_time: alive.on_time(name, now),
                 restarting: alive.restarting(name, now),
             })
         })

@@ -1,10 +1,11 @@
 //! Watch caches for the controller: a reflector-backed watch of one kind
-//! that keeps only what the decision reads, and the fingerprint that tells
+//! that keeps only what the decision reads, and the generation that tells
 //! when any object of a cache changed. Used by the API edge
 //! ([`super::kube_edge`]) and the endpoint source ([`super::endpoints`]),
 //! which import it and not each other.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
 use kube::Api;
@@ -13,21 +14,22 @@ use kube::runtime::reflector;
 use kube::runtime::watcher::{self, watcher};
 use tokio::sync::Notify;
 
-/// `(uid, resourceVersion)` of each object, sorted (a store's order is
-/// not stable): it changes whenever one of the objects does.
-pub fn fingerprint<'a>(
-    metas: impl Iterator<Item = &'a kube::api::ObjectMeta>,
-) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = metas
-        .map(|m| {
-            (
-                m.uid.clone().unwrap_or_default(),
-                m.resource_version.clone().unwrap_or_default(),
-            )
-        })
-        .collect();
-    out.sort_unstable();
-    out
+/// Counts the events a cache has taken in: it changes whenever one of its
+/// objects may have. Read before the cache, it never misses a change (the
+/// store takes an event in before the count moves). Compared on every
+/// wake-up, where a sorted `(uid, resourceVersion)` list of 10,000 Services
+/// cost milliseconds each time.
+#[derive(Debug, Clone, Default)]
+pub struct Generation(Arc<AtomicU64>);
+
+impl Generation {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    fn bump(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
 }
 
 /// Every watch ends server-side before the client's read timeout: a quiet
@@ -36,13 +38,20 @@ pub fn watch_config() -> watcher::Config {
     watcher::Config::default().timeout(crate::cluster::credentials::WATCH_TIMEOUT_SECS)
 }
 
+/// How a watch tells that its cache changed: its generation moves, then
+/// the reconcile loop wakes.
+pub struct Changed {
+    pub generation: Generation,
+    pub wake: Arc<Notify>,
+}
+
 pub fn spawn_watch<K>(
     tasks: &mut tokio::task::JoinSet<()>,
     what: &'static str,
     writer: reflector::store::Writer<K>,
     api: Api<K>,
     mut strip: impl FnMut(&mut K) + Send + 'static,
-    changed: Arc<Notify>,
+    changed: Changed,
     on_error: Arc<dyn Fn(String) + Send + Sync>,
 ) where
     K: kube::Resource
@@ -68,7 +77,10 @@ pub fn spawn_watch<K>(
         let mut stream = std::pin::pin!(stream);
         while let Some(item) = stream.next().await {
             match item {
-                Ok(_) => changed.notify_one(),
+                Ok(_) => {
+                    changed.generation.bump();
+                    changed.wake.notify_one();
+                }
                 Err(e) => on_error(format!("watching {what}: {e}")),
             }
         }

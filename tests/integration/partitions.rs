@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail, ensure};
 use hna_testkit::addrwatch::AddressWatch;
 use hna_testkit::failover::{
-    self, Fault, LanSplit, fail_over, guest_namespaces, served, set_port, timeline,
+    self, Fault, IPAM, LanSplit, fail_over, guest_namespaces, served, set_port, timeline,
 };
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, wait_for};
 
@@ -23,6 +23,7 @@ tests! {
     cut_off_from_the_api_server_only_a_holder_serves_on_and_nothing_moves: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     cut_off_from_its_lan_only_a_holder_is_moved_in_the_normal_bound: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_lan_split_serves_on_the_side_that_reaches_the_api_server: Root, Iproute2, Dnsmasq, ApiServer, Socat, Ebtables;
+    witnesses_cut_off_after_they_accused_stop_counting_within_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 /// The controller's default `--node-stale-after`: a node cut off from the
@@ -257,6 +258,56 @@ fn a_lan_split_serves_on_the_side_that_reaches_the_api_server() -> Result<()> {
             "guest {g} fenced itself on the side that reaches the API server:\n{}",
             lb::tail(&log, 40)
         );
+    }
+    Ok(())
+}
+
+/// The soak's stale accusation (issue #30): a node's two witnesses report
+/// it dead on its LAN, then lose the API server; the node comes back on its
+/// LAN and they take their reports back, which cannot land. Their statuses
+/// stay fresh for the staleness bound (40 s) and what they hear still
+/// counts, but their heartbeats are late by the 2 s period they stated
+/// while accusing, so the controller stops counting their word within
+/// seconds: the node that came back is given the next Service and serves
+/// it while its witnesses are still cut off. (On their word until they
+/// went stale, the soak saw a live node moved away 11 s after it came
+/// back; here the Service would wait about 40 s.)
+fn witnesses_cut_off_after_they_accused_stop_counting_within_seconds() -> Result<()> {
+    // The silenced port must leave the API path: a side channel.
+    let mut opts = options();
+    opts.api_on_lan = false;
+    let mut lb = LbRig::start(opts)?;
+    let f = fail_over(&mut lb, "web", Fault::PortSilenced, Duration::from_secs(10))?;
+    let back = f.from;
+    let witnesses: Vec<usize> = (0..lb.guests()).filter(|g| *g != back).collect();
+    for w in &witnesses {
+        lb.cut_api(*w);
+    }
+    let t0 = Instant::now();
+    set_port(&lb, back, true)?;
+    lb.create_service("second", &[(IPAM, "dhcp")], &[LISTEN_PORT])?;
+    let ip = lb.wait_ingress("second", Duration::from_secs(30));
+    let deadline = Duration::from_secs(25);
+    let answered = wait_for(deadline.saturating_sub(t0.elapsed()), || {
+        lb.tcp_from_client(ip, LISTEN_PORT).ok()
+    });
+    let took = t0.elapsed();
+    let Some(by) = answered else {
+        bail!(
+            "second ({ip}) unanswered {took:?} after guest {back} came back with its witnesses {witnesses:?} cut off from the API server\n{}",
+            lb.diagnostics()
+        );
+    };
+    ensure!(
+        by == lb.node_name(back),
+        "second ({ip}) answered by `{by}`, not by guest {back}, the one node in touch"
+    );
+    println!(
+        "guest {back} back on its LAN, its witnesses {witnesses:?} cut off: a new Service served by it {:.1} s later",
+        took.as_secs_f64()
+    );
+    for w in witnesses {
+        lb.restore_api(w)?;
     }
     Ok(())
 }
