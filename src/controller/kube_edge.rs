@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Service};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Node, ObjectReference, Service, ServicePort, ServiceSpec,
+};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event as KubeEvent, EventType as KubeEventType, Recorder, Reporter};
@@ -26,6 +28,9 @@ use crate::controller::writer::{
 /// How long one write may take.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// `kubectl apply`'s copy of the whole object: never read.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
 pub fn service_in(s: &Service) -> Option<ServiceIn> {
     let meta = &s.metadata;
     let spec = s.spec.as_ref();
@@ -44,7 +49,13 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
         // Filled in from the Endpoints by the caller (`world_from`).
         local_endpoints: (spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local"))
             .then(Default::default),
-        annotations: meta.annotations.clone().unwrap_or_default(),
+        annotations: meta
+            .annotations
+            .iter()
+            .flatten()
+            .filter(|(k, _)| k.as_str() != LAST_APPLIED)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
         ports: spec
             .and_then(|s| s.ports.as_ref())
             .map(|ports| {
@@ -96,6 +107,43 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
             .as_ref()
             .map_or(0, |t| t.0.as_second()),
     })
+}
+
+/// What of a Service the watch cache keeps: what [`service_in`] and the
+/// deletion clock read, nothing else. Every Service of the cluster is
+/// cached, most of them not ours; selectors, labels, node ports and
+/// `kubectl apply`'s copy of the whole object are never read.
+pub fn strip_service(s: &mut Service) {
+    let m = &mut s.metadata;
+    m.labels = None;
+    m.owner_references = None;
+    m.generate_name = None;
+    if let Some(a) = &mut m.annotations {
+        a.remove(LAST_APPLIED);
+    }
+    if let Some(spec) = &mut s.spec {
+        *spec = ServiceSpec {
+            type_: spec.type_.take(),
+            load_balancer_class: spec.load_balancer_class.take(),
+            ip_families: spec.ip_families.take(),
+            cluster_ips: spec.cluster_ips.take(),
+            external_traffic_policy: spec.external_traffic_policy.take(),
+            ports: spec.ports.take().map(|ports| {
+                ports
+                    .into_iter()
+                    .map(|p| ServicePort {
+                        port: p.port,
+                        protocol: p.protocol,
+                        ..Default::default()
+                    })
+                    .collect()
+            }),
+            ..Default::default()
+        };
+    }
+    if let Some(status) = &mut s.status {
+        status.conditions = None;
+    }
 }
 
 pub fn node_in(o: &LoadBalancerNode, eligible: bool) -> Option<NodeIn> {
@@ -415,7 +463,7 @@ pub fn watch_all(
         "Services",
         w,
         Api::all(client.clone()),
-        |_| {},
+        strip_service,
         Changed {
             generation: services_generation.clone(),
             wake: changed.clone(),
@@ -585,6 +633,58 @@ fn spawn_network_map_watch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cache keeps what the decision reads: a Service stripped reads
+    /// the same, for a Service with everything a cluster may set.
+    #[test]
+    fn a_stripped_service_is_the_same_to_the_decision() {
+        let full: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "web", "namespace": "shop", "uid": "u-1", "resourceVersion": "42",
+                "creationTimestamp": "2026-11-27T10:00:00Z",
+                "deletionTimestamp": "2026-11-27T11:00:00Z",
+                "labels": {"app": "web"},
+                "annotations": {
+                    "cloudprovider.harvesterhci.io/ipam": "dhcp",
+                    "kube-vip.io/hwaddr": "02:00:00:00:00:01",
+                    "kubectl.kubernetes.io/last-applied-configuration": "{\"a\": \"very long copy\"}"
+                },
+                "finalizers": ["harvester-node-agent.io/dhcp-release"],
+                "ownerReferences": [{"apiVersion": "v1", "kind": "X", "name": "x", "uid": "o"}]
+            },
+            "spec": {
+                "type": "LoadBalancer", "loadBalancerClass": "x/y",
+                "selector": {"app": "web"}, "clusterIP": "10.96.0.9", "clusterIPs": ["10.96.0.9"],
+                "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack",
+                "externalTrafficPolicy": "Local", "healthCheckNodePort": 30001,
+                "sessionAffinity": "None",
+                "ports": [{"name": "http", "port": 80, "protocol": "UDP", "targetPort": 8080, "nodePort": 31000}]
+            },
+            "status": {
+                "loadBalancer": {"ingress": [{"ip": "10.77.0.5", "ipMode": "VIP", "ports": [{"port": 80, "protocol": "UDP"}]}]},
+                "conditions": [{"type": "X", "status": "True", "lastTransitionTime": "2026-11-27T10:00:00Z", "reason": "R", "message": "m"}]
+            }
+        }))
+        .unwrap();
+        let mut stripped = full.clone();
+        strip_service(&mut stripped);
+        assert_eq!(service_in(&stripped), service_in(&full));
+        assert!(service_in(&full).is_some());
+        assert_eq!(
+            stripped.metadata.deletion_timestamp,
+            full.metadata.deletion_timestamp
+        );
+        let kept = serde_json::to_string(&stripped).unwrap();
+        for gone in [
+            "last-applied",
+            "selector",
+            "nodePort",
+            "ownerReferences",
+            "conditions",
+        ] {
+            assert!(!kept.contains(gone), "{gone} kept: {kept}");
+        }
+    }
 
     #[test]
     fn a_spec_merge_patch_becomes_a_generation_test_and_whole_fields() {
