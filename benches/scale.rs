@@ -38,7 +38,7 @@ mod common;
 use anyhow::{Context, Result, bail, ensure};
 use common::rss_kib;
 use futures::{StreamExt, TryStreamExt};
-use harvester_node_agent::agent::lb::{KubeStatus, follow};
+use harvester_node_agent::agent::lb::{KubeStatus, SpecRead, follow};
 use harvester_node_agent::agent::status_writes::StatusWrites;
 use harvester_node_agent::cluster::credentials::WATCH_TIMEOUT_SECS;
 use harvester_node_agent::cluster::watch_one::{Update, watch_one};
@@ -635,7 +635,7 @@ async fn sim_node(
         let mut changed = false;
         tokio::select! {
             u = specs.recv() => match u {
-                Some(Update::Present(spec)) => {
+                Some(SpecRead { update: Update::Present(spec), .. }) => {
                     let now = Instant::now();
                     let wanted: BTreeMap<&str, &Assignment> = spec
                         .assignments

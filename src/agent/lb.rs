@@ -281,7 +281,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     writer: W,
     settings: LbSettings,
     node: impl Fn() -> NodeView + Send + 'static,
-    mut updates: mpsc::Receiver<Update<Spec>>,
+    mut updates: mpsc::Receiver<SpecRead>,
     out: watch::Sender<LbStatus>,
     hb: Heartbeat,
     beat_every: Duration,
@@ -411,6 +411,15 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
             _ = carrier.tick() => {
                 let node = (lb.node)();
                 if node.no_carrier != lb.no_carrier || node.default_uplink != lb.uplink {
+                    // Since the last round (which recorded the uplink).
+                    let was_down = lb.uplink.as_ref().is_none_or(|u| lb.no_carrier.contains(u));
+                    let is_up = node
+                        .default_uplink
+                        .as_ref()
+                        .is_some_and(|u| !node.no_carrier.contains(u));
+                    if lb.assignments.is_some() && was_down && is_up {
+                        lb.read_again("its uplink carries again");
+                    }
                     systemd::beating(&hb, beat_every, lb.reconcile()).await;
                     lb.report();
                     next_settle = Instant::now() + lb.settle_period();
@@ -456,9 +465,13 @@ impl<E: LeaseEngine> Lb<E> {
     }
 
     /// Takes in an observation; `true` when the assignments changed (or
-    /// were read for the first time).
-    fn observe(&mut self, u: Update<Spec>) -> bool {
-        let next = match u {
+    /// were read for the first time, or read again as asked).
+    fn observe(&mut self, read: SpecRead) -> bool {
+        // A read from a watch begun before the last ask to read again
+        // (queued, or a connection that stalled and caught up) is news,
+        // but not the fresh read that lets this node take over again.
+        let current = read.listed >= *self.relist.borrow();
+        let next = match read.update {
             Update::Present(spec) => {
                 self.read = "watching".into();
                 self.lan.want.send_if_modified(|w| {
@@ -488,8 +501,22 @@ impl<E: LeaseEngine> Lb<E> {
         };
         let changed = self.assignments.as_ref() != Some(&next);
         self.assignments = Some(next);
-        let was_stale = std::mem::replace(&mut self.spec_stale, false);
-        changed || was_stale || self.swept.is_none()
+        let read_again = current && std::mem::replace(&mut self.spec_stale, false);
+        changed || read_again || self.swept.is_none()
+    }
+
+    /// The assignments this node read may have moved while it could not
+    /// hear of it: it reads its object again, with a new list, and takes
+    /// nothing over until it has (what it holds stays). After a pause, a
+    /// lost uplink (its API path may ride on it: the watch stalls without
+    /// an error and catches up later) and a lifted fence; the fault soak
+    /// saw each of them take an address over from an assignment that had
+    /// moved away meanwhile, beside a holder that could not answer yet.
+    fn read_again(&mut self, why: &str) {
+        tracing::info!(object = %self.settings.object, "{why}: reading its assignments again before taking anything over");
+        self.spec_stale = true;
+        self.read = format!("reading {} again: {why}", self.settings.object);
+        self.relist.send_modify(|n| *n += 1);
     }
 
     /// The interfaces the assignments want held (valid, not released).
@@ -544,13 +571,10 @@ impl<E: LeaseEngine> Lb<E> {
                 object = %self.settings.object,
                 "this node did not run (paused, frozen or stalled) for longer than its address lifetime: reading its assignments again before taking anything over"
             );
-            self.spec_stale = true;
-            self.read = format!(
-                "reading {} again after a pause of {}",
-                self.settings.object,
+            self.read_again(&format!(
+                "did not run for {}",
                 humantime::format_duration(Duration::from_millis(gap.as_millis() as u64))
-            );
-            self.relist.send_modify(|n| *n += 1);
+            ));
         }
     }
 
@@ -856,6 +880,7 @@ impl<E: LeaseEngine> Lb<E> {
                 self.fence_again = again;
                 if let Some(why) = self.fence.take() {
                     tracing::warn!(object = %self.settings.object, was = %why, "no longer fenced: holding what is assigned again (through the takeover guard)");
+                    self.read_again("no longer fenced");
                     self.retry_at = Some(Instant::now());
                 }
                 let silences = [lan.hearing.none_since, lan.hearing.short_since];
@@ -1209,6 +1234,21 @@ fn failed(e: &kube::Error) -> super::delivery::Failed {
     }
 }
 
+/// A read of this node's assignments, and which ask to read again the
+/// watch it came from answers (the `relist` count when it began).
+#[derive(Debug)]
+pub struct SpecRead {
+    pub listed: u64,
+    pub update: Update<Spec>,
+}
+
+impl From<Update<Spec>> for SpecRead {
+    /// From the first watch, before any ask.
+    fn from(update: Update<Spec>) -> SpecRead {
+        SpecRead { listed: 0, update }
+    }
+}
+
 /// Watches this node's object with whichever client the daemon has,
 /// starting over (with a list) when the client changes or the loop asks
 /// through `relist`; the spec goes to `tx`.
@@ -1216,12 +1256,12 @@ pub async fn follow(
     mut client: watch::Receiver<Option<kube::Client>>,
     namespace: String,
     node: String,
-    tx: mpsc::Sender<Update<Spec>>,
+    tx: mpsc::Sender<SpecRead>,
     mut relist: watch::Receiver<u64>,
 ) {
     loop {
         // Every start lists the object: an ask made before it is answered.
-        relist.borrow_and_update();
+        let listed = *relist.borrow_and_update();
         let current = client.borrow_and_update().clone();
         let task = current.map(|c| {
             let api: Api<LoadBalancerNode> =
@@ -1231,10 +1271,13 @@ pub async fn follow(
                 node.clone(),
                 crate::cluster::credentials::WATCH_TIMEOUT_SECS,
                 tx.clone(),
-                |u| match u {
-                    Update::Present(o) => Update::Present(o.spec),
-                    Update::Absent => Update::Absent,
-                    Update::Failed(f) => Update::Failed(f),
+                move |u| SpecRead {
+                    listed,
+                    update: match u {
+                        Update::Present(o) => Update::Present(o.spec),
+                        Update::Absent => Update::Absent,
+                        Update::Failed(f) => Update::Failed(f),
+                    },
                 },
             ))
         });
@@ -1255,6 +1298,9 @@ pub async fn follow(
             // everything yet; a new one lists the object first.
             asked = relist.changed() => {
                 task.abort();
+                // Gone before the new watch begins: nothing of it comes
+                // after the new one's reads.
+                let _ = (&mut task).await;
                 if asked.is_err() {
                     return;
                 }

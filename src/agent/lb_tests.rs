@@ -67,7 +67,7 @@ impl Writes {
 struct Rig {
     engine: FakeEngine,
     writes: Writes,
-    tx: mpsc::Sender<Update<Spec>>,
+    tx: mpsc::Sender<SpecRead>,
     out: watch::Receiver<LbStatus>,
     /// What the node closure returns.
     view: Arc<Mutex<NodeView>>,
@@ -93,11 +93,12 @@ fn assignment(uid8: &str) -> Assignment {
     }
 }
 
-fn spec(a: &[Assignment]) -> Update<Spec> {
+fn spec(a: &[Assignment]) -> SpecRead {
     Update::Present(Spec {
         assignments: a.to_vec(),
         ..Spec::default()
     })
+    .into()
 }
 
 fn rig_with(engine: FakeEngine) -> Rig {
@@ -227,6 +228,23 @@ fn hearing_none_since(
         },
         ..heard.clone()
     }
+}
+
+/// Once the loop asks to read its object again (its ask count passes
+/// `asked`), the new watch's list: `a`, as the daemon's `follow` would
+/// send it.
+async fn read_when_asked(r: &Rig, asked: u64, a: &[Assignment]) {
+    let mut relists = r.relists.clone();
+    tokio::time::timeout(Duration::from_secs(60), relists.wait_for(|n| *n > asked))
+        .await
+        .expect("the loop asks for its object again")
+        .unwrap();
+    r.tx.send(SpecRead {
+        listed: *r.relists.borrow(),
+        ..spec(a)
+    })
+    .await
+    .unwrap();
 }
 
 /// Waits (in paused time, so instantly) until `cond` holds; a minute of
@@ -568,10 +586,13 @@ async fn the_cluster_unreachable_keeps_every_lease() {
             .bind("hlb-aaaaaaaa", Ipv4Addr::new(10, 77, 0, 150), SERVER)
     );
     r.writes.fail.store(true, Ordering::SeqCst);
-    r.tx.send(Update::Failed(Failure {
-        kind: FailureKind::Unreachable,
-        message: "connection refused".into(),
-    }))
+    r.tx.send(
+        Update::Failed(Failure {
+            kind: FailureKind::Unreachable,
+            message: "connection refused".into(),
+        })
+        .into(),
+    )
     .await
     .unwrap();
     // Anything short of the fence.
@@ -959,7 +980,37 @@ async fn no_carrier_on_the_uplink_hands_over_and_holds_nothing_until_it_is_back(
         "no start while cut off"
     );
 
+    // Back: its API path may have stalled with it (a single-NIC guest
+    // reaches the API server through that uplink), so it reads its
+    // assignments again before it takes anything over. A read from the
+    // watch that ran through the cut does not count (the fault soak saw a
+    // node bind from such a read beside the holder its Service had moved
+    // to).
     r.view.lock().unwrap().no_carrier.clear();
+    let mut relists = r.relists.clone();
+    tokio::time::timeout(Duration::from_secs(1), relists.wait_for(|n| *n > 0))
+        .await
+        .expect("the loop asks for its object again")
+        .unwrap();
+    r.engine.take_calls();
+    r.tx.send(spec(&[a.clone(), b.clone()])).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let starts: Vec<Call> = r
+        .engine
+        .take_calls()
+        .into_iter()
+        .filter(|c| matches!(c, Call::Start { .. }))
+        .collect();
+    assert!(
+        starts.is_empty(),
+        "started from a read of the old watch: {starts:?}"
+    );
+    r.tx.send(SpecRead {
+        listed: *r.relists.borrow(),
+        ..spec(&[a.clone(), b.clone()])
+    })
+    .await
+    .unwrap();
     until("held again", || r.engine.running().len() == 2).await;
     until("ready again", || r.writes.last().is_some_and(|s| s.ready)).await;
 }
@@ -1040,9 +1091,11 @@ async fn a_holder_that_cannot_write_for_the_fence_period_lets_go() {
     r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
     tokio::time::sleep(Duration::from_secs(30)).await;
     assert!(r.engine.running().is_empty(), "nothing held while fenced");
-    // The API server is back: the next write succeeds and the lease is
-    // held again.
+    // The API server is back: the next write succeeds, the node reads its
+    // object again, and the lease is held again.
+    let asked = *r.relists.borrow();
     r.writes.fail.store(false, Ordering::SeqCst);
+    read_when_asked(&r, asked, std::slice::from_ref(&a)).await;
     until("held again", || {
         r.engine.running() == vec![a.interface.clone()]
     })
@@ -1071,15 +1124,17 @@ async fn the_fence_follows_the_lan_not_the_api() {
         ..LanView::default()
     };
     r.lan.send_replace(heard.clone());
-    held_and_written(&r, "aaaaaaaa").await;
+    let a = held_and_written(&r, "aaaaaaaa").await;
     r.writes.fail.store(true, Ordering::SeqCst);
     tokio::time::sleep(FENCE * 10).await;
     assert_eq!(r.engine.running().len(), 1, "fenced by an API outage");
     // Deaf on the LAN too: fenced within the address lifetime (1 s).
     fenced_at_its_lifetime(&r, &heard, "heard none").await;
-    // Heard again, written again: held again.
+    // Heard again, written again, read again: held again.
+    let asked = *r.relists.borrow();
     r.lan.send_replace(heard.clone());
     r.writes.fail.store(false, Ordering::SeqCst);
+    read_when_asked(&r, asked, std::slice::from_ref(&a)).await;
     until("held again", || r.engine.running().len() == 1).await;
     // Deaf again, but the API server hears it (the status write the
     // silence asks for lands): nothing is let go.
@@ -1114,8 +1169,11 @@ async fn the_fence_follows_the_lan_not_the_api() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     r.engine.set_deaf(true);
     fenced_at_its_lifetime(&r, &heard, "gateway does not answer").await;
-    // The gateway answers again (its peers still silent): held again.
+    // The gateway answers again (its peers still silent): read again,
+    // held again.
+    let asked = *r.relists.borrow();
     r.engine.set_deaf(false);
+    read_when_asked(&r, asked, std::slice::from_ref(&a)).await;
     until("held again", || r.engine.running().len() == 1).await;
 }
 
@@ -1307,10 +1365,13 @@ async fn after_a_failed_watch_nothing_is_taken_over_until_the_object_is_read_aga
         r.engine
             .bind(&held.interface, Ipv4Addr::new(10, 77, 0, 150), SERVER)
     );
-    r.tx.send(Update::Failed(Failure {
-        kind: FailureKind::Unreachable,
-        message: "connection refused".into(),
-    }))
+    r.tx.send(
+        Update::Failed(Failure {
+            kind: FailureKind::Unreachable,
+            message: "connection refused".into(),
+        })
+        .into(),
+    )
     .await
     .unwrap();
     // The failed start's retry comes and goes: nothing new is started.
@@ -1381,10 +1442,23 @@ async fn a_node_that_did_not_run_reads_its_assignments_again_before_any_takeover
         r.engine.running().contains(&held.interface),
         "what is held stays"
     );
-    // Read again, still assigned: taken back (through the guard).
+    // A read of the watch from before the pause does not count.
     r.tx.send(spec(&[held.clone(), gone.clone()]))
         .await
         .unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        !started_again(&r.engine.calls()),
+        "started again from a read of the old watch: {:?}",
+        r.engine.calls()
+    );
+    // Read again, still assigned: taken back (through the guard).
+    r.tx.send(SpecRead {
+        listed: *r.relists.borrow(),
+        ..spec(&[held.clone(), gone.clone()])
+    })
+    .await
+    .unwrap();
     until("started again once read", || {
         started_again(&r.engine.calls())
     })

@@ -12,6 +12,7 @@
 pub mod deletions;
 pub mod election;
 pub mod endpoints;
+mod heap;
 pub mod kube_edge;
 pub mod lan_verdict;
 pub mod lease;
@@ -328,6 +329,7 @@ async fn reconcile_loop(
     let mut coalesce = COALESCE_MIN;
     // The inputs of the last pass, if it left nothing to do.
     let mut settled: Option<Inputs> = None;
+    let mut trimmer = heap::Trimmer::new(Instant::now());
     loop {
         // A node turning stale is news without an event: wake for it; and
         // for the first write whose backoff is over. A failing write never
@@ -346,6 +348,9 @@ async fn reconcile_loop(
             _ = crate::duration::sleep_until(retry_at) => {}
             _ = crate::duration::sleep_until(health_at) => {}
             _ = shutdown.changed() => return,
+        }
+        if trimmer.due(Instant::now()) {
+            heap::trim();
         }
         let now = Instant::now();
         let (objects, object_versions) = {
@@ -425,6 +430,7 @@ async fn reconcile_loop(
             now: wall,
         });
         coalesce = coalesce_window(now.elapsed());
+        trimmer.worked();
         tracing::debug!(
             took = ?now.elapsed(),
             services = services.len(),
