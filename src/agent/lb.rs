@@ -514,6 +514,11 @@ impl<E: LeaseEngine> Lb<E> {
     /// moved away meanwhile, beside a holder that could not answer yet.
     fn read_again(&mut self, why: &str) {
         tracing::info!(object = %self.settings.object, "{why}: reading its assignments again before taking anything over");
+        self.ask_read_again(why);
+    }
+
+    /// [`Lb::read_again`], for a caller that has said why already.
+    fn ask_read_again(&mut self, why: &str) {
         self.spec_stale = true;
         self.read = format!("reading {} again: {why}", self.settings.object);
         self.relist.send_modify(|n| *n += 1);
@@ -571,7 +576,7 @@ impl<E: LeaseEngine> Lb<E> {
                 object = %self.settings.object,
                 "this node did not run (paused, frozen or stalled) for longer than its address lifetime: reading its assignments again before taking anything over"
             );
-            self.read_again(&format!(
+            self.ask_read_again(&format!(
                 "did not run for {}",
                 humantime::format_duration(Duration::from_millis(gap.as_millis() as u64))
             ));

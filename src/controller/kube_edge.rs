@@ -419,6 +419,10 @@ pub struct Caches {
     pub nodes: Store<Node>,
     pub nodes_generation: Generation,
     pub node_objects: Store<LoadBalancerNode>,
+    /// Whether the node objects' cache is current (see
+    /// [`Generation::current`]): service health does not age a view that
+    /// stopped moving.
+    pub node_objects_generation: Generation,
     /// The node agents' liveness, fed by the node objects' watch as each
     /// heartbeat arrives.
     pub alive: Arc<std::sync::Mutex<super::liveness::Liveness>>,
@@ -510,6 +514,7 @@ pub fn watch_all(
     let ar = node_object::api_resource();
     let w = reflector::store::Writer::<LoadBalancerNode>::new(ar.clone());
     let node_objects = w.as_reader();
+    let node_objects_generation = Generation::default();
     spawn_watch(
         tasks,
         "LoadBalancerNodes",
@@ -543,7 +548,7 @@ pub fn watch_all(
             }
         },
         Changed {
-            generation: Generation::default(),
+            generation: node_objects_generation.clone(),
             wake: changed.clone(),
         },
         on_error.clone(),
@@ -556,6 +561,7 @@ pub fn watch_all(
         nodes,
         nodes_generation,
         node_objects,
+        node_objects_generation,
         alive,
         endpoints,
         networks,

@@ -368,6 +368,7 @@ async fn reconcile_loop(
                 .iter()
                 .map(|o| (o.name.as_str(), &o.spec, &o.status)),
             now,
+            caches.node_objects_generation.current(),
         );
         let leading = leadership.leading();
         let wall = k8s_openapi::jiff::Timestamp::now().as_second();

@@ -66,12 +66,23 @@ impl ServiceHealth {
     }
 
     /// Takes in what every node is assigned and reports now; returns the
-    /// nodes to avoid per Service.
+    /// nodes to avoid per Service. While the reports are not `current`
+    /// (the watch of the node objects failed and has not listed them again:
+    /// an API server outage), nothing ages: a state is counted from when
+    /// the view moves again. The fault soak saw Services moved off nodes
+    /// that served them, on a view 16 s old whose unlisted assignments and
+    /// guarded leases had aged through an outage.
     pub fn observe<'a>(
         &mut self,
         reports: impl IntoIterator<Item = (&'a str, &'a Spec, &'a Status)>,
         now: Instant,
+        current: bool,
     ) -> Avoid {
+        if !current {
+            for (_, at) in self.since.values_mut() {
+                *at = now;
+            }
+        }
         let mut seen = BTreeSet::new();
         for (node, spec, status) in reports {
             for a in spec.assignments.iter().filter(|a| !a.release) {
@@ -82,6 +93,9 @@ impl ServiceHealth {
                 let entry = self.since.entry(key.clone()).or_insert((UNREAD, now));
                 if entry.0 != UNREAD {
                     *entry = (UNREAD, now);
+                }
+                if !current {
+                    entry.1 = now;
                 }
                 if now.saturating_duration_since(entry.1) >= UNREAD_AFTER {
                     self.avoided.insert(key.clone(), now + self.avoid_for);
@@ -96,7 +110,7 @@ impl ServiceHealth {
                 };
                 let key = (lease.service.clone(), node.to_string());
                 let entry = self.since.entry(key.clone()).or_insert((state, now));
-                if entry.0 != state {
+                if entry.0 != state || !current {
                     *entry = (state, now);
                 }
                 let bound = if state == FAILED {
@@ -174,12 +188,12 @@ mod tests {
         let t0 = Instant::now();
         let failed = status(&[("default/web", "FAILED"), ("default/db", "BOUND")]);
         assert!(
-            h.observe([("node-1", &Spec::default(), &failed)], t0)
+            h.observe([("node-1", &Spec::default(), &failed)], t0, true)
                 .is_empty()
         );
         assert_eq!(h.next_deadline(), Some(t0 + Duration::from_secs(30)));
         let later = t0 + Duration::from_secs(30);
-        let avoid = h.observe([("node-1", &Spec::default(), &failed)], later);
+        let avoid = h.observe([("node-1", &Spec::default(), &failed)], later, true);
         assert_eq!(avoid["default/web"], BTreeSet::from(["node-1".to_string()]));
         assert!(!avoid.contains_key("default/db"));
         // Moved away: node-1 no longer reports it, and stays avoided for
@@ -188,7 +202,8 @@ mod tests {
         assert!(
             h.observe(
                 [("node-1", &Spec::default(), &gone)],
-                later + Duration::from_secs(599)
+                later + Duration::from_secs(599),
+                true,
             )
             .contains_key("default/web")
         );
@@ -196,7 +211,8 @@ mod tests {
         assert!(
             h.observe(
                 [("node-1", &Spec::default(), &gone)],
-                later + Duration::from_secs(600)
+                later + Duration::from_secs(600),
+                true,
             )
             .is_empty()
         );
@@ -210,13 +226,14 @@ mod tests {
         let guarded = status(&[("default/web", "GUARDED")]);
         let bound = status(&[("default/web", "BOUND")]);
         assert!(
-            h.observe([("node-2", &Spec::default(), &guarded)], t0)
+            h.observe([("node-2", &Spec::default(), &guarded)], t0, true)
                 .is_empty()
         );
         assert!(
             h.observe(
                 [("node-2", &Spec::default(), &guarded)],
-                t0 + Duration::from_secs(149)
+                t0 + Duration::from_secs(149),
+                true,
             )
             .is_empty()
         );
@@ -224,26 +241,29 @@ mod tests {
         assert!(
             h.observe(
                 [("node-2", &Spec::default(), &bound)],
-                t0 + Duration::from_secs(149)
+                t0 + Duration::from_secs(149),
+                true,
             )
             .is_empty()
         );
         let t1 = t0 + Duration::from_secs(150);
         assert!(
-            h.observe([("node-2", &Spec::default(), &guarded)], t1)
+            h.observe([("node-2", &Spec::default(), &guarded)], t1, true)
                 .is_empty()
         );
         assert!(
             h.observe(
                 [("node-2", &Spec::default(), &guarded)],
-                t1 + Duration::from_secs(100)
+                t1 + Duration::from_secs(100),
+                true,
             )
             .is_empty()
         );
         assert!(
             !h.observe(
                 [("node-2", &Spec::default(), &guarded)],
-                t1 + Duration::from_secs(150)
+                t1 + Duration::from_secs(150),
+                true,
             )
             .is_empty()
         );
@@ -267,9 +287,9 @@ mod tests {
             ..Spec::default()
         };
         let silent = Status::default();
-        assert!(h.observe([("node-3", &spec, &silent)], t0).is_empty());
+        assert!(h.observe([("node-3", &spec, &silent)], t0, true).is_empty());
         assert_eq!(h.next_deadline(), Some(t0 + UNREAD_AFTER));
-        let avoid = h.observe([("node-3", &spec, &silent)], t0 + UNREAD_AFTER);
+        let avoid = h.observe([("node-3", &spec, &silent)], t0 + UNREAD_AFTER, true);
         assert_eq!(avoid["default/web"], BTreeSet::from(["node-3".to_string()]));
         let mut h = health();
         let listed = Status {
@@ -281,10 +301,57 @@ mod tests {
             }],
             ..Status::default()
         };
-        assert!(h.observe([("node-3", &spec, &listed)], t0).is_empty());
+        assert!(h.observe([("node-3", &spec, &listed)], t0, true).is_empty());
         assert!(
-            h.observe([("node-3", &spec, &listed)], t0 + Duration::from_secs(60))
-                .is_empty()
+            h.observe(
+                [("node-3", &spec, &listed)],
+                t0 + Duration::from_secs(60),
+                true
+            )
+            .is_empty()
+        );
+    }
+
+    /// The node objects' watch failed (an API server outage): the view is
+    /// frozen, and what it shows does not age. Once it is current again,
+    /// a state counts from then.
+    #[test]
+    fn a_frozen_view_ages_nothing() {
+        use crate::contract::node_object::Assignment;
+        let mut h = health();
+        let t0 = Instant::now();
+        let spec = Spec {
+            assignments: vec![Assignment {
+                service: "default/web".into(),
+                interface: "hlb-3f2a9c1e".into(),
+                ..Assignment::default()
+            }],
+            ..Spec::default()
+        };
+        let unread = Status::default();
+        let guarded = status(&[("default/db", "GUARDED")]);
+        let reports = [
+            ("node-3", &spec, &unread),
+            ("node-2", &Spec::default(), &guarded),
+        ];
+        assert!(h.observe(reports, t0, true).is_empty());
+        let outage_end = t0 + Duration::from_secs(200);
+        let mut t = t0;
+        while t <= outage_end {
+            assert!(h.observe(reports, t, false).is_empty(), "{:?}", t - t0);
+            t += Duration::from_secs(1);
+        }
+        assert!(h.observe(reports, outage_end, true).is_empty());
+        let avoid = h.observe(reports, outage_end + UNREAD_AFTER, true);
+        assert_eq!(
+            avoid.keys().collect::<Vec<_>>(),
+            ["default/web"],
+            "unread counts from the end"
+        );
+        let avoid = h.observe(reports, outage_end + Duration::from_secs(150), true);
+        assert!(
+            avoid.contains_key("default/db"),
+            "guarded counts from the end"
         );
     }
 }

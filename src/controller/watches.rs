@@ -5,7 +5,7 @@
 //! which import it and not each other.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use futures::StreamExt;
 use kube::Api;
@@ -20,15 +20,28 @@ use tokio::sync::Notify;
 /// wake-up, where a sorted `(uid, resourceVersion)` list of 10,000 Services
 /// cost milliseconds each time.
 #[derive(Debug, Clone, Default)]
-pub struct Generation(Arc<AtomicU64>);
+pub struct Generation {
+    count: Arc<AtomicU64>,
+    /// Set by an error of the watch, cleared once it is current again (a
+    /// new list complete, or an event of a running watch).
+    behind: Arc<AtomicBool>,
+}
 
 impl Generation {
     pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Acquire)
+        self.count.load(Ordering::Acquire)
     }
 
     fn bump(&self) {
-        self.0.fetch_add(1, Ordering::AcqRel);
+        self.count.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Whether the cache is current: its watch has not failed since its
+    /// last complete list. A failed watch leaves the cache as it was, and
+    /// it stays so until a new list is complete (after an API server
+    /// outage, for as long as the outage and the list take).
+    pub fn current(&self) -> bool {
+        !self.behind.load(Ordering::Acquire)
     }
 }
 
@@ -77,11 +90,19 @@ pub fn spawn_watch<K>(
         let mut stream = std::pin::pin!(stream);
         while let Some(item) = stream.next().await {
             match item {
-                Ok(_) => {
+                Ok(event) => {
+                    match event {
+                        watcher::Event::Init | watcher::Event::InitApply(_) => {}
+                        _ => changed.generation.behind.store(false, Ordering::Release),
+                    }
                     changed.generation.bump();
                     changed.wake.notify_one();
                 }
-                Err(e) => on_error(format!("watching {what}: {e}")),
+                Err(e) => {
+                    changed.generation.behind.store(true, Ordering::Release);
+                    changed.generation.bump();
+                    on_error(format!("watching {what}: {e}"));
+                }
             }
         }
     });
