@@ -269,23 +269,27 @@ mod tests {
         );
     }
 
+    /// A node's spec that assigns `default/web`.
+    fn web_assigned() -> Spec {
+        Spec {
+            assignments: vec![crate::contract::node_object::Assignment {
+                service: "default/web".into(),
+                interface: "hlb-3f2a9c1e".into(),
+                ..Default::default()
+            }],
+            ..Spec::default()
+        }
+    }
+
     /// An assignment its node does not list at all (it has not read it:
     /// cut off from the API server) makes the node avoided for that
     /// Service after `UNREAD_AFTER`, so the Service moves; listed in any
     /// state, it does not.
     #[test]
     fn an_assignment_the_node_never_lists_makes_it_avoided() {
-        use crate::contract::node_object::Assignment;
         let mut h = health();
         let t0 = Instant::now();
-        let spec = Spec {
-            assignments: vec![Assignment {
-                service: "default/web".into(),
-                interface: "hlb-3f2a9c1e".into(),
-                ..Assignment::default()
-            }],
-            ..Spec::default()
-        };
+        let spec = web_assigned();
         let silent = Status::default();
         assert!(h.observe([("node-3", &spec, &silent)], t0, true).is_empty());
         assert_eq!(h.next_deadline(), Some(t0 + UNREAD_AFTER));
@@ -317,17 +321,9 @@ mod tests {
     /// a state counts from then.
     #[test]
     fn a_frozen_view_ages_nothing() {
-        use crate::contract::node_object::Assignment;
         let mut h = health();
         let t0 = Instant::now();
-        let spec = Spec {
-            assignments: vec![Assignment {
-                service: "default/web".into(),
-                interface: "hlb-3f2a9c1e".into(),
-                ..Assignment::default()
-            }],
-            ..Spec::default()
-        };
+        let spec = web_assigned();
         let unread = Status::default();
         let guarded = status(&[("default/db", "GUARDED")]);
         let reports = [
