@@ -98,9 +98,9 @@ pub fn spawn_watch<K>(
                     changed.generation.bump();
                     changed.wake.notify_one();
                 }
+                // The cache is as it was: no pass to run for it.
                 Err(e) => {
                     changed.generation.behind.store(true, Ordering::Release);
-                    changed.generation.bump();
                     on_error(format!("watching {what}: {e}"));
                 }
             }
