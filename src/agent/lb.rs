@@ -884,8 +884,8 @@ impl<E: LeaseEngine> Lb<E> {
             super::fence::Verdict::Hold { again } => {
                 self.fence_again = again;
                 if let Some(why) = self.fence.take() {
-                    tracing::warn!(object = %self.settings.object, was = %why, "no longer fenced: holding what is assigned again (through the takeover guard)");
-                    self.read_again("no longer fenced");
+                    tracing::warn!(object = %self.settings.object, was = %why, "no longer fenced: reading its assignments again, then holding what is assigned (through the takeover guard)");
+                    self.ask_read_again("no longer fenced");
                     self.retry_at = Some(Instant::now());
                 }
                 let silences = [lan.hearing.none_since, lan.hearing.short_since];
