@@ -41,9 +41,12 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// (the soak saw a live node moved on two such 11 s-old accusations).
 pub const ACCUSING_PERIOD: Duration = Duration::from_secs(2);
 /// For how long after its newest accusation a node beats at
-/// [`ACCUSING_PERIOD`]: well past the controller's staleness bound, after
-/// which a node that is still dead is judged by its own silence. A peer
-/// left dead for hours (a stopped VM) then costs its witnesses no writes.
+/// [`ACCUSING_PERIOD`]: well past the controller's staleness bound (by
+/// then a peer still dead has long had its Services moved). Then it beats
+/// at its own period again, so a peer left dead for hours (a stopped VM)
+/// costs its witnesses nothing more; the accusation still counts while the
+/// witness beats on time, and one cut off after that stops counting
+/// within two of its periods (21 s), not 5 s.
 pub const ACCUSING_FAST_FOR: Duration = Duration::from_secs(300);
 
 /// The heartbeat period while the status accuses `down` since `since`.
