@@ -94,9 +94,6 @@ impl ServiceHealth {
                 if entry.0 != UNREAD {
                     *entry = (UNREAD, now);
                 }
-                if !current {
-                    entry.1 = now;
-                }
                 if now.saturating_duration_since(entry.1) >= UNREAD_AFTER {
                     self.avoided.insert(key.clone(), now + self.avoid_for);
                 }
@@ -110,7 +107,7 @@ impl ServiceHealth {
                 };
                 let key = (lease.service.clone(), node.to_string());
                 let entry = self.since.entry(key.clone()).or_insert((state, now));
-                if entry.0 != state || !current {
+                if entry.0 != state {
                     *entry = (state, now);
                 }
                 let bound = if state == FAILED {

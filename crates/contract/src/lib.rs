@@ -520,17 +520,19 @@ pub mod membership {
         (crate::fnv1a(&[b"hna-ring", name.as_bytes()]), name)
     }
 
+    /// `members` in ring order, each once.
+    fn sorted_ring<'a>(members: impl IntoIterator<Item = &'a str>) -> Vec<(u64, &'a str)> {
+        let mut ring: Vec<(u64, &str)> = members.into_iter().map(ring_key).collect();
+        ring.sort_unstable();
+        ring.dedup();
+        ring
+    }
+
     /// The witnesses of `node` among `members` (which may or may not
     /// include it): the [`WITNESSES`] members after it on the ring, fewer
     /// when the LAN has fewer other members.
     pub fn witnesses_of<'a>(members: impl IntoIterator<Item = &'a str>, node: &str) -> Vec<String> {
-        let mut ring: Vec<(u64, &str)> = members
-            .into_iter()
-            .filter(|m| *m != node)
-            .map(ring_key)
-            .collect();
-        ring.sort_unstable();
-        ring.dedup();
+        let ring = sorted_ring(members.into_iter().filter(|m| *m != node));
         let at = ring.partition_point(|k| *k < ring_key(node));
         (0..ring.len().min(WITNESSES))
             .map(|i| ring[(at + i) % ring.len()].1.to_string())
@@ -543,9 +545,7 @@ pub mod membership {
     pub fn witnesses_all<'a>(
         members: impl IntoIterator<Item = &'a str>,
     ) -> std::collections::BTreeMap<&'a str, Vec<String>> {
-        let mut ring: Vec<(u64, &str)> = members.into_iter().map(ring_key).collect();
-        ring.sort_unstable();
-        ring.dedup();
+        let ring = sorted_ring(members);
         let n = ring.len();
         let each = WITNESSES.min(n.saturating_sub(1));
         ring.iter()
@@ -574,9 +574,7 @@ pub mod membership {
     pub fn ring_peers<'a>(
         members: impl IntoIterator<Item = &'a str>,
     ) -> std::collections::BTreeMap<&'a str, Vec<&'a str>> {
-        let mut ring: Vec<(u64, &str)> = members.into_iter().map(ring_key).collect();
-        ring.sort_unstable();
-        ring.dedup();
+        let ring = sorted_ring(members);
         let n = ring.len();
         ring.iter()
             .enumerate()
