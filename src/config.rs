@@ -232,6 +232,14 @@ pub const KEYS: &[KeySpec] = &[
         kind: Kind::Text,
     },
     KeySpec {
+        name: "lb_pause_clock",
+        env: "HNA_LB_PAUSE_CLOCK",
+        flag: "--lb-pause-clock",
+        default: "/sys/class/rtc/rtc0/since_epoch",
+        doc: "The clock that counts the time this VM stands paused (a live migration's switchover, a suspend), which the VM's own clocks do not: its RTC's seconds, read about eight times a second. After a pause of 50ms or more the daemon announces every LoadBalancer address it holds again (gratuitous ARP from the Service's MAC), so that the LAN's switches learn the Service MACs' new port after a live migration also where the NIC does not announce them (e1000-family NICs), and reads its assignments again after a pause longer than the address lifetime. Empty turns it off; a file that cannot be read is logged once and the watch stops.",
+        kind: Kind::Text,
+    },
+    KeySpec {
         name: "uplink",
         env: "HNA_UPLINK",
         flag: "--uplink",
@@ -280,6 +288,8 @@ pub struct Config {
     pub lb_heartbeat: Duration,
     /// The LoadBalancer uplink; `None` follows the default route.
     pub uplink: Option<String>,
+    /// The file of the RTC's seconds ([`crate::pause`]); `None` is off.
+    pub lb_pause_clock: Option<std::path::PathBuf>,
     /// RFC 5227 ARP check of a LoadBalancer address before use.
     pub lb_arp_probe: bool,
     /// How long to listen for another holder before a takeover; zero: off.
@@ -473,6 +483,7 @@ pub fn resolve(
         namespace: crate::contract::DEFAULT_NAMESPACE.to_string(),
         lb_heartbeat: Duration::from_secs(10),
         uplink: None,
+        lb_pause_clock: Some(crate::pause::DEFAULT_RTC_SECONDS.into()),
         lb_arp_probe: true,
         lb_takeover_guard: Duration::from_millis(150),
         lb_fence_after: Duration::from_secs(30),
@@ -618,6 +629,14 @@ pub fn resolve(
             }
             "lb_heartbeat" => {
                 cfg.lb_heartbeat = duration_between_ms(&text(raw), 200, 10_000).map_err(fail)?
+            }
+            "lb_pause_clock" => {
+                let v = text(raw).trim().to_string();
+                cfg.lb_pause_clock = if v.is_empty() {
+                    None
+                } else {
+                    Some(absolute_path(v).map_err(fail)?)
+                };
             }
             "uplink" => {
                 let v = text(raw).trim().to_string();

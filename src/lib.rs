@@ -23,6 +23,8 @@
 //!   state machine, packet sockets, lease files, `dhcp-probe`), the crate
 //!   `hna-dhcp` in `crates/dhcp`;
 //! - [`lb`]: the node's LoadBalancer data plane (assignments to leases);
+//! - [`pause`]: pauses of this VM that its clocks do not count (live
+//!   migration, suspend), seen on its RTC;
 //! - [`membership`]: liveness on the LAN (issue #30): the agents of one
 //!   network watch each other (SWIM and witnesses), with sealed packets;
 //! - [`metrics`]: the optional `/metrics` and `/healthz` endpoint;
@@ -59,6 +61,7 @@ pub mod logging;
 pub mod membership;
 pub mod metrics;
 pub mod node_status;
+pub mod pause;
 pub mod state_dir;
 pub mod systemd;
 pub mod topology;

@@ -286,6 +286,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     hb: Heartbeat,
     beat_every: Duration,
     lan: LanLink,
+    mut pauses: watch::Receiver<Option<crate::pause::Pause>>,
     relist: watch::Sender<u64>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -334,6 +335,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     let mut carrier = tokio::time::interval(CARRIER_POLL);
     carrier.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut updates_open = true;
+    let mut pauses_open = true;
     loop {
         tokio::select! {
             u = updates.recv(), if updates_open => match u {
@@ -369,6 +371,16 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 next_settle = Instant::now() + lb.settle_period();
             }
             _ = written.changed() => lb.after_write().await,
+            changed = pauses.changed(), if pauses_open => match changed {
+                Ok(()) => {
+                    let pause = *pauses.borrow_and_update();
+                    if let Some(pause) = pause {
+                        lb.after_pause(pause.at_least).await;
+                        lb.report();
+                    }
+                }
+                Err(_) => pauses_open = false,
+            },
             changed = lan_changes.changed(), if lan_open => match changed {
                 Ok(()) => {
                     lb.judge_fence().await;
@@ -557,6 +569,38 @@ impl<E: LeaseEngine> Lb<E> {
         self.note_running();
         self.reconcile_round().await;
         self.note_running();
+    }
+
+    /// The hypervisor paused this VM (seen on its RTC: `crate::pause`),
+    /// as at a live migration's switchover: the LAN's switches send this
+    /// node's Service MACs to the port they last came from, the old host's,
+    /// until a frame from each comes from here, and a guest whose NIC
+    /// cannot announce itself (e1000-family) sends none. So every held
+    /// address is announced again from its MAC. A pause longer than the
+    /// address lifetime also means a read of the assignments, as after any
+    /// stall.
+    async fn after_pause(&mut self, at_least: Duration) {
+        let leases = self.engine.snapshot();
+        let mut announced = 0;
+        for l in leases.iter().filter(|l| l.address.is_some()) {
+            match self.engine.announce(&l.name).await {
+                Ok(()) => announced += 1,
+                Err(e) => {
+                    tracing::debug!(lease = %l.name, error = %e, "no announcement after the pause")
+                }
+            }
+        }
+        tracing::info!(
+            at_least = ?at_least,
+            announced,
+            "this VM was paused (live migration or suspend): announced every held address again"
+        );
+        if at_least > self.awake_within {
+            self.ask_read_again(&format!(
+                "paused for at least {}",
+                humantime::format_duration(Duration::from_millis(at_least.as_millis() as u64))
+            ));
+        }
     }
 
     /// A pause longer than the address lifetime (a paused VM, a frozen

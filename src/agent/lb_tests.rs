@@ -76,6 +76,8 @@ struct Rig {
     lan: watch::Sender<crate::membership::transport::LanView>,
     /// How often the loop asked to read the object again.
     relists: watch::Receiver<u64>,
+    /// Pauses of the VM, as `crate::pause` reports them.
+    pauses: watch::Sender<Option<crate::pause::Pause>>,
     _stop: watch::Sender<bool>,
 }
 
@@ -173,6 +175,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         ..super::LanLink::detached()
     };
     let (relist, relists) = watch::channel(0);
+    let (pauses, paused) = watch::channel(None);
     tokio::spawn(run_loop(
         Arc::new(engine.clone()),
         writes.clone(),
@@ -183,6 +186,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         liveness.register("lb"),
         Duration::from_secs(1),
         link,
+        paused,
         relist,
         shutdown,
     ));
@@ -195,6 +199,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         liveness,
         lan,
         relists,
+        pauses,
         _stop: stop,
     }
 }
@@ -1474,4 +1479,70 @@ fn a_pause_shows_on_either_clock() {
     assert_eq!(did_not_run_for((i, w), (i + s(1), w + s(30))), s(30));
     // A wall clock stepped back counts for nothing.
     assert_eq!(did_not_run_for((i, w + s(30)), (i + s(2), w)), s(2));
+}
+
+/// A pause of the VM (a live migration's switchover) announces every held
+/// address again, and only those; a short one reads nothing again, one
+/// longer than the address lifetime does.
+#[tokio::test(start_paused = true)]
+async fn a_pause_of_the_vm_announces_every_held_address_again() {
+    let r = rig_with_leases(
+        FakeEngine::new(),
+        Settings {
+            timing: crate::dhcp::Timing {
+                address_lifetime: Some(Duration::from_secs(1)),
+                ..crate::dhcp::Timing::default()
+            },
+            ..Settings::default()
+        },
+    );
+    let held = held_and_written(&r, "aaaaaaaa").await;
+    let waiting = assignment("bbbbbbbb");
+    r.tx.send(spec(&[held.clone(), waiting.clone()]))
+        .await
+        .unwrap();
+    until("both running", || r.engine.running().len() == 2).await;
+    r.engine.take_calls();
+    let announced = |calls: &[Call]| -> Vec<String> {
+        calls
+            .iter()
+            .filter_map(|c| match c {
+                Call::Announce { name } => Some(name.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    r.pauses
+        .send(Some(crate::pause::Pause {
+            at_least: Duration::from_millis(300),
+            seen: tokio::time::Instant::now(),
+        }))
+        .unwrap();
+    until("the held address announced", || {
+        !announced(&r.engine.calls()).is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        announced(&r.engine.take_calls()),
+        vec![held.interface.clone()],
+        "only the lease with an address"
+    );
+    assert_eq!(
+        *r.relists.borrow(),
+        0,
+        "a switchover's pause reads nothing again"
+    );
+    r.pauses
+        .send(Some(crate::pause::Pause {
+            at_least: Duration::from_secs(8),
+            seen: tokio::time::Instant::now(),
+        }))
+        .unwrap();
+    let mut relists = r.relists.clone();
+    tokio::time::timeout(Duration::from_secs(5), relists.wait_for(|n| *n > 0))
+        .await
+        .expect("a long pause reads the assignments again")
+        .unwrap();
+    assert_eq!(announced(&r.engine.calls()), vec![held.interface.clone()]);
 }

@@ -529,6 +529,16 @@ fn spawn_lb(
         },
     };
     let lan = spawn_membership(tasks, cfg, client.clone(), ctx.shutdown.clone());
+    let (pause_tx, pauses) = watch::channel(None);
+    if let Some(clock) = cfg.lb_pause_clock.clone() {
+        let mut stopping = ctx.shutdown.clone();
+        tasks.spawn(async move {
+            tokio::select! {
+                _ = crate::pause::run(clock, pause_tx) => {}
+                _ = stopping.changed() => {}
+            }
+        });
+    }
     let writer = lb::KubeStatus {
         client,
         namespace: cfg.namespace.clone(),
@@ -544,6 +554,7 @@ fn spawn_lb(
         ctx.liveness.register("loadbalancer"),
         ctx.beat_every,
         lan,
+        pauses,
         relist,
         ctx.shutdown.clone(),
     ));

@@ -159,6 +159,9 @@ pub struct ConfigArgs {
     /// Which stops keep the addresses for --lb-restart-grace: restart (systemd restarts the unit) or always [default: restart] [env: HNA_LB_KEEP_ON_STOP]
     #[arg(long, value_name = "WHEN")]
     pub lb_keep_on_stop: Option<String>,
+    /// The RTC's seconds, which count the time this VM stands paused (live migration, suspend): every held address is announced again after a pause; empty is off [default: /sys/class/rtc/rtc0/since_epoch] [env: HNA_LB_PAUSE_CLOCK]
+    #[arg(long, value_name = "PATH")]
+    pub lb_pause_clock: Option<String>,
     /// Uplink of the LoadBalancer macvlans when a Service names none [default: the default route's interface] [env: HNA_UPLINK]
     #[arg(long, value_name = "IFACE")]
     pub uplink: Option<String>,
@@ -167,7 +170,7 @@ pub struct ConfigArgs {
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 22] = [
+        let pairs: [(&'static str, &Option<String>); 23] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -189,6 +192,7 @@ impl ConfigArgs {
             ("lb_address_lifetime", &self.lb_address_lifetime),
             ("lb_restart_grace", &self.lb_restart_grace),
             ("lb_keep_on_stop", &self.lb_keep_on_stop),
+            ("lb_pause_clock", &self.lb_pause_clock),
             ("uplink", &self.uplink),
         ];
         for (key, value) in pairs {

@@ -99,6 +99,9 @@ pub struct Options {
     /// Names of nodes without a guest that get node credentials
     /// ([`rig::RigOptions::credential_only_nodes`]): a bench simulates them.
     pub simulated_nodes: Vec<String>,
+    /// Names of nodes that run as VMs ([`LbRig::vm_node_spec`]): node
+    /// credentials, no guest namespace.
+    pub vm_nodes: Vec<String>,
 }
 
 impl Options {
@@ -139,6 +142,7 @@ impl Options {
             start_ours: true,
             wide_lan: false,
             simulated_nodes: Vec::new(),
+            vm_nodes: Vec::new(),
         }
     }
 }
@@ -176,6 +180,8 @@ pub struct LbRig {
     /// address where its agent reaches the API server, and the forwarder
     /// there while its path is not cut ([`LbRig::cut_api`]).
     lan_paths: Vec<(u16, Option<Forwarder>)>,
+    /// The VM nodes' ports on the LAN's address to the API server.
+    vm_paths: Vec<Forwarder>,
     proxy: Option<FaultProxy>,
     admin: kube::Client,
     rt: tokio::runtime::Runtime,
@@ -198,7 +204,12 @@ impl LbRig {
             dhcp: true,
             apiserver: true,
             lease_time: opts.lease_time.clone(),
-            credential_only_nodes: opts.simulated_nodes.clone(),
+            credential_only_nodes: opts
+                .simulated_nodes
+                .iter()
+                .chain(&opts.vm_nodes)
+                .cloned()
+                .collect(),
             dnsmasq_args: if opts.wide_lan {
                 vec![format!(
                     "--dhcp-range={},{},255.255.252.0,{}",
@@ -253,6 +264,7 @@ impl LbRig {
             controllers: Vec::new(),
             proxy_forwarders: Vec::new(),
             lan_paths: Vec::new(),
+            vm_paths: Vec::new(),
             proxy: None,
             opts,
         };
@@ -373,6 +385,53 @@ impl LbRig {
             );
         }
         Ok(())
+    }
+
+    /// What VM node `name` (one of [`Options::vm_nodes`]) needs to join the
+    /// cluster as a guest namespace does: its Node registered, its
+    /// credentials reaching the API server (or the fault proxy) at a port
+    /// of its own on the LAN's address, through its NIC, and the agents'
+    /// configuration (uplink `eth0`). `address` is its NIC's address on the
+    /// LAN (outside the DHCP range and the LAN hosts' addresses).
+    pub fn vm_node_spec(
+        &mut self,
+        name: &str,
+        address: Ipv4Addr,
+        mac: &str,
+        nic: crate::vm::node::NicModel,
+    ) -> Result<crate::vm::node::NodeSpec> {
+        ensure!(
+            self.opts.vm_nodes.iter().any(|n| n == name),
+            "{name} is not one of the rig's VM nodes (Options::vm_nodes)"
+        );
+        let upstream = match &self.proxy {
+            Some(p) => p.port(),
+            None => self.rig.apiserver().context("API server")?.port(),
+        };
+        let port = rig::apiserver::free_port()?;
+        let listen = std::net::SocketAddr::from((rig::LAN_ADDR.parse::<Ipv4Addr>()?, port));
+        self.vm_paths.push(
+            Forwarder::start_at(self.rig.lan_ns(), listen, upstream)
+                .with_context(|| format!("the API server at {listen} for VM node {name}"))?,
+        );
+        let api = self.rig.apiserver().context("API server")?;
+        let kubeconfig =
+            api.kubeconfig_via(Some(name), &format!("https://{listen}"), "via-lan-vm")?;
+        self.register_node(name)?;
+        Ok(crate::vm::node::NodeSpec {
+            node_name: name.to_string(),
+            bin: self.opts.bin.clone(),
+            kubeconfig,
+            agent_config: format!(
+                "namespace = \"{NAMESPACE}\"\nuplink = \"eth0\"\n{}\n",
+                self.opts.agent_config
+            ),
+            address,
+            gateway: rig::LAN_ADDR.parse()?,
+            mac: mac.to_string(),
+            nic,
+            memory_mb: 512,
+        })
     }
 
     /// The kubeconfig of node `node` (`Some`) or of the controllers: through
@@ -497,7 +556,12 @@ impl LbRig {
     /// Whether guest `i`'s spec assigns Service `service` (`namespace/name`)
     /// to it, to hold (not to release).
     pub fn assigned(&self, i: usize, service: &str) -> bool {
-        self.node_object(&self.node_name(i)).is_some_and(|o| {
+        self.assigned_to(&self.node_name(i), service)
+    }
+
+    /// [`LbRig::assigned`] by node name (a VM node's too).
+    pub fn assigned_to(&self, node: &str, service: &str) -> bool {
+        self.node_object(node).is_some_and(|o| {
             o["spec"]["assignments"].as_array().is_some_and(|a| {
                 a.iter()
                     .any(|a| a["service"] == service && a["release"] != true)

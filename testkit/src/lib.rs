@@ -16,6 +16,7 @@
 pub mod addrwatch;
 pub mod arpprobe;
 pub mod failover;
+pub mod fdbwatch;
 pub mod lb;
 pub mod locate;
 pub mod peers;

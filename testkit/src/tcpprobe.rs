@@ -154,3 +154,154 @@ fn ask(to: SocketAddr) -> Option<String> {
     let text = String::from_utf8_lossy(&buf[..got]).trim().to_string();
     (!text.is_empty()).then_some(text)
 }
+
+/// One TCP connection kept open through a fault, as a client with a
+/// connection in flight sees it: a byte sent every few milliseconds, each
+/// echoed back by the far end (the VM nodes' echo listener,
+/// [`crate::vm::node::ECHO_PORT`]). A lost frame is retransmitted by TCP
+/// (200 ms at first, then backing off), so the record's longest gap is
+/// what the application saw, retransmissions included.
+pub struct EchoProber {
+    stop: Arc<AtomicBool>,
+    /// Whether the writer sends (a client idle for a while: nothing of its
+    /// own in flight, nothing of the server's unacknowledged).
+    sending: Arc<AtomicBool>,
+    stream: TcpStream,
+    writer: Option<JoinHandle<Result<()>>>,
+    reader: Option<JoinHandle<Vec<Instant>>>,
+}
+
+/// When each echoed byte came back, in order.
+#[derive(Debug, Clone, Default)]
+pub struct EchoRecord {
+    pub echoed: Vec<Instant>,
+    /// When the prober stopped.
+    pub ended: Option<Instant>,
+}
+
+impl EchoRecord {
+    /// The longest time without an echo, and when it began: between two
+    /// echoes, or from the last echo to the end of the record.
+    pub fn longest_gap(&self) -> (Duration, Option<Instant>) {
+        let mut best = (Duration::ZERO, None);
+        let ends = self.echoed.iter().copied().chain(self.ended);
+        for (a, b) in self.echoed.iter().copied().zip(ends.skip(1)) {
+            if b - a > best.0 {
+                best = (b - a, Some(a));
+            }
+        }
+        best
+    }
+}
+
+impl EchoProber {
+    /// Connects from namespace `ns` to `target:port` and starts sending a
+    /// byte every `every`; returns once the first echo came back (an error
+    /// after 10 s without one).
+    pub fn start(ns: &str, target: Ipv4Addr, port: u16, every: Duration) -> Result<EchoProber> {
+        let to = SocketAddr::from((target, port));
+        let stream = in_netns(ns, || {
+            TcpStream::connect_timeout(&to, Duration::from_secs(3))
+        })??;
+        stream.set_nodelay(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (first_tx, first) = std::sync::mpsc::channel();
+        let mut rx = stream.try_clone()?;
+        let reader = std::thread::Builder::new()
+            .name(format!("echo-rx-{target}"))
+            .spawn(move || {
+                let mut echoed = Vec::new();
+                let mut buf = [0u8; 256];
+                while let Ok(n) = rx.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let now = Instant::now();
+                    if echoed.is_empty() {
+                        let _ = first_tx.send(());
+                    }
+                    echoed.extend(std::iter::repeat_n(now, n));
+                }
+                echoed
+            })?;
+        let mut tx = stream.try_clone()?;
+        let flag = stop.clone();
+        let sending = Arc::new(AtomicBool::new(true));
+        let send = sending.clone();
+        let writer = std::thread::Builder::new()
+            .name(format!("echo-tx-{target}"))
+            .spawn(move || -> Result<()> {
+                use std::io::Write;
+                let mut next = Instant::now();
+                while !flag.load(Ordering::SeqCst) {
+                    if send.load(Ordering::SeqCst) {
+                        tx.write_all(b".")?;
+                    }
+                    next += every;
+                    let now = Instant::now();
+                    if next > now {
+                        std::thread::sleep(next - now);
+                    }
+                }
+                Ok(())
+            })?;
+        let prober = EchoProber {
+            stop,
+            sending,
+            stream,
+            writer: Some(writer),
+            reader: Some(reader),
+        };
+        if first.recv_timeout(Duration::from_secs(10)).is_err() {
+            bail!("{target}:{port} echoed nothing within 10 s");
+        }
+        Ok(prober)
+    }
+
+    /// Stops (`false`) or resumes (`true`) sending; the connection stays
+    /// open. Idle, the client sends nothing, and once the last echoes are
+    /// acknowledged neither end has anything in flight: after a fault on
+    /// the path, only the client's next byte (and its retransmissions)
+    /// can find out whether the server is reachable, as for a client of a
+    /// keep-alive connection sending its next request.
+    pub fn set_sending(&self, on: bool) {
+        self.sending.store(on, Ordering::SeqCst);
+    }
+
+    /// Stops sending, waits a little for echoes in flight, closes the
+    /// connection and returns what came back.
+    pub fn finish(mut self) -> Result<EchoRecord> {
+        self.stop.store(true, Ordering::SeqCst);
+        let ended = Instant::now();
+        if let Some(w) = self.writer.take() {
+            w.join()
+                .map_err(|_| anyhow::anyhow!("the echo writer panicked"))??;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let mut echoed = self
+            .reader
+            .take()
+            .expect("running")
+            .join()
+            .map_err(|_| anyhow::anyhow!("the echo reader panicked"))?;
+        echoed.retain(|t| *t <= ended);
+        Ok(EchoRecord {
+            echoed,
+            ended: Some(ended),
+        })
+    }
+}
+
+impl Drop for EchoProber {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(t) = self.writer.take() {
+            let _ = t.join();
+        }
+        if let Some(t) = self.reader.take() {
+            let _ = t.join();
+        }
+    }
+}

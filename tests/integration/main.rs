@@ -46,6 +46,7 @@ mod unit_file;
 mod vm_guest_agent;
 mod vm_image;
 mod vm_macvlan;
+mod vm_migration;
 mod vm_pause;
 mod vm_selftest;
 
@@ -79,6 +80,7 @@ fn main() -> std::process::ExitCode {
         vm_selftest::tests(),
         vm_macvlan::tests(),
         vm_pause::tests(),
+        vm_migration::tests(),
         vm_guest_agent::tests(),
         kiwi::tests(),
         cloud_init::tests(),

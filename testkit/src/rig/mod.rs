@@ -557,6 +557,51 @@ impl Rig {
         Ok(host)
     }
 
+    /// A hypervisor host's bridge, as the field has it: bridge `name` in
+    /// the LAN namespace, joined to the LAN's switch (`br0`) by a veth
+    /// pair (`<name>-up` on the host's bridge, `<name>-sw` on the
+    /// switch's port). Both bridges learn, and forget a MAC after 300 s
+    /// (set here on both, Linux's default), so a MAC that moved hosts
+    /// reaches its new port only once it sends from there. VMs' taps go on
+    /// the bridge ([`crate::vm::node::Host`]). `name`: at most 12
+    /// characters.
+    pub fn add_host_bridge(&self, name: &str) -> Result<()> {
+        if name.len() > 12 {
+            bail!("host bridge name {name:?} is longer than 12 characters");
+        }
+        let ns = self.lan_ns().to_string();
+        let ip = |args: &[&str]| run_args("ip", ["-n", ns.as_str()].iter().chain(args));
+        let (up, sw) = (format!("{name}-up"), format!("{name}-sw"));
+        let setup = || -> Result<()> {
+            ip(&[
+                "link",
+                "add",
+                name,
+                "type",
+                "bridge",
+                "ageing_time",
+                "30000",
+            ])?;
+            ip(&[
+                "link",
+                "set",
+                "br0",
+                "type",
+                "bridge",
+                "ageing_time",
+                "30000",
+            ])?;
+            ip(&["link", "add", &up, "type", "veth", "peer", "name", &sw])?;
+            ip(&["link", "set", &up, "master", name])?;
+            ip(&["link", "set", &sw, "master", "br0"])?;
+            for l in [name, up.as_str(), sw.as_str()] {
+                ip(&["link", "set", l, "up"])?;
+            }
+            Ok(())
+        };
+        setup().with_context(|| format!("add host bridge {name} in {ns}"))
+    }
+
     /// The hosts added with [`Rig::add_lan_host`], in order.
     pub fn lan_hosts(&self) -> &[LanHost] {
         &self.lan_hosts

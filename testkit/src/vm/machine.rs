@@ -69,10 +69,7 @@ impl Machine {
     /// files in `dir`. Returns once qemu runs; see [`Machine::qga`] for the
     /// guest being up.
     pub fn boot(image: &Image, dir: &Path, opts: &MachineOptions) -> Result<Machine> {
-        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let turn = ONE_AT_A_TIME
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let turn = super::turn();
         let qemu = require_program("qemu-system-x86_64")?;
         let console = dir.join("console.log");
         let qga_socket = dir.join("qga.sock");

@@ -48,8 +48,10 @@
 
 mod initramfs;
 pub mod machine;
+pub mod node;
 mod qemu;
 pub mod qga;
+pub mod qmp;
 
 use std::path::{Path, PathBuf};
 
@@ -70,6 +72,18 @@ pub const PREREQUISITES: &[Prereq] = &[Prereq::Root, Prereq::Qemu, Prereq::VmKer
 pub fn kernel() -> Result<Kernel> {
     require(PREREQUISITES)?;
     find_kernel()
+}
+
+/// The VM turn of this process: one test's VMs at a time ([`boot`],
+/// [`machine::Machine::boot`], and the VM nodes a test holds the turn
+/// for). Under TCG a running guest keeps a core busy, and these machines
+/// have two; two tests' guests at once beside the rest of the suite
+/// slowed a guest past its timeout. A test that panicked while holding
+/// the turn does not poison it.
+pub fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// [`find_program`] or an error naming the program.

@@ -136,11 +136,7 @@ impl Drop for Qemu {
 /// guest past its timeout. The wait for the turn does not count against
 /// `opts.timeout`.
 pub fn boot(kernel: &Kernel, initramfs: &Path, opts: &VmOptions) -> Result<VmRun> {
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    // A test that panicked while holding the turn does not poison the rest.
-    let _turn = ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _turn = super::turn();
     let qemu = require_program("qemu-system-x86_64")?;
     for p in [kernel.vmlinuz.as_path(), initramfs] {
         if p.to_string_lossy().contains(',') {

