@@ -697,16 +697,29 @@ impl<E: LeaseEngine> Lb<E> {
                         // A Service's MAC on a link of this node would
                         // steal the node's own traffic.
                         _ if !w.release && node.own_macs.contains_key(&mac) => {
-                            cut_off.insert(
-                                w.interface.clone(),
-                                format!(
-                                    "MAC {mac} is already this node's interface {}'s (kube-vip's vip-* link left behind, or the node's own): no macvlan is made with it",
-                                    node.own_macs[&mac]
-                                ),
+                            let why = format!(
+                                "MAC {mac} is already this node's interface {}'s (kube-vip's vip-* link left behind, or the node's own): no macvlan is made with it",
+                                node.own_macs[&mac]
+                            );
+                            refuse_mac(
+                                &mut cut_off,
+                                &mut untouched,
+                                &leases,
+                                &w.interface,
+                                &mac,
+                                why,
                             );
                         }
                         _ if taken_on_lan.is_some() => {
-                            cut_off.insert(w.interface.clone(), taken_on_lan.unwrap_or_default());
+                            let why = taken_on_lan.unwrap_or_default();
+                            refuse_mac(
+                                &mut cut_off,
+                                &mut untouched,
+                                &leases,
+                                &w.interface,
+                                &mac,
+                                why,
+                            );
                         }
                         // The controller allows only uplinks; the node
                         // checks again, as root, against its own cards.
@@ -1096,6 +1109,33 @@ fn describe(a: &Action) -> String {
             ..
         } => "release the lease (DHCPRELEASE)".into(),
         Action::Stop { .. } => "hand the lease over (no RELEASE)".into(),
+    }
+}
+
+/// A Service's MAC this node refuses (another host's, or its own): no
+/// link is made with it. A lease of that Service still running with
+/// another MAC, holding its address, stays as it is: a refused change
+/// leaves what is served (issue #29, "bad input"); the report says why.
+fn refuse_mac(
+    cut_off: &mut BTreeMap<String, String>,
+    untouched: &mut BTreeSet<String>,
+    leases: &[LeaseStatus],
+    interface: &str,
+    refused: &str,
+    why: String,
+) {
+    let serving_another = leases.iter().any(|l| {
+        l.name == interface && l.state.holds_address() && !l.mac.eq_ignore_ascii_case(refused)
+    });
+    let refused = node_object::MAC_REFUSED_BY_HOLDER;
+    if serving_another {
+        untouched.insert(interface.to_string());
+        cut_off.insert(
+            interface.to_string(),
+            format!("{refused}{why}; the address stays on the MAC it has"),
+        );
+    } else {
+        cut_off.insert(interface.to_string(), format!("{refused}{why}"));
     }
 }
 

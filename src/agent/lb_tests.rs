@@ -1546,3 +1546,39 @@ async fn a_pause_of_the_vm_announces_every_held_address_again() {
         .unwrap();
     assert_eq!(announced(&r.engine.calls()), vec![held.interface.clone()]);
 }
+
+/// A served Service whose MAC is changed to one another host on the LAN
+/// uses (a tenant's `kube-vip.io/hwaddr` naming the gateway's, which the
+/// controller did not know): nothing is made with the new MAC, and the
+/// lease serving the address with the old one stays.
+#[tokio::test(start_paused = true)]
+async fn a_refused_mac_change_leaves_the_served_address_as_it_is() {
+    let r = rig();
+    let held = held_and_written(&r, "aaaaaaaa").await;
+    r.engine.take_calls();
+    let gateways = Assignment {
+        mac: "0a:11:22:33:44:55".into(),
+        ..held.clone()
+    };
+    r.tx.send(spec(&[gateways])).await.unwrap();
+    until("the refusal in the status", || {
+        r.writes.last().is_some_and(|s| {
+            s.leases.iter().any(|l| {
+                l.interface == held.interface
+                    && l.message.as_deref().is_some_and(|m| {
+                        m.contains("default gateway") && m.contains("stays on the MAC it has")
+                    })
+            })
+        })
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let calls = r.engine.take_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| matches!(c, Call::Stop { .. } | Call::Start { .. })),
+        "the served lease is neither stopped nor restarted: {calls:?}"
+    );
+    assert_eq!(r.engine.running(), vec![held.interface.clone()]);
+}

@@ -438,7 +438,7 @@ fn kernel_mac(ns: &str, dev: &str) -> Result<String> {
 /// guest (read from the kernels); the served Service keeps its MAC and
 /// address.
 fn a_tenant_cannot_put_another_hosts_mac_on_the_lan() -> Result<()> {
-    let lb = LbRig::start(options())?;
+    let mut lb = LbRig::start(options())?;
     // Nodes talk to their gateway (DNS, registries, the internet): its
     // entry is in their ARP tables, as on any real node.
     let gateway_addr: std::net::SocketAddr = format!("{}:9", hna_testkit::rig::LAN_ADDR).parse()?;
@@ -505,5 +505,57 @@ fn a_tenant_cannot_put_another_hosts_mac_on_the_lan() -> Result<()> {
         "team-a/web is no longer served as it was: {holders:?}"
     );
     ensure!(lb.ingress_ip("team-a/web") == Some(ip));
+
+    // A LAN host that is neither a node nor the gateway: only the holder
+    // knows its MAC (from its ARP table, once they have talked). The
+    // tenant moves web to that MAC: the holder refuses it and keeps
+    // serving under the MAC it has; the controller says so on web.
+    let holder = lb.guest_of(&holders[0].0);
+    let neighbour = lb.rig.add_lan_host("neighbour")?;
+    let neighbour_mac = kernel_mac(&neighbour.ns, "eth0")?;
+    let to = std::net::SocketAddr::from((neighbour.addr, 9));
+    hna_testkit::rig::forward::in_netns(lb.rig.guest_ns(holder), || {
+        let _ = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2));
+    })?;
+    lb.annotate_as(
+        &tenant,
+        "team-a/web",
+        kube_vip::HWADDR,
+        Some(&neighbour_mac),
+    )?;
+    let told = wait_for(WITHIN, || {
+        lb.our_events("team-a/web")
+            .into_iter()
+            .find_map(|(t, r, m)| {
+                (t == "Warning"
+                    && r == "MACAddressRefused"
+                    && m.contains(&neighbour.addr.to_string()))
+                .then_some(m)
+            })
+    });
+    ensure!(
+        told.as_deref()
+            .is_some_and(|m| m.contains(kube_vip::HWADDR)),
+        "no MACAddressRefused Warning naming the neighbour {} and the annotation: {:#?}",
+        neighbour.addr,
+        lb.events("team-a/web")
+    );
+    for g in 0..lb.rig.guest_count() {
+        for l in lb.hlb_links(g) {
+            ensure!(
+                !l.mac.eq_ignore_ascii_case(&neighbour_mac),
+                "guest {g} has a link with the neighbour's MAC: {l:?}"
+            );
+        }
+    }
+    let holders = lb.carriers(ip);
+    ensure!(
+        holders.len() == 1 && holders[0].1.mac.eq_ignore_ascii_case(&web_mac),
+        "team-a/web is no longer served as it was after the neighbour's MAC: {holders:?}"
+    );
+    ensure!(
+        lb.tcp_from_client(ip, LISTEN_PORT).is_ok(),
+        "team-a/web does not answer TCP"
+    );
     Ok(())
 }

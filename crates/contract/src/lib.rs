@@ -233,9 +233,18 @@ pub mod node_object {
         /// The MAC the lease runs under (kube-vip's format).
         #[serde(default)]
         pub mac: String,
+        /// Why the lease is not as assigned; a refused MAC begins with
+        /// [`MAC_REFUSED_BY_HOLDER`].
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub message: Option<String>,
     }
+
+    /// How a holder's [`LeaseReport::message`] begins when it refuses the
+    /// assignment's MAC (another host on its LAN uses it, or the node
+    /// itself): the controller tells the Service's owner with a Warning
+    /// Event naming the annotation. What the holder still runs under
+    /// another MAC it keeps.
+    pub const MAC_REFUSED_BY_HOLDER: &str = "MAC refused: ";
 }
 
 /// The parts of a Service that decide whether it is ours.

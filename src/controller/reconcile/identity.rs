@@ -163,6 +163,35 @@ fn lan_mac_refusal(pass: &Pass<'_>, id: &AddressIdentity) -> Option<String> {
     ))
 }
 
+/// Why a holder of the Service refuses `id.mac`, if one does: it saw the
+/// MAC used by another host on its LAN (its neighbour table, which the
+/// controller does not see) or by itself, and keeps what it serves under
+/// the MAC it has (`node_object::MAC_REFUSED_BY_HOLDER`).
+pub(super) fn holder_mac_refusal(
+    pass: &Pass<'_>,
+    s: &ServiceIn,
+    id: &AddressIdentity,
+) -> Option<String> {
+    let service = s.key.to_string();
+    let mac = crate::mac::format(&id.mac);
+    pass.specs
+        .holders_of(&s.uid)
+        .into_iter()
+        .filter(|(_, a)| !a.release && a.mac == mac)
+        .find_map(|(node, _)| {
+            let n = pass.nodes.live.get(node.as_str())?;
+            let why = n.status.leases.iter().find_map(|l| {
+                (l.service == service && l.interface == id.interface)
+                    .then_some(l.message.as_deref()?)?
+                    .strip_prefix(crate::contract::node_object::MAC_REFUSED_BY_HOLDER)
+            })?;
+            Some(format!(
+                "{}: node {node} refuses MAC {mac}: {why}. Remove the annotation to get a MAC derived from the Service's UID, or choose one that no host on the VM network uses",
+                kube_vip::HWADDR
+            ))
+        })
+}
+
 /// What a Service's own holder should carry.
 pub(super) fn assignment_of(
     s: &ServiceIn,
@@ -277,6 +306,43 @@ mod tests {
             "{plans:?}"
         );
         assert_eq!(sim.holders("web"), before, "what runs is kept");
+    }
+
+    /// Issue #29: a MAC the controller cannot know to be taken (a LAN
+    /// host's that is no node and not the gateway) is refused by the
+    /// holder, which sees it in its ARP table and keeps serving under the
+    /// MAC it has; the Service's owner is told with an Event naming the
+    /// annotation.
+    #[test]
+    fn a_mac_a_holder_refuses_is_told_with_an_event_naming_the_annotation() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let (node, _) = sim.holders("web")[0].clone();
+        sim.svc_mut("web")
+            .annotations
+            .insert(kube_vip::HWADDR.into(), "02:00:00:00:00:96".into());
+        sim.settle();
+        assert_eq!(sim.holders("web")[0].1.mac, "02:00:00:00:00:96");
+        let o = sim.objects.iter_mut().find(|o| o.name == node).unwrap();
+        let l = o
+            .status
+            .leases
+            .iter_mut()
+            .find(|l| l.service == "default/web")
+            .unwrap();
+        l.message = Some(format!(
+            "{}MAC 02:00:00:00:00:96 is another host's on the LAN (this node's ARP table: 10.77.0.150 on eth0): no macvlan is made with it; the address stays on the MAC it has",
+            crate::contract::node_object::MAC_REFUSED_BY_HOLDER
+        ));
+        let told = crate::controller::reconcile::sim::events(&[sim.plan()]);
+        assert!(
+            told.iter().any(|(r, m)| *r == reason::MAC_REFUSED
+                && m.contains(kube_vip::HWADDR)
+                && m.contains(&format!("node {node}"))
+                && m.contains("10.77.0.150")),
+            "{told:?}"
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use crate::contract::{self, Selection, harvester, kube_vip};
 use crate::controller::networks::{self, NoUplink};
 
 use super::events::{EventType, reason};
-use super::identity::{checked_identity, known_address};
+use super::identity::{checked_identity, holder_mac_refusal, known_address};
 use super::pass::Pass;
 use super::plan::Write;
 use super::release::{release_holders, with_lingering};
@@ -36,6 +36,10 @@ pub(super) fn admit<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
         // What runs is kept while the Service cannot be made sense of.
         Selection::Primary => match checked_identity(pass, s) {
             Ok(mut id) => {
+                if let Some(why) = holder_mac_refusal(pass, s, &id) {
+                    pass.events
+                        .tell(s, EventType::Warning, reason::MAC_REFUSED, why);
+                }
                 id.requested_ip = known_address(pass, s, &id);
                 match networks::uplink_of(&s.annotations, pass.world.networks, &pass.nodes.uplinks)
                 {
