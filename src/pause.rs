@@ -297,20 +297,23 @@ mod tests {
         assert!(seen.is_empty(), "{seen:?}");
     }
 
+    /// A watch that saw the RTC change from 7 to 8 between 1.000 and
+    /// 1.002 s.
+    fn with_an_edge() -> PauseWatch {
+        let mut w = PauseWatch::with_defaults();
+        for (before, after, rtc_seconds) in [(990, 991, 7), (1_000, 1_002, 8)] {
+            w.observe(Reading {
+                before: ms(before),
+                after: ms(after),
+                rtc_seconds,
+            });
+        }
+        w
+    }
+
     #[test]
     fn a_late_wake_up_is_not_a_pause() {
-        let mut w = PauseWatch::with_defaults();
-        // An edge between 1.000 and 1.002 s.
-        w.observe(Reading {
-            before: ms(990),
-            after: ms(991),
-            rtc_seconds: 7,
-        });
-        w.observe(Reading {
-            before: ms(1_000),
-            after: ms(1_002),
-            rtc_seconds: 8,
-        });
+        let mut w = with_an_edge();
         // The next reading comes 3 s late (the thread starved): the RTC
         // moved as much as the monotonic clock.
         let step = w.observe(Reading {
@@ -323,17 +326,7 @@ mod tests {
 
     #[test]
     fn an_rtc_set_back_forgets_the_edge() {
-        let mut w = PauseWatch::with_defaults();
-        w.observe(Reading {
-            before: ms(990),
-            after: ms(991),
-            rtc_seconds: 7,
-        });
-        w.observe(Reading {
-            before: ms(1_000),
-            after: ms(1_002),
-            rtc_seconds: 8,
-        });
+        let mut w = with_an_edge();
         let step = w.observe(Reading {
             before: ms(1_500),
             after: ms(1_501),

@@ -209,6 +209,20 @@ fn rig() -> Rig {
 }
 
 /// Assignment `uid8` held, BOUND and written once.
+/// The loop with a 1 s address lifetime, as the daemon's default.
+fn rig_with_lifetime() -> Rig {
+    rig_with_leases(
+        FakeEngine::new(),
+        Settings {
+            timing: crate::dhcp::Timing {
+                address_lifetime: Some(Duration::from_secs(1)),
+                ..crate::dhcp::Timing::default()
+            },
+            ..Settings::default()
+        },
+    )
+}
+
 async fn held_and_written(r: &Rig, uid8: &str) -> Assignment {
     let a = assignment(uid8);
     r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
@@ -1397,16 +1411,7 @@ async fn after_a_failed_watch_nothing_is_taken_over_until_the_object_is_read_aga
 /// then; what it still holds stays.
 #[tokio::test(start_paused = true)]
 async fn a_node_that_did_not_run_reads_its_assignments_again_before_any_takeover() {
-    let r = rig_with_leases(
-        FakeEngine::new(),
-        Settings {
-            timing: crate::dhcp::Timing {
-                address_lifetime: Some(Duration::from_secs(1)),
-                ..crate::dhcp::Timing::default()
-            },
-            ..Settings::default()
-        },
-    );
+    let r = rig_with_lifetime();
     let held = held_and_written(&r, "aaaaaaaa").await;
     let gone = assignment("bbbbbbbb");
     r.tx.send(spec(&[held.clone(), gone.clone()]))
@@ -1486,16 +1491,7 @@ fn a_pause_shows_on_either_clock() {
 /// longer than the address lifetime does.
 #[tokio::test(start_paused = true)]
 async fn a_pause_of_the_vm_announces_every_held_address_again() {
-    let r = rig_with_leases(
-        FakeEngine::new(),
-        Settings {
-            timing: crate::dhcp::Timing {
-                address_lifetime: Some(Duration::from_secs(1)),
-                ..crate::dhcp::Timing::default()
-            },
-            ..Settings::default()
-        },
-    );
+    let r = rig_with_lifetime();
     let held = held_and_written(&r, "aaaaaaaa").await;
     let waiting = assignment("bbbbbbbb");
     r.tx.send(spec(&[held.clone(), waiting.clone()]))

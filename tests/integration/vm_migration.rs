@@ -66,10 +66,11 @@ const SERVED_WITHIN: Duration = Duration::from_secs(240);
 const SWITCHOVER_BOUND: Duration = Duration::from_secs(1);
 /// With an e1000-family NIC nothing in the guest is told of the
 /// migration: the agent sees the pause on the RTC, whose seconds change
-/// up to a second after the resume, then announces (measured here with
-/// e1000 and e1000e: 0.64, 0.94, 1.09 and 1.42 s under TCG; the issue's
-/// 1 s is not met for this NIC). The bound is that second plus half a
-/// second for the guest under TCG right after a migration.
+/// up to a second after the resume, then announces (measured here: 0.53,
+/// 1.09 and 1.09 s with e1000e, 0.64, 0.94 and 1.42 s with e1000, under
+/// TCG; the 1 s is not met for this NIC). The bound is that
+/// second plus half a second for the guest under TCG right after a
+/// migration.
 const E1000_LEARN_BOUND: Duration = Duration::from_millis(1_500);
 /// The open connection's next byte is retransmitted by the client's TCP
 /// about 0.2, 0.6 and 1.4 s after it was first sent (RTO 200 ms at least,
