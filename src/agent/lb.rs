@@ -670,8 +670,16 @@ impl<E: LeaseEngine> Lb<E> {
                     // The controller refuses the MACs the nodes report; the
                     // node checks again, as root, against what its LAN
                     // shows it now.
-                    let taken_on_lan = (!w.release)
-                        .then(|| node.mac_taken_on_lan(&mac, w.requested_ip))
+                    // A Service's MAC on a link of this node would steal
+                    // the node's own traffic, and another host's that
+                    // host's.
+                    let mac_refused = (!w.release)
+                        .then(|| {
+                            node.own_macs.get(&mac).map(|own| format!(
+                                "MAC {mac} is already this node's interface {own}'s (kube-vip's vip-* link left behind, or the node's own): no macvlan is made with it"
+                            ))
+                            .or_else(|| node.mac_taken_on_lan(&mac, w.requested_ip))
+                        })
                         .flatten();
                     let parent = w.uplink.as_ref();
                     match parent {
@@ -694,24 +702,8 @@ impl<E: LeaseEngine> Lb<E> {
                                 out_of_touch.clone().unwrap_or_default(),
                             );
                         }
-                        // A Service's MAC on a link of this node would
-                        // steal the node's own traffic.
-                        _ if !w.release && node.own_macs.contains_key(&mac) => {
-                            let why = format!(
-                                "MAC {mac} is already this node's interface {}'s (kube-vip's vip-* link left behind, or the node's own): no macvlan is made with it",
-                                node.own_macs[&mac]
-                            );
-                            refuse_mac(
-                                &mut cut_off,
-                                &mut untouched,
-                                &leases,
-                                &w.interface,
-                                &mac,
-                                why,
-                            );
-                        }
-                        _ if taken_on_lan.is_some() => {
-                            let why = taken_on_lan.unwrap_or_default();
+                        _ if mac_refused.is_some() => {
+                            let why = mac_refused.unwrap_or_default();
                             refuse_mac(
                                 &mut cut_off,
                                 &mut untouched,
