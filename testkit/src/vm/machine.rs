@@ -79,8 +79,6 @@ impl Machine {
                 bail!("qemu cannot take a path with a comma: {}", p.display());
             }
         }
-        let accel = std::env::var("HNA_VM_ACCEL").unwrap_or_else(|_| "tcg".to_string());
-        let cpu = std::env::var("HNA_VM_CPU").unwrap_or_else(|_| "max".to_string());
         let mut cmd = match &opts.nic {
             Some((ns, tap, _)) => {
                 run(
@@ -94,9 +92,7 @@ impl Machine {
             }
             None => Command::new(&qemu),
         };
-        cmd.args(["-accel", &accel, "-cpu", &cpu, "-smp", "1"])
-            .args(["-m", &opts.memory_mb.to_string()])
-            .args(["-nographic", "-nodefaults", "-no-reboot"])
+        cmd.args(super::qemu::machine_args(opts.memory_mb))
             .args(["-monitor", "none"])
             .arg("-serial")
             .arg(format!("file:{}", console.display()))

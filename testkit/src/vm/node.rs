@@ -217,13 +217,9 @@ impl VmNode {
         ip(&["link", "set", &host.tap, "master", &host.bridge])?;
         ip(&["link", "set", &host.tap, "up"])?;
 
-        let accel = std::env::var("HNA_VM_ACCEL").unwrap_or_else(|_| "tcg".to_string());
-        let cpu = std::env::var("HNA_VM_CPU").unwrap_or_else(|_| "max".to_string());
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &host.netns]).arg(&qemu);
-        cmd.args(["-accel", &accel, "-cpu", &cpu, "-smp", "1"])
-            .args(["-m", &spec.memory_mb.to_string()])
-            .args(["-nographic", "-nodefaults", "-no-reboot"])
+        cmd.args(super::qemu::machine_args(spec.memory_mb))
             .arg("-qmp")
             .arg(format!("unix:{},server=on,wait=off", monitor.display()))
             .arg("-serial")

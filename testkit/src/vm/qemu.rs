@@ -146,8 +146,6 @@ pub fn boot(kernel: &Kernel, initramfs: &Path, opts: &VmOptions) -> Result<VmRun
     let dir = tempfile::Builder::new().prefix("hna-vm-run-").tempdir()?;
     let console_path = dir.path().join("console.log");
     let qemu_log = dir.path().join("qemu.log");
-    let accel = std::env::var("HNA_VM_ACCEL").unwrap_or_else(|_| "tcg".to_string());
-    let cpu = std::env::var("HNA_VM_CPU").unwrap_or_else(|_| "max".to_string());
     let append = format!("console=ttyS0 panic=-1 quiet loglevel=3 {}", opts.append);
 
     let log = File::create(&qemu_log)?;
@@ -159,15 +157,8 @@ pub fn boot(kernel: &Kernel, initramfs: &Path, opts: &VmOptions) -> Result<VmRun
         }
         None => Command::new(&qemu),
     };
-    cmd.args(["-accel", &accel, "-cpu", &cpu, "-smp", "1"])
-        .args(["-m", &opts.memory_mb.to_string()])
-        .args([
-            "-nographic",
-            "-nodefaults",
-            "-no-reboot",
-            "-monitor",
-            "none",
-        ])
+    cmd.args(machine_args(opts.memory_mb))
+        .args(["-monitor", "none"])
         .arg("-serial")
         .arg(format!("file:{}", console_path.display()))
         .args(["-nic", "none"])
@@ -247,6 +238,29 @@ pub fn boot(kernel: &Kernel, initramfs: &Path, opts: &VmOptions) -> Result<VmRun
         ),
         Some(_) => Ok(run),
     }
+}
+
+/// The machine every test VM is: the accelerator and CPU model
+/// (`HNA_VM_ACCEL`, default `tcg`; `HNA_VM_CPU`, default `max`), one vCPU,
+/// `memory_mb` of RAM, no display, no default devices, no reboot.
+pub(crate) fn machine_args(memory_mb: u32) -> Vec<String> {
+    let accel = std::env::var("HNA_VM_ACCEL").unwrap_or_else(|_| "tcg".to_string());
+    let cpu = std::env::var("HNA_VM_CPU").unwrap_or_else(|_| "max".to_string());
+    [
+        "-accel",
+        &accel,
+        "-cpu",
+        &cpu,
+        "-smp",
+        "1",
+        "-m",
+        &memory_mb.to_string(),
+        "-nographic",
+        "-nodefaults",
+        "-no-reboot",
+    ]
+    .map(str::to_string)
+    .to_vec()
 }
 
 /// qemu gets SIGKILL when the test process dies, so no VM outlives a
