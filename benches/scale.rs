@@ -242,6 +242,7 @@ async fn run(args: &Args, setup: &Setup) -> Result<Report> {
             down: Vec::new(),
             hears,
             alive: (args.nodes - 1).min(2 * membership::PEERS_EACH_SIDE) as u32,
+            unheard: false,
         };
         sims.insert(
             name.clone(),

@@ -29,8 +29,96 @@
 //! from the API server) while its LAN says it is there.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::contract::membership::{LanReport, witnesses_all};
+
+/// How long after its verdict a node dead on its LAN that said it hears
+/// its LAN no more is waited for to report its addresses gone before they
+/// move all the same ([`LetGo`]).
+pub const LET_GO_WAIT: Duration = Duration::from_secs(5);
+/// How long before its verdict a node's `status.lan.unheard` may have
+/// turned up for it to count: its witnesses report it a lifetime and a
+/// margin (1.25 s by default) after its LAN went quiet, and it says so
+/// within a fraction of that. An older one is another silence's (a
+/// witness that went away and came back before): the soak saw a node that
+/// had lost its carrier, which no write could leave, waited for on such a
+/// flag for 5 s.
+pub const UNHEARD_LEAD: Duration = Duration::from_secs(5);
+
+/// Which nodes dead on their LAN must let go of their addresses before
+/// these go to other nodes (`reconcile::NodeIn::lets_go_first`).
+///
+/// A node's witnesses may not hear it while the API server does: its port
+/// cut off from its peers' ports only (a switch's port isolation or VLAN
+/// filter gone wrong), its gateway and its clients still reaching it. It
+/// cannot tell that from its peers' death and serves on; the controller
+/// moves its Services on its witnesses' word, and a new holder would bind
+/// before it read that it lost them, its takeover guard deaf to it through
+/// the cut: the gateway got two answers 35 times in the fault soak. A node
+/// that said, within [`UNHEARD_LEAD`] before its verdict, that it hears
+/// its LAN no more, and whose heartbeat is on time, wrote after its LAN
+/// went quiet and still reads its assignments: its addresses go to their
+/// next holders once it reports them gone, or [`LET_GO_WAIT`] after the
+/// verdict (one that does not let go by then is not acting on its
+/// assignments). A node whose uplink died could not say so, and is moved
+/// from at once.
+#[derive(Debug, Default)]
+pub struct LetGo {
+    dead_since: BTreeMap<String, Instant>,
+    unheard_since: BTreeMap<String, Instant>,
+}
+
+impl LetGo {
+    /// Takes in one pass's view: the nodes dead on the LAN, and those
+    /// whose status says `unheard`, at `now`. Returns the nodes newly dead.
+    pub fn observe(
+        &mut self,
+        dead: &BTreeSet<String>,
+        unheard: &BTreeSet<String>,
+        now: Instant,
+    ) -> Vec<String> {
+        let newly: Vec<String> = dead
+            .iter()
+            .filter(|n| !self.dead_since.contains_key(*n))
+            .cloned()
+            .collect();
+        self.dead_since.retain(|n, _| dead.contains(n));
+        for n in &newly {
+            self.dead_since.insert(n.clone(), now);
+        }
+        self.unheard_since.retain(|n, _| unheard.contains(n));
+        for n in unheard {
+            self.unheard_since.entry(n.clone()).or_insert(now);
+        }
+        newly
+    }
+
+    /// Whether `node` is one to wait for now (its heartbeat `on_time`).
+    pub fn lets_go_first(&self, node: &str, on_time: bool, now: Instant) -> bool {
+        let (Some(dead), Some(unheard)) = (self.dead_since.get(node), self.unheard_since.get(node))
+        else {
+            return false;
+        };
+        on_time && now < *dead + LET_GO_WAIT && *unheard + UNHEARD_LEAD >= *dead
+    }
+
+    /// When the next wait ends.
+    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
+        self.dead_since
+            .values()
+            .map(|d| *d + LET_GO_WAIT)
+            .filter(|at| *at > now)
+            .min()
+    }
+
+    /// The nodes dead on the LAN as last observed.
+    pub fn dead(&self) -> impl Iterator<Item = &str> {
+        self.dead_since.keys().map(String::as_str)
+    }
+}
 
 /// One node's membership report, as the decision needs it.
 #[derive(Debug, Clone, Copy)]
@@ -148,6 +236,7 @@ mod tests {
                                 down: Vec::new(),
                                 hears: Vec::new(),
                                 alive: 0,
+                                unheard: false,
                             },
                         )
                     })
@@ -346,5 +435,56 @@ mod tests {
         // On another network, the same reports are no witnesses' at all.
         net.reports.get_mut("n0").unwrap().network = "10.1.0.0/24".into();
         assert!(net.dead().is_empty());
+    }
+
+    mod let_go {
+        use std::collections::BTreeSet;
+        use std::time::Duration;
+
+        use tokio::time::Instant;
+
+        use super::super::{LET_GO_WAIT, LetGo, UNHEARD_LEAD};
+
+        fn set(names: &[&str]) -> BTreeSet<String> {
+            names.iter().map(|n| n.to_string()).collect()
+        }
+
+        /// Cut off from its peers only: it said so before its verdict,
+        /// and is waited for until it lets go or the wait ends.
+        #[test]
+        fn a_node_that_said_it_hears_its_lan_no_more_is_waited_for_a_while() {
+            let t0 = Instant::now();
+            let mut l = LetGo::default();
+            l.observe(&set(&[]), &set(&["n1"]), t0 + Duration::from_millis(300));
+            let dead_at = t0 + Duration::from_millis(1500);
+            assert_eq!(l.observe(&set(&["n1"]), &set(&["n1"]), dead_at), ["n1"]);
+            assert!(l.lets_go_first("n1", true, dead_at));
+            assert_eq!(l.next_deadline(dead_at), Some(dead_at + LET_GO_WAIT));
+            assert!(!l.lets_go_first("n1", false, dead_at), "its heartbeat late");
+            assert!(
+                !l.lets_go_first("n1", true, dead_at + LET_GO_WAIT),
+                "waited long enough"
+            );
+            assert!(!l.lets_go_first("n2", true, dead_at));
+            // Its witnesses hear it again: nothing to wait for.
+            l.observe(&set(&[]), &set(&["n1"]), dead_at + Duration::from_secs(1));
+            assert!(!l.lets_go_first("n1", true, dead_at + Duration::from_secs(1)));
+            assert_eq!(l.next_deadline(dead_at), None);
+        }
+
+        /// Its uplink died: it could not say so (no `unheard`), or what it
+        /// said is another silence's, from long before.
+        #[test]
+        fn a_node_that_could_not_say_so_is_moved_from_at_once() {
+            let t0 = Instant::now();
+            let mut l = LetGo::default();
+            l.observe(&set(&["n1"]), &set(&[]), t0);
+            assert!(!l.lets_go_first("n1", true, t0));
+            let mut stale = LetGo::default();
+            stale.observe(&set(&[]), &set(&["n1"]), t0);
+            let dead_at = t0 + UNHEARD_LEAD + Duration::from_millis(1);
+            stale.observe(&set(&["n1"]), &set(&["n1"]), dead_at);
+            assert!(!stale.lets_go_first("n1", true, dead_at));
+        }
     }
 }

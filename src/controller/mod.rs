@@ -313,7 +313,7 @@ async fn reconcile_loop(
     });
     tracing::info!(ip_mode, "watch caches loaded: reconciling");
     let mut slow_warned: BTreeSet<String> = BTreeSet::new();
-    let mut lan_dead_logged: BTreeSet<String> = BTreeSet::new();
+    let mut let_go = lan_verdict::LetGo::default();
     let mut memory = writer::Memory::default();
     let mut deletions = deletions::Deletions::default();
     let mut access_ensured: BTreeSet<String> = BTreeSet::new();
@@ -341,12 +341,16 @@ async fn reconcile_loop(
             .next_deadline(Instant::now());
         let retry_at = memory.backoff.next_retry(Instant::now());
         let health_at = health.next_deadline();
+        // A node dead on its LAN that never reported its addresses gone:
+        // they move when its wait ends.
+        let let_go_at = let_go.next_deadline(Instant::now());
         tokio::select! {
             _ = changed.notified() => tokio::time::sleep(coalesce).await,
             _ = tick.tick() => {}
             _ = crate::duration::sleep_until(stale_at) => {}
             _ = crate::duration::sleep_until(retry_at) => {}
             _ = crate::duration::sleep_until(health_at) => {}
+            _ = crate::duration::sleep_until(let_go_at) => {}
             _ = shutdown.changed() => return,
         }
         if trimmer.due(Instant::now()) {
@@ -355,13 +359,7 @@ async fn reconcile_loop(
         let now = Instant::now();
         let (objects, object_versions) = {
             let mut alive = alive.lock().expect("liveness lock");
-            objects_from(
-                &caches,
-                &mut alive,
-                &mut slow_warned,
-                &mut lan_dead_logged,
-                now,
-            )
+            objects_from(&caches, &mut alive, &mut slow_warned, &mut let_go, now)
         };
         let avoid = health.observe(
             objects
@@ -620,7 +618,7 @@ fn objects_from(
     caches: &kube_edge::Caches,
     alive: &mut liveness::Liveness,
     slow_warned: &mut BTreeSet<String>,
-    lan_dead_logged: &mut BTreeSet<String>,
+    let_go: &mut lan_verdict::LetGo,
     now: Instant,
 ) -> (Vec<reconcile::NodeIn>, HashMap<String, String>) {
     let mut versions = HashMap::new();
@@ -642,18 +640,28 @@ fn objects_from(
         .collect();
     let lan = lan_verdict::judge(&reporters);
     let lan_dead = &lan.dead;
-    for n in lan_dead.difference(&*lan_dead_logged) {
+    let was_dead: BTreeSet<String> = let_go.dead().map(str::to_string).collect();
+    let unheard: BTreeSet<String> = state
+        .iter()
+        .filter(|o| {
+            o.status
+                .as_ref()
+                .and_then(|s| s.lan.as_ref())
+                .is_some_and(|l| l.unheard)
+        })
+        .filter_map(|o| o.metadata.name.clone())
+        .collect();
+    for n in let_go.observe(lan_dead, &unheard, now) {
         let witnesses: Vec<&str> = reporters
             .iter()
-            .filter(|r| r.lan.down.iter().any(|d| d == n))
+            .filter(|r| r.lan.down.contains(&n))
             .map(|r| r.name)
             .collect();
         tracing::warn!(node = %n, reported_by = ?witnesses, "dead on its LAN by its witnesses' agreement: its Services move");
     }
-    for n in lan_dead_logged.difference(lan_dead) {
+    for n in was_dead.difference(lan_dead) {
         tracing::info!(node = %n, "no longer dead on its LAN");
     }
-    lan_dead_logged.clone_from(lan_dead);
     for o in state.iter() {
         let Some(name) = o.metadata.name.clone() else {
             continue;
@@ -688,6 +696,7 @@ fn objects_from(
         }
         if let Some(mut n) = kube_edge::node_in(o, eligible) {
             n.keep_only = eligible && !fresh;
+            n.lets_go_first = let_go.lets_go_first(&name, alive.on_time(&name, now), now);
             // Neither the heartbeat nor a renewal's new expiry moves a
             // decision: without them, a write that carries nothing else
             // wakes no pass (issue #30).

@@ -175,6 +175,7 @@ impl Running {
     fn view(&self) -> LanView {
         let (ip, prefix) = self.listen;
         let network = Ipv4Addr::from(u32::from(ip) & prefix_mask(prefix));
+        let hearing = self.member.hearing(Instant::now());
         LanView {
             report: Some(LanReport {
                 address: SocketAddrV4::new(ip, self.port).to_string(),
@@ -182,11 +183,12 @@ impl Running {
                 down: self.member.down(),
                 hears: self.member.hears(),
                 alive: self.member.alive() as u32,
+                unheard: hearing.none_since.is_some() || hearing.short_since.is_some(),
             }),
             why_not: None,
             has_peers: self.member.has_peers(),
             heard_any: self.member.heard_any(),
-            hearing: self.member.hearing(Instant::now()),
+            hearing,
             dropped: Dropped::ALL
                 .iter()
                 .map(|d| (d.label(), self.member.dropped(*d)))

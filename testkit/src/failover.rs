@@ -177,17 +177,21 @@ pub fn set_port(lb: &LbRig, i: usize, forwarding: bool) -> Result<()> {
 /// no carrier change (`ebtables` on the bridge's FORWARD chain); the LAN
 /// namespace's own hosts (DHCP server, gateway, observer) still reach both
 /// halves, so a client there hears both if both answer. Healed by
-/// [`LanSplit::heal`] or when dropped.
+/// [`LanSplit::heal`] or when dropped; splits may overlap (each removes
+/// its own rules).
 pub struct LanSplit {
     lan_ns: String,
+    /// `(in, out)` ports of the rules it added.
+    rules: Vec<(String, String)>,
     healed: bool,
 }
 
 impl LanSplit {
     pub fn split(lb: &LbRig, side: &[usize]) -> Result<LanSplit> {
         let lan_ns = lb.rig.lan_ns().to_string();
-        let split = LanSplit {
+        let mut split = LanSplit {
             lan_ns: lan_ns.clone(),
+            rules: Vec::new(),
             healed: false,
         };
         let port = |i: usize| format!("vg{}", i + 1);
@@ -204,6 +208,7 @@ impl LanSplit {
                         st.success(),
                         "ebtables -A FORWARD -i {from} -o {to} -j DROP: {st}"
                     );
+                    split.rules.push((from, to));
                 }
             }
         }
@@ -215,10 +220,16 @@ impl LanSplit {
             return Ok(());
         }
         self.healed = true;
-        let st = Command::new("ip")
-            .args(["netns", "exec", &self.lan_ns, "ebtables", "-F", "FORWARD"])
-            .status()?;
-        ensure!(st.success(), "ebtables -F FORWARD: {st}");
+        for (from, to) in &self.rules {
+            let st = Command::new("ip")
+                .args(["netns", "exec", &self.lan_ns, "ebtables", "-D", "FORWARD"])
+                .args(["-i", from, "-o", to, "-j", "DROP"])
+                .status()?;
+            ensure!(
+                st.success(),
+                "ebtables -D FORWARD -i {from} -o {to} -j DROP: {st}"
+            );
+        }
         Ok(())
     }
 }

@@ -647,6 +647,19 @@ impl LbRig {
         self.rig.cut_api(i);
     }
 
+    /// The API server answers guest `i` `delay` late, on its path on the
+    /// LAN ([`Options::api_on_lan`]; [`Forwarder::delay_replies`]): a
+    /// brownout for that node alone. Zero: at once again.
+    pub fn delay_api_replies(&self, i: usize, delay: Duration) -> Result<()> {
+        let Some((_, Some(fwd))) = self.lan_paths.get(i) else {
+            bail!(
+                "guest {i} has no open path to the API server on the LAN (api_on_lan off, or cut)"
+            );
+        };
+        fwd.delay_replies(delay);
+        Ok(())
+    }
+
     /// Undoes [`LbRig::cut_api`].
     pub fn restore_api(&mut self, i: usize) -> Result<()> {
         if self.opts.api_on_lan {

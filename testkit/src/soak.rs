@@ -130,6 +130,7 @@ pub enum Fault {
     GuestReplaced,
     ApiCutOff,
     PortSilenced,
+    PeersCutOff,
     LeaderKilled,
     ApiServerDown,
     DhcpServerRestarted,
@@ -143,7 +144,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    const ON_A_GUEST: [Fault; 10] = [
+    const ON_A_GUEST: [Fault; 11] = [
         Fault::AgentKilled,
         Fault::AgentFrozen,
         Fault::AgentRestarted,
@@ -154,6 +155,7 @@ impl Fault {
         Fault::GuestReplaced,
         Fault::ApiCutOff,
         Fault::PortSilenced,
+        Fault::PeersCutOff,
     ];
     const ON_THE_CLUSTER: [Fault; 10] = [
         Fault::LeaderKilled,
@@ -182,6 +184,9 @@ impl Fault {
             Fault::PortSilenced => {
                 "guest's LAN port silent (its API path with it), carrier up 0.5-5 s"
             }
+            Fault::PeersCutOff => {
+                "guest's LAN port cut off from its peers' ports only (gateway, DHCP and API server still reach it) 0.5-5 s"
+            }
             Fault::LeaderKilled => "controller leader SIGKILL",
             Fault::ApiServerDown => "API server + etcd down 1-40 s",
             Fault::DhcpServerRestarted => "DHCP server down 0-5 s",
@@ -192,7 +197,7 @@ impl Fault {
             Fault::SecondaryRepointed => "secondary re-pointed, back 3-8 s later",
             Fault::WebhookDown => "a webhook refusing every Service write 10-60 s",
             Fault::TenantRewrite => {
-                "the tenant blanks requestedIP or sets hwaddr to a LAN host's MAC, 3-8 s"
+                "the tenant blanks requestedIP, points it at another Service's address, or sets hwaddr to a LAN host's MAC, 3-8 s"
             }
         }
     }
@@ -231,7 +236,8 @@ impl Fault {
             | Fault::UplinkSetDown
             | Fault::UplinkRecreated
             | Fault::AgentRestarted
-            | Fault::PortSilenced => 3_000,
+            | Fault::PortSilenced
+            | Fault::PeersCutOff => 3_000,
             // Its witnesses hear it: nothing it holds moves, it serves on;
             // but for up to the staleness bound it looks like any live
             // node, and a Service given to it meanwhile (another fault's)
@@ -260,7 +266,7 @@ impl Fault {
             Fault::CarrierLost | Fault::UplinkSetDown | Fault::UplinkRecreated => ms(500, 5_000),
             Fault::GuestReplaced => ms(1_000, 5_000),
             Fault::ApiCutOff => ms(5_000, 60_000),
-            Fault::PortSilenced => ms(500, 5_000),
+            Fault::PortSilenced | Fault::PeersCutOff => ms(500, 5_000),
             Fault::WebhookDown => ms(10_000, 60_000),
             Fault::TenantRewrite => ms(3_000, 8_000),
             Fault::LeaderKilled => ms(500, 2_000),
@@ -582,6 +588,7 @@ struct Active {
     /// as recreating a Service whose deletion is not finished, is retried).
     due: Instant,
     paused: Option<PausedGuest>,
+    split: Option<failover::LanSplit>,
 }
 
 /// Everything the soak runs and watches.
@@ -1040,6 +1047,7 @@ impl Soak {
         let lb = &mut self.lb;
         let began = Instant::now();
         let mut paused = None;
+        let mut split = None;
         let guest = match &target {
             Target::Guest(g) => Some(*g),
             _ => None,
@@ -1073,6 +1081,9 @@ impl Soak {
             }
             (Fault::ApiCutOff, Target::Guest(g)) => lb.cut_api(*g),
             (Fault::PortSilenced, Target::Guest(g)) => failover::set_port(lb, *g, false)?,
+            (Fault::PeersCutOff, Target::Guest(g)) => {
+                split = Some(failover::LanSplit::split(lb, &[*g])?)
+            }
             (Fault::WebhookDown, Target::Cluster) => {
                 if let Err(e) = lb.install_failing_webhook(FAILING_WEBHOOK) {
                     println!("soak: {} not begun: {e:#}", fault.label());
@@ -1168,6 +1179,7 @@ impl Soak {
             ends: began + length,
             due: began + length,
             paused,
+            split,
         }))
     }
 
@@ -1197,6 +1209,11 @@ impl Soak {
             }
             (Fault::ApiCutOff, Some(g), _) => lb.restore_api(g)?,
             (Fault::PortSilenced, Some(g), _) => failover::set_port(lb, g, true)?,
+            (Fault::PeersCutOff, Some(_), _) => {
+                if let Some(s) = a.split.as_mut() {
+                    s.heal()?;
+                }
+            }
             (Fault::WebhookDown, None, _) if lb.remove_webhook(FAILING_WEBHOOK).is_err() => {
                 return Ok(false);
             }
@@ -1284,9 +1301,21 @@ impl Soak {
     /// MAC (each third fault, in turn). Nothing may change on the LAN.
     fn tenant_rewrite(&mut self, name: &str) -> Result<()> {
         let lb = &self.lb;
-        let turn = self.report.faults.len() % 3;
+        let turn = self.report.faults.len() % 4;
         if turn == 0 {
             return lb.annotate_as(&self.tenant, name, REQUESTED_IP, None);
+        }
+        if turn == 3 {
+            // Another Service's address, as if to take it: the controller
+            // writes its own record back, and neither address moves.
+            let other = self
+                .stable
+                .iter()
+                .find(|s| s.name != name && !s.secondary)
+                .context("no other Service")?
+                .ip
+                .to_string();
+            return lb.annotate_as(&self.tenant, name, REQUESTED_IP, Some(&other));
         }
         let nodes: Vec<serde_json::Value> = (0..lb.rig.guest_count())
             .filter_map(|g| lb.node_object(&lb.node_name(g)))

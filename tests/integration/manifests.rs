@@ -298,6 +298,7 @@ fn full_status() -> node_object::Status {
             down: vec!["node-c".into()],
             hears: vec!["node-b".into()],
             alive: 1,
+            unheard: true,
         }),
     }
 }

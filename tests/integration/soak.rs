@@ -12,7 +12,7 @@ use crate::harness::tests;
 
 tests! {
     #[alone]
-    a_short_seeded_soak_finds_no_violation: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_short_seeded_soak_finds_no_violation: Root, Iproute2, Dnsmasq, ApiServer, Socat, Ebtables;
 }
 
 /// The seed CI runs (any other: `HNA_SOAK_SEED`).

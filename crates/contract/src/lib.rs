@@ -521,6 +521,16 @@ pub mod membership {
         /// one joins, leaves or dies, not otherwise).
         #[serde(default)]
         pub alive: u32,
+        /// This node hears none of its peers, or too few of its witnesses
+        /// to escape their verdict (the silences its fence counts), as of
+        /// its last write. Set within a fraction of its address lifetime,
+        /// before its witnesses may report it: a node its witnesses then
+        /// find dead on the LAN that wrote this was still in touch with
+        /// the API server after its LAN went quiet, so it still reads its
+        /// assignments and lets go of what moves (the controller waits for
+        /// that before it gives the addresses to another node).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        pub unheard: bool,
     }
 
     /// The position of `name` on the ring: a hash, so that neighbours on

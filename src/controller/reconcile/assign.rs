@@ -1,6 +1,11 @@
 //! Who holds each primary's address: a healthy holder is kept, else one
 //! is placed (`controller::placement`), and the address its holder reports
 //! is published in the status and in kube-vip's record.
+//!
+//! An address still held by a node that must let go first
+//! (`NodeIn::lets_go_first`: dead on its LAN, in touch with the API server)
+//! is taken from it and given to its new holder only once it reports it
+//! gone: the new holder's takeover guard cannot hear it.
 
 use std::collections::BTreeMap;
 
@@ -55,6 +60,33 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
                     if node != h {
                         pass.specs.remove(&node, &s.uid, &s.key);
                     }
+                }
+                let letting_go = pass
+                    .world
+                    .node_objects
+                    .iter()
+                    .find(|o| {
+                        o.name != h
+                            && o.lets_go_first
+                            && o.bound_address(&s.key.to_string(), &id.interface).is_some()
+                    })
+                    .map(|o| o.name.as_str());
+                if let Some(old) = letting_go {
+                    if was.is_some_and(|w| w == old) {
+                        pass.events.tell(
+                            s,
+                            EventType::Normal,
+                            reason::MOVED,
+                            format!(
+                                "holder moving from {old} (dead on its LAN by its witnesses' word, yet in touch with the API server): {h} gets the address once {old} reports it let go"
+                            ),
+                        );
+                    }
+                    pass.summary.pending += 1;
+                    if let Some(ip) = s.first_ip() {
+                        pass.primary_ip.insert(s.key.clone(), ip.to_string());
+                    }
+                    continue;
                 }
                 pass.specs
                     .put(&h, assignment_of(s, id, uplink.clone()), &s.key);
@@ -166,6 +198,69 @@ mod tests {
     use crate::contract::kube_vip;
     use crate::controller::reconcile::reason;
     use crate::controller::reconcile::sim::{Sim, dhcp, reasons};
+
+    /// Service `web`, its holder (returned) found dead on its LAN since.
+    fn web_held_by_a_node_dead_on_its_lan(lets_go_first: bool) -> (Sim, String) {
+        let mut sim = Sim::new(&["n1", "n2", "n3"]);
+        sim.services.push(dhcp("web", &[80]));
+        sim.settle();
+        let old = sim.holders("web")[0].0.clone();
+        let cut = sim.objects.iter_mut().find(|o| o.name == old).unwrap();
+        cut.eligible = false;
+        cut.lets_go_first = lets_go_first;
+        (sim, old)
+    }
+
+    /// A holder dead on its LAN but in touch with the API server keeps
+    /// reading its assignments: its Service is taken from it at once but
+    /// given to the next holder only once it reports the lease gone (the
+    /// next holder's takeover guard could not hear it answer). The
+    /// address stays published meanwhile.
+    #[test]
+    fn a_holder_dead_on_its_lan_but_writing_lets_go_before_another_is_given_the_address() {
+        let (mut sim, old) = web_held_by_a_node_dead_on_its_lan(true);
+        let ip = sim.svc("web").ingress[0].ip.clone();
+        let p = sim.plan();
+        sim.apply(&p);
+        assert!(
+            sim.holders("web").is_empty(),
+            "taken from {old}, given to nobody yet: {:?}",
+            sim.holders("web")
+        );
+        assert_eq!(sim.svc("web").ingress[0].ip, ip, "still published");
+        let told: Vec<String> = p.events.iter().map(|e| e.message.clone()).collect();
+        assert!(
+            told.iter()
+                .any(|m| m.contains(&format!("once {old} reports it let go"))),
+            "{told:?}"
+        );
+        // Again, before it has read its spec: still nobody.
+        let p = sim.plan();
+        sim.apply(&p);
+        assert!(sim.holders("web").is_empty());
+        // It read and let go (its agent runs; only its LAN is cut).
+        let cut = sim.objects.iter_mut().find(|o| o.name == old).unwrap();
+        cut.status.leases.clear();
+        moved_in_one_pass(&mut sim, &old);
+    }
+
+    /// One pass gives `web` to one node other than `old`.
+    fn moved_in_one_pass(sim: &mut Sim, old: &str) {
+        let p = sim.plan();
+        sim.apply(&p);
+        let now = sim.holders("web");
+        assert_eq!(now.len(), 1, "{now:?}");
+        assert_ne!(now[0].0, old);
+    }
+
+    /// Past its wait (`lets_go_first` no longer set), or not writing, a
+    /// node dead on its LAN that still reports the lease does not hold its
+    /// Service up.
+    #[test]
+    fn a_holder_dead_on_its_lan_past_its_wait_is_moved_from_at_once() {
+        let (mut sim, old) = web_held_by_a_node_dead_on_its_lan(false);
+        moved_in_one_pass(&mut sim, &old);
+    }
 
     #[test]
     fn a_healthy_holder_is_kept_a_dead_ones_services_move_and_keep_their_address() {

@@ -219,6 +219,46 @@ mod tests {
     use crate::controller::reconcile::reason;
     use crate::controller::reconcile::sim::{Sim, dhcp, in_namespace, key, uid};
 
+    /// Issue #29: a tenant names another Service's address in its own
+    /// Service's `kube-vip.io/requestedIP`, the older of the two or the
+    /// newer: neither address moves, the victim stays served, and the
+    /// controller writes the record back.
+    #[test]
+    fn a_requested_ip_naming_another_services_address_takes_nothing() {
+        for attacker_older in [true, false] {
+            let mut sim = Sim::new(&["n1", "n2"]);
+            let (a, v) = ("attacker", "victim");
+            for (name, created) in [
+                (a, if attacker_older { 1 } else { 2 }),
+                (v, if attacker_older { 2 } else { 1 }),
+            ] {
+                let mut s = dhcp(name, &[80]);
+                s.created = created;
+                sim.services.push(s);
+            }
+            sim.settle();
+            let ip = |sim: &Sim, n: &str| sim.svc(n).ingress[0].ip.clone();
+            let (ip_a, ip_v) = (ip(&sim, a), ip(&sim, v));
+            let holder_v = sim.holders(v);
+            sim.svc_mut(a)
+                .annotations
+                .insert(kube_vip::REQUESTED_IP.into(), ip_v.clone());
+            let plans = sim.settle();
+            assert_eq!(
+                (ip(&sim, a), ip(&sim, v)),
+                (ip_a.clone(), ip_v.clone()),
+                "attacker older: {attacker_older}: {:?}",
+                crate::controller::reconcile::sim::events(&plans)
+            );
+            assert_eq!(sim.holders(v), holder_v, "attacker older: {attacker_older}");
+            assert_eq!(
+                sim.svc(a).annotations.get(kube_vip::REQUESTED_IP),
+                Some(&ip_a),
+                "attacker older: {attacker_older}: the record written back"
+            );
+        }
+    }
+
     /// Issue #29: the address a new holder asks for, and that its
     /// takeover guard asks the LAN about, is the one the Service holds,
     /// whatever its owner does to `kube-vip.io/requestedIP`: blanked or

@@ -198,6 +198,7 @@ mod tests {
                 down: Vec::new(),
                 hears: Vec::new(),
                 alive: 0,
+                unheard: false,
             });
         }
         let plans = sim.settle();
@@ -247,6 +248,7 @@ mod tests {
             down: Vec::new(),
             hears: Vec::new(),
             alive: 0,
+            unheard: false,
         };
         let names: Vec<String> = (0..41).map(|i| format!("n{i:02}")).collect();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();

@@ -108,6 +108,13 @@ pub struct NodeIn {
     /// witness still hears it on the LAN (cut off from the API server), so
     /// it serves on but cannot read a new assignment.
     pub keep_only: bool,
+    /// Dead on its LAN by its witnesses' word, yet it said so itself and
+    /// its heartbeat is on time (`controller::lan_verdict::LetGo`): it still reads its
+    /// assignments, and may still answer where its witnesses cannot hear
+    /// it (its gateway, the clients on its side of a broken switch), where
+    /// a new holder's takeover guard cannot hear it either. An address it
+    /// reports held goes to another node only once it reports it gone.
+    pub lets_go_first: bool,
 }
 
 impl NodeIn {

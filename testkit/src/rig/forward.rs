@@ -29,6 +29,9 @@ pub struct Forwarder {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     conns: Conns,
+    /// How long each chunk from the upstream waits before it goes on, in
+    /// milliseconds ([`Forwarder::delay_replies`]).
+    reply_delay: Arc<AtomicU64>,
 }
 
 /// Runs `f` on the current thread while it is inside the network namespace
@@ -62,6 +65,8 @@ impl Forwarder {
     pub fn start_at(netns: &str, listen: SocketAddr, upstream: u16) -> Result<Forwarder> {
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Conns = Arc::default();
+        let reply_delay = Arc::new(AtomicU64::new(0));
+        let delay2 = reply_delay.clone();
         let (tx, rx) = mpsc::channel::<Result<()>>();
         let ns = netns.to_string();
         let (stop2, conns2) = (stop.clone(), conns.clone());
@@ -84,7 +89,7 @@ impl Forwarder {
                         return;
                     }
                 };
-                accept_loop(listener, upstream, &stop2, &conns2);
+                accept_loop(listener, upstream, &stop2, &conns2, &delay2);
             })?;
         rx.recv()
             .map_err(|_| anyhow!("forwarder thread for {netns} died"))??;
@@ -93,7 +98,19 @@ impl Forwarder {
             stop,
             thread: Some(thread),
             conns,
+            reply_delay,
         })
+    }
+
+    /// Holds everything the upstream sends back (a watch's events, a
+    /// write's answer) for `delay` before passing it on, on open
+    /// connections too: an API server that answers this client late (a
+    /// brownout, its requests queued by API Priority and Fairness). Zero:
+    /// at once again. Each chunk waits in turn, so a burst arrives later
+    /// still.
+    pub fn delay_replies(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.reply_delay.store(ms, Ordering::SeqCst);
     }
 
     /// The namespace this forwarder listens in.
@@ -121,7 +138,13 @@ impl Drop for Forwarder {
     }
 }
 
-fn accept_loop(listener: TcpListener, port: u16, stop: &AtomicBool, conns: &Conns) {
+fn accept_loop(
+    listener: TcpListener,
+    port: u16,
+    stop: &AtomicBool,
+    conns: &Conns,
+    reply_delay: &Arc<AtomicU64>,
+) {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let upstream = SocketAddr::from(([127, 0, 0, 1], port));
     while !stop.load(Ordering::SeqCst) {
@@ -146,13 +169,19 @@ fn accept_loop(listener: TcpListener, port: u16, stop: &AtomicBool, conns: &Conn
             }
         };
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = spawn_pipe(id, client, server, conns) {
+        if let Err(e) = spawn_pipe(id, client, server, conns, reply_delay.clone()) {
             eprintln!("rig: forwarder cannot start connection threads: {e}");
         }
     }
 }
 
-fn spawn_pipe(id: u64, client: TcpStream, server: TcpStream, conns: &Conns) -> io::Result<()> {
+fn spawn_pipe(
+    id: u64,
+    client: TcpStream,
+    server: TcpStream,
+    conns: &Conns,
+    reply_delay: Arc<AtomicU64>,
+) -> io::Result<()> {
     client.set_nonblocking(false)?;
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
@@ -167,7 +196,7 @@ fn spawn_pipe(id: u64, client: TcpStream, server: TcpStream, conns: &Conns) -> i
         .spawn(move || {
             let back = std::thread::Builder::new()
                 .name(format!("fwd-conn-{id}-back"))
-                .spawn(move || copy(server, client));
+                .spawn(move || copy_delayed(server, client, &reply_delay));
             copy(c_read, s_write);
             if let Ok(back) = back {
                 let _ = back.join();
@@ -175,6 +204,32 @@ fn spawn_pipe(id: u64, client: TcpStream, server: TcpStream, conns: &Conns) -> i
             conns.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
         })?;
     Ok(())
+}
+
+/// [`copy`], each chunk held for the delay of the moment first.
+fn copy_delayed(mut from: TcpStream, mut to: TcpStream, delay: &AtomicU64) {
+    use std::io::{Read, Write};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => {
+                let _ = to.shutdown(Shutdown::Write);
+                return;
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        };
+        let ms = delay.load(Ordering::SeqCst);
+        if ms > 0 {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Both);
+    let _ = from.shutdown(Shutdown::Both);
 }
 
 /// Copies `from` into `to` until EOF, then half-closes `to`; on an error
