@@ -576,10 +576,29 @@ impl<E: LeaseEngine> Lb<E> {
     /// node's Service MACs to the port they last came from, the old host's,
     /// until a frame from each comes from here, and a guest whose NIC
     /// cannot announce itself (e1000-family) sends none. So every held
-    /// address is announced again from its MAC. A pause longer than the
-    /// address lifetime also means a read of the assignments, as after any
-    /// stall.
+    /// address is announced again from its MAC.
+    ///
+    /// Not after a pause as long as the address lifetime or longer (a
+    /// stalled switchover, `virtctl pause`, a storage error): its witnesses
+    /// may have found it dead and its Services may be held elsewhere now,
+    /// with the same MACs. An announcement would then take the MAC's port
+    /// at the switch from the new holder, and black-hole its traffic once
+    /// this node lets go (issue #31). So every address goes at once
+    /// (handover: no RELEASE), the assignments are read again, and what is
+    /// still this node's is taken back through the takeover guard.
     async fn after_pause(&mut self, at_least: Duration) {
+        let paused_for =
+            humantime::format_duration(Duration::from_millis(at_least.as_millis() as u64));
+        if at_least >= self.lan_wait() {
+            hand_over_every_lease(&*self.engine).await;
+            tracing::warn!(
+                at_least = ?at_least,
+                "this VM was paused for as long as its address lifetime or longer: every address handed over at once (its Services may be held elsewhere by now), taken back through the takeover guard if still assigned here"
+            );
+            self.ask_read_again(&format!("paused for at least {paused_for}"));
+            self.retry_at = Some(Instant::now());
+            return;
+        }
         let leases = self.engine.snapshot();
         let mut announced = 0;
         for l in leases.iter().filter(|l| l.address.is_some()) {
@@ -595,12 +614,6 @@ impl<E: LeaseEngine> Lb<E> {
             announced,
             "this VM was paused (live migration or suspend): announced every held address again"
         );
-        if at_least > self.awake_within {
-            self.ask_read_again(&format!(
-                "paused for at least {}",
-                humantime::format_duration(Duration::from_millis(at_least.as_millis() as u64))
-            ));
-        }
     }
 
     /// A pause longer than the address lifetime (a paused VM, a frozen
@@ -1255,6 +1268,44 @@ pub fn report(
     }
 }
 
+/// The status as a merge patch body that says every field, absent ones
+/// included: a merge patch keeps what it does not mention, and the
+/// contract's types leave empty fields out. Left out, a cleared field kept
+/// its old value at the API server: a restart's grace outlived it, and a
+/// witness's last accusation (`lan.down` back to empty) and its
+/// `lan.unheard` stayed there after it heard its peers again, so a node
+/// that came back stayed dead on its LAN for as long as that witness beat
+/// on time (the VM pause test: for good; the fault soak: 85 s).
+pub fn merge_patch_body(status: &Status) -> Result<serde_json::Value, serde_json::Error> {
+    use serde_json::{Value, json};
+    let mut body = serde_json::to_value(status)?;
+    for key in [
+        "defaultUplink",
+        "restartGraceMs",
+        "gatewayMac",
+        "gatewayAddress",
+        "heartbeatPeriodMs",
+        "lan",
+    ] {
+        if body.get(key).is_none() {
+            body[key] = Value::Null;
+        }
+    }
+    if body.get("nicMacs").is_none() {
+        body["nicMacs"] = json!([]);
+    }
+    if let Some(lan) = body.get_mut("lan").and_then(Value::as_object_mut) {
+        for (key, empty) in [
+            ("down", json!([])),
+            ("hears", json!([])),
+            ("unheard", json!(false)),
+        ] {
+            lan.entry(key).or_insert(empty);
+        }
+    }
+    Ok(body)
+}
+
 /// Writes the status subresource with a merge patch, through whichever
 /// client the daemon has now.
 pub struct KubeStatus {
@@ -1272,23 +1323,7 @@ impl StatusWriter for KubeStatus {
             .ok_or_else(|| super::delivery::Failed::from("not connected to the cluster"))?;
         let api: Api<LoadBalancerNode> =
             Api::namespaced_with(client, &self.namespace, &node_object::api_resource());
-        let mut body = serde_json::to_value(status).map_err(|e| e.to_string())?;
-        // A merge patch keeps what it does not mention: say "gone" for
-        // every field left out (a restart's grace must not outlive it).
-        for key in [
-            "defaultUplink",
-            "restartGraceMs",
-            "gatewayMac",
-            "gatewayAddress",
-            "heartbeatPeriodMs",
-        ] {
-            if body.get(key).is_none() {
-                body[key] = serde_json::Value::Null;
-            }
-        }
-        if body.get("nicMacs").is_none() {
-            body["nicMacs"] = serde_json::json!([]);
-        }
+        let body = merge_patch_body(status).map_err(|e| e.to_string())?;
         let patch = serde_json::json!({ "status": body });
         api.patch_status(&self.node, &PatchParams::default(), &Patch::Merge(&patch))
             .await

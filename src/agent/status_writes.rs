@@ -234,6 +234,8 @@ async fn run<W: StatusWriter>(
                 heartbeat = ?status.heartbeat,
                 ready = status.ready,
                 lan_down = ?status.lan.as_ref().map(|l| &l.down),
+                unheard = status.lan.as_ref().is_some_and(|l| l.unheard),
+                held = status.held,
                 ok = result.is_ok(),
                 "status write tried"
             );

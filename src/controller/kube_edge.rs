@@ -530,6 +530,8 @@ pub fn watch_all(
                     heartbeat = ?heartbeat,
                     ready = ?status.map(|s| s.ready),
                     lan_down = ?status.and_then(|s| s.lan.as_ref()).map(|l| &l.down),
+                    unheard = status.and_then(|s| s.lan.as_ref()).is_some_and(|l| l.unheard),
+                    held = ?status.map(|s| s.held),
                     "node object seen"
                 );
                 let beat = super::liveness::Beat {

@@ -657,7 +657,8 @@ fn objects_from(
             .filter(|r| r.lan.down.contains(&n))
             .map(|r| r.name)
             .collect();
-        tracing::warn!(node = %n, reported_by = ?witnesses, "dead on its LAN by its witnesses' agreement: its Services move");
+        let lets_go_first = let_go.lets_go_first(&n, alive.on_time(&n, now), now);
+        tracing::warn!(node = %n, reported_by = ?witnesses, said_unheard = unheard.contains(&n), on_time = alive.on_time(&n, now), lets_go_first, "dead on its LAN by its witnesses' agreement: its Services move");
     }
     for n in was_dead.difference(lan_dead) {
         tracing::info!(node = %n, "no longer dead on its LAN");

@@ -100,6 +100,26 @@ impl FdbWatch {
             .find(|(t, l)| *t >= after && !l.starts_with("Deleted") && l.contains(&on))
             .map(|(t, _)| t)
     }
+
+    /// The ports of bridge `master` on which `mac` was learned at or after
+    /// `after`, each with when, in order: where the switch sent that MAC's
+    /// traffic from then on.
+    pub fn moves(&self, mac: &str, master: &str, after: Instant) -> Vec<(Instant, String)> {
+        let master = format!(" master {master} ");
+        self.events()
+            .into_iter()
+            .filter(|(t, l)| {
+                *t >= after
+                    && !l.starts_with("Deleted")
+                    && l.starts_with(mac)
+                    && format!("{l} ").contains(&master)
+            })
+            .filter_map(|(t, l)| {
+                let port = l.split_whitespace().skip_while(|w| *w != "dev").nth(1)?;
+                Some((t, port.to_string()))
+            })
+            .collect()
+    }
 }
 
 impl Drop for FdbWatch {

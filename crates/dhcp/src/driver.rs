@@ -152,6 +152,19 @@ pub fn probe_through<T: Transport>(
     })
 }
 
+/// After an address is put on the link, it is announced again this often
+/// for [`REANNOUNCE_FOR`]: the LAN's switches learn its MAC's port from
+/// frames, and another host may still send from that MAC after this one
+/// took the address over (a VM resumed from a long pause or a migration,
+/// whose kernel answers the ARP requests queued for it and announces what
+/// it still held before its agent drops it). The switch then sends the
+/// Service's traffic there; each announcement brings it back within this
+/// period (issue #31). One frame each: two a second per address taken,
+/// for half a minute.
+pub const REANNOUNCE_EVERY: Duration = Duration::from_millis(500);
+/// See [`REANNOUNCE_EVERY`].
+pub const REANNOUNCE_FOR: Duration = Duration::from_secs(30);
+
 /// How old the takeover guard's verdict may be when a first binding puts
 /// the address on the link: a guard and exchange that took longer (a
 /// process frozen during the guard or between its request and the answer,
@@ -173,6 +186,9 @@ pub struct Driver<T: Transport, A: AddressConfig> {
     lifetime: Option<(Ipv4Addr, Instant)>,
     /// The address on the link now (put there by this driver).
     configured: Option<Ipv4Addr>,
+    /// The address put on the link lately: when to announce it again, and
+    /// until when ([`REANNOUNCE_EVERY`]).
+    reannounce: Option<(Ipv4Addr, Instant, Instant)>,
     /// When the caller's takeover guard began (else the start): what a
     /// first binding's freshness is counted from.
     guarded_at: Option<Instant>,
@@ -203,6 +219,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 deadline: None,
                 lifetime: None,
                 configured: None,
+                reannounce: None,
                 guarded_at: None,
                 uplink: None,
                 last_error: None,
@@ -287,6 +304,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                     self.step(Event::Timer).await;
                 }
                 _ = sleep_until_opt(self.lifetime.map(|(_, at)| at)) => self.confirm_address().await,
+                _ = sleep_until_opt(self.reannounce.map(|(_, at, _)| at)) => self.announce_again().await,
                 Some(failure) = next_failure(&mut self.files) => self.error(failure),
                 c = cmds.recv() => match c {
                     Some(Command::Announce) => self.step(Event::Announce).await,
@@ -316,6 +334,23 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
     /// Gives the address its lifetime again, or, when the kernel already
     /// deleted it (this task did not run for the whole lifetime), tells
     /// the machine and puts nothing back.
+    /// One of the announcements after a takeover ([`REANNOUNCE_EVERY`]),
+    /// while the address is still on the link.
+    async fn announce_again(&mut self) {
+        let Some((address, at, until)) = self.reannounce else {
+            return;
+        };
+        let next = at + REANNOUNCE_EVERY;
+        self.reannounce = (next <= until).then_some((address, next, until));
+        if self.configured != Some(address) {
+            self.reannounce = None;
+            return;
+        }
+        if let Err(e) = self.transport.arp_announce_once(address).await {
+            self.error(format!("ARP announce of {address}: {e}"));
+        }
+    }
+
     async fn confirm_address(&mut self) {
         let Some((address, _)) = self.lifetime else {
             return;
@@ -362,6 +397,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
     fn note_expired(&mut self, address: Ipv4Addr, lifetime_s: u32) {
         self.lifetime = None;
         self.configured = None;
+        self.reannounce = None;
         tracing::warn!(
             lease = %self.name,
             %address,
@@ -441,6 +477,11 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                     }
                     match self.addrs.add(address, lifetime).await {
                         Ok(()) => {
+                            if self.configured != Some(address) {
+                                let now = Instant::now();
+                                self.reannounce =
+                                    Some((address, now + REANNOUNCE_EVERY, now + REANNOUNCE_FOR));
+                            }
                             self.configured = Some(address);
                             self.lifetime = self
                                 .machine
@@ -453,6 +494,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 Action::RemoveAddress(address) => {
                     self.lifetime = None;
                     self.configured = None;
+                    self.reannounce = None;
                     if let Err(e) = self.addrs.remove(address).await {
                         self.error(e.to_string());
                     }
@@ -799,6 +841,36 @@ mod tests {
             d.run(Begin::Fresh, crx).await
         });
         (rx, h)
+    }
+
+    /// Issue #31: a bound address is announced again every
+    /// `REANNOUNCE_EVERY` for `REANNOUNCE_FOR`, then no more: another
+    /// host sending from the same MAC meanwhile (a VM resumed from a long
+    /// pause) takes the MAC's port at the switch for at most that long.
+    #[tokio::test(start_paused = true)]
+    async fn a_new_binding_is_announced_again_for_a_while() {
+        let fake = Fake::default();
+        let addr = Ipv4Addr::new(10, 77, 0, 150);
+        fake.0.lock().unwrap().addr = Some(addr);
+        let uplink = Uplink::default();
+        let (mut rx, h) = start_checked(&fake, &uplink, addr, None);
+        until(&mut rx, |s| s.state == State::Bound).await;
+        let at_bind = fake.0.lock().unwrap().announced;
+        assert!(at_bind >= 1, "announced when bound");
+        let announced = || fake.0.lock().unwrap().announced - at_bind;
+        tokio::time::sleep(REANNOUNCE_EVERY * 5 + REANNOUNCE_EVERY / 2).await;
+        assert_eq!(announced(), 5);
+        tokio::time::sleep(REANNOUNCE_FOR).await;
+        let all = announced();
+        assert_eq!(
+            all as u128,
+            REANNOUNCE_FOR.as_millis() / REANNOUNCE_EVERY.as_millis(),
+            "then no more"
+        );
+        // Renewals (T1 at 20 s) put the same address back: no new round.
+        tokio::time::sleep(REANNOUNCE_FOR).await;
+        assert_eq!(announced(), all);
+        h.abort();
     }
 
     /// Issue #20 (found by the soak): an agent frozen between its

@@ -95,8 +95,14 @@ pub trait Transport: Send + Sync + 'static {
         let _ = sender;
         self.arp_probe(addr)
     }
-    /// Gratuitous ARP (announcement) for `addr`.
+    /// Gratuitous ARP (announcement) for `addr`: one now and, as RFC 5227
+    /// has it, one more `announce_interval` later.
     fn arp_announce(&self, addr: Ipv4Addr) -> impl Future<Output = io::Result<()>> + Send;
+    /// One gratuitous ARP for `addr`, nothing after it (the repeats after
+    /// a takeover, `driver::REANNOUNCE_EVERY`).
+    fn arp_announce_once(&self, addr: Ipv4Addr) -> impl Future<Output = io::Result<()>> + Send {
+        self.arp_announce(addr)
+    }
 }
 
 /// Packet sockets on one interface.
@@ -459,6 +465,12 @@ impl Transport for AfPacket {
                 }
             }
         }
+    }
+
+    async fn arp_announce_once(&self, addr: Ipv4Addr) -> io::Result<()> {
+        let sock = self.arp_sender()?;
+        let ann = frame::build_arp(self.mac, addr, addr);
+        send_async(&sock, self.ifindex, ETH_P_ARP, BROADCAST_MAC, &ann).await
     }
 
     async fn arp_announce(&self, addr: Ipv4Addr) -> io::Result<()> {
