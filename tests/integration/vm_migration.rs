@@ -141,22 +141,7 @@ impl VmHolder {
             vm::node::AGENT_STARTED,
             Instant::now() + Duration::from_secs(120),
         )?;
-        lb.set_endpoints("web", &[VM_NODE.to_string()])?;
-        lb.create_service_with(
-            "web",
-            &[(failover::IPAM, "dhcp")],
-            &[HELLO_PORT],
-            serde_json::json!({"externalTrafficPolicy": "Local"}),
-        )?;
-        let ip = lb.wait_ingress("web", SERVED_WITHIN);
-        let served = wait_for(SERVED_WITHIN, || {
-            (lb.tcp_from_client(ip, HELLO_PORT).ok()? == VM_NODE).then_some(())
-        });
-        ensure!(
-            served.is_some(),
-            "{ip} is not served by {VM_NODE} from the LAN; console:\n{}",
-            vm.console_tail(60)
-        );
+        let ip = served_by_the_vm(&lb, "web", &vm)?;
         Ok(VmHolder {
             vm,
             lb,
@@ -168,6 +153,28 @@ impl VmHolder {
             dir,
         })
     }
+}
+
+/// DHCP Service `name` (traffic policy `Local`, its one endpoint on the
+/// VM node) made and served by the VM to the LAN client: its address.
+fn served_by_the_vm(lb: &LbRig, name: &str, vm: &VmNode) -> Result<Ipv4Addr> {
+    lb.set_endpoints(name, &[VM_NODE.to_string()])?;
+    lb.create_service_with(
+        name,
+        &[(failover::IPAM, "dhcp")],
+        &[HELLO_PORT],
+        serde_json::json!({"externalTrafficPolicy": "Local"}),
+    )?;
+    let ip = lb.wait_ingress(name, SERVED_WITHIN);
+    let served = wait_for(SERVED_WITHIN, || {
+        (lb.tcp_from_client(ip, HELLO_PORT).ok()? == VM_NODE).then_some(())
+    });
+    ensure!(
+        served.is_some(),
+        "{name} ({ip}) is not served by {VM_NODE} from the LAN; console:\n{}",
+        vm.console_tail(60)
+    );
+    Ok(ip)
 }
 
 /// Host `bridge` of the LAN namespace `lan`, the VM's NIC on its `tap`.
@@ -430,19 +437,7 @@ fn a_long_paused_holder_leaves_the_mac_to_its_successor_within_a_second() -> Res
         let ip = if name == "web" {
             ip
         } else {
-            lb.set_endpoints(name, &[VM_NODE.to_string()])?;
-            lb.create_service_with(
-                name,
-                &[(failover::IPAM, "dhcp")],
-                &[HELLO_PORT],
-                serde_json::json!({"externalTrafficPolicy": "Local"}),
-            )?;
-            let ip = lb.wait_ingress(name, SERVED_WITHIN);
-            let served = wait_for(SERVED_WITHIN, || {
-                (lb.tcp_from_client(ip, HELLO_PORT).ok()? == VM_NODE).then_some(())
-            });
-            ensure!(served.is_some(), "{name} ({ip}) not served by {VM_NODE}");
-            ip
+            served_by_the_vm(&lb, name, &vm)?
         };
         let service_mac = neighbour_mac(&lb.client_ns, ip)?;
         // The namespace guest may hold it too from now on.
