@@ -22,9 +22,10 @@
 //! A second, tighter bound says whether a node's heartbeat is on time by
 //! the period it states (`heartbeatPeriodMs`): two periods and
 //! [`ON_TIME_SLACK`]. Staleness judges whether a node is there; being on
-//! time judges whether what it reports of others is its present view: a
-//! node whose heartbeat is late is probably cut off from the API server,
-//! and its accusations may be ones it has taken back since
+//! time judges whether it may be given a new Service and whether what it
+//! reports of others is its present view: a node whose heartbeat is late
+//! is probably cut off from the API server, would not read a new
+//! assignment, and its accusations may be ones it has taken back since
 //! (`lan_verdict`).
 
 use std::collections::BTreeMap;

@@ -684,8 +684,7 @@ fn objects_from(
             slow_warned.remove(&name);
         }
         // A stale status with a witness that hears the node: cut off from
-        // the API server only, it serves on (nothing moves), and is given
-        // nothing new, which it could not read.
+        // the API server only, it serves on (nothing moves).
         let fresh = alive.fresh(&name, now);
         let heard = fresh || lan.vouched.contains(&name);
         let eligible =
@@ -696,7 +695,13 @@ fn objects_from(
             versions.insert(format!("node/{name}"), kube_edge::generation_token(g));
         }
         if let Some(mut n) = kube_edge::node_in(o, eligible) {
-            n.keep_only = eligible && !fresh;
+            // Late by its own stated period (two heartbeats missed), it is
+            // probably cut off from the API server: it keeps what it holds
+            // and is given nothing new, which it could not read. Not only
+            // once stale (40 s), which a leader that has just started
+            // counts from its own start: the soak saw one give a Service to
+            // a node cut off 43 s before, 22 s after it began to lead.
+            n.keep_only = eligible && !alive.on_time(&name, now);
             n.lets_go_first = let_go.lets_go_first(&name, alive.on_time(&name, now), now);
             // Neither the heartbeat nor a renewal's new expiry moves a
             // decision: without them, a write that carries nothing else

@@ -104,9 +104,10 @@ pub struct NodeIn {
     /// Ready and heartbeating, judged on the controller's clock
     /// (`controller::liveness`).
     pub eligible: bool,
-    /// Eligible only to keep what it holds: its status went stale while a
-    /// witness still hears it on the LAN (cut off from the API server), so
-    /// it serves on but cannot read a new assignment.
+    /// Eligible only to keep what it holds: its heartbeat is late by its
+    /// stated period, or stale while a witness still hears it on the LAN
+    /// (cut off from the API server), so it serves on but cannot read a
+    /// new assignment.
     pub keep_only: bool,
     /// Dead on its LAN by its witnesses' word, yet it said so itself and
     /// its heartbeat is on time (`controller::lan_verdict::LetGo`): it still reads its
