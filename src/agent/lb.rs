@@ -84,6 +84,12 @@ const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 /// node takes no address over: what it reads as its assignments may have
 /// moved since.
 const OUT_OF_TOUCH_AFTER: Duration = Duration::from_secs(2);
+/// How long a node may hold none of the addresses its assignments want,
+/// unable to read them again, before it stands down on the LAN
+/// ([`Lb::judge_stand_down`]): longer than a read takes when the API
+/// server answers (well under a second), so a node whose reads succeed
+/// never stands down.
+pub const STAND_DOWN_AFTER: Duration = Duration::from_secs(2);
 /// How long the LAN's silence is borne before the fence when the addresses
 /// have no lifetime (`lb_address_lifetime = 0`): the witnesses' default.
 const DEFAULT_LAN_WAIT: Duration = Duration::from_secs(1);
@@ -272,6 +278,11 @@ struct Lb<E: LeaseEngine> {
     awake_within: Duration,
     /// Asks the watch of this node's object to read it again ([`follow`]).
     relist: watch::Sender<u64>,
+    /// Since when this node has held none of the addresses its assignments
+    /// want while it could not read them again.
+    unserved_since: Option<Instant>,
+    /// When to decide again whether it stands down.
+    stand_down_at: Option<Instant>,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -330,6 +341,8 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         ran: (Instant::now(), SystemTime::now()),
         awake_within: Duration::ZERO,
         relist,
+        unserved_since: None,
+        stand_down_at: None,
     };
     lb.awake_within = beat_every + lb.lan_wait();
     let mut carrier = tokio::time::interval(CARRIER_POLL);
@@ -408,6 +421,10 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
             _ = crate::duration::sleep_until(lb.fence_again) => {
                 lb.fence_again = None;
                 lb.judge_fence().await;
+                lb.report();
+            }
+            _ = crate::duration::sleep_until(lb.stand_down_at) => {
+                lb.stand_down_at = None;
                 lb.report();
             }
             _ = tokio::time::sleep_until(next_settle) => {
@@ -912,6 +929,59 @@ impl<E: LeaseEngine> Lb<E> {
         )
     }
 
+    /// Whether this node stands down on the LAN: it holds none of the
+    /// addresses its assignments want, and cannot read them again (its
+    /// API path is cut), for [`STAND_DOWN_AFTER`]. Its witnesses then
+    /// report it down while they hear it, and its Services move.
+    ///
+    /// Found by the fault soak: a node that fenced itself during an API
+    /// server outage (too few witnesses heard, no status written) heard its
+    /// peers again, and lifted the fence, while its own API path was cut.
+    /// It held nothing until it could read its assignments (they may have
+    /// moved meanwhile); its witnesses heard it, so the controller kept its
+    /// Services on it, believing a node cut off from the API server serves
+    /// on: 49 s without an answer, until its API path came back. Its
+    /// witnesses are the only ones that can tell the controller, and the
+    /// only thing they can tell is that it stood down: it still answers
+    /// their probes (going silent would take a witness from every node it
+    /// watches), with a flag.
+    ///
+    /// A node that holds anything keeps serving when cut off, as before.
+    fn judge_stand_down(&mut self) {
+        let now = Instant::now();
+        let unserved = self.spec_stale
+            && !self.stopping
+            && !self.wanted_interfaces().is_empty()
+            && !self
+                .engine
+                .snapshot()
+                .iter()
+                .any(|l| l.state.holds_address());
+        let stand_down = if unserved {
+            let since = *self.unserved_since.get_or_insert(now);
+            let due = since + STAND_DOWN_AFTER;
+            self.stand_down_at = (due > now).then_some(due);
+            due <= now
+        } else {
+            self.unserved_since = None;
+            self.stand_down_at = None;
+            false
+        };
+        let object = &self.settings.object;
+        self.lan.want.send_if_modified(|w| {
+            if w.stood_down == stand_down {
+                return false;
+            }
+            if stand_down {
+                tracing::warn!(object = %object, for_at_least = ?STAND_DOWN_AFTER, "standing down on the LAN: this node holds none of its addresses and cannot read its assignments; its witnesses report it so that its Services move");
+            } else {
+                tracing::info!(object = %object, "no longer standing down on the LAN");
+            }
+            w.stood_down = stand_down;
+            true
+        });
+    }
+
     /// The address lifetime: how long the LAN's silence is borne.
     fn lan_wait(&self) -> Duration {
         self.settings
@@ -1024,6 +1094,7 @@ impl<E: LeaseEngine> Lb<E> {
     /// Publishes the state, and drafts the status (written when what it
     /// reports changed, and at every heartbeat); returns that status.
     fn report(&mut self) -> Status {
+        self.judge_stand_down();
         let node = (self.node)();
         let mut status = report(
             self.assignments.as_deref().unwrap_or_default(),

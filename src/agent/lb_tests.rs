@@ -74,6 +74,8 @@ struct Rig {
     liveness: Liveness,
     /// What the membership tells the loop.
     lan: watch::Sender<crate::membership::transport::LanView>,
+    /// What the loop tells the membership.
+    want: watch::Receiver<crate::membership::transport::Want>,
     /// How often the loop asked to read the object again.
     relists: watch::Receiver<u64>,
     /// Pauses of the VM, as `crate::pause` reports them.
@@ -174,6 +176,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         view: lan_view,
         ..super::LanLink::detached()
     };
+    let want = link.want.subscribe();
     let (relist, relists) = watch::channel(0);
     let (pauses, paused) = watch::channel(None);
     tokio::spawn(run_loop(
@@ -198,6 +201,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         view,
         liveness,
         lan,
+        want,
         relists,
         pauses,
         _stop: stop,
@@ -1193,6 +1197,74 @@ async fn the_fence_follows_the_lan_not_the_api() {
     let asked = *r.relists.borrow();
     r.engine.set_deaf(false);
     read_when_asked(&r, asked, std::slice::from_ref(&a)).await;
+    until("held again", || r.engine.running().len() == 1).await;
+}
+
+/// A node whose fence lifts while it cannot read its assignments (its API
+/// path cut, the soak's case: fenced during an API server outage) holds
+/// nothing and stands down on the LAN after [`STAND_DOWN_AFTER`], so its
+/// witnesses report it; read again, it holds what is still assigned and
+/// stands down no more. A node that holds its addresses when cut off
+/// never stands down.
+#[tokio::test(start_paused = true)]
+async fn fenced_then_cut_off_a_node_stands_down_until_it_reads_again() {
+    use crate::contract::membership::LanReport;
+    use crate::membership::transport::{Hearing, LanView};
+    let r = rig_with_lifetime();
+    let heard = LanView {
+        report: Some(LanReport::default()),
+        has_peers: true,
+        heard_any: Some(Instant::now()),
+        hearing: Hearing {
+            convicting: 2,
+            ..Hearing::default()
+        },
+        ..LanView::default()
+    };
+    r.lan.send_replace(heard.clone());
+    let a = held_and_written(&r, "aaaaaaaa").await;
+    let stood_down = || r.want.borrow().stood_down;
+    // Cut off from the API server, holding its address: it serves on.
+    r.writes.fail.store(true, Ordering::SeqCst);
+    let failed = || -> SpecRead {
+        Update::Failed(Failure {
+            kind: FailureKind::Unreachable,
+            message: "connection refused".into(),
+        })
+        .into()
+    };
+    r.tx.send(failed()).await.unwrap();
+    tokio::time::sleep(STAND_DOWN_AFTER * 5).await;
+    assert_eq!(r.engine.running().len(), 1);
+    assert!(!stood_down(), "stood down while holding its address");
+    // Deaf on the LAN too: fenced. Heard again, but still unable to read.
+    fenced_at_its_lifetime(&r, &heard, "heard none").await;
+    let fenced = Instant::now();
+    let asked = *r.relists.borrow();
+    r.lan.send_replace(heard.clone());
+    let mut relists = r.relists.clone();
+    relists.wait_for(|n| *n > asked).await.unwrap();
+    r.tx.send(failed()).await.unwrap();
+    let mut want = r.want.clone();
+    tokio::time::timeout(STAND_DOWN_AFTER * 2, want.wait_for(|w| w.stood_down))
+        .await
+        .expect("stood down")
+        .unwrap();
+    // Counted from when it held nothing, unable to read (the fence).
+    let took = Instant::now() - fenced;
+    assert!(
+        took >= STAND_DOWN_AFTER - Duration::from_millis(100)
+            && took <= STAND_DOWN_AFTER + Duration::from_millis(100),
+        "stood down {took:?} after it let go"
+    );
+    assert!(r.engine.running().is_empty(), "{:?}", r.engine.running());
+    // Its API path back: read again, it holds what is still assigned.
+    r.writes.fail.store(false, Ordering::SeqCst);
+    read_when_asked(&r, asked, std::slice::from_ref(&a)).await;
+    tokio::time::timeout(Duration::from_secs(1), want.wait_for(|w| !w.stood_down))
+        .await
+        .expect("no longer stood down once read")
+        .unwrap();
     until("held again", || r.engine.running().len() == 1).await;
 }
 

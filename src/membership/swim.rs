@@ -23,7 +23,10 @@
 //!   answers ARP with the Service's own MAC, which the takeover guard
 //!   cannot tell from the new holder's. The controller moves a node's
 //!   Services when two of its witnesses agree, so a node is moved on
-//!   independent voices that each tried to reach it, never on one.
+//!   independent voices that each tried to reach it, never on one. A node
+//!   that stood down ([`Member::set_stood_down`]: it holds nothing and
+//!   cannot read its assignments) says so in its answers, and is reported
+//!   while it answers.
 //!
 //! Every packet travels sealed (`membership::wire`); what the gate drops is
 //! counted and never reaches SWIM. Packets go only to the peers the
@@ -115,7 +118,15 @@ pub enum Out {
 /// The first byte of a sealed payload.
 const KIND_SWIM: u8 = 0;
 const KIND_PING: u8 = 1;
+/// An answer to a witness's probe: the nonce (4 bytes), the node's address
+/// lifetime in ms (4) and its flags (1; absent from agents before the
+/// flags, which read as none: a witness reads what it knows and ignores
+/// the rest, so either side may be the older).
 const KIND_PONG: u8 = 2;
+
+/// A flag of a probe's answer: this node stood down
+/// ([`Member::set_stood_down`]).
+const FLAG_STOOD_DOWN: u8 = 0x01;
 
 /// What a witness knows of a node it watches.
 #[derive(Debug, Clone, Default)]
@@ -131,6 +142,9 @@ struct Watched {
     lifetime: Option<Duration>,
     /// Reported down since.
     down_since: Option<Instant>,
+    /// Its last answer said it stood down: reported down while it says
+    /// so, though it answers.
+    stood_down: bool,
 }
 
 /// What this node hears of its LAN, for its own fence: the mirror of its
@@ -185,6 +199,9 @@ pub struct Member {
     since: Instant,
     counters: Counters,
     out: Vec<Out>,
+    /// This node stood down ([`Member::set_stood_down`]): its answers to
+    /// its witnesses say so.
+    stood_down: bool,
 }
 
 /// Collects what `foca` asks for during one call.
@@ -264,6 +281,7 @@ impl Member {
             since: now,
             counters: Counters::default(),
             out: Vec::new(),
+            stood_down: false,
         };
         m.out.push(Out::After {
             after: Duration::ZERO,
@@ -319,6 +337,17 @@ impl Member {
         }
     }
 
+    /// This node holds none of its addresses and cannot read its
+    /// assignments (its API path is cut): from its next answer on, its
+    /// witnesses report it down while they hear it, so that its Services
+    /// move, as they would were it silent. It keeps answering, and keeps
+    /// witnessing for others: going silent instead would take a witness
+    /// from every node it watches. `false`: it serves again, and its next
+    /// answer withdraws the report.
+    pub fn set_stood_down(&mut self, stood_down: bool) {
+        self.stood_down = stood_down;
+    }
+
     /// A packet arrived.
     pub fn receive(&mut self, packet: &[u8], now: Instant) {
         let Some((sender, payload)) = self.gate.admit(packet) else {
@@ -334,12 +363,28 @@ impl Member {
             // says it runs.
             w.heard = Some(now);
             w.silent_since = None;
-            w.down_since = None;
             if let Some((&KIND_PONG, rest)) = payload.split_first()
                 && let Some(ms) = rest.get(4..8)
             {
                 let ms = u32::from_be_bytes([ms[0], ms[1], ms[2], ms[3]]);
                 w.lifetime = Some(Duration::from_millis(u64::from(ms)));
+                let stood_down = rest.get(8).is_some_and(|f| f & FLAG_STOOD_DOWN != 0);
+                if stood_down && !w.stood_down {
+                    tracing::info!(
+                        peer = %name,
+                        "a witnessed peer says it stood down (it holds none of its addresses and cannot read its assignments): reporting it dead on the LAN"
+                    );
+                } else if !stood_down && w.stood_down {
+                    tracing::info!(peer = %name, "a witnessed peer no longer stands down");
+                }
+                w.stood_down = stood_down;
+            }
+            // Only its answers carry the flag: its other packets leave the
+            // report as its last answer made it.
+            if w.stood_down {
+                w.down_since.get_or_insert(now);
+            } else {
+                w.down_since = None;
             }
         }
         match payload.split_first() {
@@ -364,6 +409,7 @@ impl Member {
                 reply.extend_from_slice(nonce);
                 let ms = u32::try_from(self.settings.own_lifetime.as_millis()).unwrap_or(u32::MAX);
                 reply.extend_from_slice(&ms.to_be_bytes());
+                reply.push(if self.stood_down { FLAG_STOOD_DOWN } else { 0 });
                 self.send_to(&name, &reply);
             }
             Some((&KIND_PONG, _)) => {}
@@ -856,6 +902,46 @@ mod tests {
             let back = lan.until(Duration::from_secs(5), |l| l.accusers(victim).is_empty());
             assert!(back.is_some(), "still accused: {:?}", lan.accusers(victim));
         }
+    }
+
+    /// A node that stood down is reported by its witnesses at their next
+    /// probe, though they hear it, and nobody else is; it still witnesses
+    /// for others (nobody it watches loses a witness) and hears its own
+    /// witnesses. Serving again, its next answer withdraws the report.
+    #[test]
+    fn a_node_that_stood_down_is_reported_while_it_answers() {
+        let mut lan = Lan::new(5);
+        lan.run_for(Duration::from_secs(5));
+        let victim = 2;
+        let witnesses = lan.witnesses(victim);
+        lan.members[victim].set_stood_down(true);
+        let took = lan
+            .until(Duration::from_secs(2), |l| l.accusers(victim) == witnesses)
+            .unwrap_or_else(|| panic!("{:?} of {witnesses:?}", lan.accusers(victim)));
+        assert!(took <= Duration::from_millis(300), "took {took:?}");
+        // Held while it says so: answers and gossip alike leave it down.
+        lan.run_for(Duration::from_secs(3));
+        assert_eq!(lan.accusers(victim), witnesses);
+        for i in (0..5).filter(|i| *i != victim) {
+            assert!(
+                lan.accusers(i).is_empty(),
+                "node-{i}: {:?}",
+                lan.accusers(i)
+            );
+            assert!(
+                !lan.members[i].hears().contains(&Lan::name(victim)),
+                "node-{i} still vouches for it"
+            );
+        }
+        let h = lan.members[victim].hearing(lan.now);
+        assert!(h.none_since.is_none() && h.short_since.is_none() && h.silent.is_empty());
+        lan.members[victim].set_stood_down(false);
+        let back = lan.until(Duration::from_secs(2), |l| l.accusers(victim).is_empty());
+        assert!(
+            back.is_some_and(|b| b <= Duration::from_millis(300)),
+            "still accused after {back:?}: {:?}",
+            lan.accusers(victim)
+        );
     }
 
     /// The mirror of the witnesses' verdict: a node cut off hears none of

@@ -30,6 +30,9 @@ pub struct Want {
     pub keys: Vec<KeyBytes>,
     /// This node's `lb_address_lifetime`, told to its witnesses.
     pub lifetime: Duration,
+    /// It holds none of its addresses and cannot read its assignments: its
+    /// witnesses are told, and report it down (`swim::Member::set_stood_down`).
+    pub stood_down: bool,
 }
 
 /// A key as the Secret holds it, with its id.
@@ -323,6 +326,7 @@ pub async fn run(
                     r.member.set_keys(keys);
                 }
                 r.set_peers(&w);
+                r.member.set_stood_down(w.stood_down);
                 r.flush().await;
             }
             None if w.port == 0 => {
@@ -386,7 +390,7 @@ pub async fn run(
                 };
                 let (was, now) = (down(&view.borrow()), down(&new));
                 if was != now {
-                    tracing::warn!(down = ?now, was = ?was, "witnessed peers found dead on the LAN (their probes unanswered for longer than their address lifetime)");
+                    tracing::warn!(down = ?now, was = ?was, "witnessed peers found dead on the LAN (their probes unanswered for longer than their address lifetime, or they stood down)");
                 }
                 view.send_if_modified(|old| {
                     let tell = worth_telling(old, &new);
@@ -447,6 +451,7 @@ mod tests {
                 peers: peers.clone(),
                 keys: vec![key.clone()],
                 lifetime: Duration::from_secs(1),
+                stood_down: false,
             });
             let (view_tx, view_rx) = watch::channel(LanView::default());
             let (stop_tx, stop_rx) = watch::channel(None);

@@ -10,7 +10,7 @@
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use hna_testkit::addrwatch::AddressWatch;
 use hna_testkit::failover::{
     self, Fault, IPAM, LanSplit, fail_over, guest_namespaces, served, set_port, timeline,
@@ -22,6 +22,7 @@ use crate::harness::tests;
 tests! {
     cut_off_from_the_api_server_only_a_holder_serves_on_and_nothing_moves: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     cut_off_from_the_api_server_a_late_node_is_given_nothing_new: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    fenced_in_an_api_outage_then_cut_off_a_holder_stands_down_and_its_service_moves: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     cut_off_from_its_lan_only_a_holder_is_moved_in_the_normal_bound: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_lan_split_serves_on_the_side_that_reaches_the_api_server: Root, Iproute2, Dnsmasq, ApiServer, Socat, Ebtables;
     witnesses_cut_off_after_they_accused_stop_counting_within_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -166,6 +167,98 @@ fn cut_off_from_the_api_server_a_late_node_is_given_nothing_new() -> Result<()> 
         "guest {cut} cut off from the API server {:.1} s: web2 and web3 held by guests {served_by:?} {:.0} ms after their creation, none given to it",
         (asked - t0).as_secs_f64(),
         took.as_secs_f64() * 1e3
+    );
+    Ok(())
+}
+
+/// The fault soak's case (seed 7): during an API server outage the holder
+/// hears none of its peers (its LAN port silent) and, unable to write,
+/// fences itself; its port comes back while its own API path stays cut.
+/// It lifts the fence but holds nothing until it can read its assignments
+/// again (they may have moved meanwhile), and its witnesses hear it, so
+/// the controller took it for a node cut off from the API server that
+/// serves on: the soak saw 49 s without an answer. Now it stands down on
+/// the LAN (`agent::lb`'s `judge_stand_down`): its witnesses report it
+/// though they hear it, and once the API server is back its Service moves
+/// to another guest, never beside it.
+fn fenced_in_an_api_outage_then_cut_off_a_holder_stands_down_and_its_service_moves() -> Result<()> {
+    let mut lb = LbRig::start(options())?;
+    let (ip, holder) = served(&lb, "web")?;
+    lb.wait_for_membership(Duration::from_secs(30))?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    lb.rig.apiserver_mut().context("API server")?.stop();
+    set_port(&lb, holder, false)?;
+    let let_go = wait_for(Duration::from_secs(10), || {
+        lb.carriers(ip).is_empty().then_some(())
+    });
+    ensure!(
+        let_go.is_some(),
+        "the holder, deaf on its LAN and unable to write, did not let {ip} go\n{}",
+        timeline(&watch, ip, t0)
+    );
+    lb.cut_api(holder);
+    set_port(&lb, holder, true)?;
+    let lifted = wait_for(Duration::from_secs(10), || {
+        lb.agent_log(holder)
+            .contains("no longer fenced")
+            .then_some(())
+    });
+    ensure!(
+        lifted.is_some(),
+        "the fence did not lift once its port was back"
+    );
+    let stood_down = wait_for(Duration::from_secs(10), || {
+        lb.agent_log(holder)
+            .contains("standing down on the LAN")
+            .then_some(())
+    });
+    ensure!(
+        stood_down.is_some(),
+        "holding nothing, unable to read, it did not stand down within 10 s"
+    );
+    let api_back = Instant::now();
+    lb.rig
+        .apiserver_mut()
+        .context("API server")?
+        .restart()
+        .context("restarting the API server")?;
+    let moved = wait_for(Duration::from_secs(40), || {
+        let c = lb.carriers(ip);
+        (c.len() == 1 && lb.guest_of(&c[0].0) != holder).then(|| lb.guest_of(&c[0].0))
+    });
+    let took = api_back.elapsed();
+    let Some(to) = moved else {
+        bail!(
+            "{ip} not held by another guest within 40 s of the API server's return, its holder (guest {holder}) still cut off:\n{}\n{}",
+            timeline(&watch, ip, t0),
+            lb.diagnostics()
+        );
+    };
+    ensure!(
+        watch.overlaps(ip).is_empty(),
+        "two holders:\n{}",
+        timeline(&watch, ip, t0)
+    );
+    lb.restore_api(holder)?;
+    let resumed = wait_for(Duration::from_secs(20), || {
+        lb.agent_log(holder)
+            .contains("no longer standing down")
+            .then_some(())
+    });
+    ensure!(
+        resumed.is_some(),
+        "still standing down once its API path was back"
+    );
+    ensure!(
+        lb.carriers(ip).len() == 1 && watch.overlaps(ip).is_empty(),
+        "{ip} after the old holder read again:\n{}",
+        timeline(&watch, ip, t0)
+    );
+    println!(
+        "guest {holder} fenced in an API outage, then cut off: {ip} held by guest {to} {:.1} s after the API server was restarted\n{}",
+        took.as_secs_f64(),
+        timeline(&watch, ip, t0)
     );
     Ok(())
 }
