@@ -431,7 +431,21 @@ impl LbRig {
             mac: mac.to_string(),
             nic,
             memory_mb: 512,
+            files: Vec::new(),
         })
+    }
+
+    /// A path on the LAN's address (where a VM node reaches the rig's
+    /// servers) to `upstream` on this machine's loopback: another API
+    /// server's port (Harvester's, for the topology relay).
+    pub fn lan_path_to(&mut self, upstream: u16) -> Result<std::net::SocketAddr> {
+        let port = rig::apiserver::free_port()?;
+        let listen = std::net::SocketAddr::from((rig::LAN_ADDR.parse::<Ipv4Addr>()?, port));
+        self.vm_paths.push(
+            Forwarder::start_at(self.rig.lan_ns(), listen, upstream)
+                .with_context(|| format!("a path on the LAN at {listen} to port {upstream}"))?,
+        );
+        Ok(listen)
     }
 
     /// The kubeconfig of node `node` (`Some`) or of the controllers: through

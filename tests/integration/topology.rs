@@ -39,9 +39,9 @@ tests! {
     the_daemon_relays_and_reports_topology: Root, Iproute2, ApiServer;
 }
 
-const NS: &str = "guest-vms";
-const REGION: &str = "topology.kubernetes.io/region";
-const ZONE: &str = "topology.kubernetes.io/zone";
+pub(crate) const NS: &str = "guest-vms";
+pub(crate) const REGION: &str = "topology.kubernetes.io/region";
+pub(crate) const ZONE: &str = "topology.kubernetes.io/zone";
 
 /// The guest cluster (the rig's API server) and a second API server playing
 /// Harvester, both torn down on drop (Harvester first).
@@ -97,7 +97,7 @@ fn from_json<T: serde::de::DeserializeOwned>(v: Value) -> T {
 /// / us-east-1a), hv-2 (us-east-1 / us-east-1b), hv-3 (us-west-2 /
 /// us-west-2a), and the RBAC `generate_addon.sh` creates (plus, for
 /// `with_nodes`, a ClusterRole to read Nodes).
-async fn setup_harvester(admin: &Client) -> Result<()> {
+pub(crate) async fn setup_harvester(admin: &Client) -> Result<()> {
     let crds: Api<CustomResourceDefinition> = Api::all(admin.clone());
     crds.create(
         &PostParams::default(),
@@ -204,9 +204,23 @@ async fn setup_harvester(admin: &Client) -> Result<()> {
 /// RoleBinding to `harvester-cloud-provider` when `vmis`, ClusterRoleBinding
 /// to read Nodes when `nodes`, a token Secret, and the kubeconfig written to
 /// `out` built from that Secret.
-async fn service_account(
+pub(crate) async fn service_account(
     admin: &Client,
     harvester: &ApiServer,
+    name: &str,
+    vmis: bool,
+    nodes: bool,
+    out: &Path,
+) -> Result<()> {
+    service_account_via(admin, harvester, harvester.url(), name, vmis, nodes, out).await
+}
+
+/// [`service_account`], its kubeconfig naming `server` (the Harvester API
+/// server as the guest reaches it: a VM node, through the LAN).
+pub(crate) async fn service_account_via(
+    admin: &Client,
+    harvester: &ApiServer,
+    server: &str,
     name: &str,
     vmis: bool,
     nodes: bool,
@@ -330,13 +344,12 @@ users:
     token: {token}
 ",
         ca = base64(ca),
-        server = harvester.url(),
     );
     std::fs::write(out, yaml)?;
     Ok(())
 }
 
-async fn create_vmi(
+pub(crate) async fn create_vmi(
     admin: &Client,
     name: &str,
     host: &str,
@@ -355,7 +368,7 @@ async fn create_vmi(
     Ok(())
 }
 
-async fn patch_vmi(admin: &Client, name: &str, patch: Value) -> Result<()> {
+pub(crate) async fn patch_vmi(admin: &Client, name: &str, patch: Value) -> Result<()> {
     let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), NS, &vmi_resource());
     api.patch(name, &PatchParams::default(), &Patch::Merge(patch))
         .await?;
@@ -385,7 +398,7 @@ async fn register_guest_node(rig: &Rig, node: &str) -> Result<Client> {
     Ok(client)
 }
 
-async fn guest_labels(admin: &Client, node: &str) -> BTreeMap<String, String> {
+pub(crate) async fn guest_labels(admin: &Client, node: &str) -> BTreeMap<String, String> {
     Api::<Node>::all(admin.clone())
         .get(node)
         .await
@@ -397,7 +410,7 @@ async fn guest_labels(admin: &Client, node: &str) -> BTreeMap<String, String> {
 
 /// Waits until the guest Node's `region`/`zone` are `want` (`None` = no
 /// such label) and returns how long that took.
-async fn wait_topology(
+pub(crate) async fn wait_topology(
     admin: &Client,
     node: &str,
     want: (Option<&str>, Option<&str>),

@@ -41,11 +41,13 @@ use hna_testkit::arpprobe::ArpProber;
 use hna_testkit::failover::{self, guest_namespaces};
 use hna_testkit::fdbwatch::FdbWatch;
 use hna_testkit::lb::{self, LbRig, wait_for};
+use hna_testkit::rig::{self, apiserver::ApiServer, apiserver::Binaries};
 use hna_testkit::tcpprobe::{EchoProber, TcpProber};
 use hna_testkit::vm;
 use hna_testkit::vm::node::{ECHO_PORT, HELLO_PORT, Host, NicModel, VmNode, node_image};
 
 use crate::harness::tests;
+use crate::topology;
 
 tests! {
     a_live_migrated_virtio_holder_keeps_serving_and_nothing_moves:
@@ -102,6 +104,8 @@ fn a_live_migrated_e1000e_holder_keeps_serving_and_nothing_moves() -> Result<()>
 /// serving it to the LAN client. Dropped VM first.
 struct VmHolder {
     vm: VmNode,
+    /// Harvester's side, for the topology relay, when asked for.
+    harvester: Option<Harvester>,
     lb: LbRig,
     ip: Ipv4Addr,
     lan: String,
@@ -111,8 +115,116 @@ struct VmHolder {
     dir: std::path::PathBuf,
 }
 
+/// Harvester's side of the topology relay (issue #31 item 5), as the
+/// topology tests build it (`crate::topology`): a second API server with
+/// the VirtualMachineInstance CRD, host Nodes hv-1 (us-east-1 /
+/// us-east-1a) and hv-2 (us-east-1 / us-east-1b), the VM node's
+/// VirtualMachineInstance on hv-1, and the cloud-provider kubeconfig made
+/// as `generate_addon.sh` makes it, naming the server at a path on the LAN
+/// (the VM reaches it through its NIC, as a guest reaches Harvester's VIP).
+struct Harvester {
+    admin: kube::Client,
+    /// The guest cluster's admin, to read the VM node's labels.
+    guest_admin: kube::Client,
+    rt: tokio::runtime::Runtime,
+    _server: ApiServer,
+}
+
+/// The issue's bound for the guest Node's labels to follow a migration
+/// that completed (the VirtualMachineInstance's new host and zone).
+const TOPOLOGY_BOUND: Duration = Duration::from_secs(1);
+
+impl Harvester {
+    /// Starts it for `lb`'s VM node and puts the cloud-provider kubeconfig
+    /// into `spec`.
+    fn start(lb: &mut LbRig, spec: &mut vm::node::NodeSpec) -> Result<Harvester> {
+        let dir = lb.rig.dir().join("harvester");
+        std::fs::create_dir_all(&dir)?;
+        let bins = Binaries::find().map_err(anyhow::Error::msg)?;
+        let server = ApiServer::start(&dir, &format!("{}-hv", lb.rig.id()), &bins, &[])
+            .context("starting the Harvester API server")?;
+        let listen = lb.lan_path_to(server.port())?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let cloud_config = dir.join("cloud-config");
+        let guest_kubeconfig = lb
+            .rig
+            .apiserver()
+            .context("API server")?
+            .admin_kubeconfig()
+            .to_path_buf();
+        let (admin, guest_admin) = rt.block_on(async {
+            let admin = rig::kube_client(server.admin_kubeconfig()).await?;
+            topology::setup_harvester(&admin).await?;
+            topology::service_account_via(
+                &admin,
+                &server,
+                &format!("https://{listen}"),
+                "vm-1-cloud-provider",
+                true,
+                true,
+                &cloud_config,
+            )
+            .await?;
+            topology::create_vmi(&admin, VM_NODE, "hv-1", "us-east-1", "us-east-1a").await?;
+            let guest_admin = rig::kube_client(&guest_kubeconfig).await?;
+            anyhow::Ok((admin, guest_admin))
+        })?;
+        spec.files.push((
+            "/etc/kubernetes/cloud-config".into(),
+            std::fs::read(&cloud_config)?,
+        ));
+        Ok(Harvester {
+            admin,
+            guest_admin,
+            rt,
+            _server: server,
+        })
+    }
+
+    /// How long after `from` the VM node's zone label became `zone` (the
+    /// labels read every 20 ms), within `within`.
+    fn zone_within(&self, zone: &str, from: Instant, within: Duration) -> Result<Duration> {
+        self.rt.block_on(async {
+            loop {
+                let labels = topology::guest_labels(&self.guest_admin, VM_NODE).await;
+                if labels.get(topology::ZONE).map(String::as_str) == Some(zone) {
+                    return Ok(from.elapsed());
+                }
+                ensure!(
+                    from.elapsed() < within,
+                    "{VM_NODE}'s zone is not {zone} within {within:?}: labels {labels:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    }
+
+    /// KubeVirt's and Harvester's part as a migration completes: the VMI's
+    /// new host, and that host's region and zone copied onto it.
+    fn migrated_to(&self, host: &str, region: &str, zone: &str) -> Result<()> {
+        self.rt.block_on(topology::patch_vmi(
+            &self.admin,
+            VM_NODE,
+            serde_json::json!({
+                "metadata": {"annotations": {topology::REGION: region, topology::ZONE: zone}},
+                "status": {"nodeName": host, "migrationState": {"completed": true}},
+            }),
+        ))
+    }
+}
+
 impl VmHolder {
     fn start(nic: NicModel) -> Result<VmHolder> {
+        Self::start_with(nic, false)
+    }
+
+    /// With `topology`, Harvester's side of the topology relay too
+    /// ([`Harvester`]), and the VM node's labels from it before the
+    /// Service is made.
+    fn start_with(nic: NicModel, topology: bool) -> Result<VmHolder> {
         let mut lb = LbRig::start(lb::Options {
             guests: 1,
             controllers: 1,
@@ -125,7 +237,12 @@ impl VmHolder {
         lb.rig.add_host_bridge("hostA")?;
         lb.rig.add_host_bridge("hostB")?;
         let lan = lb.rig.lan_ns().to_string();
-        let spec = lb.vm_node_spec(VM_NODE, VM_ADDR, VM_MAC, nic)?;
+        let mut spec = lb.vm_node_spec(VM_NODE, VM_ADDR, VM_MAC, nic)?;
+        let harvester = if topology {
+            Some(Harvester::start(&mut lb, &mut spec)?)
+        } else {
+            None
+        };
         let kernel = vm::kernel()?;
         let image = node_image(&kernel, &spec)?;
         let dir = lb.rig.dir().join("vm-1");
@@ -141,9 +258,14 @@ impl VmHolder {
             vm::node::AGENT_STARTED,
             Instant::now() + Duration::from_secs(120),
         )?;
+        if let Some(hv) = &harvester {
+            let took = hv.zone_within("us-east-1a", vm.started, SERVED_WITHIN);
+            ensure!(took.is_ok(), "{took:?}; console:\n{}", vm.console_tail(60));
+        }
         let ip = served_by_the_vm(&lb, "web", &vm)?;
         Ok(VmHolder {
             vm,
+            harvester,
             lb,
             ip,
             lan,
@@ -188,8 +310,11 @@ fn host(lan: &str, bridge: &str, tap: &str) -> Host {
 
 fn migrate_a_holder(nic: NicModel) -> Result<()> {
     let _turn = vm::turn();
+    // The topology relay follows the first migration (virtio only: the
+    // relay does not depend on the NIC).
     let VmHolder {
         mut vm,
+        harvester,
         lb,
         ip,
         lan,
@@ -197,7 +322,7 @@ fn migrate_a_holder(nic: NicModel) -> Result<()> {
         image,
         spec,
         dir,
-    } = VmHolder::start(nic)?;
+    } = VmHolder::start_with(nic, nic == NicModel::VirtioNet)?;
     let host = |bridge: &str, tap: &str| host(&lan, bridge, tap);
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
     let t0 = Instant::now();
@@ -256,6 +381,19 @@ fn migrate_a_holder(nic: NicModel) -> Result<()> {
             .is_some_and(|l| e - *l < SWITCHOVER_BOUND)),
         "the open connection stopped echoing after the migration (longest gap {gap:?})"
     );
+    if let Some(hv) = &harvester {
+        // Now running on host B: KubeVirt and Harvester say so.
+        let patched = Instant::now();
+        hv.migrated_to("hv-2", "us-east-1", "us-east-1b")?;
+        let took = hv.zone_within("us-east-1b", patched, Duration::from_secs(10))?;
+        eprintln!(
+            "vm_migration ({nic:?}): the VM node's zone label followed its VirtualMachineInstance to hv-2 {took:?} after the change"
+        );
+        ensure!(
+            took <= TOPOLOGY_BOUND,
+            "the zone label followed the migration {took:?} after the VMI changed (bound {TOPOLOGY_BOUND:?})"
+        );
+    }
 
     // 2. Back, with ARP asked every 10 ms and new connections.
     let arp = ArpProber::start(

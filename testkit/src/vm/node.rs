@@ -88,6 +88,10 @@ pub struct NodeSpec {
     pub mac: String,
     pub nic: NicModel,
     pub memory_mb: u32,
+    /// More files in the guest (path, content; mode 0600): the Harvester
+    /// cloud-provider kubeconfig at `/etc/kubernetes/cloud-config`, where
+    /// the agent's topology relay looks for it.
+    pub files: Vec<(String, Vec<u8>)>,
 }
 
 /// A packed guest image; the files live as long as it does.
@@ -115,6 +119,9 @@ pub fn node_image(kernel: &Kernel, spec: &NodeSpec) -> Result<NodeImage> {
     let kubeconfig = fs::read(&spec.kubeconfig)
         .with_context(|| format!("reading {}", spec.kubeconfig.display()))?;
     img.add_file("/etc/harvester-node-agent/kubeconfig", &kubeconfig, 0o600)?;
+    for (path, content) in &spec.files {
+        img.add_file(path, content, 0o600)?;
+    }
     img.add_file(
         "/hna/hello.sh",
         format!("#!/bin/sh\necho {}\n", spec.node_name).as_bytes(),
