@@ -153,6 +153,7 @@ pub fn node_in(o: &LoadBalancerNode, eligible: bool) -> Option<NodeIn> {
         status: o.status.clone().unwrap_or_default(),
         eligible,
         keep_only: false,
+        unproven: false,
         lets_go_first: false,
     })
 }

@@ -48,6 +48,9 @@ struct Seen {
     /// How long it stays on time: two stated periods and the slack, at
     /// most `bound`.
     on_time: Duration,
+    /// Its heartbeat changed while watched: first seen, or seen again
+    /// after a quiet gap, does not count ([`Liveness::written`]).
+    written: bool,
 }
 
 /// What a node's status says of its heartbeat, besides its value.
@@ -116,11 +119,15 @@ impl Liveness {
             at: now,
             bound,
             on_time,
+            written: false,
         };
         let changed = match self.seen.get_mut(node) {
             Some(seen) if seen.value == hb => false,
             Some(entry) => {
-                *entry = fresh;
+                *entry = Seen {
+                    written: true,
+                    ..fresh
+                };
                 true
             }
             None => {
@@ -131,9 +138,11 @@ impl Liveness {
         if changed {
             if self.quiet(now) {
                 // The first news after a gap: nobody's silence during it
-                // counts against them.
-                for seen in self.seen.values_mut() {
+                // counts against them, and nobody but its sender is known
+                // to write since.
+                for (name, seen) in self.seen.iter_mut() {
                     seen.at = now;
+                    seen.written &= name == node;
                 }
             }
             self.last_change = Some(now);
@@ -163,6 +172,17 @@ impl Liveness {
         self.seen
             .get(node)
             .is_some_and(|s| now.saturating_duration_since(s.at) < s.on_time || self.quiet(now))
+    }
+
+    /// Whether `node`'s heartbeat has changed since this controller began
+    /// to watch it, and since the last quiet gap (an API server outage):
+    /// it is known to write now, so to read. A controller that has just
+    /// started counts every heartbeat as seen at its start, so a node cut
+    /// off from the API server for long is fresh and on time to it for a
+    /// while; the fault soak saw a new leader give such a node a Service it
+    /// could not read. Placement prefers the nodes that have written.
+    pub fn written(&self, node: &str) -> bool {
+        self.seen.get(node).is_some_and(|s| s.written)
     }
 
     /// Whether `node`'s agent said it is restarting and that grace has not
@@ -292,6 +312,29 @@ mod tests {
         l.observe("n3", Some("x"), now);
         l.retain(|n| n != "n3");
         assert!(!l.fresh("n3", now), "forgotten");
+    }
+
+    /// Written: a node whose heartbeat this controller has seen change,
+    /// not one only first seen (a controller that has just started), and
+    /// after a quiet gap only those that wrote since.
+    #[tokio::test(start_paused = true)]
+    async fn a_node_is_known_to_write_once_its_heartbeat_changed_since_the_last_gap() {
+        let mut l = Liveness::new(STALE, QUIET);
+        let start = Instant::now();
+        l.observe("n1", Some("a"), start);
+        l.observe("n2", Some("a"), start);
+        assert!(!l.written("n1") && !l.written("n2"), "only first seen");
+        assert!(l.on_time("n1", start) && l.fresh("n1", start));
+        beat(&mut l, "n1", 1, start + BEAT);
+        assert!(l.written("n1") && !l.written("n2"));
+        // A quiet gap (an outage): the first to write after it is known to
+        // write, the other not until it does.
+        let back = start + BEAT + QUIET + Duration::from_secs(1);
+        beat(&mut l, "n2", 2, back);
+        assert!(l.written("n2") && !l.written("n1"));
+        beat(&mut l, "n1", 3, back + BEAT);
+        assert!(l.written("n1"));
+        assert!(!l.written("never-seen"));
     }
 
     /// The API server (or etcd, or this replica's watch) is gone for 30 s:

@@ -702,6 +702,7 @@ fn objects_from(
             // counts from its own start: the soak saw one give a Service to
             // a node cut off 43 s before, 22 s after it began to lead.
             n.keep_only = eligible && !alive.on_time(&name, now);
+            n.unproven = !alive.written(&name);
             n.lets_go_first = let_go.lets_go_first(&name, alive.on_time(&name, now), now);
             // Neither the heartbeat nor a renewal's new expiry moves a
             // decision: without them, a write that carries nothing else

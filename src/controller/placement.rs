@@ -38,6 +38,19 @@ pub fn place(
     keep_only: &BTreeSet<String>,
     current: &BTreeMap<ServiceKey, String>,
 ) -> Placement {
+    place_with(services, eligible, keep_only, &BTreeSet::new(), current)
+}
+
+/// [`place`], where the nodes in `unproven` (not yet seen writing by this
+/// controller: `NodeIn::unproven`) are given a new Service only when no
+/// other node can take it, as if they held more than any other.
+pub fn place_with(
+    services: &[ServiceNeed],
+    eligible: &[String],
+    keep_only: &BTreeSet<String>,
+    unproven: &BTreeSet<String>,
+    current: &BTreeMap<ServiceKey, String>,
+) -> Placement {
     let mut load: BTreeMap<&str, usize> = eligible.iter().map(|n| (n.as_str(), 0)).collect();
     let mut out = Placement::new();
     let mut homeless = Vec::new();
@@ -61,11 +74,13 @@ pub fn place(
         }
     }
     homeless.sort_by(|a, b| a.key.cmp(&b.key));
-    // The nodes new Services may go to, least loaded first.
-    let mut by_load: BTreeSet<(usize, u64, &str)> = load
+    // The nodes new Services may go to, those seen writing first, then
+    // least loaded first.
+    let tier = |node: &str| unproven.contains(node);
+    let mut by_load: BTreeSet<(bool, usize, u64, &str)> = load
         .iter()
         .filter(|(node, _)| !keep_only.contains(**node))
-        .map(|(node, n)| (*n, tie_break(node), *node))
+        .map(|(node, n)| (tier(node), *n, tie_break(node), *node))
         .collect();
     for s in homeless {
         let choice: Option<&str> = match &s.only {
@@ -74,14 +89,16 @@ pub fn place(
                 .iter()
                 .filter_map(|n| load.get_key_value(n.as_str()))
                 .filter(|(node, _)| !keep_only.contains(**node))
-                .min_by_key(|(node, n)| (s.avoid.contains(**node), **n, tie_break(node)))
+                .min_by_key(|(node, n)| {
+                    (s.avoid.contains(**node), tier(node), **n, tie_break(node))
+                })
                 .map(|(node, _)| *node),
             // The least loaded node it does not avoid, else the least
             // loaded one.
             None => {
                 let mut avoided = None;
                 let mut chosen = None;
-                for (_, _, node) in &by_load {
+                for (_, _, _, node) in &by_load {
                     if !s.avoid.contains(*node) {
                         chosen = Some(*node);
                         break;
@@ -94,8 +111,8 @@ pub fn place(
         if let Some(node) = choice {
             let n = load.get_mut(node).expect("eligible");
             let tie = tie_break(node);
-            if by_load.remove(&(*n, tie, node)) {
-                by_load.insert((*n + 1, tie, node));
+            if by_load.remove(&(tier(node), *n, tie, node)) {
+                by_load.insert((tier(node), *n + 1, tie, node));
             }
             *n += 1;
         }
@@ -302,6 +319,45 @@ mod tests {
 
     /// A node cut off from the API server keeps what it holds and is
     /// given nothing new: it would not read it.
+    #[test]
+    fn a_node_not_yet_seen_writing_gets_a_new_service_only_when_no_other_can() {
+        let all = ["n1".to_string(), "n2".to_string(), "n3".to_string()];
+        let unproven: BTreeSet<String> = ["n1".to_string()].into();
+        let services: Vec<ServiceNeed> = (0..6).map(svc).collect();
+        // n1 holds nothing, yet gets nothing while n2 and n3 can.
+        let p = place_with(
+            &services,
+            &all,
+            &BTreeSet::new(),
+            &unproven,
+            &BTreeMap::new(),
+        );
+        assert!(p.values().all(|h| h.as_deref() != Some("n1")), "{p:?}");
+        // It keeps what it holds.
+        let current: BTreeMap<ServiceKey, String> = [(svc(0).key, "n1".to_string())].into();
+        let p = place_with(&services, &all, &BTreeSet::new(), &unproven, &current);
+        assert_eq!(p[&svc(0).key].as_deref(), Some("n1"));
+        // Alone (or the only one a Local Service may use), it gets it.
+        let p = place_with(
+            &services,
+            &all[..1],
+            &BTreeSet::new(),
+            &unproven,
+            &BTreeMap::new(),
+        );
+        assert!(p.values().all(|h| h.as_deref() == Some("n1")), "{p:?}");
+        let mut local = svc(7);
+        local.only = Some(["n1".to_string()].into());
+        let p = place_with(
+            &[local.clone()],
+            &all,
+            &BTreeSet::new(),
+            &unproven,
+            &BTreeMap::new(),
+        );
+        assert_eq!(p[&local.key].as_deref(), Some("n1"));
+    }
+
     #[test]
     fn a_keep_only_node_keeps_its_own_and_gets_nothing_new() {
         let all = nodes(&["n1", "n2", "n3"]);

@@ -46,10 +46,11 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
                 .unwrap_or_default(),
         })
         .collect();
-    let placement = placement::place(
+    let placement = placement::place_with(
         &service_needs,
         &pass.nodes.eligible,
         &pass.nodes.keep_only,
+        &pass.nodes.unproven,
         &current,
     );
     for (s, id, uplink) in &pass.needs {

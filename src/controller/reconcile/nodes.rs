@@ -16,6 +16,8 @@ pub(super) struct Nodes<'a> {
     pub(super) eligible: Vec<String>,
     /// Eligible nodes that only keep what they hold (`NodeIn::keep_only`).
     pub(super) keep_only: BTreeSet<String>,
+    /// Eligible nodes not yet seen writing (`NodeIn::unproven`).
+    pub(super) unproven: BTreeSet<String>,
     /// The interfaces the nodes report as their uplink: with the network
     /// map's, the only ones a Service may name.
     pub(super) uplinks: BTreeSet<String>,
@@ -70,6 +72,11 @@ impl<'a> Nodes<'a> {
             .filter(|o| o.eligible && o.keep_only)
             .map(|o| o.name.clone())
             .collect();
+        let unproven: BTreeSet<String> = live
+            .values()
+            .filter(|o| o.eligible && o.unproven)
+            .map(|o| o.name.clone())
+            .collect();
         let uplinks: BTreeSet<String> = live
             .values()
             .filter_map(|o| o.status.default_uplink.clone())
@@ -97,6 +104,7 @@ impl<'a> Nodes<'a> {
             lan_macs,
             eligible,
             keep_only,
+            unproven,
             uplinks,
             creates,
             deletes,

@@ -116,6 +116,10 @@ pub struct NodeIn {
     /// a new holder's takeover guard cannot hear it either. An address it
     /// reports held goes to another node only once it reports it gone.
     pub lets_go_first: bool,
+    /// Not yet seen writing by this controller (`Liveness::written`): it
+    /// keeps what it holds, and is given a new Service only when no other
+    /// node can take it.
+    pub unproven: bool,
 }
 
 impl NodeIn {
