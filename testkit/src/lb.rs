@@ -189,6 +189,23 @@ pub struct LbRig {
     pub rig: Rig,
 }
 
+/// A forwarder listening on the LAN's address in `lan_ns` to `upstream`
+/// on this machine's loopback, at a free port. The port is free on this
+/// machine's loopback, which says nothing of the LAN namespace (CI once
+/// found one taken there): a port in use there is given up for another.
+fn forward_from_lan(lan_ns: &str, upstream: u16) -> Result<(std::net::SocketAddr, Forwarder)> {
+    let mut last = None;
+    for _ in 0..5 {
+        let port = rig::apiserver::free_port()?;
+        let listen = std::net::SocketAddr::from((rig::LAN_ADDR.parse::<Ipv4Addr>()?, port));
+        match Forwarder::start_at(lan_ns, listen, upstream) {
+            Ok(f) => return Ok((listen, f)),
+            Err(e) => last = Some(e.context(format!("listening at {listen}"))),
+        }
+    }
+    Err(last.expect("tried"))
+}
+
 impl LbRig {
     /// Whether the rig was started with [`Options::wide_lan`].
     pub fn wide_lan(&self) -> bool {
@@ -274,9 +291,10 @@ impl LbRig {
         for i in 0..lb.opts.guests {
             lb.configure_uplink(i)?;
             if lb.opts.api_on_lan {
-                let port = rig::apiserver::free_port()?;
-                lb.lan_paths.push((port, None));
-                lb.open_lan_path(i)?;
+                let upstream = lb.api_upstream()?;
+                let (listen, fwd) = forward_from_lan(lb.rig.lan_ns(), upstream)
+                    .with_context(|| format!("the API server on the LAN for guest {i}"))?;
+                lb.lan_paths.push((listen.port(), Some(fwd)));
             }
             let node = lb.rig.node_name(i).to_string();
             lb.register_node(&node)?;
@@ -367,11 +385,17 @@ impl LbRig {
 
     /// Guest `i`'s way to the API server (or the fault proxy) on the LAN's
     /// address, with [`Options::api_on_lan`].
-    fn open_lan_path(&mut self, i: usize) -> Result<()> {
-        let upstream = match &self.proxy {
+    /// Where the agents' API path leads: the fault proxy, else the API
+    /// server.
+    fn api_upstream(&self) -> Result<u16> {
+        Ok(match &self.proxy {
             Some(p) => p.port(),
             None => self.rig.apiserver().context("API server")?.port(),
-        };
+        })
+    }
+
+    fn open_lan_path(&mut self, i: usize) -> Result<()> {
+        let upstream = self.api_upstream()?;
         let lan_ns = self.rig.lan_ns().to_string();
         let Some((port, fwd)) = self.lan_paths.get_mut(i) else {
             bail!("guest {i} has no path to the API server on the LAN");
@@ -404,16 +428,10 @@ impl LbRig {
             self.opts.vm_nodes.iter().any(|n| n == name),
             "{name} is not one of the rig's VM nodes (Options::vm_nodes)"
         );
-        let upstream = match &self.proxy {
-            Some(p) => p.port(),
-            None => self.rig.apiserver().context("API server")?.port(),
-        };
-        let port = rig::apiserver::free_port()?;
-        let listen = std::net::SocketAddr::from((rig::LAN_ADDR.parse::<Ipv4Addr>()?, port));
-        self.vm_paths.push(
-            Forwarder::start_at(self.rig.lan_ns(), listen, upstream)
-                .with_context(|| format!("the API server at {listen} for VM node {name}"))?,
-        );
+        let upstream = self.api_upstream()?;
+        let (listen, fwd) = forward_from_lan(self.rig.lan_ns(), upstream)
+            .with_context(|| format!("the API server on the LAN for VM node {name}"))?;
+        self.vm_paths.push(fwd);
         let api = self.rig.apiserver().context("API server")?;
         let kubeconfig =
             api.kubeconfig_via(Some(name), &format!("https://{listen}"), "via-lan-vm")?;
@@ -439,12 +457,9 @@ impl LbRig {
     /// servers) to `upstream` on this machine's loopback: another API
     /// server's port (Harvester's, for the topology relay).
     pub fn lan_path_to(&mut self, upstream: u16) -> Result<std::net::SocketAddr> {
-        let port = rig::apiserver::free_port()?;
-        let listen = std::net::SocketAddr::from((rig::LAN_ADDR.parse::<Ipv4Addr>()?, port));
-        self.vm_paths.push(
-            Forwarder::start_at(self.rig.lan_ns(), listen, upstream)
-                .with_context(|| format!("a path on the LAN at {listen} to port {upstream}"))?,
-        );
+        let (listen, fwd) = forward_from_lan(self.rig.lan_ns(), upstream)
+            .with_context(|| format!("a path on the LAN to port {upstream}"))?;
+        self.vm_paths.push(fwd);
         Ok(listen)
     }
 
