@@ -239,6 +239,23 @@ async fn held_and_written(r: &Rig, uid8: &str) -> Assignment {
     a
 }
 
+/// A membership that runs and has just heard its peers, two of its
+/// witnesses convicting.
+fn heard_now() -> crate::membership::transport::LanView {
+    use crate::contract::membership::LanReport;
+    use crate::membership::transport::{Hearing, LanView};
+    LanView {
+        report: Some(LanReport::default()),
+        has_peers: true,
+        heard_any: Some(Instant::now()),
+        hearing: Hearing {
+            convicting: 2,
+            ..Hearing::default()
+        },
+        ..LanView::default()
+    }
+}
+
 /// `heard`, but hearing none of its peers since `since`.
 fn hearing_none_since(
     heard: &crate::membership::transport::LanView,
@@ -1133,19 +1150,8 @@ async fn a_holder_that_cannot_write_for_the_fence_period_lets_go() {
 /// and does when the gateway is silent too (its port is dead).
 #[tokio::test(start_paused = true)]
 async fn the_fence_follows_the_lan_not_the_api() {
-    use crate::contract::membership::LanReport;
-    use crate::membership::transport::{Hearing, LanView};
     let r = rig();
-    let heard = LanView {
-        report: Some(LanReport::default()),
-        has_peers: true,
-        heard_any: Some(Instant::now()),
-        hearing: Hearing {
-            convicting: 2,
-            ..Hearing::default()
-        },
-        ..LanView::default()
-    };
+    let heard = heard_now();
     r.lan.send_replace(heard.clone());
     let a = held_and_written(&r, "aaaaaaaa").await;
     r.writes.fail.store(true, Ordering::SeqCst);
@@ -1208,19 +1214,8 @@ async fn the_fence_follows_the_lan_not_the_api() {
 /// never stands down.
 #[tokio::test(start_paused = true)]
 async fn fenced_then_cut_off_a_node_stands_down_until_it_reads_again() {
-    use crate::contract::membership::LanReport;
-    use crate::membership::transport::{Hearing, LanView};
     let r = rig_with_lifetime();
-    let heard = LanView {
-        report: Some(LanReport::default()),
-        has_peers: true,
-        heard_any: Some(Instant::now()),
-        hearing: Hearing {
-            convicting: 2,
-            ..Hearing::default()
-        },
-        ..LanView::default()
-    };
+    let heard = heard_now();
     r.lan.send_replace(heard.clone());
     let a = held_and_written(&r, "aaaaaaaa").await;
     let stood_down = || r.want.borrow().stood_down;
