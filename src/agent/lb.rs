@@ -947,16 +947,12 @@ impl<E: LeaseEngine> Lb<E> {
     /// watches), with a flag.
     ///
     /// A node that holds anything keeps serving when cut off, as before.
-    fn judge_stand_down(&mut self) {
+    fn judge_stand_down(&mut self, leases: &[LeaseStatus]) {
         let now = Instant::now();
         let unserved = self.spec_stale
             && !self.stopping
             && !self.wanted_interfaces().is_empty()
-            && !self
-                .engine
-                .snapshot()
-                .iter()
-                .any(|l| l.state.holds_address());
+            && !leases.iter().any(|l| l.state.holds_address());
         let stand_down = if unserved {
             let since = *self.unserved_since.get_or_insert(now);
             let due = since + STAND_DOWN_AFTER;
@@ -1094,13 +1090,14 @@ impl<E: LeaseEngine> Lb<E> {
     /// Publishes the state, and drafts the status (written when what it
     /// reports changed, and at every heartbeat); returns that status.
     fn report(&mut self) -> Status {
-        self.judge_stand_down();
+        let leases = self.engine.snapshot();
+        self.judge_stand_down(&leases);
         let node = (self.node)();
         let mut status = report(
             self.assignments.as_deref().unwrap_or_default(),
             &self.failures,
             &self.guarded,
-            &self.engine.snapshot(),
+            &leases,
             &node,
             self.swept.is_some(),
         );
