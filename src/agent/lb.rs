@@ -86,7 +86,7 @@ const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 const OUT_OF_TOUCH_AFTER: Duration = Duration::from_secs(2);
 /// How long a node may hold none of the addresses its assignments want,
 /// unable to read them again, before it stands down on the LAN
-/// ([`Lb::judge_stand_down`]): longer than a read takes when the API
+/// (`Lb::judge_stand_down`): longer than a read takes when the API
 /// server answers (well under a second), so a node whose reads succeed
 /// never stands down.
 pub const STAND_DOWN_AFTER: Duration = Duration::from_secs(2);
