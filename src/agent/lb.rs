@@ -529,6 +529,14 @@ impl<E: LeaseEngine> Lb<E> {
             }
         };
         let changed = self.assignments.as_ref() != Some(&next);
+        tracing::debug!(
+            object = %self.settings.object,
+            assignments = next.len(),
+            changed,
+            current,
+            stale = self.spec_stale,
+            "assignments read"
+        );
         self.assignments = Some(next);
         let read_again = current && std::mem::replace(&mut self.spec_stale, false);
         changed || read_again || self.swept.is_none()
@@ -841,6 +849,9 @@ impl<E: LeaseEngine> Lb<E> {
         self.failures = failures;
         // Not failures to retry: the carrier's return starts a round.
         let retry_for_failures = !self.failures.is_empty();
+        if !cut_off.is_empty() {
+            tracing::debug!(object = %self.settings.object, held_back = ?cut_off, "assignments not taken over this round");
+        }
         self.failures.extend(cut_off);
         let failed_retry = retry_for_failures.then(|| Instant::now() + self.backoff);
         self.backoff = if retry_for_failures {

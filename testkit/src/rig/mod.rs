@@ -565,6 +565,16 @@ impl Rig {
     /// reaches its new port only once it sends from there. VMs' taps go on
     /// the bridge ([`crate::vm::node::Host`]). `name`: at most 12
     /// characters.
+    ///
+    /// The host's bridge is only a switch: it has no address and answers
+    /// no ARP (`arp_ignore=8`, IPv6 off). It shares the LAN namespace with
+    /// the LAN's own addresses (gateway, API server paths), and Linux
+    /// answers ARP for any address of its namespace on any interface: a
+    /// VM asking for the gateway after a migration was answered first by
+    /// its new host's bridge, sent the gateway's traffic into that bridge
+    /// (never across the switch, which so never learned the VM's NIC on
+    /// its new port) and got the answers on the old port: no new
+    /// connection for as long as the switch remembered (CI, 1 in 3 runs).
     pub fn add_host_bridge(&self, name: &str) -> Result<()> {
         if name.len() > 12 {
             bail!("host bridge name {name:?} is longer than 12 characters");
@@ -591,6 +601,23 @@ impl Rig {
                 "ageing_time",
                 "30000",
             ])?;
+            let (arp, v6) = (
+                format!("net.ipv4.conf.{name}.arp_ignore=8"),
+                format!("net.ipv6.conf.{name}.disable_ipv6=1"),
+            );
+            run_args(
+                "ip",
+                [
+                    "netns",
+                    "exec",
+                    ns.as_str(),
+                    "sysctl",
+                    "-q",
+                    "-w",
+                    arp.as_str(),
+                    v6.as_str(),
+                ],
+            )?;
             ip(&["link", "add", &up, "type", "veth", "peer", "name", &sw])?;
             ip(&["link", "set", &up, "master", name])?;
             ip(&["link", "set", &sw, "master", "br0"])?;
