@@ -32,6 +32,15 @@ const GUARDED: &str = "GUARDED";
 /// its status does not list it at all, so the node has not read its
 /// assignment (cut off from the API server, its watch broken). Agents
 /// list a new assignment within about a second.
+///
+/// A listing counts only from a status written after the assignment was
+/// given: a node cut off from the API server keeps the status it last
+/// wrote, leases and all, and one that held the Service before it was
+/// cut off still lists it. The fault soak saw a Service given back to
+/// such a node after an API server outage wait 24 s unserved, its
+/// 53-second-old status taken for a reading of the new assignment.
+/// (Assignments already there at the first look are not "given": a new
+/// leader does not know when they were.)
 const UNREAD: &str = "UNREAD";
 /// How long an assignment may go unlisted before its node is avoided for
 /// it: a node cut off from the API server looks fresh for up to the
@@ -52,6 +61,16 @@ pub struct ServiceHealth {
     since: BTreeMap<(String, String), (&'static str, Instant)>,
     /// `(service, node)`: avoided until then.
     avoided: BTreeMap<(String, String), Instant>,
+    /// Per node: the heartbeat of its status as last seen, and when (our
+    /// clock) it was first seen changed; `None` before any change.
+    written: BTreeMap<String, (Option<String>, Option<Instant>)>,
+    /// The assignments of the last look, `(service, node)`.
+    assigned: BTreeSet<(String, String)>,
+    /// `(service, node)`: assignments that appeared after the first look,
+    /// with when, until a status written since lists them.
+    given: BTreeMap<(String, String), Instant>,
+    /// Whether `observe` ran before.
+    looked: bool,
 }
 
 impl ServiceHealth {
@@ -62,6 +81,10 @@ impl ServiceHealth {
             avoid_for,
             since: BTreeMap::new(),
             avoided: BTreeMap::new(),
+            written: BTreeMap::new(),
+            assigned: BTreeSet::new(),
+            given: BTreeMap::new(),
+            looked: false,
         }
     }
 
@@ -84,12 +107,40 @@ impl ServiceHealth {
             }
         }
         let mut seen = BTreeSet::new();
+        let mut assigned = BTreeSet::new();
+        let mut nodes = BTreeSet::new();
         for (node, spec, status) in reports {
+            nodes.insert(node.to_string());
+            let written = match self.written.get_mut(node) {
+                Some((heartbeat, at)) => {
+                    if *heartbeat != status.heartbeat {
+                        heartbeat.clone_from(&status.heartbeat);
+                        *at = Some(now);
+                    }
+                    *at
+                }
+                None => {
+                    self.written
+                        .insert(node.to_string(), (status.heartbeat.clone(), None));
+                    None
+                }
+            };
             for a in spec.assignments.iter().filter(|a| !a.release) {
-                if status.leases.iter().any(|l| l.interface == a.interface) {
+                let key = (a.service.clone(), node.to_string());
+                assigned.insert(key.clone());
+                if self.looked && !self.assigned.contains(&key) {
+                    self.given.entry(key.clone()).or_insert(now);
+                }
+                let listed = status.leases.iter().any(|l| l.interface == a.interface);
+                let read = listed
+                    && self
+                        .given
+                        .get(&key)
+                        .is_none_or(|given| written.is_some_and(|w| w >= *given));
+                if read {
+                    self.given.remove(&key);
                     continue;
                 }
-                let key = (a.service.clone(), node.to_string());
                 let entry = self.since.entry(key.clone()).or_insert((UNREAD, now));
                 if entry.0 != UNREAD {
                     *entry = (UNREAD, now);
@@ -122,6 +173,10 @@ impl ServiceHealth {
             }
         }
         self.since.retain(|k, _| seen.contains(k));
+        self.given.retain(|k, _| assigned.contains(k));
+        self.written.retain(|n, _| nodes.contains(n));
+        self.assigned = assigned;
+        self.looked = true;
         self.avoided.retain(|_, until| *until > now);
         let mut out = Avoid::new();
         for (service, node) in self.avoided.keys() {
@@ -311,6 +366,49 @@ mod tests {
             )
             .is_empty()
         );
+    }
+
+    /// A status written before the assignment was given, still listing
+    /// the lease from an earlier hold (its node cut off from the API
+    /// server since), is no reading of it: the node is avoided after
+    /// `UNREAD_AFTER`. A status written since, listing it, is.
+    #[test]
+    fn a_listing_older_than_the_assignment_is_no_reading_of_it() {
+        let listed = |heartbeat: &str| Status {
+            heartbeat: Some(heartbeat.into()),
+            leases: vec![LeaseReport {
+                service: "default/web".into(),
+                interface: "hlb-3f2a9c1e".into(),
+                state: "BOUND".into(),
+                ..LeaseReport::default()
+            }],
+            ..Status::default()
+        };
+        let (spec, none) = (web_assigned(), Spec::default());
+        let t0 = Instant::now();
+        let given = t0 + Duration::from_secs(40);
+        for written_since in [false, true] {
+            let mut h = health();
+            // Held, then moved away; its node cut off since.
+            assert!(
+                h.observe([("node-3", &none, &listed("t0"))], t0, true)
+                    .is_empty()
+            );
+            assert!(
+                h.observe([("node-3", &spec, &listed("t0"))], given, true)
+                    .is_empty()
+            );
+            assert_eq!(h.next_deadline(), Some(given + UNREAD_AFTER));
+            let now = listed(if written_since { "t1" } else { "t0" });
+            let t1 = given + Duration::from_secs(1);
+            assert!(h.observe([("node-3", &spec, &now)], t1, true).is_empty());
+            let avoid = h.observe([("node-3", &spec, &now)], given + UNREAD_AFTER, true);
+            assert_eq!(
+                avoid.contains_key("default/web"),
+                !written_since,
+                "written since: {written_since}"
+            );
+        }
     }
 
     /// The node objects' watch failed (an API server outage): the view is

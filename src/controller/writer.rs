@@ -573,6 +573,11 @@ pub async fn execute<R: Requests>(
             if !backoff.ready(&object, tokio::time::Instant::now())
                 || (retry && retries >= WriteBackoff::RETRIES_PER_PASS)
             {
+                tracing::debug!(
+                    kind,
+                    object,
+                    "write held back: its object waits out a failure"
+                );
                 out.deferred += 1;
                 failed.extend(w.services().into_iter().cloned());
                 continue;
@@ -582,6 +587,12 @@ pub async fn execute<R: Requests>(
             }
             let version = version_of(&object).unwrap_or_default();
             if memo.already_sent(w, &version) {
+                tracing::debug!(
+                    kind,
+                    object,
+                    version,
+                    "write not sent again: sent at this version before"
+                );
                 continue;
             }
             go.push((w, object, version));
@@ -603,7 +614,13 @@ pub async fn execute<R: Requests>(
             .buffered(WRITES_IN_FLIGHT)
             .collect()
             .await;
-        tracing::debug!(kind, n = results.len(), took = ?began.elapsed(), "writes sent");
+        tracing::debug!(
+            kind,
+            n = results.len(),
+            to = ?go.iter().map(|(_, o, _)| o.as_str()).collect::<Vec<_>>(),
+            took = ?began.elapsed(),
+            "writes sent"
+        );
         let sent = go.into_iter().zip(results);
         for ((w, object, version), result) in sent {
             match result {
