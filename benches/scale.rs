@@ -625,6 +625,7 @@ async fn sim_node(
 
     let mac = format!("52:54:00:{:02x}:{:02x}:01", index / 256, index % 256);
     let mut assignments: Option<Vec<Assignment>> = None;
+    let mut observed: Option<i64> = None;
     let mut leases: BTreeMap<String, SimLease> = BTreeMap::new();
     let far = Instant::now() + Duration::from_secs(86_400 * 365);
     let mut bind_due: Option<Instant> = None;
@@ -636,7 +637,8 @@ async fn sim_node(
         let mut changed = false;
         tokio::select! {
             u = specs.recv() => match u {
-                Some(SpecRead { update: Update::Present(spec), .. }) => {
+                Some(SpecRead { update: Update::Present(spec), generation, .. }) => {
+                    observed = observed.max(generation);
                     let now = Instant::now();
                     let wanted: BTreeMap<&str, &Assignment> = spec
                         .assignments
@@ -701,13 +703,18 @@ async fn sim_node(
             }
         }
         if changed && assignments.is_some() {
-            writes.draft(status(&leases, &mac, &lan.borrow()));
+            writes.draft(status(&leases, &mac, &lan.borrow(), observed));
         }
     }
 }
 
 /// The status as the agent drafts it (`agent::lb::report`'s shape).
-fn status(leases: &BTreeMap<String, SimLease>, mac: &str, lan: &LanReport) -> Status {
+fn status(
+    leases: &BTreeMap<String, SimLease>,
+    mac: &str,
+    lan: &LanReport,
+    observed_generation: Option<i64>,
+) -> Status {
     let reports: Vec<LeaseReport> = leases
         .iter()
         .map(|(interface, l)| LeaseReport {
@@ -733,6 +740,7 @@ fn status(leases: &BTreeMap<String, SimLease>, mac: &str, lan: &LanReport) -> St
         heartbeat: None,
         heartbeat_period_ms: Some(HEARTBEAT.as_millis() as u64),
         restart_grace_ms: None,
+        observed_generation,
         ready: true,
         reason: "Ready".into(),
         macvlan_ready: true,

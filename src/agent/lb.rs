@@ -260,6 +260,8 @@ struct Lb<E: LeaseEngine> {
     /// The watch of this node's object failed and has not read it since:
     /// the assignments known are as they were before.
     spec_stale: bool,
+    /// The newest `metadata.generation` of this node's object read.
+    read_generation: Option<i64>,
     /// Whether the last status write's failure was logged.
     write_error_logged: bool,
     /// How each lease this loop started was started (parent, identity), so
@@ -332,6 +334,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         touched: None,
         out_of_touch: false,
         spec_stale: false,
+        read_generation: None,
         write_error_logged: false,
         started: BTreeMap::new(),
         lan,
@@ -500,6 +503,9 @@ impl<E: LeaseEngine> Lb<E> {
         // (queued, or a connection that stalled and caught up) is news,
         // but not the fresh read that lets this node take over again.
         let current = read.listed >= *self.relist.borrow();
+        // Never backwards: a watch begun before a relist may still deliver
+        // an older object.
+        self.read_generation = self.read_generation.max(read.generation);
         let next = match read.update {
             Update::Present(spec) => {
                 self.read = "watching".into();
@@ -1120,6 +1126,7 @@ impl<E: LeaseEngine> Lb<E> {
             status.reason = why.clone();
         }
         status.heartbeat_period_ms = u64::try_from(self.settings.heartbeat.as_millis()).ok();
+        status.observed_generation = self.read_generation;
         status.lan = self.lan.view.borrow().report.clone();
         self.writes.draft(status.clone());
         let write_error = self.writes.written().error;
@@ -1332,6 +1339,7 @@ pub fn report(
         heartbeat: None,
         heartbeat_period_ms: None,
         restart_grace_ms: None,
+        observed_generation: None,
         ready,
         reason,
         macvlan_ready: node.macvlan_ready,
@@ -1434,13 +1442,20 @@ fn failed(e: &kube::Error) -> super::delivery::Failed {
 #[derive(Debug)]
 pub struct SpecRead {
     pub listed: u64,
+    /// The object's `metadata.generation` (its spec's version), echoed in
+    /// `status.observedGeneration`.
+    pub generation: Option<i64>,
     pub update: Update<Spec>,
 }
 
 impl From<Update<Spec>> for SpecRead {
     /// From the first watch, before any ask.
     fn from(update: Update<Spec>) -> SpecRead {
-        SpecRead { listed: 0, update }
+        SpecRead {
+            listed: 0,
+            generation: None,
+            update,
+        }
     }
 }
 
@@ -1468,6 +1483,10 @@ pub async fn follow(
                 tx.clone(),
                 move |u| SpecRead {
                     listed,
+                    generation: match &u {
+                        Update::Present(o) => o.metadata.generation,
+                        _ => None,
+                    },
                     update: match u {
                         Update::Present(o) => Update::Present(o.spec),
                         Update::Absent => Update::Absent,

@@ -812,6 +812,54 @@ fn the_report_without_macvlan_or_uplink_says_why() {
     assert!(s.leases.is_empty(), "a release not running is done");
 }
 
+/// Every read of the node's object is echoed in the next status as
+/// `observedGeneration`, so the controller can tell a status written after
+/// an assignment was read from one written before (a node cut off keeps
+/// its last status); never backwards when an older watch's read comes
+/// late.
+#[tokio::test(start_paused = true)]
+async fn the_status_says_which_generation_of_the_object_it_read() {
+    let r = rig();
+    let a = assignment("aaaaaaaa");
+    r.tx.send(SpecRead {
+        generation: Some(4),
+        ..spec(std::slice::from_ref(&a))
+    })
+    .await
+    .unwrap();
+    until("generation 4 reported with the lease listed", || {
+        r.writes
+            .last()
+            .is_some_and(|s| s.observed_generation == Some(4) && s.leases.len() == 1)
+    })
+    .await;
+    r.tx.send(SpecRead {
+        generation: Some(3),
+        ..spec(std::slice::from_ref(&a))
+    })
+    .await
+    .unwrap();
+    r.tx.send(SpecRead {
+        generation: Some(5),
+        ..spec(&[])
+    })
+    .await
+    .unwrap();
+    until("generation 5 reported", || {
+        r.writes
+            .last()
+            .is_some_and(|s| s.observed_generation == Some(5))
+    })
+    .await;
+    assert!(
+        r.writes
+            .all()
+            .iter()
+            .all(|(_, s)| s.observed_generation != Some(3)),
+        "never backwards"
+    );
+}
+
 /// Issue #29: a restart leaves every address on its link for the grace
 /// (the engine detaches, nothing is stopped), and the last status still
 /// reports them held, ready, with the grace the controller waits for.

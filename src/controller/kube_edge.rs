@@ -155,6 +155,7 @@ pub fn node_in(o: &LoadBalancerNode, eligible: bool) -> Option<NodeIn> {
         keep_only: false,
         unproven: false,
         lets_go_first: false,
+        generation: o.metadata.generation,
     })
 }
 

@@ -362,9 +362,12 @@ async fn reconcile_loop(
             objects_from(&caches, &mut alive, &mut slow_warned, &mut let_go, now)
         };
         let avoid = health.observe(
-            objects
-                .iter()
-                .map(|o| (o.name.as_str(), &o.spec, &o.status)),
+            objects.iter().map(|o| service_health::Report {
+                node: &o.name,
+                spec: &o.spec,
+                generation: o.generation,
+                status: &o.status,
+            }),
             now,
             caches.node_objects_generation.current(),
         );

@@ -33,14 +33,16 @@ const GUARDED: &str = "GUARDED";
 /// assignment (cut off from the API server, its watch broken). Agents
 /// list a new assignment within about a second.
 ///
-/// A listing counts only from a status written after the assignment was
-/// given: a node cut off from the API server keeps the status it last
-/// wrote, leases and all, and one that held the Service before it was
-/// cut off still lists it. The fault soak saw a Service given back to
-/// such a node after an API server outage wait 24 s unserved, its
-/// 53-second-old status taken for a reading of the new assignment.
-/// (Assignments already there at the first look are not "given": a new
-/// leader does not know when they were.)
+/// A listing counts only from a status written after the agent read the
+/// assignment: its `observedGeneration` at least the generation of the
+/// node object that first carried it. A node cut off from the API server
+/// keeps the status it last wrote, leases and all, and one that held the
+/// Service before it was cut off still lists it. The fault soak saw a
+/// Service given back to such a node after an API server outage wait
+/// 21-24 s unserved, a 53-second-old status taken for a reading of the
+/// new assignment. (An older agent reports no `observedGeneration`: any
+/// listing counts. Assignments already there at the first look count as
+/// given before it: a new leader does not know when they were.)
 const UNREAD: &str = "UNREAD";
 /// How long an assignment may go unlisted before its node is avoided for
 /// it: a node cut off from the API server looks fresh for up to the
@@ -50,6 +52,29 @@ pub const UNREAD_AFTER: Duration = Duration::from_secs(3);
 
 /// The nodes to avoid per Service (`namespace/name`).
 pub type Avoid = BTreeMap<String, BTreeSet<String>>;
+
+/// One node object as [`ServiceHealth::observe`] reads it.
+#[derive(Debug, Clone, Copy)]
+pub struct Report<'a> {
+    pub node: &'a str,
+    pub spec: &'a Spec,
+    /// The object's `metadata.generation` (its spec's version).
+    pub generation: Option<i64>,
+    pub status: &'a Status,
+}
+
+/// Without a generation: the listing rule alone (an assignment present at
+/// the first look, or an object the API server gave no generation).
+impl<'a> From<(&'a str, &'a Spec, &'a Status)> for Report<'a> {
+    fn from((node, spec, status): (&'a str, &'a Spec, &'a Status)) -> Self {
+        Report {
+            node,
+            spec,
+            generation: None,
+            status,
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct ServiceHealth {
@@ -61,14 +86,12 @@ pub struct ServiceHealth {
     since: BTreeMap<(String, String), (&'static str, Instant)>,
     /// `(service, node)`: avoided until then.
     avoided: BTreeMap<(String, String), Instant>,
-    /// Per node: the heartbeat of its status as last seen, and when (our
-    /// clock) it was first seen changed; `None` before any change.
-    written: BTreeMap<String, (Option<String>, Option<Instant>)>,
     /// The assignments of the last look, `(service, node)`.
     assigned: BTreeSet<(String, String)>,
     /// `(service, node)`: assignments that appeared after the first look,
-    /// with when, until a status written since lists them.
-    given: BTreeMap<(String, String), Instant>,
+    /// with the generation of the node object that first carried them,
+    /// until a status that read it lists them.
+    given: BTreeMap<(String, String), i64>,
     /// Whether `observe` ran before.
     looked: bool,
 }
@@ -81,7 +104,6 @@ impl ServiceHealth {
             avoid_for,
             since: BTreeMap::new(),
             avoided: BTreeMap::new(),
-            written: BTreeMap::new(),
             assigned: BTreeSet::new(),
             given: BTreeMap::new(),
             looked: false,
@@ -95,9 +117,9 @@ impl ServiceHealth {
     /// the view moves again. The fault soak saw Services moved off nodes
     /// that served them, on a view 16 s old whose unlisted assignments and
     /// guarded leases had aged through an outage.
-    pub fn observe<'a>(
+    pub fn observe<'a, R: Into<Report<'a>>>(
         &mut self,
-        reports: impl IntoIterator<Item = (&'a str, &'a Spec, &'a Status)>,
+        reports: impl IntoIterator<Item = R>,
         now: Instant,
         current: bool,
     ) -> Avoid {
@@ -108,35 +130,28 @@ impl ServiceHealth {
         }
         let mut seen = BTreeSet::new();
         let mut assigned = BTreeSet::new();
-        let mut nodes = BTreeSet::new();
-        for (node, spec, status) in reports {
-            nodes.insert(node.to_string());
-            let written = match self.written.get_mut(node) {
-                Some((heartbeat, at)) => {
-                    if *heartbeat != status.heartbeat {
-                        heartbeat.clone_from(&status.heartbeat);
-                        *at = Some(now);
-                    }
-                    *at
-                }
-                None => {
-                    self.written
-                        .insert(node.to_string(), (status.heartbeat.clone(), None));
-                    None
-                }
-            };
+        for Report {
+            node,
+            spec,
+            generation,
+            status,
+        } in reports.into_iter().map(Into::into)
+        {
             for a in spec.assignments.iter().filter(|a| !a.release) {
                 let key = (a.service.clone(), node.to_string());
                 assigned.insert(key.clone());
-                if self.looked && !self.assigned.contains(&key) {
-                    self.given.entry(key.clone()).or_insert(now);
+                if let Some(g) = generation
+                    && self.looked
+                    && !self.assigned.contains(&key)
+                {
+                    self.given.entry(key.clone()).or_insert(g);
                 }
                 let listed = status.leases.iter().any(|l| l.interface == a.interface);
                 let read = listed
                     && self
                         .given
                         .get(&key)
-                        .is_none_or(|given| written.is_some_and(|w| w >= *given));
+                        .is_none_or(|given| status.observed_generation.is_none_or(|o| o >= *given));
                 if read {
                     self.given.remove(&key);
                     continue;
@@ -174,7 +189,6 @@ impl ServiceHealth {
         }
         self.since.retain(|k, _| seen.contains(k));
         self.given.retain(|k, _| assigned.contains(k));
-        self.written.retain(|n, _| nodes.contains(n));
         self.assigned = assigned;
         self.looked = true;
         self.avoided.retain(|_, until| *until > now);
@@ -368,14 +382,16 @@ mod tests {
         );
     }
 
-    /// A status written before the assignment was given, still listing
-    /// the lease from an earlier hold (its node cut off from the API
-    /// server since), is no reading of it: the node is avoided after
-    /// `UNREAD_AFTER`. A status written since, listing it, is.
+    /// A status the agent wrote before it read the assignment, still
+    /// listing the lease from an earlier hold (its node cut off from the
+    /// API server since), is no reading of it: the node is avoided after
+    /// `UNREAD_AFTER`. One written after the read (its
+    /// `observedGeneration` caught up) is; so is any listing of an agent
+    /// that reports no generation (older agents).
     #[test]
     fn a_listing_older_than_the_assignment_is_no_reading_of_it() {
-        let listed = |heartbeat: &str| Status {
-            heartbeat: Some(heartbeat.into()),
+        let listed = |observed: Option<i64>| Status {
+            observed_generation: observed,
             leases: vec![LeaseReport {
                 service: "default/web".into(),
                 interface: "hlb-3f2a9c1e".into(),
@@ -385,28 +401,40 @@ mod tests {
             ..Status::default()
         };
         let (spec, none) = (web_assigned(), Spec::default());
+        fn report<'a>(spec: &'a Spec, generation: i64, status: &'a Status) -> Report<'a> {
+            Report {
+                node: "node-3",
+                spec,
+                generation: Some(generation),
+                status,
+            }
+        }
         let t0 = Instant::now();
         let given = t0 + Duration::from_secs(40);
-        for written_since in [false, true] {
+        for (now, avoided) in [
+            (listed(Some(1)), true),
+            (listed(Some(2)), false),
+            (listed(None), false),
+        ] {
             let mut h = health();
-            // Held, then moved away; its node cut off since.
-            assert!(
-                h.observe([("node-3", &none, &listed("t0"))], t0, true)
-                    .is_empty()
-            );
-            assert!(
-                h.observe([("node-3", &spec, &listed("t0"))], given, true)
-                    .is_empty()
-            );
+            // Held at generation 1, moved away at 2 (its node cut off
+            // since: its status still says 1), given back at 3.
+            let old = listed(Some(1));
+            assert!(h.observe([report(&none, 2, &old)], t0, true).is_empty());
+            assert!(h.observe([report(&spec, 3, &old)], given, true).is_empty());
             assert_eq!(h.next_deadline(), Some(given + UNREAD_AFTER));
-            let now = listed(if written_since { "t1" } else { "t0" });
+            let now = Status {
+                observed_generation: now.observed_generation.map(|g| g + 1),
+                ..now
+            };
             let t1 = given + Duration::from_secs(1);
-            assert!(h.observe([("node-3", &spec, &now)], t1, true).is_empty());
-            let avoid = h.observe([("node-3", &spec, &now)], given + UNREAD_AFTER, true);
+            assert!(h.observe([report(&spec, 3, &now)], t1, true).is_empty());
+            let avoid = h.observe([report(&spec, 3, &now)], given + UNREAD_AFTER, true);
             assert_eq!(
                 avoid.contains_key("default/web"),
-                !written_since,
-                "written since: {written_since}"
+                avoided,
+                "observed generation {:?}",
+                now.observed_generation
             );
         }
     }

@@ -262,6 +262,7 @@ fn full_status() -> node_object::Status {
         heartbeat: Some("2026-11-22T17:00:00Z".into()),
         heartbeat_period_ms: Some(1000),
         restart_grace_ms: Some(15_000),
+        observed_generation: Some(7),
         ready: true,
         reason: "Ready".into(),
         macvlan_ready: true,

@@ -171,6 +171,16 @@ pub mod node_object {
         /// and its next run adopts the links.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub restart_grace_ms: Option<u64>,
+        /// The `metadata.generation` of this object whose spec the agent
+        /// had read when it wrote this status. The controller counts an
+        /// assignment as read only from a status whose
+        /// `observedGeneration` is at least the generation that first
+        /// carried it: a node cut off from the API server keeps the status
+        /// it last wrote, leases and all, and one that held a Service
+        /// before still lists it there. An older agent writes none; the
+        /// controller then counts any listing.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub observed_generation: Option<i64>,
         /// The agent can hold addresses: macvlan usable and, if set, the
         /// default uplink present.
         #[serde(default)]

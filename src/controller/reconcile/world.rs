@@ -120,6 +120,9 @@ pub struct NodeIn {
     /// keeps what it holds, and is given a new Service only when no other
     /// node can take it.
     pub unproven: bool,
+    /// The object's `metadata.generation`: the version of its spec, which
+    /// the agent echoes in `status.observedGeneration` once it read it.
+    pub generation: Option<i64>,
 }
 
 impl NodeIn {
