@@ -503,9 +503,14 @@ impl<E: LeaseEngine> Lb<E> {
         // (queued, or a connection that stalled and caught up) is news,
         // but not the fresh read that lets this node take over again.
         let current = read.listed >= *self.relist.borrow();
-        // Never backwards: a watch begun before a relist may still deliver
-        // an older object.
-        self.read_generation = self.read_generation.max(read.generation);
+        // As read, not the highest seen: reads come in order (a relist
+        // waits for the old watch to end), and a deleted and recreated
+        // object starts again at 1.
+        match &read.update {
+            Update::Present(_) => self.read_generation = read.generation,
+            Update::Absent => self.read_generation = None,
+            Update::Failed(_) => {}
+        }
         let next = match read.update {
             Update::Present(spec) => {
                 self.read = "watching".into();

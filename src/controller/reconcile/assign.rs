@@ -110,7 +110,7 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
                             && pass.nodes.eligible.contains(old)
                         {
                             format!(
-                                "holder moved from {old} (its lease stayed FAILED or GUARDED: it could not serve this Service) to {h}"
+                                "holder moved from {old} (it did not read the assignment within 3 s, or its lease stayed FAILED or GUARDED: it could not serve this Service) to {h}"
                             )
                         } else if s.local_endpoints.as_ref().is_some_and(|l| !l.contains(old)) {
                             format!(
