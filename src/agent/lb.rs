@@ -260,7 +260,8 @@ struct Lb<E: LeaseEngine> {
     /// The watch of this node's object failed and has not read it since:
     /// the assignments known are as they were before.
     spec_stale: bool,
-    /// The newest `metadata.generation` of this node's object read.
+    /// The `metadata.generation` of this node's object as last read
+    /// (`status.observedGeneration`).
     read_generation: Option<i64>,
     /// Whether the last status write's failure was logged.
     write_error_logged: bool,
