@@ -405,7 +405,7 @@ fn migrate_a_holder(nic: NicModel) -> Result<()> {
                         .unwrap_or_default()
                 };
                 format!(
-                    "the switch's record of the VM's NIC {VM_MAC} (from the switchover): {:?}; LAN neighbours:\n{}\nconsole:\n{}",
+                    "the switch's record of the VM's NIC {VM_MAC} (times from the switchover): {:?}; LAN neighbours:\n{}\nconsole:\n{}",
                     fdb.events()
                         .into_iter()
                         .filter(|(_, l)| l.starts_with(VM_MAC))

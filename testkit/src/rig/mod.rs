@@ -574,7 +574,8 @@ impl Rig {
     /// its new host's bridge, sent the gateway's traffic into that bridge
     /// (never across the switch, which so never learned the VM's NIC on
     /// its new port) and got the answers on the old port: no new
-    /// connection for as long as the switch remembered (CI, 1 in 3 runs).
+    /// connection for as long as the switch remembered (2 of 4 runs here,
+    /// and CI).
     pub fn add_host_bridge(&self, name: &str) -> Result<()> {
         if name.len() > 12 {
             bail!("host bridge name {name:?} is longer than 12 characters");
