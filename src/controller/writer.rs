@@ -7,8 +7,10 @@
 //! [`Requests`] (the API edge, or a recording fake in tests), stops writing
 //! the moment leadership lapses, and skips a Service's later writes when
 //! an earlier one for it failed (its status before its annotations, its
-//! release before its finalizer).
+//! release before its finalizer); a node's spec write then goes without
+//! that Service's changes ([`Write::without`]).
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use serde_json::{Value, json};
@@ -562,13 +564,13 @@ pub async fn execute<R: Requests>(
         let wave = &plan.writes[next..wave_end];
         next = wave_end;
         // Which of the wave go, decided in order.
-        let mut go: Vec<(&Write, String, String)> = Vec::new();
+        let mut go: Vec<(Cow<'_, Write>, String, String)> = Vec::new();
         for w in wave {
-            if w.services().iter().any(|s| failed.contains(*s)) {
+            let Some(w) = w.without(&failed) else {
                 out.skipped += 1;
                 continue;
-            }
-            let object = target(w);
+            };
+            let object = target(&w);
             let retry = backoff.is_retry(&object);
             if !backoff.ready(&object, tokio::time::Instant::now())
                 || (retry && retries >= WriteBackoff::RETRIES_PER_PASS)
@@ -586,7 +588,7 @@ pub async fn execute<R: Requests>(
                 retries += 1;
             }
             let version = version_of(&object).unwrap_or_default();
-            if memo.already_sent(w, &version) {
+            if memo.already_sent(&w, &version) {
                 tracing::debug!(
                     kind,
                     object,
@@ -629,9 +631,9 @@ pub async fn execute<R: Requests>(
                         versions.insert(object.clone(), v);
                     }
                     backoff.succeeded(&object);
-                    memo.record(w, &version);
+                    memo.record(&w, &version);
                     *out.writes.entry(w.kind()).or_default() += 1;
-                    if let Write::EnsureNodeAccess(n) = w {
+                    if let Write::EnsureNodeAccess(n) = &*w {
                         out.access_ensured.insert(n.clone());
                     }
                 }
@@ -691,6 +693,9 @@ mod tests {
         preconditions: Mutex<Vec<Option<String>>>,
         events: Mutex<Vec<EventOut>>,
         fail: Mutex<Option<(Kind, Option<&'static str>)>>,
+        /// Refuses every write to the object of this name (a webhook
+        /// scoped to one Service).
+        refuse: Mutex<Option<&'static str>>,
     }
 
     impl Requests for Recording {
@@ -699,7 +704,9 @@ mod tests {
             r: &Request,
             precondition: Option<&str>,
         ) -> Result<Option<String>, SendError> {
-            if *self.fail.lock().unwrap() == Some((r.kind, r.subresource)) {
+            if *self.fail.lock().unwrap() == Some((r.kind, r.subresource))
+                || *self.refuse.lock().unwrap() == Some(r.name.as_str())
+            {
                 return Err("injected".into());
             }
             let mut sent = self.sent.lock().unwrap();
@@ -920,6 +927,109 @@ mod tests {
         assert_eq!(memory.backoff.waiting(), 0);
     }
 
+    fn assignment(service: &str) -> node_object::Assignment {
+        node_object::Assignment {
+            service: format!("default/{service}"),
+            uid: format!("uid-{service}"),
+            interface: format!("hlb-{service}"),
+            mac: "02:00:00:00:00:01".into(),
+            ..Default::default()
+        }
+    }
+
+    fn assignments(spec: &[Request]) -> Vec<String> {
+        spec.iter()
+            .filter(|r| r.kind == Kind::LoadBalancerNode)
+            .flat_map(|r| {
+                let Verb::Patch(_, body) = &r.verb else {
+                    panic!("{r:?}")
+                };
+                body["spec"]["assignments"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|a| a["service"].as_str().unwrap().to_string())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// Issue #29: a new Service (`late`) is placed on n2 in the same pass
+    /// as `web`, whose holder died, moves there. A webhook refuses every
+    /// write of `late`, its finalizer first: n2's spec still takes `web`
+    /// (and keeps what it had), and only `late`'s later writes wait.
+    #[tokio::test]
+    async fn a_refused_new_service_does_not_hold_back_a_failover_to_the_same_node() {
+        let api = Recording::default();
+        *api.refuse.lock().unwrap() = Some("late");
+        let mut plan = Plan {
+            writes: vec![
+                Write::AddFinalizer(key("late")),
+                Write::SetSpec {
+                    node: "n2".into(),
+                    spec: Spec {
+                        assignments: vec![
+                            assignment("kept"),
+                            assignment("late"),
+                            assignment("web"),
+                        ],
+                        ..Spec::default()
+                    },
+                    services: vec![key("late"), key("web")],
+                    before: vec![assignment("kept")],
+                },
+            ],
+            ..Plan::default()
+        };
+        plan.writes.extend(served("web").writes);
+        plan.writes.extend(served("late").writes);
+        let mut memory = Memory::default();
+        let out = run(&api, &plan, &mut memory).await;
+        assert_eq!(out.errors.len(), 1, "late's finalizer only: {out:?}");
+        let sent = api.sent.lock().unwrap().clone();
+        assert_eq!(
+            assignments(&sent),
+            ["default/kept", "default/web"],
+            "web moved to n2 without late: {sent:?}"
+        );
+        assert!(
+            sent.iter()
+                .any(|r| r.name == "web" && r.subresource == Some("status")),
+            "web's status followed its holder: {sent:?}"
+        );
+        assert!(
+            sent.iter().all(|r| r.name != "late"),
+            "late's writes after its finalizer waited: {sent:?}"
+        );
+        assert_eq!(out.skipped, 3, "late's status, annotations, finalizer");
+    }
+
+    /// A Service held back whose only change on a node was being placed
+    /// there: nothing is left to write to that node.
+    #[tokio::test]
+    async fn a_spec_write_with_only_a_held_back_service_is_not_sent() {
+        let api = Recording::default();
+        *api.refuse.lock().unwrap() = Some("late");
+        let plan = Plan {
+            writes: vec![
+                Write::AddFinalizer(key("late")),
+                Write::SetSpec {
+                    node: "n2".into(),
+                    spec: Spec {
+                        assignments: vec![assignment("kept"), assignment("late")],
+                        ..Spec::default()
+                    },
+                    services: vec![key("late")],
+                    before: vec![assignment("kept")],
+                },
+            ],
+            ..Plan::default()
+        };
+        let out = run(&api, &plan, &mut Memory::default()).await;
+        assert_eq!((out.errors.len(), out.skipped), (1, 1), "{out:?}");
+        assert!(api.sent.lock().unwrap().is_empty());
+    }
+
     /// Issue #29: however many objects wait, a pass tries only
     /// `RETRIES_PER_PASS` of them again; writes that never failed all go.
     #[tokio::test(start_paused = true)]
@@ -1102,6 +1212,7 @@ mod tests {
                 node: "n1".into(),
                 spec: Spec::default(),
                 services: vec![],
+                before: vec![],
             },
         );
         assert_eq!(

@@ -1399,13 +1399,15 @@ impl LbRig {
     /// pointing at a loopback port nothing listens on: as a policy engine
     /// (Kyverno, Gatekeeper) that is down leaves a cluster, every PATCH of a
     /// Service is refused ("failed calling webhook") while creates go
-    /// through. Returns once the API server refuses such a PATCH.
-    pub fn install_failing_webhook(&self, name: &str) -> Result<()> {
+    /// through. `names`: only Services whose name starts with it are
+    /// refused ("" for every Service), as a policy scoped to some
+    /// workloads. Returns once the API server refuses such a PATCH.
+    pub fn install_failing_webhook(&self, name: &str, names: &str) -> Result<()> {
         // A port that was free a moment ago: connection refused.
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "apiVersion": "admissionregistration.k8s.io/v1",
             "kind": "ValidatingWebhookConfiguration",
             "metadata": {"name": name},
@@ -1424,21 +1426,28 @@ impl LbRig {
                 "timeoutSeconds": 2,
             }],
         });
+        if !names.is_empty() {
+            body["webhooks"][0]["matchConditions"] = serde_json::json!([{
+                "name": "scoped",
+                "expression": format!("object.metadata.name.startsWith('{names}')"),
+            }]);
+        }
         let api: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
             Api::all(self.admin.clone());
         let object = serde_json::from_value(body)?;
         self.block_on(api.create(&PostParams::default(), &object))
             .with_context(|| format!("creating ValidatingWebhookConfiguration {name}"))?;
         // The API server picks it up from its own watch.
-        self.until_service_patches(false)
+        self.until_service_patches(names, false)
             .with_context(|| format!("the API server never called webhook {name}"))
     }
 
     /// Waits (30 s at most) until a PATCH of a Service (an annotation of
-    /// the test's, on a Service of its own) goes through (`true`) or is
-    /// refused (`false`): the handshake after a webhook comes or goes.
-    fn until_service_patches(&self, through: bool) -> Option<()> {
-        let probe = format!("hna-webhook-probe-{}", std::process::id());
+    /// the test's, on a Service of its own whose name starts with `names`)
+    /// goes through (`true`) or is refused (`false`): the handshake after a
+    /// webhook comes or goes.
+    fn until_service_patches(&self, names: &str, through: bool) -> Option<()> {
+        let probe = format!("{names}hna-webhook-probe-{}", std::process::id());
         self.create_service(&probe, &[], &[80]).ok()?;
         let seen = wait_for(Duration::from_secs(30), || {
             let went = self
@@ -1451,13 +1460,14 @@ impl LbRig {
     }
 
     /// Removes the webhook of [`LbRig::install_failing_webhook`]; returns
-    /// once a PATCH of a Service goes through again.
-    pub fn remove_webhook(&self, name: &str) -> Result<()> {
+    /// once a PATCH of a Service whose name starts with `names` (as
+    /// installed) goes through again.
+    pub fn remove_webhook(&self, name: &str, names: &str) -> Result<()> {
         let api: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
             Api::all(self.admin.clone());
         self.block_on(api.delete(name, &DeleteParams::default()))
             .with_context(|| format!("deleting ValidatingWebhookConfiguration {name}"))?;
-        self.until_service_patches(true)
+        self.until_service_patches(names, true)
             .with_context(|| format!("Service PATCHes still refused after deleting webhook {name}"))
     }
 

@@ -1085,9 +1085,9 @@ impl Soak {
                 split = Some(failover::LanSplit::split(lb, &[*g])?)
             }
             (Fault::WebhookDown, Target::Cluster) => {
-                if let Err(e) = lb.install_failing_webhook(FAILING_WEBHOOK) {
+                if let Err(e) = lb.install_failing_webhook(FAILING_WEBHOOK, "") {
                     println!("soak: {} not begun: {e:#}", fault.label());
-                    let _ = lb.remove_webhook(FAILING_WEBHOOK);
+                    let _ = lb.remove_webhook(FAILING_WEBHOOK, "");
                     return Ok(None);
                 }
             }
@@ -1214,7 +1214,7 @@ impl Soak {
                     s.heal()?;
                 }
             }
-            (Fault::WebhookDown, None, _) if lb.remove_webhook(FAILING_WEBHOOK).is_err() => {
+            (Fault::WebhookDown, None, _) if lb.remove_webhook(FAILING_WEBHOOK, "").is_err() => {
                 return Ok(false);
             }
             (Fault::TenantRewrite, _, Some(name)) => {

@@ -755,6 +755,7 @@ fn a_nodes_status_does_not_refuse_a_spec_write_but_a_newer_spec_does() -> Result
                         ..Spec::default()
                     },
                     services: vec![],
+                    before: vec![],
                 }],
                 ..Plan::default()
             };

@@ -25,6 +25,7 @@ tests! {
     a_holder_whose_uplink_is_deleted_hands_over_at_once_and_comes_back_without_the_address: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_dead_holders_address_moves_within_five_seconds: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_webhook_refusing_service_writes_does_not_delay_a_failover: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_webhook_refusing_one_new_service_does_not_hold_back_a_failover_to_its_node: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_credential_rotation_that_does_not_connect_yet_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     an_api_server_outage_drops_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_restarted_agent_keeps_its_addresses_and_nothing_moves: Root, Iproute2, Dnsmasq, ApiServer, Socat;
@@ -400,7 +401,7 @@ fn a_webhook_refusing_service_writes_does_not_delay_a_failover() -> Result<()> {
         Fault::GuestDeleted,
         Duration::from_secs(60),
         |lb| {
-            lb.install_failing_webhook(WEBHOOK)?;
+            lb.install_failing_webhook(WEBHOOK, "")?;
             lb.create_service("late", &[(failover::IPAM, "dhcp")], &[LISTEN_PORT])?;
             // Its finalizer (the controller's first write) is refused again
             // and again meanwhile.
@@ -426,7 +427,7 @@ fn a_webhook_refusing_service_writes_does_not_delay_a_failover() -> Result<()> {
     clean(&f, Duration::from_secs(5))?;
     let reconnected = wait_for(Duration::from_secs(10), || reachable(&lb, &f).ok());
     ensure!(reconnected.is_some(), "no client got through to {}", f.ip);
-    lb.remove_webhook(WEBHOOK)?;
+    lb.remove_webhook(WEBHOOK, "")?;
     // The longest backoff is 30 s (+25 % jitter): both catch up within it.
     let late = wait_for(Duration::from_secs(60), || lb.ingress_ip("late"));
     ensure!(
@@ -447,6 +448,59 @@ fn a_webhook_refusing_service_writes_does_not_delay_a_failover() -> Result<()> {
     ensure!(
         caught_up.is_some(),
         "web's vipHost never named its new holder {new_holder} after the webhook went:\n{}",
+        lb.diagnostics()
+    );
+    Ok(())
+}
+
+/// Issue #29: a webhook with `failurePolicy: Fail` that is down refuses
+/// every write of one new Service, `late`, and nothing else (a policy
+/// scoped to some workloads). With two guests, `late` is placed on the
+/// guest that does not hold `web`; then `web`'s holder dies and `web` must
+/// move to that same guest. One write carries that guest's assignments:
+/// `late`'s refused finalizer must not hold `web` back. `web` moves within
+/// the usual bound, `late` is served once the webhook goes.
+fn a_webhook_refusing_one_new_service_does_not_hold_back_a_failover_to_its_node() -> Result<()> {
+    const WEBHOOK: &str = "policy-for-late";
+    const REFUSED: &str = "late";
+    let mut opts = options();
+    opts.guests = 2;
+    let mut lb = LbRig::start(opts)?;
+    let f = failover::fail_over_prepared(
+        &mut lb,
+        "web",
+        Fault::GuestDeleted,
+        Duration::from_secs(30),
+        |lb| {
+            lb.install_failing_webhook(WEBHOOK, REFUSED)?;
+            lb.create_service(REFUSED, &[(failover::IPAM, "dhcp")], &[LISTEN_PORT])?;
+            let refused = wait_for(Duration::from_secs(15), || {
+                (0..2)
+                    .map(|c| lb.controller_log(c))
+                    .any(|log| log.contains("failed calling webhook"))
+                    .then_some(())
+            });
+            ensure!(
+                refused.is_some(),
+                "no controller wrote `{REFUSED}` through the webhook and was refused:\n{}",
+                lb.diagnostics()
+            );
+            Ok(())
+        },
+    )?;
+    clean(&f, Duration::from_secs(5))?;
+    ensure!(
+        lb.ingress_ip(REFUSED).is_none(),
+        "`{REFUSED}` was served through the webhook"
+    );
+    let reconnected = wait_for(Duration::from_secs(10), || reachable(&lb, &f).ok());
+    ensure!(reconnected.is_some(), "no client got through to {}", f.ip);
+    lb.remove_webhook(WEBHOOK, REFUSED)?;
+    // The longest backoff is 30 s (+25 % jitter).
+    let late = wait_for(Duration::from_secs(60), || lb.ingress_ip(REFUSED));
+    ensure!(
+        late.is_some(),
+        "`{REFUSED}` got no address after the webhook went:\n{}",
         lb.diagnostics()
     );
     Ok(())

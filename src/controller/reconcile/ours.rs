@@ -155,8 +155,10 @@ fn take_on<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
             }
             // The finalizer and the holder in one pass: the
             // finalizer is written first, and a failure there
-            // holds back every later write naming the Service
-            // (the writer's rule), so nothing is ever assigned
+            // holds back every later write for the Service (the
+            // writer's rule; a node's spec goes without its
+            // entries, so others moved there in the same pass
+            // are not held back), so nothing is ever assigned
             // without it. Not waiting for its echo saves a
             // round trip on the way to an address.
             Ok((id, Ok(uplink))) => {

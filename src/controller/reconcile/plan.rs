@@ -1,10 +1,11 @@
 //! What one decision asks for: the writes in the order they must be made,
 //! the Events to tell, and how the Services stand.
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::contract::ServiceKey;
-use crate::contract::node_object::Spec;
+use crate::contract::node_object::{Assignment, Spec};
 
 use super::events::EventOut;
 use super::world::Ingress;
@@ -21,11 +22,14 @@ pub enum Write {
     EnsureNodeAccess(String),
     /// The whole `spec.assignments` of a node object (merge patch).
     /// `services`: whose assignments changed; their later writes wait for
-    /// this one.
+    /// this one. `before`: the assignments the decision found, in
+    /// [`sorted`] order; what a held-back Service's entries stay at (see
+    /// [`Write::without`]).
     SetSpec {
         node: String,
         spec: Spec,
         services: Vec<ServiceKey>,
+        before: Vec<Assignment>,
     },
     /// The whole `spec.peers` of a node object (merge patch): the other
     /// nodes on its LAN.
@@ -67,6 +71,56 @@ impl Write {
         }
     }
 
+    /// This write with nothing in it for the `held` Services (an earlier
+    /// write of theirs failed or waits out a backoff), or `None` when
+    /// nothing is left to write. A node's spec write carries the changes of
+    /// every Service placed on or moved off the node in one pass: one
+    /// Service whose finalizer a webhook refuses must not hold back the
+    /// others' failover, so its entries stay as they were and the rest go.
+    pub fn without(&self, held: &BTreeSet<ServiceKey>) -> Option<Cow<'_, Write>> {
+        if !self.services().iter().any(|s| held.contains(*s)) {
+            return Some(Cow::Borrowed(self));
+        }
+        let Write::SetSpec {
+            node,
+            spec,
+            services,
+            before,
+        } = self
+        else {
+            return None;
+        };
+        let names: BTreeSet<String> = services
+            .iter()
+            .filter(|s| held.contains(*s))
+            .map(ToString::to_string)
+            .collect();
+        let assignments = sorted(
+            spec.assignments
+                .iter()
+                .filter(|a| !names.contains(&a.service))
+                .chain(before.iter().filter(|a| names.contains(&a.service)))
+                .cloned()
+                .collect(),
+        );
+        if assignments == *before {
+            return None;
+        }
+        Some(Cow::Owned(Write::SetSpec {
+            node: node.clone(),
+            spec: Spec {
+                assignments,
+                ..spec.clone()
+            },
+            services: services
+                .iter()
+                .filter(|s| !held.contains(*s))
+                .cloned()
+                .collect(),
+            before: before.clone(),
+        }))
+    }
+
     /// A short name for metrics and logs.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -81,6 +135,13 @@ impl Write {
             Write::DeleteNodeObject(_) => "delete_node_object",
         }
     }
+}
+
+/// A node's assignments in the order its spec is written in: by Service,
+/// then uid, so that equal sets compare equal.
+pub fn sorted(mut assignments: Vec<Assignment>) -> Vec<Assignment> {
+    assignments.sort_by(|a, b| a.service.cmp(&b.service).then(a.uid.cmp(&b.uid)));
+    assignments
 }
 
 /// How the Services stand, for the `STATUS=` line and metrics.

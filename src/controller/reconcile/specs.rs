@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use crate::contract::ServiceKey;
 use crate::contract::node_object::{Assignment, Spec};
 
-use super::plan::Write;
+use super::plan::{Write, sorted};
 use super::world::NodeIn;
 
 /// The desired specs, edited per Service, and which Services each edit
@@ -96,10 +96,9 @@ impl Specs {
 
     pub(super) fn writes(self) -> Vec<Write> {
         let mut out = Vec::new();
-        for (node, mut list) in self.desired {
-            list.sort_by(|a, b| a.service.cmp(&b.service).then(a.uid.cmp(&b.uid)));
-            let mut current = self.current.get(&node).cloned().unwrap_or_default();
-            current.sort_by(|a, b| a.service.cmp(&b.service).then(a.uid.cmp(&b.uid)));
+        for (node, list) in self.desired {
+            let list = sorted(list);
+            let current = sorted(self.current.get(&node).cloned().unwrap_or_default());
             if list != current {
                 out.push(Write::SetSpec {
                     services: self
@@ -112,6 +111,7 @@ impl Specs {
                         assignments: list,
                         peers: Vec::new(),
                     },
+                    before: current,
                 });
             }
         }
