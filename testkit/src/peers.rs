@@ -23,6 +23,7 @@ use nix::unistd::Pid;
 
 use crate::lb::LbRig;
 
+pub mod harvester_ccm;
 pub mod metallb;
 pub use crate::locate::peers::{INSTALL, KUBE_VIP_VERSION, METALLB_VERSION, PEERS_DIR};
 pub use metallb::MetalLb;

@@ -89,6 +89,10 @@ pub enum Prereq {
     /// ([`crate::locate::peers::METALLB_VERSION`]), built and cached the
     /// same way.
     MetalLb,
+    /// The Harvester cloud provider ([`crate::locate::peers::CCM_COMMIT`]),
+    /// built offline from the shared peers folder's snapshot and cached by
+    /// `tests/rig/peers.sh`.
+    HarvesterCcm,
 }
 
 /// The cargo-deb `tests/rig/prereqs.sh` installs (keep the two in step).
@@ -127,6 +131,7 @@ impl Prereq {
             Prereq::Kubectl => "kubectl",
             Prereq::KubeVip => "kube-vip",
             Prereq::MetalLb => "MetalLB",
+            Prereq::HarvesterCcm => "harvester-cloud-provider",
             Prereq::Dhclient => "isc-dhcp-client",
             Prereq::Busybox => "busybox",
             Prereq::Curl => "curl",
@@ -196,10 +201,11 @@ impl Prereq {
                     ),
                 }
             }
-            Prereq::KubeVip | Prereq::MetalLb => {
+            Prereq::KubeVip | Prereq::MetalLb | Prereq::HarvesterCcm => {
                 let found = match self {
                     Prereq::KubeVip => crate::locate::peers::kube_vip().map(drop),
-                    _ => crate::locate::peers::metallb().map(drop),
+                    Prereq::MetalLb => crate::locate::peers::metallb().map(drop),
+                    _ => crate::locate::peers::harvester_ccm().map(drop),
                 };
                 match found {
                     Ok(()) => Ok(()),

@@ -14,8 +14,9 @@
 //! The faults include the adversary's (issue #29): one guest cut off from
 //! the API server only, one whose LAN port goes silent while its link
 //! stays up (its API path, through that port, goes with it), a webhook refusing every Service write, and the
-//! Services' owner (with its own token) blanking `requestedIP` or pointing
-//! `hwaddr` at another LAN host's MAC.
+//! Services' owner (with its own token) blanking `requestedIP`, pointing it
+//! at another Service's address, or pointing `hwaddr` at another LAN
+//! host's MAC.
 //!
 //! Violations: two answers to one ARP request or two guests holding one
 //! address at once (also where one of them could not answer then); a
@@ -1297,8 +1298,9 @@ impl Soak {
     }
 
     /// The tenant, with its own token, blanks `requestedIP` of Service
-    /// `name` or points its `hwaddr` at the LAN gateway's or a node's own
-    /// MAC (each third fault, in turn). Nothing may change on the LAN.
+    /// `name`, points its `hwaddr` at the LAN gateway's or a node's own
+    /// MAC, or points its `requestedIP` at another Service's address (each
+    /// fourth fault, in turn). Nothing may change on the LAN.
     fn tenant_rewrite(&mut self, name: &str) -> Result<()> {
         let lb = &self.lb;
         let turn = self.report.faults.len() % 4;

@@ -28,6 +28,7 @@ mod dhcp_rig;
 mod docs;
 mod failover;
 mod flaky_api;
+mod harvester_ccm;
 mod hostile_node;
 mod kiwi;
 mod lan_adversary;
@@ -77,6 +78,7 @@ fn main() -> std::process::ExitCode {
         rig_selftest::tests(),
         soak::tests(),
         peers::tests(),
+        harvester_ccm::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),
         vm_pause::tests(),

@@ -15,6 +15,7 @@ use harvester_node_agent::contract::{self, harvester, kube_vip};
 use hna_testkit::arpprobe::ArpProber;
 use hna_testkit::failover;
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
+use hna_testkit::peers::harvester_ccm::HarvesterSide;
 use hna_testkit::peers::{
     HolderFault, KubeVip, LeaseTimings, System, SystemRig, fail_over, links_holding, metallb,
 };
@@ -22,7 +23,7 @@ use hna_testkit::peers::{
 use crate::harness::tests;
 
 tests! {
-    kube_vip_to_us_and_back_keeps_every_address_and_mac: Root, Iproute2, Dnsmasq, ApiServer, Socat, KubeVip;
+    kube_vip_to_us_and_back_keeps_every_address_and_mac: Root, Iproute2, Dnsmasq, ApiServer, Socat, KubeVip, HarvesterCcm;
     metallb_serves_from_its_pool_and_moves_off_a_killed_speaker: Root, Iproute2, Dnsmasq, ApiServer, Socat, MetalLb;
 }
 
@@ -38,6 +39,26 @@ const WITHIN: Duration = Duration::from_secs(60);
 struct Held {
     ip: Ipv4Addr,
     mac: String,
+}
+
+/// Waits until Harvester's object of every Service in `held` carries its
+/// address (the cloud provider copies it from the guest's status).
+fn harvester_knows(hv: &HarvesterSide, held: &BTreeMap<&str, Held>, when: &str) -> Result<()> {
+    for (name, h) in held {
+        let known = wait_for(WITHIN, || {
+            let objects = hv.load_balancers_of("default", name);
+            (objects.len() == 1 && objects[0]["status"]["address"] == h.ip.to_string())
+                .then_some(())
+        });
+        ensure!(
+            known.is_some(),
+            "{when}: Harvester's object for {name} does not say {}: {:#?}\ncloud provider log:\n{}",
+            h.ip,
+            hv.load_balancers_of("default", name),
+            hv.log_tail(20)
+        );
+    }
+    Ok(())
 }
 
 fn kube_vips_record(lb: &LbRig, name: &str) -> Option<Held> {
@@ -87,10 +108,13 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
     opts.endpoint_slices = true;
     opts.start_ours = false;
     let mut lb = LbRig::start(opts)?;
+    // The real cloud provider writes what kube-vip and we read from each
+    // Service (`loadbalancerIPs`), and copies the address back to Harvester.
+    let mut hv = HarvesterSide::start(&lb)?;
     let mut kv = KubeVip::new(&lb, LeaseTimings::TUNED)?;
     kv.start_all(&lb)?;
 
-    // Services as the Harvester cloud provider writes them for DHCP, each
+    // Services as a Harvester user writes them for DHCP, each
     // opted out of ours from the start (step 1 of the migration), with
     // endpoints: kube-vip elects a holder only once a slice names one, and
     // it reads each EndpointSlice event alone, so an empty slice (the rig
@@ -102,11 +126,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
     for name in SERVICES {
         lb.create_service(
             name,
-            &[
-                (harvester::IPAM, "dhcp"),
-                (kube_vip::LOADBALANCER_IPS, kube_vip::ASK_DHCP),
-                (contract::IGNORE, "true"),
-            ],
+            &[(harvester::IPAM, "dhcp"), (contract::IGNORE, "true")],
             &[LISTEN_PORT],
         )?;
         lb.set_endpoints(name, &nodes)?;
@@ -117,13 +137,15 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
             Some(h) => h,
             None => {
                 kv.check_running()?;
+                hv.check_running()?;
                 bail!(
-                    "kube-vip wrote no address and MAC on {name} within {WITHIN:?}: {:?}\nkube-vip logs:\n{}",
+                    "kube-vip wrote no address and MAC on {name} within {WITHIN:?}: {:?}\nkube-vip logs:\n{}\ncloud provider log:\n{}",
                     lb.service(name).map(|s| s.metadata.annotations),
                     (0..3)
                         .map(|i| kv.log_tail(i, 15))
                         .collect::<Vec<_>>()
-                        .join("\n---\n")
+                        .join("\n---\n"),
+                    hv.log_tail(20)
                 );
             }
         };
@@ -133,13 +155,13 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
 
     // The secondary, once kube-vip serves its primary (the cloud provider
     // waits for the primary's address too).
+    harvester_knows(&hv, &held, "kube-vip serving")?;
     let shared = held[SECONDARY.1.trim_start_matches("default/")].ip;
-    let shared_text = shared.to_string();
+    // Its primary named: the cloud provider writes the primary's address.
     lb.create_service(
         SECONDARY.0,
         &[
             (harvester::PRIMARY_SERVICE, SECONDARY.1),
-            (kube_vip::LOADBALANCER_IPS, shared_text.as_str()),
             (contract::IGNORE, "true"),
         ],
         &[LISTEN_PORT + 1],
@@ -282,6 +304,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
         );
         outage = outage.max(rec.longest_silence());
     }
+    harvester_knows(&hv, &held, "ours serving")?;
     println!(
         "kube-vip -> ours: every address and MAC kept, no DHCPDISCOVER; longest ARP outage {:.2} s (kube-vip's SIGTERM to every Service held by us: {:.2} s, of which ours started to every Service held: {:.2} s)",
         outage.as_secs_f64(),
@@ -337,6 +360,8 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
         "kube-vip did not serve the secondary {} on {shared} again: {secondary:?}",
         SECONDARY.0
     );
+    harvester_knows(&hv, &held, "kube-vip serving again")?;
+    hv.check_running()?;
     println!(
         "ours -> kube-vip: every address kept, the secondary's too; (guest, link) holding {shared}: {:?}",
         links_holding(&lb, shared)

@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # Builds the peers the rig measures us beside, from the Go module proxy with
 # the ordinary `go` client: kube-vip (DHCP mode) and MetalLB's speaker and
-# controller (L2). They are test prerequisites, never part of the product;
-# nothing of those projects is kept in this repository, only the module
-# paths and versions below.
+# controller (L2); and the Harvester cloud provider (the guest CCM), which
+# the proxy refuses, from the source snapshot the project's peers folder
+# keeps (`../shared/peers/` beside the checkout; it vendors every
+# dependency, so it builds offline). They are test prerequisites, never
+# part of the product; nothing of those projects is kept in this
+# repository, only the module paths, versions and the snapshot's name and
+# checksum below.
 #
 # Cached by version outside the checkout, each folder complete or absent
 # (built in a scratch folder, moved into place only when everything in it
 # built):
 #   $CACHE_DIR/peers/kube-vip/<version>/kube-vip
 #   $CACHE_DIR/peers/metallb/<version>/{speaker,controller,crds/*.yaml}
+#   $CACHE_DIR/peers/harvester-cloud-provider/<commit>/harvester-cloud-provider
 #   $CACHE_DIR/go/{mod,build}     Go's module and build caches (shared with
 #                                 kubernetes.sh)
+#
+# HNA_PEERS_SRC: the folder holding the snapshot, where it is not in a
+# `shared/peers` folder beside the checkout or above it.
 # The CRDs are MetalLB's own (config/crd/bases of the module), which both
 # binaries watch at start; they are applied by the test kit.
 #
@@ -23,6 +31,12 @@ set -euo pipefail
 # 2026-11-26); v1.2.2 is the newest it serves.
 KUBE_VIP_VERSION="${HNA_KUBE_VIP_VERSION:-v1.2.2}"
 METALLB_VERSION="${HNA_METALLB_VERSION:-v0.16.1}"
+
+# The Harvester cloud provider's snapshot: master after v0.2.4
+# (github.com/harvester/harvester-cloud-provider), `git archive` of it.
+CCM_COMMIT=1a80755
+CCM_TARBALL="harvester-cloud-provider-$CCM_COMMIT.tar.xz"
+CCM_SHA256=0a1a8e94d857c35c982c895c9cba25ec184e883e6712165fa3cb0c6a01617553
 
 CACHE_DIR="${HNA_CACHE_DIR:-/var/cache/harvester-node-agent}"
 
@@ -89,6 +103,57 @@ ensure_metallb() {
   log "MetalLB $METALLB_VERSION built and cached at $dir"
 }
 
+# The snapshot: HNA_PEERS_SRC, else the first `shared/peers` folder beside
+# the checkout or one of the folders above it.
+ccm_snapshot() {
+  if [[ -n "${HNA_PEERS_SRC:-}" ]]; then
+    echo "$HNA_PEERS_SRC/$CCM_TARBALL"; return
+  fi
+  local dir
+  dir="$(cd "$(dirname "$0")/../.." && pwd)"
+  while [[ "$dir" != / ]]; do
+    dir="$(dirname "$dir")"
+    if [[ -f "$dir/shared/peers/$CCM_TARBALL" ]]; then
+      echo "$dir/shared/peers/$CCM_TARBALL"; return
+    fi
+  done
+  echo "../shared/peers/$CCM_TARBALL"
+}
+
+ensure_harvester_ccm() {
+  local dir="$CACHE_DIR/peers/harvester-cloud-provider/$CCM_COMMIT"
+  if [[ -x "$dir/harvester-cloud-provider" ]]; then
+    log "Harvester cloud provider $CCM_COMMIT cached at $dir"; return
+  fi
+  local tarball
+  tarball="$(ccm_snapshot)"
+  [[ -f "$tarball" ]] \
+    || die "the Harvester cloud provider's snapshot $CCM_TARBALL is not at $tarball: set HNA_PEERS_SRC to the folder that holds it (the project's shared peers folder)"
+  [[ "$(sha256sum "$tarball" | cut -d' ' -f1)" == "$CCM_SHA256" ]] \
+    || die "$tarball does not have the sha256 $CCM_SHA256 this script was written for"
+  scratch="$(mktemp -d "$CACHE_DIR/build/harvester-cloud-provider-$CCM_COMMIT.XXXXXX")"
+  log "building the Harvester cloud provider $CCM_COMMIT from $tarball, offline from its vendor folder (one-time, ~8 CPU-minutes)"
+  step "tar -xJf" harvester-cloud-provider "$CCM_COMMIT" tar -xJf "$tarball"
+  local src
+  src="$(find "$scratch" -mindepth 1 -maxdepth 1 -type d -name 'harvester-cloud-provider*' | head -n1)"
+  [[ -n "$src" && -d "$src/vendor" ]] \
+    || die "$tarball holds no harvester-cloud-provider*/vendor folder"
+  mkdir "$scratch/out"
+  step "go build" harvester-cloud-provider "$CCM_COMMIT" \
+    env -C "$src" GOFLAGS=-mod=vendor go build -trimpath -ldflags='-s -w' \
+    -o "$scratch/out/harvester-cloud-provider" .
+  local help
+  help="$("$scratch/out/harvester-cloud-provider" --help 2>&1)" || true
+  [[ "$help" == *"--cloud-config"* ]] \
+    || die "the Harvester cloud provider built from $tarball does not answer --help with --cloud-config: $(head -3 <<<"$help")"
+  mkdir -p "$(dirname "$dir")"
+  rm -rf "$dir"
+  mv "$scratch/out" "$dir"
+  rm -rf "$scratch"; scratch=""
+  log "Harvester cloud provider $CCM_COMMIT built and cached at $dir"
+}
+
 ensure_kube_vip
 ensure_metallb
+ensure_harvester_ccm
 echo "$CACHE_DIR/peers"

@@ -1,5 +1,6 @@
 //! Where `tests/rig/peers.sh` caches the peers the rig measures us beside
-//! (kube-vip, MetalLB), built from the Go module proxy by version.
+//! (kube-vip, MetalLB), built from the Go module proxy by version, and the
+//! Harvester cloud provider, built from the shared peers folder's snapshot.
 
 use std::path::PathBuf;
 
@@ -11,6 +12,9 @@ pub const KUBE_VIP_VERSION: &str = "v1.2.2";
 /// The MetalLB release the rig runs (keep in step with
 /// `tests/rig/peers.sh`).
 pub const METALLB_VERSION: &str = "v0.16.1";
+/// The Harvester cloud provider's snapshot (its commit; keep in step with
+/// `tests/rig/peers.sh`).
+pub const CCM_COMMIT: &str = "1a80755";
 /// Where `tests/rig/peers.sh` caches the peers, unless `HNA_PEERS_DIR`
 /// says otherwise.
 pub const PEERS_DIR: &str = "/var/cache/harvester-node-agent/peers";
@@ -54,6 +58,22 @@ pub fn metallb() -> Result<(PathBuf, PathBuf, PathBuf), String> {
         Err(format!(
             "MetalLB {METALLB_VERSION} ({} incomplete)",
             dir.display()
+        ))
+    }
+}
+
+/// The cached Harvester cloud provider binary, or what is absent.
+pub fn harvester_ccm() -> Result<PathBuf, String> {
+    let bin = peers_dir()
+        .join("harvester-cloud-provider")
+        .join(CCM_COMMIT)
+        .join("harvester-cloud-provider");
+    if is_executable(&bin) {
+        Ok(bin)
+    } else {
+        Err(format!(
+            "the Harvester cloud provider {CCM_COMMIT} ({} absent)",
+            bin.display()
         ))
     }
 }
