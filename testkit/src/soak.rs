@@ -1682,16 +1682,15 @@ impl Soak {
 /// What `f` allows: its kind's bound, and for an outage of the API or the
 /// DHCP server its length too: nothing moves while the API server is down
 /// (by design), so a holder that fails during the outage stays unserved
-/// until it is back (the same while a webhook refuses every Service
-/// write: a new Service's address is not published); and a takeover
-/// during a DHCP outage waits for the
+/// until it is back; and a takeover during a DHCP outage waits for the
 /// server (no address is claimed without its word), whose retransmissions
-/// double (RFC 2131 §4.1), so up to twice the outage.
+/// double (RFC 2131 §4.1), so up to twice the outage. A webhook refusing
+/// every Service write allows nothing more: a failover writes no Service
+/// before the new holder answers (issue #29), and a Service it keeps from
+/// being served is not asked after until its status shows an address.
 fn bound_of(f: &Injected) -> Duration {
     match (f.fault, f.ended) {
-        (Fault::ApiServerDown | Fault::WebhookDown, Some(e)) => {
-            f.fault.bound() + (e - f.began) + Duration::from_secs(3)
-        }
+        (Fault::ApiServerDown, Some(e)) => f.fault.bound() + (e - f.began) + Duration::from_secs(3),
         (fault, Some(e)) if fault.dhcp() => {
             f.fault.bound() + 2 * (e - f.began) + Duration::from_secs(3)
         }
