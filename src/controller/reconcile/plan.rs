@@ -23,7 +23,7 @@ pub enum Write {
     /// The whole `spec.assignments` of a node object (merge patch).
     /// `services`: whose assignments changed; their later writes wait for
     /// this one. `before`: the assignments the decision found, in
-    /// [`sorted`] order; what a held-back Service's entries stay at (see
+    /// sorted order (by Service, then uid); what a held-back Service's entries stay at (see
     /// [`Write::without`]).
     SetSpec {
         node: String,
