@@ -1587,6 +1587,37 @@ impl LbRig {
             .map(|m| m.len() as usize)
             .unwrap_or(0)
     }
+
+    /// What a deleted Service must leave: a DHCPRELEASE of `ip` with `mac`
+    /// at dnsmasq since its log was `mark` long, no lease of dnsmasq's to
+    /// `mac`, and (within 5 s) no link of ours on any guest.
+    pub fn ensure_released(&self, ip: Ipv4Addr, mac: &str, mark: usize) -> Result<()> {
+        let since = self.dnsmasq_log_from(mark);
+        ensure!(
+            since.lines().any(|l| l.contains("DHCPRELEASE")
+                && l.contains(&ip.to_string())
+                && l.contains(mac)),
+            "no DHCPRELEASE for {ip} {mac}:\n{since}"
+        );
+        let leases = self.rig.dnsmasq_leases()?;
+        ensure!(
+            !leases.contains(mac),
+            "dnsmasq still leases to {mac}:\n{leases}"
+        );
+        let unlinked = wait_for(Duration::from_secs(5), || {
+            (0..self.guests())
+                .all(|g| self.hlb_links(g).is_empty())
+                .then_some(())
+        });
+        ensure!(
+            unlinked.is_some(),
+            "links left: {:?}",
+            (0..self.guests())
+                .map(|g| self.hlb_links(g))
+                .collect::<Vec<_>>()
+        );
+        Ok(())
+    }
 }
 
 /// `namespace/name`, or `name` in `default`.

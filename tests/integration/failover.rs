@@ -385,6 +385,22 @@ fn a_dead_holders_address_moves_within_five_seconds() -> Result<()> {
     Ok(())
 }
 
+/// Waits until a controller's log says the webhook refused a write.
+fn refused_by_webhook(lb: &LbRig, within: Duration) -> Result<()> {
+    let refused = wait_for(within, || {
+        (0..2)
+            .map(|c| lb.controller_log(c))
+            .any(|log| log.contains("failed calling webhook"))
+            .then_some(())
+    });
+    ensure!(
+        refused.is_some(),
+        "no controller wrote through the webhook and was refused:\n{}",
+        lb.diagnostics()
+    );
+    Ok(())
+}
+
 /// Issue #29: a validating webhook on Services and `services/status` with
 /// `failurePolicy: Fail` is down (a policy engine's Pod gone), so every
 /// PATCH of a Service is refused. A Service created meanwhile keeps
@@ -421,17 +437,7 @@ fn webhook_refusing_service_writes(opts: lb::Options, bound: Duration) -> Result
             // Its finalizer (the controller's first write) is refused again
             // and again meanwhile.
             std::thread::sleep(Duration::from_secs(35));
-            let errors = wait_for(Duration::from_secs(5), || {
-                (0..2)
-                    .map(|c| lb.controller_log(c))
-                    .any(|log| log.contains("failed calling webhook"))
-                    .then_some(())
-            });
-            ensure!(
-                errors.is_some(),
-                "no controller wrote through the webhook and was refused:\n{}",
-                lb.diagnostics()
-            );
+            refused_by_webhook(lb, Duration::from_secs(5))?;
             ensure!(
                 lb.ingress_ip("late").is_none(),
                 "`late` was served through the webhook"
@@ -489,17 +495,7 @@ fn a_webhook_refusing_one_new_service_does_not_hold_back_a_failover_to_its_node(
         |lb| {
             lb.install_failing_webhook(WEBHOOK, REFUSED)?;
             lb.create_service(REFUSED, &[(failover::IPAM, "dhcp")], &[LISTEN_PORT])?;
-            let refused = wait_for(Duration::from_secs(15), || {
-                (0..2)
-                    .map(|c| lb.controller_log(c))
-                    .any(|log| log.contains("failed calling webhook"))
-                    .then_some(())
-            });
-            ensure!(
-                refused.is_some(),
-                "no controller wrote `{REFUSED}` through the webhook and was refused:\n{}",
-                lb.diagnostics()
-            );
+            refused_by_webhook(lb, Duration::from_secs(15))?;
             Ok(())
         },
     )?;

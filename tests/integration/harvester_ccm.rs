@@ -195,30 +195,7 @@ fn the_harvester_cloud_provider_and_we_serve_dhcp_share_it_and_leave_pool_mode_a
         "Harvester's object for web left behind: {:#?}",
         hv.load_balancers()
     );
-    let since = lb.dnsmasq_log_from(mark);
-    ensure!(
-        since
-            .lines()
-            .any(|l| l.contains("DHCPRELEASE") && l.contains(&ip.to_string()) && l.contains(&mac)),
-        "no DHCPRELEASE for {ip} {mac}:\n{since}"
-    );
-    let leases = lb.rig.dnsmasq_leases()?;
-    ensure!(
-        !leases.contains(&mac),
-        "dnsmasq still leases to {mac}:\n{leases}"
-    );
-    let unlinked = wait_for(Duration::from_secs(5), || {
-        (0..lb.guests())
-            .all(|g| lb.hlb_links(g).is_empty())
-            .then_some(())
-    });
-    ensure!(
-        unlinked.is_some(),
-        "links left: {:?}",
-        (0..lb.guests())
-            .map(|g| lb.hlb_links(g))
-            .collect::<Vec<_>>()
-    );
+    lb.ensure_released(ip, &mac, mark)?;
     hv.check_running()?;
     Ok(())
 }

@@ -182,26 +182,7 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
         "Service still there: {:#?}",
         lb.service("web").map(|s| s.metadata)
     );
-    let since = lb.dnsmasq_log_from(mark);
-    ensure!(
-        since
-            .lines()
-            .any(|l| l.contains("DHCPRELEASE") && l.contains(&ip.to_string()) && l.contains(&mac)),
-        "no DHCPRELEASE for {ip} {mac}:\n{since}"
-    );
-    let unlinked = wait_for(Duration::from_secs(5), || {
-        (0..3).all(|g| lb.hlb_links(g).is_empty()).then_some(())
-    });
-    ensure!(
-        unlinked.is_some(),
-        "links left: {:?}",
-        (0..3).map(|g| lb.hlb_links(g)).collect::<Vec<_>>()
-    );
-    let leases = lb.rig.dnsmasq_leases()?;
-    ensure!(
-        !leases.contains(&mac),
-        "dnsmasq still leases to {mac}:\n{leases}"
-    );
+    lb.ensure_released(ip, &mac, mark)?;
     Ok(())
 }
 

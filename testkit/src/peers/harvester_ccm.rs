@@ -380,32 +380,25 @@ impl HarvesterSide {
     /// The Harvester `LoadBalancer` objects of guest Service `namespace/name`
     /// (the cloud provider labels each with them).
     pub fn load_balancers_of(&self, namespace: &str, name: &str) -> Vec<Value> {
-        let api: Api<DynamicObject> = Api::namespaced_with(
-            self.admin.clone(),
-            HARVESTER_NAMESPACE,
-            &load_balancer_resource(),
-        );
         let selector = format!("{LABEL_SERVICE_NAMESPACE}={namespace},{LABEL_SERVICE_NAME}={name}");
-        self.runtime
-            .block_on(api.list(&ListParams::default().labels(&selector)))
-            .map(|l| {
-                l.items
-                    .into_iter()
-                    .filter_map(|o| serde_json::to_value(o).ok())
-                    .collect()
-            })
-            .unwrap_or_default()
+        self.list(&ListParams::default().labels(&selector))
+            .into_values()
+            .collect()
     }
 
     /// Every Harvester `LoadBalancer` object, by name.
     pub fn load_balancers(&self) -> BTreeMap<String, Value> {
+        self.list(&ListParams::default())
+    }
+
+    fn list(&self, params: &ListParams) -> BTreeMap<String, Value> {
         let api: Api<DynamicObject> = Api::namespaced_with(
             self.admin.clone(),
             HARVESTER_NAMESPACE,
             &load_balancer_resource(),
         );
         self.runtime
-            .block_on(api.list(&ListParams::default()))
+            .block_on(api.list(params))
             .map(|l| {
                 l.items
                     .into_iter()
