@@ -134,10 +134,9 @@ ensure_harvester_ccm() {
   scratch="$(mktemp -d "$CACHE_DIR/build/harvester-cloud-provider-$CCM_COMMIT.XXXXXX")"
   log "building the Harvester cloud provider $CCM_COMMIT from $tarball, offline from its vendor folder (one-time, ~8 CPU-minutes)"
   step "tar -xJf" harvester-cloud-provider "$CCM_COMMIT" tar -xJf "$tarball"
-  local src
-  src="$(find "$scratch" -mindepth 1 -maxdepth 1 -type d -name 'harvester-cloud-provider*' | head -n1)"
-  [[ -n "$src" && -d "$src/vendor" ]] \
-    || die "$tarball holds no harvester-cloud-provider*/vendor folder"
+  local src="$scratch/harvester-cloud-provider-$CCM_COMMIT"
+  [[ -d "$src/vendor" ]] \
+    || die "$tarball holds no harvester-cloud-provider-$CCM_COMMIT/vendor folder"
   mkdir "$scratch/out"
   step "go build" harvester-cloud-provider "$CCM_COMMIT" \
     env -C "$src" GOFLAGS=-mod=vendor go build -trimpath -ldflags='-s -w' \
