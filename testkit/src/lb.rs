@@ -1588,16 +1588,26 @@ impl LbRig {
             .unwrap_or(0)
     }
 
-    /// What a deleted Service must leave: a DHCPRELEASE of `ip` with `mac`
-    /// at dnsmasq since its log was `mark` long, no lease of dnsmasq's to
-    /// `mac`, and (within 5 s) no link of ours on any guest.
-    pub fn ensure_released(&self, ip: Ipv4Addr, mac: &str, mark: usize) -> Result<()> {
-        let since = self.dnsmasq_log_from(mark);
+    /// What a deleted Service `name` must leave: a DHCPRELEASE of `ip`
+    /// with `mac` at dnsmasq since its log was `mark` long (within 10 s: a
+    /// holder the controller judged down lets the Service's deletion
+    /// through and sends its release once it reads its spec), no lease of
+    /// dnsmasq's to `mac`, and (within 5 s) no link of ours on any guest.
+    pub fn ensure_released(&self, name: &str, ip: Ipv4Addr, mac: &str, mark: usize) -> Result<()> {
+        let released = wait_for(Duration::from_secs(10), || {
+            self.dnsmasq_log_from(mark)
+                .lines()
+                .any(|l| {
+                    l.contains("DHCPRELEASE") && l.contains(&ip.to_string()) && l.contains(mac)
+                })
+                .then_some(())
+        });
         ensure!(
-            since.lines().any(|l| l.contains("DHCPRELEASE")
-                && l.contains(&ip.to_string())
-                && l.contains(mac)),
-            "no DHCPRELEASE for {ip} {mac}:\n{since}"
+            released.is_some(),
+            "no DHCPRELEASE for {ip} {mac} within 10 s:\n{}\nour Events on {name}: {:?}\n{}",
+            self.dnsmasq_log_from(mark),
+            self.our_events(name),
+            self.diagnostics()
         );
         let leases = self.rig.dnsmasq_leases()?;
         ensure!(

@@ -195,7 +195,7 @@ fn the_harvester_cloud_provider_and_we_serve_dhcp_share_it_and_leave_pool_mode_a
         "Harvester's object for web left behind: {:#?}",
         hv.load_balancers()
     );
-    lb.ensure_released(ip, &mac, mark)?;
+    lb.ensure_released("web", ip, &mac, mark)?;
     hv.check_running()?;
     Ok(())
 }

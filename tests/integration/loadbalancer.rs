@@ -182,7 +182,7 @@ fn a_dhcp_service_gets_an_address_held_by_one_node_and_released_on_delete() -> R
         "Service still there: {:#?}",
         lb.service("web").map(|s| s.metadata)
     );
-    lb.ensure_released(ip, &mac, mark)?;
+    lb.ensure_released("web", ip, &mac, mark)?;
     Ok(())
 }
 
