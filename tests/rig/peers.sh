@@ -132,7 +132,7 @@ ensure_harvester_ccm() {
   [[ "$(sha256sum "$tarball" | cut -d' ' -f1)" == "$CCM_SHA256" ]] \
     || die "$tarball does not have the sha256 $CCM_SHA256 this script was written for"
   scratch="$(mktemp -d "$CACHE_DIR/build/harvester-cloud-provider-$CCM_COMMIT.XXXXXX")"
-  log "building the Harvester cloud provider $CCM_COMMIT from $tarball, offline from its vendor folder (one-time, ~8 CPU-minutes)"
+  log "building the Harvester cloud provider $CCM_COMMIT from $tarball, offline from its vendor folder (one-time, ~5 CPU-minutes)"
   step "tar -xJf" harvester-cloud-provider "$CCM_COMMIT" tar -xJf "$tarball"
   local src="$scratch/harvester-cloud-provider-$CCM_COMMIT"
   [[ -d "$src/vendor" ]] \
