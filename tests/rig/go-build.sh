@@ -31,6 +31,18 @@ scratch=""
 cleanup() { [[ -z "$scratch" ]] || rm -rf "$scratch"; }
 trap cleanup EXIT
 
+# cache_built DIR WHAT: the scratch folder's `out` becomes DIR whole (a
+# cached build is complete or absent), the scratch folder goes, and WHAT is
+# logged as built and cached.
+cache_built() {
+  local dir="$1" what="$2"
+  mkdir -p "$(dirname "$dir")"
+  rm -rf "$dir"
+  mv "$scratch/out" "$dir"
+  rm -rf "$scratch"; scratch=""
+  log "$what built and cached at $dir"
+}
+
 # step WHAT MODULE VERSION CMD...: runs CMD in the scratch folder; on failure
 # stops with the module, the version, the command and the tail of its output.
 step() {

@@ -66,11 +66,7 @@ ensure_etcd() {
   reported="$("$scratch/out/etcd" --version 2>&1)" || true
   [[ "$reported" == *"etcd Version: ${ETCD_VERSION#v}"* ]] \
     || die "the etcd built from $module@$ETCD_VERSION does not report version ${ETCD_VERSION#v}: $(head -3 <<<"$reported")"
-  mkdir -p "$CACHE_DIR/etcd"
-  rm -rf "$dir"
-  mv "$scratch/out" "$dir"
-  rm -rf "$scratch"; scratch=""
-  log "etcd $ETCD_VERSION built and cached at $dir"
+  cache_built "$dir" "etcd $ETCD_VERSION"
 }
 
 # ensure_kubernetes vX.Y.Z: the commands in KUBE_COMMANDS (kube-apiserver

@@ -67,11 +67,7 @@ ensure_kube_vip() {
   reported="$("$scratch/out/kube-vip" version 2>&1)" || true
   [[ "$reported" == *"$KUBE_VIP_VERSION"* ]] \
     || die "the kube-vip built from $module@$KUBE_VIP_VERSION does not report $KUBE_VIP_VERSION: $(head -3 <<<"$reported")"
-  mkdir -p "$(dirname "$dir")"
-  rm -rf "$dir"
-  mv "$scratch/out" "$dir"
-  rm -rf "$scratch"; scratch=""
-  log "kube-vip $KUBE_VIP_VERSION built and cached at $dir"
+  cache_built "$dir" "kube-vip $KUBE_VIP_VERSION"
 }
 
 ensure_metallb() {
@@ -96,11 +92,7 @@ ensure_metallb() {
     || die "no config/crd/bases in $module@$METALLB_VERSION ($src): MetalLB's CRDs moved; update peers.sh"
   mkdir "$scratch/out/crds"
   cp "$src"/config/crd/bases/*.yaml "$scratch/out/crds/"
-  mkdir -p "$(dirname "$dir")"
-  rm -rf "$dir"
-  mv "$scratch/out" "$dir"
-  rm -rf "$scratch"; scratch=""
-  log "MetalLB $METALLB_VERSION built and cached at $dir"
+  cache_built "$dir" "MetalLB $METALLB_VERSION"
 }
 
 # The snapshot: HNA_PEERS_SRC, else the first `shared/peers` folder beside
@@ -145,11 +137,7 @@ ensure_harvester_ccm() {
   help="$("$scratch/out/harvester-cloud-provider" --help 2>&1)" || true
   [[ "$help" == *"--cloud-config"* ]] \
     || die "the Harvester cloud provider built from $tarball does not answer --help with --cloud-config: $(head -3 <<<"$help")"
-  mkdir -p "$(dirname "$dir")"
-  rm -rf "$dir"
-  mv "$scratch/out" "$dir"
-  rm -rf "$scratch"; scratch=""
-  log "Harvester cloud provider $CCM_COMMIT built and cached at $dir"
+  cache_built "$dir" "Harvester cloud provider $CCM_COMMIT"
 }
 
 ensure_kube_vip

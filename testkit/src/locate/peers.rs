@@ -29,17 +29,19 @@ fn peers_dir() -> PathBuf {
 
 /// The cached kube-vip binary, or what is absent.
 pub fn kube_vip() -> Result<PathBuf, String> {
-    let bin = peers_dir()
-        .join("kube-vip")
-        .join(KUBE_VIP_VERSION)
-        .join("kube-vip");
+    cached_binary(
+        &["kube-vip", KUBE_VIP_VERSION, "kube-vip"],
+        &format!("kube-vip {KUBE_VIP_VERSION}"),
+    )
+}
+
+/// `peers_dir()/<parts>` if it is an executable, else `"<what> (<path> absent)"`.
+fn cached_binary(parts: &[&str], what: &str) -> Result<PathBuf, String> {
+    let bin = parts.iter().fold(peers_dir(), |p, part| p.join(part));
     if is_executable(&bin) {
         Ok(bin)
     } else {
-        Err(format!(
-            "kube-vip {KUBE_VIP_VERSION} ({} absent)",
-            bin.display()
-        ))
+        Err(format!("{what} ({} absent)", bin.display()))
     }
 }
 
@@ -64,16 +66,12 @@ pub fn metallb() -> Result<(PathBuf, PathBuf, PathBuf), String> {
 
 /// The cached Harvester cloud provider binary, or what is absent.
 pub fn harvester_ccm() -> Result<PathBuf, String> {
-    let bin = peers_dir()
-        .join("harvester-cloud-provider")
-        .join(CCM_COMMIT)
-        .join("harvester-cloud-provider");
-    if is_executable(&bin) {
-        Ok(bin)
-    } else {
-        Err(format!(
-            "the Harvester cloud provider {CCM_COMMIT} ({} absent)",
-            bin.display()
-        ))
-    }
+    cached_binary(
+        &[
+            "harvester-cloud-provider",
+            CCM_COMMIT,
+            "harvester-cloud-provider",
+        ],
+        &format!("the Harvester cloud provider {CCM_COMMIT}"),
+    )
 }

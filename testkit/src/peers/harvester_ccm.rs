@@ -134,6 +134,24 @@ fn manifest(v: Value) -> Result<Manifest> {
     })
 }
 
+/// Applies `objects` on `api` (through its `admin`), then writes the
+/// kubeconfig of ServiceAccount `account` (namespace, name) to `out`.
+async fn grant(
+    admin: &kube::Client,
+    api: &ApiServer,
+    objects: &[Value],
+    account: (&str, &str),
+    out: &Path,
+) -> Result<()> {
+    let objects: Vec<Manifest> = objects
+        .iter()
+        .cloned()
+        .map(manifest)
+        .collect::<Result<_>>()?;
+    manifests::apply(admin, &objects, Mode::Apply).await?;
+    token_kubeconfig(admin, api, account.0, account.1, out).await
+}
+
 /// A ServiceAccount `namespace/name` on `api`, with a kubeconfig for its
 /// own token (a TokenRequest) written to `out`, its context's namespace
 /// `namespace`: how `generate_addon.sh` hands the cloud provider its
@@ -267,41 +285,23 @@ impl HarvesterSide {
         ];
         let cloud_config = dir.join("cloud-config.kubeconfig");
         let guest_config = dir.join("guest.kubeconfig");
-        runtime.block_on(async {
-            let h: Vec<Manifest> = harvester_objects
-                .into_iter()
-                .map(manifest)
-                .collect::<Result<_>>()?;
-            manifests::apply(&admin, &h, Mode::Apply)
-                .await
-                .context("the Harvester side's objects")?;
-            token_kubeconfig(
+        runtime
+            .block_on(grant(
                 &admin,
                 &api,
-                HARVESTER_NAMESPACE,
-                CLUSTER_NAME,
+                &harvester_objects,
+                (HARVESTER_NAMESPACE, CLUSTER_NAME),
                 &cloud_config,
-            )
-            .await
-        })?;
-        let guest_admin = lb.admin();
-        lb.block_on(async {
-            let g: Vec<Manifest> = guest_objects
-                .into_iter()
-                .map(manifest)
-                .collect::<Result<_>>()?;
-            manifests::apply(&guest_admin, &g, Mode::Apply)
-                .await
-                .context("the cloud provider's rights in the guest cluster")?;
-            token_kubeconfig(
-                &guest_admin,
-                guest,
-                "kube-system",
-                "harvester-cloud-provider",
-                &guest_config,
-            )
-            .await
-        })?;
+            ))
+            .context("the Harvester side's objects and the cloud provider's credentials there")?;
+        lb.block_on(grant(
+            &lb.admin(),
+            guest,
+            &guest_objects,
+            ("kube-system", "harvester-cloud-provider"),
+            &guest_config,
+        ))
+        .context("the cloud provider's rights and credentials in the guest cluster")?;
 
         let stop = Arc::new(AtomicBool::new(false));
         let allocated = Arc::new(AtomicUsize::new(0));
