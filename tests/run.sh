@@ -9,8 +9,9 @@
 # tests as ignored); as root or under CI=true a missing prerequisite fails a
 # test, naming the command that installs it.
 #
-# The last lines are the integration runs' `skipped: N of M ...` summaries,
-# also when something failed.
+# The last lines are each failed test's message, shortened (`failed: NAME:
+# ...`), then the integration runs' `skipped: N of M ...` summaries, also
+# when something failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +20,12 @@ log="$(mktemp)"
 # oldest supported one), also when something failed.
 skipped_summary() {
     local lines
+    # Each failed test's message again, shortened, where a log cut to its
+    # head and tail still shows it.
+    awk '/^---- .* ----$/ { name = $2; n = 0; next }
+         name != "" && /^$/ { name = ""; next }
+         name != "" && n < 6 { print "failed: " name ": " substr($0, 1, 300); n++ }' \
+        "$log" 2>/dev/null || true
     lines="$(grep -h '^skipped: ' "$log" 2>/dev/null || true)"
     echo "${lines:-skipped: unknown (the integration tests did not run to their end)}"
     rm -f "$log"

@@ -142,33 +142,51 @@ fn another_class_is_never_touched_and_a_named_class_is_served() -> Result<()> {
     restart_controllers(&mut lb, &["--load-balancer-class", NAMED_CLASS])?;
     let named_served = served(&lb, "named");
     let uid = classless.metadata.uid.as_deref().unwrap();
+    // Handed over: released, so its status no longer claims the address
+    // (which the DHCP server may give `named`), kube-vip's record kept.
     let handed_over = wait_for(WITHIN, || {
         let s = lb.service("classless")?;
-        let finalizers = s.metadata.finalizers.unwrap_or_default();
-        (finalizers.is_empty() && links_of(&lb, uid).is_empty()).then_some(())
+        let finalizers = s.metadata.finalizers.clone().unwrap_or_default();
+        (finalizers.is_empty() && links_of(&lb, uid).is_empty() && ingress(&s).is_empty())
+            .then_some(())
     });
     ensure!(
         handed_over.is_some(),
-        "class-less Service still served with only {NAMED_CLASS}: links {:?}\n{}",
+        "class-less Service still served with only {NAMED_CLASS}: links {:?}, status {:?}\n{}",
         links_of(&lb, uid),
+        lb.service("classless").map(|s| ingress(&s)),
         lb.diagnostics()
     );
     untouched(&lb, &other)?;
 
     // ... plus class-less ones with --serve-classless: served again, with
-    // the address its record asks for.
+    // the address its record asks for, unless the DHCP server gave it to
+    // `named` meanwhile.
     let before = lb::ingress_ip(&classless).unwrap();
+    let named_ip = lb::ingress_ip(&named_served);
+    println!("class-less {before} handed over; {NAMED_CLASS} Service got {named_ip:?}");
     restart_controllers(
         &mut lb,
         &["--load-balancer-class", NAMED_CLASS, "--serve-classless"],
     )?;
     let again = served(&lb, "classless");
+    let again_ip = lb::ingress_ip(&again);
+    if named_ip == Some(before) {
+        ensure!(
+            again_ip.is_some() && again_ip != named_ip,
+            "{again_ip:?} after serving class-less Services again; {before} is the {NAMED_CLASS} Service's now"
+        );
+    } else {
+        ensure!(
+            again_ip == Some(before),
+            "{again_ip:?} after serving class-less Services again, {before} before"
+        );
+    }
+    let named_now = lb::ingress_ip(&lb.service("named").context("named gone")?);
     ensure!(
-        lb::ingress_ip(&again) == Some(before),
-        "{:?} after serving class-less Services again, {before} before",
-        lb::ingress_ip(&again)
+        named_now == named_ip,
+        "the {NAMED_CLASS} Service's address {named_ip:?} changed to {named_now:?} when class-less ones were served again"
     );
-    ensure!(lb::ingress_ip(&lb.service("named").unwrap()) == lb::ingress_ip(&named_served));
     untouched(&lb, &other)?;
     Ok(())
 }

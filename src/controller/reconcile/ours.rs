@@ -95,11 +95,21 @@ pub(super) fn admit<'a>(pass: &mut Pass<'a>, s: &'a ServiceIn) {
                 _ => "pool mode",
             };
             if ours || holders.iter().any(|(_, a)| !a.release) {
-                // An address on a Service that is no LoadBalancer is
-                // false information; a LoadBalancer of another class
-                // keeps what its new implementation may reuse.
-                let clear_status = s.type_ != "LoadBalancer";
-                let message = format!("{why}: address released and handed over");
+                // Released at the DHCP server, the address may go to
+                // anyone, our next Service too, which could then never be
+                // published beside a status that still claims it: the
+                // status is cleared (kube-vip's record stays, so its next
+                // server asks for the same address). A pool-mode status
+                // is Harvester's to keep.
+                let clear_status = !matches!(selection, Selection::PoolMode);
+                let message = format!(
+                    "{why}: address released and handed over{}",
+                    if clear_status {
+                        "; status cleared, kube-vip.io annotations kept, so its next server asks for the same address"
+                    } else {
+                        ""
+                    }
+                );
                 hand_over(pass, s, &holders, clear_status, message);
             }
         }
@@ -521,5 +531,40 @@ mod tests {
         sim.classes.classless = true;
         sim.settle();
         assert_eq!(sim.holders("classless").len(), 1);
+    }
+
+    /// Found by the rig under load: the address a class-less Service was
+    /// handed over with went to the next Service from the DHCP server,
+    /// which was then never published beside the status still claiming it.
+    #[test]
+    fn an_address_handed_over_to_another_class_can_serve_the_next_service() {
+        let mut sim = Sim::new(&["n1"]);
+        sim.services.push(dhcp("classless", &[80]));
+        sim.settle();
+        let released = sim.svc("classless").first_ip().unwrap().to_string();
+        sim.classes = ClassPolicy {
+            class: "example.com/dhcp".into(),
+            classless: false,
+        };
+        let mut named = dhcp("named", &[80]);
+        named.load_balancer_class = Some("example.com/dhcp".into());
+        named.annotations.clear();
+        sim.services.push(named);
+        // The DHCP server gives the released address again.
+        sim.next_ip -= 1;
+        let plans = sim.settle();
+        assert_eq!(
+            sim.svc("named").first_ip(),
+            Some(released.as_str()),
+            "{plans:?}"
+        );
+        assert!(sim.holders("classless").is_empty());
+        assert!(sim.svc("classless").ingress.is_empty(), "{plans:?}");
+        assert_eq!(
+            sim.svc("classless").annotations.get(kube_vip::REQUESTED_IP),
+            Some(&released),
+            "kube-vip's record is kept"
+        );
+        assert!(reasons(&plans).contains(&reason::HANDED_OVER));
     }
 }
