@@ -14,8 +14,19 @@ pub use crate::health::{Check, Status};
 use crate::state_dir::{self, Inspection};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Report {
     pub checks: Vec<Check>,
+    /// What the `cni` check advises applying, printed after the checks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub helm_chart_configs: Vec<Advice>,
+}
+
+/// A manifest to apply, and what it is for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Advice {
+    pub title: String,
+    pub text: String,
 }
 
 impl Report {
@@ -71,6 +82,9 @@ impl Report {
             fails,
             warns
         );
+        for a in &self.helm_chart_configs {
+            let _ = write!(out, "\n# {}\n---\n{}", a.title, a.text);
+        }
         out
     }
 }
@@ -271,6 +285,7 @@ mod tests {
 
     fn report(statuses: &[Status]) -> Report {
         Report {
+            helm_chart_configs: Vec::new(),
             checks: statuses
                 .iter()
                 .enumerate()

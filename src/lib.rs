@@ -49,6 +49,7 @@ pub mod agent;
 pub mod check;
 pub mod cli;
 pub mod cluster;
+pub mod cni;
 pub mod config;
 pub mod control;
 pub mod controller;

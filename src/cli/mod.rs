@@ -1,7 +1,7 @@
 //! Command line: subcommands, flags and exit codes. The only place that turns
 //! errors into process exit codes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -367,7 +367,9 @@ pub enum Output {
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     /// Run only these checks: config, kubeconfig (with api-server),
-    /// state-dir, macvlan, qemu-guest-agent, topology [default: all]
+    /// state-dir, macvlan, qemu-guest-agent, topology, cni (whether the
+    /// CNI, its BPF programs or a network manager reach our hlb-* links;
+    /// prints RKE2's HelmChartConfig that keeps them off) [default: all]
     #[arg(value_name = "CHECK")]
     pub names: Vec<String>,
     #[command(flatten)]
@@ -383,6 +385,10 @@ pub struct CheckArgs {
     /// macvlan on the uplink, never set up and deleted at once.
     #[arg(long)]
     pub fix: bool,
+    /// Where the `cni` check looks for CNI configuration files (repeat
+    /// for several) [default: /etc/cni/net.d, /var/lib/rancher/k3s/agent/etc/cni/net.d]
+    #[arg(long, value_name = "DIR")]
+    pub cni_conf_dir: Vec<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -535,6 +541,7 @@ pub const CHECK_NAMES: &[&str] = &[
     "macvlan",
     "qemu-guest-agent",
     "topology",
+    "cni",
 ];
 
 fn check(args: CheckArgs) -> ExitCode {
@@ -557,6 +564,7 @@ fn check(args: CheckArgs) -> ExitCode {
     let flags = args.config.flag_values();
     let loaded = config::load(&flags);
     let mut checks = Vec::new();
+    let mut helm_chart_configs = Vec::new();
     if wanted("config") {
         checks.push(check::config_check(&loaded));
     }
@@ -595,6 +603,11 @@ fn check(args: CheckArgs) -> ExitCode {
             ));
             checks.push(state.check());
         }
+        if wanted("cni") {
+            let (found, advice) = runtime.block_on(cni_checks(cfg, &args));
+            checks.extend(found);
+            helm_chart_configs = advice;
+        }
     }
     if wanted("macvlan") {
         let macvlan = crate::kmod::preflight(&crate::kmod::host::Host::default(), args.fix);
@@ -604,7 +617,10 @@ fn check(args: CheckArgs) -> ExitCode {
         let guest = runtime.block_on(crate::guest::watch::assess_now(std::path::Path::new("/")));
         checks.push(check::guest_agent_check(&guest));
     }
-    let report = Report { checks };
+    let report = Report {
+        checks,
+        helm_chart_configs,
+    };
     match args.output {
         Output::Json => println!("{}", report.to_json()),
         Output::Human => print!("{}", report.to_human()),
@@ -614,6 +630,41 @@ fn check(args: CheckArgs) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// The `cni` checks, and the HelmChartConfigs that keep RKE2's CNIs off
+/// our links.
+async fn cni_checks(cfg: &Config, args: &CheckArgs) -> (Vec<check::Check>, Vec<check::Advice>) {
+    let dirs: Vec<PathBuf> = if args.cni_conf_dir.is_empty() {
+        crate::cni::DEFAULT_CONF_DIRS
+            .iter()
+            .map(PathBuf::from)
+            .collect()
+    } else {
+        args.cni_conf_dir.clone()
+    };
+    let found = crate::cluster::credentials::discover(&cfg.into(), &HostEnv);
+    let node = match crate::cluster::credentials::connect(&found, args.timeout).await {
+        Ok(conn) => crate::cni::host::node_facts(conn.client, &cfg.node_name, args.timeout).await,
+        Err(e) => crate::cni::NodeFacts::NotRead(format!("{e:#}")),
+    };
+    let uplink = cfg.uplink.clone().or_else(|| {
+        std::fs::read_to_string("/proc/net/route")
+            .ok()
+            .and_then(|r| crate::dhcp::link::default_route_interface(&r))
+    });
+    let facts = crate::cni::host::gather(&dirs, Path::new("/run"), uplink, node).await;
+    let advice = crate::cni::helm_chart_configs(&facts)
+        .into_iter()
+        .map(|(cni, yaml)| check::Advice {
+            title: format!(
+                "RKE2 with {}: keep it off hlb-* links (kubectl apply -f, or a file in /var/lib/rancher/rke2/server/manifests/)",
+                cni.as_str()
+            ),
+            text: yaml,
+        })
+        .collect();
+    (crate::cni::assess(&facts), advice)
 }
 
 /// The socket `status` asks: resolved exactly as `run` resolves its own

@@ -20,6 +20,7 @@ mod harness;
 
 mod cloud_init;
 mod cluster;
+mod cni;
 mod controller;
 mod current_api;
 mod daemon;
@@ -69,6 +70,7 @@ fn main() -> std::process::ExitCode {
         packaging::tests(),
         loadbalancer::tests(),
         current_api::tests(),
+        cni::tests(),
         tenants::tests(),
         failover::tests(),
         flaky_api::tests(),

@@ -85,6 +85,10 @@ fn expected_files(deb: bool) -> BTreeMap<String, Option<PathBuf>> {
             Some("packaging/systemd-preset/90-harvester-node-agent.preset"),
         ),
         (
+            "/usr/lib/NetworkManager/conf.d/90-harvester-node-agent.conf",
+            Some("packaging/NetworkManager/90-harvester-node-agent.conf"),
+        ),
+        (
             "/usr/share/doc/harvester-node-agent/README.md",
             Some("README.md"),
         ),
