@@ -240,6 +240,38 @@ fn check_cni_finds_each_symptom_as_its_component_leaves_it() -> Result<()> {
         &["SystemdNetworkd", "99-dhcp.network", "Name=!hlb-*"],
     )?;
 
+    // What every netlink listener on the node (Felix, Cilium,
+    // NetworkManager) receives from the address lifetime's refresh:
+    // RTM_NEWADDR for the held address, counted over a window.
+    let window = Duration::from_secs(5);
+    let mut monitor = Command::new("ip")
+        .args([
+            "-n",
+            lb.rig.guest_ns(holder),
+            "monitor",
+            "address",
+            "dev",
+            &link.name,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    std::thread::sleep(window);
+    monitor.kill()?;
+    let seen = monitor.wait_with_output()?;
+    let events = String::from_utf8_lossy(&seen.stdout)
+        .lines()
+        .filter(|l| l.contains(&ip.to_string()) && !l.starts_with("Deleted"))
+        .count();
+    let per_second = events as f64 / window.as_secs_f64();
+    println!(
+        "cni: the lifetime refresh sends {per_second:.1} RTM_NEWADDR per held address and second ({events} in {window:?}, lifetime 1 s)"
+    );
+    // Four confirmations per lifetime (docs/operations.md, CNI coexistence).
+    ensure!(
+        (2.0..=6.0).contains(&per_second),
+        "{per_second} RTM_NEWADDR per second, four per 1 s lifetime expected"
+    );
+
     // Nothing was changed: the address is still served from its link.
     ensure!(
         lb.carriers(ip)
