@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::net::Ipv4Addr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -102,6 +102,95 @@ pub struct Options {
     /// Names of nodes that run as VMs ([`LbRig::vm_node_spec`]): node
     /// credentials, no guest namespace.
     pub vm_nodes: Vec<String>,
+    /// Install the controller's side with the real `helm` from
+    /// `packaging/helm/` instead of applying [`Options::manifests`]; the
+    /// controllers then run as the chart's ServiceAccount (a TokenRequest
+    /// of it) and everything lives in the release's namespace.
+    pub helm: Option<HelmInstall>,
+}
+
+/// How [`Options::helm`] installs the charts.
+#[derive(Debug, Clone)]
+pub struct HelmInstall {
+    /// `packaging/helm/` of the checkout under test.
+    pub charts: PathBuf,
+    /// The controller chart's release (the CRD chart's is `<release>-crd`).
+    pub release: String,
+    /// The release's namespace (created by `helm --create-namespace`).
+    pub namespace: String,
+    /// `--set` values.
+    pub set: Vec<String>,
+}
+
+impl HelmInstall {
+    /// The chart's ServiceAccount (`<release>-controller`).
+    pub fn service_account(&self) -> String {
+        format!("{}-controller", self.release)
+    }
+
+    /// Runs the real `helm` as the rig's admin; `Ok` with its output when
+    /// it succeeded, else an error with what it said.
+    pub fn run(admin_kubeconfig: &Path, args: &[&str]) -> Result<String> {
+        let helm = crate::locate::helm::helm().map_err(anyhow::Error::msg)?;
+        let out = Command::new(&helm)
+            .args(args)
+            .arg("--kubeconfig")
+            .arg(admin_kubeconfig)
+            .env(
+                "HELM_CACHE_HOME",
+                admin_kubeconfig.with_file_name("helm-cache"),
+            )
+            .env(
+                "HELM_CONFIG_HOME",
+                admin_kubeconfig.with_file_name("helm-config"),
+            )
+            .env(
+                "HELM_DATA_HOME",
+                admin_kubeconfig.with_file_name("helm-data"),
+            )
+            .output()
+            .context("running helm")?;
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !out.status.success() {
+            bail!("helm {}: {}", args.join(" "), said.trim());
+        }
+        Ok(said)
+    }
+
+    fn install(&self, admin_kubeconfig: &Path, admission_policy: bool) -> Result<()> {
+        let crd = self.charts.join("harvester-node-agent-crd");
+        let chart = self.charts.join("harvester-node-agent");
+        Self::run(
+            admin_kubeconfig,
+            &[
+                "install",
+                &format!("{}-crd", self.release),
+                &crd.to_string_lossy(),
+                "--wait",
+            ],
+        )?;
+        let mut args = vec![
+            "install".to_string(),
+            self.release.clone(),
+            chart.to_string_lossy().into_owned(),
+            "--namespace".into(),
+            self.namespace.clone(),
+            "--create-namespace".into(),
+        ];
+        if !admission_policy {
+            args.extend(["--set".into(), "admissionPolicies.enabled=false".into()]);
+        }
+        for s in &self.set {
+            args.extend(["--set".into(), s.clone()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Self::run(admin_kubeconfig, &args)?;
+        Ok(())
+    }
 }
 
 impl Options {
@@ -143,6 +232,7 @@ impl Options {
             wide_lan: false,
             simulated_nodes: Vec::new(),
             vm_nodes: Vec::new(),
+            helm: None,
         }
     }
 }
@@ -184,9 +274,51 @@ pub struct LbRig {
     vm_paths: Vec<Forwarder>,
     proxy: Option<FaultProxy>,
     admin: kube::Client,
+    /// With [`Options::helm`]: the chart's ServiceAccount's kubeconfig,
+    /// which the controllers run with.
+    controller_kubeconfig: Option<PathBuf>,
     rt: tokio::runtime::Runtime,
     opts: Options,
     pub rig: Rig,
+}
+
+/// A kubeconfig for ServiceAccount `namespace/name` (a TokenRequest of an
+/// hour), next to the admin's.
+async fn service_account_kubeconfig(
+    admin: &kube::Client,
+    api: &rig::apiserver::ApiServer,
+    namespace: &str,
+    name: &str,
+) -> Result<PathBuf> {
+    use k8s_openapi::api::authentication::v1::TokenRequest;
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), namespace);
+    let request: TokenRequest = serde_json::from_value(serde_json::json!({
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+        "spec": {"audiences": [], "expirationSeconds": 3600},
+    }))?;
+    let token = sas
+        .create_token_request(name, &PostParams::default(), &request)
+        .await
+        .with_context(|| format!("TokenRequest for {namespace}/{name}"))?
+        .status
+        .context("TokenRequest without status")?
+        .token;
+    let path = api
+        .admin_kubeconfig()
+        .with_file_name(format!("sa-{namespace}-{name}.kubeconfig"));
+    let config = serde_json::json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "rig", "cluster": {
+            "server": api.url(),
+            "certificate-authority": api.ca_path(),
+        }}],
+        "users": [{"name": name, "user": {"token": token}}],
+        "contexts": [{"name": name, "context": {"cluster": "rig", "user": name, "namespace": namespace}}],
+        "current-context": name,
+    });
+    fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
+    Ok(path)
 }
 
 /// A forwarder listening on the LAN's address in `lan_ns` to `upstream`
@@ -261,17 +393,30 @@ impl LbRig {
         let api = rig.apiserver().context("API server")?;
         let admin_kubeconfig = api.admin_kubeconfig().to_path_buf();
         let admin = rt.block_on(rig::kube_client(&admin_kubeconfig))?;
-        let mut manifests = rig::manifests::load_kustomization(&opts.manifests)?;
-        if !opts.admission_policy {
-            manifests.retain(|m| !m.kind().starts_with("ValidatingAdmissionPolicy"));
+        let mut controller_kubeconfig = None;
+        if let Some(h) = &opts.helm {
+            h.install(&admin_kubeconfig, opts.admission_policy)
+                .with_context(|| format!("installing {}", h.charts.display()))?;
+            controller_kubeconfig = Some(rt.block_on(service_account_kubeconfig(
+                &admin,
+                api,
+                &h.namespace,
+                &h.service_account(),
+            ))?);
+        } else {
+            let mut manifests = rig::manifests::load_kustomization(&opts.manifests)?;
+            if !opts.admission_policy {
+                manifests.retain(|m| !m.kind().starts_with("ValidatingAdmissionPolicy"));
+            }
+            rt.block_on(rig::manifests::apply(
+                &admin,
+                &manifests,
+                rig::manifests::Mode::Apply,
+            ))
+            .with_context(|| format!("applying {}", opts.manifests.display()))?;
         }
-        rt.block_on(rig::manifests::apply(
-            &admin,
-            &manifests,
-            rig::manifests::Mode::Apply,
-        ))
-        .with_context(|| format!("applying {}", opts.manifests.display()))?;
         let mut lb = LbRig {
+            controller_kubeconfig,
             rig,
             client_ns,
             observer,
@@ -441,7 +586,8 @@ impl LbRig {
             bin: self.opts.bin.clone(),
             kubeconfig,
             agent_config: format!(
-                "namespace = \"{NAMESPACE}\"\nuplink = \"eth0\"\n{}\n",
+                "namespace = \"{}\"\nuplink = \"eth0\"\n{}\n",
+                self.namespace(),
                 self.opts.agent_config
             ),
             address,
@@ -483,7 +629,10 @@ impl LbRig {
         match (&self.proxy, node) {
             (Some(p), _) => api.kubeconfig_via(node, &p.url(), "via-proxy"),
             (None, Some(n)) => Ok(api.node_kubeconfig(n).to_path_buf()),
-            (None, None) => Ok(api.controller_kubeconfig().to_path_buf()),
+            (None, None) => Ok(self
+                .controller_kubeconfig
+                .clone()
+                .unwrap_or_else(|| api.controller_kubeconfig().to_path_buf())),
         }
     }
 
@@ -521,7 +670,16 @@ impl LbRig {
     /// The `LoadBalancerNode` objects, untyped (the caller deserializes
     /// them into the agent's contract types).
     pub fn node_objects(&self) -> Api<DynamicObject> {
-        node_objects_with(self.admin.clone())
+        node_objects_in(self.admin.clone(), self.namespace())
+    }
+
+    /// Where the controller's objects live: [`NAMESPACE`], or the Helm
+    /// release's.
+    pub fn namespace(&self) -> &str {
+        self.opts
+            .helm
+            .as_ref()
+            .map_or(NAMESPACE, |h| h.namespace.as_str())
     }
 
     /// The admin's kubeconfig: for a client of a thread's own (the rig's
@@ -611,12 +769,13 @@ impl LbRig {
         fs::write(
             &config,
             format!(
-                "{}namespace = \"{NAMESPACE}\"\n{}\n",
+                "{}namespace = \"{}\"\n{}\n",
                 if self.opts.uplink_from_route {
                     ""
                 } else {
                     "uplink = \"eth0\"\n"
                 },
+                self.namespace(),
                 self.opts.agent_config
             ),
         )?;
@@ -883,7 +1042,7 @@ impl LbRig {
                 "--credentials-retry",
                 "1s",
                 "--namespace",
-                NAMESPACE,
+                self.namespace(),
             ])
             .args(["--identity", &Self::controller_identity(i)])
             .arg("--kubeconfig")
@@ -937,7 +1096,7 @@ impl LbRig {
     /// The identity holding the controller Lease now.
     pub fn leader(&self) -> Option<String> {
         use k8s_openapi::api::coordination::v1::Lease;
-        let leases: Api<Lease> = Api::namespaced(self.admin.clone(), NAMESPACE);
+        let leases: Api<Lease> = Api::namespaced(self.admin.clone(), self.namespace());
         self.block_on(leases.get_opt(CONTROLLER_LEASE))
             .ok()
             .flatten()
@@ -1695,11 +1854,16 @@ fn endpoint_slice_resource(version: &str) -> ApiResource {
 
 /// The node objects through `client`.
 pub fn node_objects_with(client: kube::Client) -> Api<DynamicObject> {
+    node_objects_in(client, NAMESPACE)
+}
+
+/// The `LoadBalancerNode` objects of `namespace`.
+pub fn node_objects_in(client: kube::Client, namespace: &str) -> Api<DynamicObject> {
     let ar = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("lb.harvester-node-agent.io", "v1alpha1", "LoadBalancerNode"),
         "loadbalancernodes",
     );
-    Api::namespaced_with(client, NAMESPACE, &ar)
+    Api::namespaced_with(client, namespace, &ar)
 }
 
 /// A client from kubeconfig `path`, built on the current runtime.

@@ -93,6 +93,9 @@ pub enum Prereq {
     /// built offline from the shared peers folder's snapshot and cached by
     /// `tests/rig/peers.sh`.
     HarvesterCcm,
+    /// Helm ([`crate::locate::helm::HELM_VERSION`]), built from the Go
+    /// module proxy and cached by `tests/rig/helm.sh`.
+    Helm,
 }
 
 /// The cargo-deb `tests/rig/prereqs.sh` installs (keep the two in step).
@@ -132,6 +135,7 @@ impl Prereq {
             Prereq::KubeVip => "kube-vip",
             Prereq::MetalLb => "MetalLB",
             Prereq::HarvesterCcm => "harvester-cloud-provider",
+            Prereq::Helm => "helm",
             Prereq::Dhclient => "isc-dhcp-client",
             Prereq::Busybox => "busybox",
             Prereq::Curl => "curl",
@@ -218,6 +222,16 @@ impl Prereq {
                     ),
                 }
             }
+            Prereq::Helm => match crate::locate::helm::helm() {
+                Ok(_) => Ok(()),
+                Err(what) => missing(
+                    what,
+                    format!(
+                        "build and cache it with `{INSTALL_ALL}` (or `sudo {}`)",
+                        crate::locate::helm::INSTALL
+                    ),
+                ),
+            },
             Prereq::Kubectl => match Binaries::find() {
                 Ok(Binaries {
                     kubectl: Some(_), ..

@@ -30,6 +30,7 @@ mod docs;
 mod failover;
 mod flaky_api;
 mod harvester_ccm;
+mod helm_chart;
 mod hostile_node;
 mod kiwi;
 mod lan_adversary;
@@ -81,6 +82,7 @@ fn main() -> std::process::ExitCode {
         soak::tests(),
         peers::tests(),
         harvester_ccm::tests(),
+        helm_chart::tests(),
         vm_selftest::tests(),
         vm_macvlan::tests(),
         vm_pause::tests(),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything the test rig needs, from Debian's packages, and builds
 # kube-apiserver, kubectl and etcd from the Go module proxy
-# (tests/rig/kubernetes.sh), the peers (tests/rig/peers.sh), the VM kernel
+# (tests/rig/kubernetes.sh), the peers (tests/rig/peers.sh), Helm
+# (tests/rig/helm.sh), the VM kernel
 # and image, kiwi and the packaging tools.
 #
 # Usage: prereqs.sh          everything the tests need
@@ -223,6 +224,11 @@ fi
 # MetalLB from the Go module proxy (tests/rig/peers.sh), built once and
 # cached by version (cold, about 5 minutes on 2 cores).
 bash "$(dirname "$0")/peers.sh" >&2
+
+# --- Helm (tests/integration/helm_chart.rs) from the Go module proxy
+# (tests/rig/helm.sh), built once and cached by version (cold, about 1.5
+# minutes on 2 cores with Go's caches warm).
+bash "$(dirname "$0")/helm.sh" >&2
 
 if [[ -n "${KUBEBUILDER_ASSETS:-}" && -x "${KUBEBUILDER_ASSETS}/kube-apiserver" ]]; then
   log "using kube-apiserver from KUBEBUILDER_ASSETS=${KUBEBUILDER_ASSETS}"

@@ -8,6 +8,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+pub mod helm;
 pub mod image;
 pub mod kernel;
 pub mod peers;
