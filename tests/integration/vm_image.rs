@@ -1,8 +1,11 @@
 //! The shipped agent in a real Debian bookworm cloud image: systemd,
 //! cloud-init and qemu-guest-agent from Debian's repositories
 //! (`tests/rig/image.sh`, cached by its package list), booted under qemu
-//! (TCG) with a NoCloud seed that carries the user data
-//! (`tests/rig/image-user-data.yaml`) and the agent's `.deb`, a
+//! (TCG) with a NoCloud seed that carries the user data: the shipped
+//! `packaging/cloud-init/cloud-config.yaml`, its release host pointed at
+//! the rig's HTTP server on the LAN, which serves the agent's `.deb` and the
+//! image's apt source (the no-macvlan boot: `tests/rig/image-user-data.yaml`
+//! and the `.deb` on the seed), a
 //! virtio-serial `org.qemu.guest_agent.0` channel whose host end the test
 //! speaks QGA on (as Harvester's virt-launcher does), and a NIC on the rig's
 //! LAN with dnsmasq.
@@ -83,6 +86,90 @@ fn agent_deb(dir: &Path) -> Result<PathBuf> {
         .context("packaging/build.sh wrote no harvester-node-agent_*_amd64.deb")
 }
 
+/// Where the shipped cloud-config fetches the packages from (a placeholder
+/// release host until releases are published).
+const RELEASE_HOST: &str =
+    "https://github.com/harvester-node-agent/harvester-node-agent/releases/download/";
+/// The rig's HTTP server on the LAN, which the image's apt source names too
+/// (tests/rig/image.sh): the only change made to the shipped cloud-config
+/// is its release host pointed here.
+const MIRROR: &str = "http://10.77.0.1:8080/";
+
+/// `packaging/cloud-init/cloud-config.yaml` as shipped, its release host
+/// pointed at the rig's [`MIRROR`]; with the `.deb`'s path under it.
+fn shipped_user_data() -> Result<(String, String)> {
+    let shipped = std::fs::read_to_string(repo().join("packaging/cloud-init/cloud-config.yaml"))?;
+    ensure!(
+        shipped.matches(RELEASE_HOST).count() == 2,
+        "the shipped cloud-config names {RELEASE_HOST} for the .deb and the .rpm, once each"
+    );
+    let deb_path = shipped
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("AGENT_DEB_URL="))
+        .and_then(|url| url.strip_prefix(RELEASE_HOST))
+        .context("no AGENT_DEB_URL under the release host in the shipped cloud-config")?
+        .to_string();
+    let released = format!("{MIRROR}releases/download/");
+    Ok((shipped.replace(RELEASE_HOST, &released), deb_path))
+}
+
+/// The rig's HTTP server on the LAN (busybox httpd in the LAN namespace):
+/// the release host and the image's apt source. Stopped when dropped.
+struct Mirror {
+    httpd: std::process::Child,
+    log: PathBuf,
+}
+
+impl Mirror {
+    /// Serves `deb` at `releases/download/<deb_path>` and an apt source
+    /// (`debian/`: a flat repository whose `Packages` lists nothing, with a
+    /// `Release`): the image already holds every package the cloud-config
+    /// asks apt for, as a VM built from a cloud image with them does.
+    fn start(rig: &Rig, dir: &Path, deb: &Path, deb_path: &str) -> Result<Mirror> {
+        let root = dir.join("www");
+        let release = root.join("releases/download").join(deb_path);
+        std::fs::create_dir_all(release.parent().context("release path")?)?;
+        std::fs::copy(deb, &release)?;
+        let apt = root.join("debian");
+        std::fs::create_dir_all(&apt)?;
+        std::fs::write(apt.join("Packages"), "")?;
+        // sha256 of the empty file.
+        std::fs::write(
+            apt.join("Release"),
+            "Origin: hna-rig\nLabel: hna-rig\nSuite: rig\nCodename: rig\nArchitectures: amd64\nSHA256:\n e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855 0 Packages\n",
+        )?;
+        let log = dir.join("httpd.log");
+        let httpd = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                rig.lan_ns(),
+                "busybox",
+                "httpd",
+                "-f",
+                "-vv",
+            ])
+            .args(["-p", &format!("{}:8080", rig::LAN_ADDR)])
+            .arg("-h")
+            .arg(&root)
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("starting busybox httpd in the LAN namespace")?;
+        Ok(Mirror { httpd, log })
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Mirror {
+    fn drop(&mut self) {
+        let _ = self.httpd.kill();
+        let _ = self.httpd.wait();
+    }
+}
+
 /// The user data with the package's name on the seed filled in.
 fn user_data() -> Result<String> {
     let template = std::fs::read_to_string(repo().join("tests/rig/image-user-data.yaml"))?;
@@ -101,14 +188,21 @@ struct Guest {
 impl Guest {
     /// Boots `disk` (made into a fresh overlay) with a seed for `name` and a
     /// NIC on the rig's LAN, waits for qemu-ga, then for cloud-init.
-    fn boot(image: &Image, rig: &Rig, dir: &Path, disk: &Path, name: &str) -> Result<Guest> {
-        let deb = agent_deb(dir)?;
+    fn boot(
+        image: &Image,
+        rig: &Rig,
+        dir: &Path,
+        disk: &Path,
+        name: &str,
+        user_data: &str,
+        seed_files: &[(&str, &Path)],
+    ) -> Result<Guest> {
         let seed = vm::machine::nocloud_seed(
             dir,
             &format!("{name}-seed"),
-            &user_data()?,
+            user_data,
             &format!("instance-id: {name}\nlocal-hostname: {name}\n"),
-            &[(DEB_ON_SEED, deb.as_path())],
+            seed_files,
         )?;
         let overlay = Image::overlay(disk, dir, name)?;
         let boot_dir = dir.join(name);
@@ -332,9 +426,45 @@ fn cloud_init_installs_a_running_agent_in_a_debian_image() -> Result<()> {
     print_image_timings(&image);
     let rig = rig()?;
     let dir = tempfile::Builder::new().prefix("hna-image-").tempdir()?;
-    let mut g = Guest::boot(&image, &rig, dir.path(), &image.disk, "hna-image-1")?;
+    // The shipped cloud-config, as shipped but for its release host: the
+    // file it fetches is the one packaging/build.sh makes.
+    let (user_data, deb_path) = shipped_user_data()?;
+    let deb = agent_deb(dir.path())?;
+    let built = deb
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned();
+    ensure!(
+        deb_path.ends_with(&format!("/{built}")),
+        "the shipped cloud-config fetches {deb_path}, packaging/build.sh makes {built}"
+    );
+    ensure!(
+        MIRROR.contains(rig::LAN_ADDR),
+        "{MIRROR} is not on the rig's LAN address"
+    );
+    let mirror = Mirror::start(&rig, dir.path(), &deb, &deb_path)?;
+    let mut g = Guest::boot(
+        &image,
+        &rig,
+        dir.path(),
+        &image.disk,
+        "hna-image-1",
+        &user_data,
+        &[],
+    )?;
     g.prove(|g| {
         installed_by_runcmd(g)?;
+        let served = mirror.log();
+        ensure!(
+            served.contains(&format!("/releases/download/{deb_path}")),
+            "the guest did not fetch the package from the release host: {served}"
+        );
+        let status = g.exec(&["cloud-init", "status", "--long"], Duration::from_secs(60))?;
+        ensure!(
+            status.success() && status.stdout.contains("status: done"),
+            "cloud-init: {status}"
+        );
         running_under_the_shipped_unit(g)?;
 
         // macvlan: loaded, from a module file (not built in), as /proc says.
@@ -619,7 +749,16 @@ fn check_fails_with_the_remedy_in_an_image_without_macvlan() -> Result<()> {
         "variant disk without {module}: {:.1}s",
         made.elapsed().as_secs_f64()
     );
-    let mut g = Guest::boot(&image, &rig, dir.path(), &disk, "hna-image-2")?;
+    let deb = agent_deb(dir.path())?;
+    let mut g = Guest::boot(
+        &image,
+        &rig,
+        dir.path(),
+        &disk,
+        "hna-image-2",
+        &user_data()?,
+        &[(DEB_ON_SEED, deb.as_path())],
+    )?;
     g.prove(|g| {
         installed_by_runcmd(g)?;
         let gone = g.sh(

@@ -27,11 +27,21 @@ MIRRORS=(
 # linux-image-amd64: macvlan is a loadable module there, virtio too (the
 # cloud flavour is what Harvester images use, but the stock one is what the
 # other VM tests boot, so the two agree on the module layout).
-PACKAGES=(systemd systemd-sysv udev dbus cloud-init qemu-guest-agent
+# curl and qemu-guest-agent: what the shipped cloud-config's `packages:`
+# asks apt for, here already (as in a cloud image that has them), since
+# the guest reaches no Debian mirror. locales: cloud-init's locale module
+# sets en_US.UTF-8 when the user data names none (the shipped one does
+# not), which fails unless that locale is generated, as it is in the cloud
+# images users boot (the customize hook below generates it).
+PACKAGES=(systemd systemd-sysv udev dbus cloud-init qemu-guest-agent curl locales
           linux-image-amd64 initramfs-tools ifupdown isc-dhcp-client
           iproute2 kmod e2fsprogs mount util-linux procps netbase)
+# The image's apt source: the rig's HTTP server on the LAN (vm_image.rs
+# serves a flat repository there), so that the shipped cloud-config's
+# `package_update` runs as on a VM with a mirror.
+APT_SOURCE="deb [trusted=yes] http://10.77.0.1:8080/debian ./"
 # Bump when the recipe below changes in a way the package list does not show.
-RECIPE=1
+RECIPE=3
 # Big driver trees a virtio VM never loads: less to copy into the disk.
 EXCLUDE=(
          "/lib/modules/*/kernel/drivers/gpu/*" "/lib/modules/*/kernel/sound/*"
@@ -41,7 +51,7 @@ EXCLUDE=(
 
 log() { echo "image: $*" >&2; }
 
-HASH=$( { echo "$SUITE"; printf '%s\n' "${MIRRORS[@]}" "${PACKAGES[@]}" "${EXCLUDE[@]}"; echo "recipe $RECIPE"; } \
+HASH=$( { echo "$SUITE"; printf '%s\n' "${MIRRORS[@]}" "${PACKAGES[@]}" "${EXCLUDE[@]}" "$APT_SOURCE"; echo "recipe $RECIPE"; } \
         | sha256sum | cut -c1-16)
 OUT="$CACHE_DIR/image/$HASH"
 
@@ -74,6 +84,8 @@ mmdebstrap --variant=apt --include="$list" "${excl[@]}" \
   --essential-hook='printf "%s\n" "#!/bin/sh" "[ \"\$1\" = prereqs ] && exit 0" ". /usr/share/initramfs-tools/hook-functions" "manual_add_modules virtio_pci virtio_blk virtio_console ext4" > "$1/etc/initramfs-tools/hooks/hna-virtio"; chmod 755 "$1/etc/initramfs-tools/hooks/hna-virtio"' \
   --customize-hook='echo "/dev/vda / ext4 defaults 0 0" > "$1/etc/fstab"' \
   --customize-hook='echo hna-image > "$1/etc/hostname"' \
+  --customize-hook='echo "en_US.UTF-8 UTF-8" > "$1/etc/locale.gen"; chroot "$1" locale-gen >/dev/null' \
+  --customize-hook="rm -f \"\$1\"/etc/apt/sources.list.d/*; echo '$APT_SOURCE' > \"\$1/etc/apt/sources.list\"" \
   --customize-hook='printf "%s\n" "datasource_list: [ NoCloud, None ]" > "$1/etc/cloud/cloud.cfg.d/90-hna-nocloud.cfg"' \
   --customize-hook='for t in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer; do chroot "$1" systemctl disable "$t" >/dev/null 2>&1 || true; done' \
   "$SUITE" "$WORK/rootfs" "${MIRRORS[@]}" >&2
