@@ -282,45 +282,6 @@ pub struct LbRig {
     pub rig: Rig,
 }
 
-/// A kubeconfig for ServiceAccount `namespace/name` (a TokenRequest of an
-/// hour), next to the admin's.
-async fn service_account_kubeconfig(
-    admin: &kube::Client,
-    api: &rig::apiserver::ApiServer,
-    namespace: &str,
-    name: &str,
-) -> Result<PathBuf> {
-    use k8s_openapi::api::authentication::v1::TokenRequest;
-    use k8s_openapi::api::core::v1::ServiceAccount;
-    let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), namespace);
-    let request: TokenRequest = serde_json::from_value(serde_json::json!({
-        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-        "spec": {"audiences": [], "expirationSeconds": 3600},
-    }))?;
-    let token = sas
-        .create_token_request(name, &PostParams::default(), &request)
-        .await
-        .with_context(|| format!("TokenRequest for {namespace}/{name}"))?
-        .status
-        .context("TokenRequest without status")?
-        .token;
-    let path = api
-        .admin_kubeconfig()
-        .with_file_name(format!("sa-{namespace}-{name}.kubeconfig"));
-    let config = serde_json::json!({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "rig", "cluster": {
-            "server": api.url(),
-            "certificate-authority": api.ca_path(),
-        }}],
-        "users": [{"name": name, "user": {"token": token}}],
-        "contexts": [{"name": name, "context": {"cluster": "rig", "user": name, "namespace": namespace}}],
-        "current-context": name,
-    });
-    fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
-    Ok(path)
-}
-
 /// A forwarder listening on the LAN's address in `lan_ns` to `upstream`
 /// on this machine's loopback, at a free port. The port is free on this
 /// machine's loopback, which says nothing of the LAN namespace (CI once
@@ -397,12 +358,18 @@ impl LbRig {
         if let Some(h) = &opts.helm {
             h.install(&admin_kubeconfig, opts.admission_policy)
                 .with_context(|| format!("installing {}", h.charts.display()))?;
-            controller_kubeconfig = Some(rt.block_on(service_account_kubeconfig(
+            let path = admin_kubeconfig.with_file_name(format!(
+                "sa-{}-{}.kubeconfig",
+                h.namespace,
+                h.service_account()
+            ));
+            rt.block_on(api.service_account_kubeconfig(
                 &admin,
-                api,
                 &h.namespace,
                 &h.service_account(),
-            ))?);
+                &path,
+            ))?;
+            controller_kubeconfig = Some(path);
         } else {
             let mut manifests = rig::manifests::load_kustomization(&opts.manifests)?;
             if !opts.admission_policy {
@@ -1399,7 +1366,6 @@ impl LbRig {
     /// there and nowhere else, authenticated with its own token (a
     /// TokenRequest), not the admin's. Creates the namespace if needed.
     pub fn tenant(&self, namespace: &str) -> Result<kube::Client> {
-        use k8s_openapi::api::authentication::v1::TokenRequest;
         use k8s_openapi::api::core::v1::ServiceAccount;
         use k8s_openapi::api::rbac::v1::RoleBinding;
         let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.admin.clone());
@@ -1424,32 +1390,17 @@ impl LbRig {
         }))?;
         self.block_on(bindings.create(&pp, &binding))
             .with_context(|| format!("binding {namespace}/tenant to ClusterRole edit"))?;
-        let request: TokenRequest = serde_json::from_value(serde_json::json!({
-            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-            "spec": {"audiences": [], "expirationSeconds": 3600},
-        }))?;
-        let token = self
-            .block_on(sas.create_token_request("tenant", &pp, &request))
-            .with_context(|| format!("TokenRequest for {namespace}/tenant"))?
-            .status
-            .context("TokenRequest without status")?
-            .token;
         let api = self
             .rig
             .apiserver()
             .context("the LB rig has an API server")?;
         let kubeconfig = self.tenant_kubeconfig(namespace);
-        let yaml = serde_json::json!({
-            "apiVersion": "v1", "kind": "Config",
-            "clusters": [{"name": "rig", "cluster": {
-                "server": api.url(),
-                "certificate-authority": api.ca_path(),
-            }}],
-            "users": [{"name": "tenant", "user": {"token": token}}],
-            "contexts": [{"name": "tenant", "context": {"cluster": "rig", "user": "tenant", "namespace": namespace}}],
-            "current-context": "tenant",
-        });
-        fs::write(&kubeconfig, serde_json::to_vec_pretty(&yaml)?)?;
+        self.block_on(api.service_account_kubeconfig(
+            &self.admin,
+            namespace,
+            "tenant",
+            &kubeconfig,
+        ))?;
         let client = self.block_on(rig::kube_client(&kubeconfig))?;
         // Its rights are the tenant's: its own namespace only.
         let elsewhere = if namespace == "kube-system" {

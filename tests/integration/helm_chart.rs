@@ -363,21 +363,21 @@ fn a_release_elsewhere_serves_a_dhcp_service_upgrades_and_uninstalls() -> Result
     // Upgrade with changed values: the running Deployment and the policy
     // follow.
     let chart = charts().join("harvester-node-agent");
-    HelmInstall::run(
-        &admin_kubeconfig,
-        &[
+    let upgrade = |set: &[&str]| {
+        let mut args = vec![
             "upgrade",
             RELEASE,
             chart.to_str().unwrap(),
             "--namespace",
             NAMESPACE,
             "--reuse-values",
-            "--set",
-            "replicas=3",
-            "--set",
-            "loadBalancerClass=example.com/lb",
-        ],
-    )?;
+        ];
+        for s in set {
+            args.extend(["--set", s]);
+        }
+        HelmInstall::run(&admin_kubeconfig, &args)
+    };
+    upgrade(&["replicas=3", "loadBalancerClass=example.com/lb"])?;
     let deployments: Api<Deployment> = Api::namespaced(lb.admin(), NAMESPACE);
     let d = lb.block_on(deployments.get("lb-controller"))?;
     let spec = d.spec.context("spec")?;
@@ -412,19 +412,7 @@ fn a_release_elsewhere_serves_a_dhcp_service_upgrades_and_uninstalls() -> Result
     );
 
     // Values that cannot work are refused before anything changes.
-    let refused = HelmInstall::run(
-        &admin_kubeconfig,
-        &[
-            "upgrade",
-            RELEASE,
-            chart.to_str().unwrap(),
-            "--namespace",
-            NAMESPACE,
-            "--reuse-values",
-            "--set",
-            "replicas=0",
-        ],
-    );
+    let refused = upgrade(&["replicas=0"]);
     let why = format!("{refused:?}");
     ensure!(refused.is_err() && why.contains("/replicas"), "{why}");
     let d = lb.block_on(deployments.get("lb-controller"))?;

@@ -511,17 +511,28 @@ mod tests {
         assert!(sim.holders("other").is_empty());
     }
 
+    const NAMED_CLASS: &str = "example.com/dhcp";
+
+    fn serve_only_the_named_class(sim: &mut Sim) {
+        sim.classes = ClassPolicy {
+            class: NAMED_CLASS.into(),
+            classless: false,
+        };
+    }
+
+    /// A Service of [`NAMED_CLASS`], with no annotation.
+    fn of_the_named_class(name: &str) -> super::ServiceIn {
+        let mut s = dhcp(name, &[80]);
+        s.load_balancer_class = Some(NAMED_CLASS.into());
+        s.annotations.clear();
+        s
+    }
+
     #[test]
     fn a_named_class_serves_that_class_and_class_less_ones_only_when_asked() {
         let mut sim = Sim::new(&["n1"]);
-        sim.classes = ClassPolicy {
-            class: "example.com/dhcp".into(),
-            classless: false,
-        };
-        let mut named = dhcp("named", &[80]);
-        named.load_balancer_class = Some("example.com/dhcp".into());
-        named.annotations.clear();
-        sim.services.push(named);
+        serve_only_the_named_class(&mut sim);
+        sim.services.push(of_the_named_class("named"));
         sim.services.push(dhcp("classless", &[80]));
         sim.settle();
         assert_eq!(sim.holders("named").len(), 1);
@@ -542,14 +553,8 @@ mod tests {
         sim.services.push(dhcp("classless", &[80]));
         sim.settle();
         let released = sim.svc("classless").first_ip().unwrap().to_string();
-        sim.classes = ClassPolicy {
-            class: "example.com/dhcp".into(),
-            classless: false,
-        };
-        let mut named = dhcp("named", &[80]);
-        named.load_balancer_class = Some("example.com/dhcp".into());
-        named.annotations.clear();
-        sim.services.push(named);
+        serve_only_the_named_class(&mut sim);
+        sim.services.push(of_the_named_class("named"));
         // The DHCP server gives the released address again.
         sim.next_ip -= 1;
         let plans = sim.settle();

@@ -149,43 +149,10 @@ async fn grant(
         .map(manifest)
         .collect::<Result<_>>()?;
     manifests::apply(admin, &objects, Mode::Apply).await?;
-    token_kubeconfig(admin, api, account.0, account.1, out).await
-}
-
-/// A ServiceAccount `namespace/name` on `api`, with a kubeconfig for its
-/// own token (a TokenRequest) written to `out`, its context's namespace
-/// `namespace`: how `generate_addon.sh` hands the cloud provider its
-/// Harvester credentials, and how a Pod's projected token authenticates.
-async fn token_kubeconfig(
-    admin: &kube::Client,
-    api: &ApiServer,
-    namespace: &str,
-    name: &str,
-    out: &Path,
-) -> Result<()> {
-    use k8s_openapi::api::authentication::v1::TokenRequest;
-    use k8s_openapi::api::core::v1::ServiceAccount;
-    let sas: Api<ServiceAccount> = Api::namespaced(admin.clone(), namespace);
-    let request: TokenRequest = serde_json::from_value(json!({
-        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-        "spec": {"audiences": [], "expirationSeconds": 24 * 3600},
-    }))?;
-    let token = sas
-        .create_token_request(name, &Default::default(), &request)
+    // How `generate_addon.sh` hands the cloud provider its Harvester
+    // credentials.
+    api.service_account_kubeconfig(admin, account.0, account.1, out)
         .await
-        .with_context(|| format!("TokenRequest for {namespace}/{name}"))?
-        .status
-        .context("TokenRequest without status")?
-        .token;
-    let config = json!({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": api.url(), "certificate-authority": api.ca_path()}}],
-        "users": [{"name": name, "user": {"token": token}}],
-        "contexts": [{"name": name, "context": {"cluster": "c", "user": name, "namespace": namespace}}],
-        "current-context": name,
-    });
-    std::fs::write(out, serde_json::to_vec_pretty(&config)?)
-        .with_context(|| format!("write {}", out.display()))
 }
 
 /// The second API server playing Harvester, the stand-in for its

@@ -89,6 +89,42 @@ impl ApiServer {
         &self.ca_path
     }
 
+    /// Writes to `out` a kubeconfig for ServiceAccount `namespace/name`
+    /// with its own token (a TokenRequest through `admin`, valid a day),
+    /// its context's namespace `namespace`: how a Pod's projected token
+    /// authenticates.
+    pub async fn service_account_kubeconfig(
+        &self,
+        admin: &kube::Client,
+        namespace: &str,
+        name: &str,
+        out: &Path,
+    ) -> Result<()> {
+        use k8s_openapi::api::authentication::v1::TokenRequest;
+        use k8s_openapi::api::core::v1::ServiceAccount;
+        let sas: kube::Api<ServiceAccount> = kube::Api::namespaced(admin.clone(), namespace);
+        let request: TokenRequest = serde_json::from_value(serde_json::json!({
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"audiences": [], "expirationSeconds": 24 * 3600},
+        }))?;
+        let token = sas
+            .create_token_request(name, &Default::default(), &request)
+            .await
+            .with_context(|| format!("TokenRequest for {namespace}/{name}"))?
+            .status
+            .context("TokenRequest without status")?
+            .token;
+        let config = serde_json::json!({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "rig", "cluster": {"server": self.url(), "certificate-authority": self.ca_path()}}],
+            "users": [{"name": name, "user": {"token": token}}],
+            "contexts": [{"name": name, "context": {"cluster": "rig", "user": name, "namespace": namespace}}],
+            "current-context": name,
+        });
+        fs::write(out, serde_json::to_vec_pretty(&config)?)
+            .with_context(|| format!("write {}", out.display()))
+    }
+
     /// The serving certificate and its key (PEM, next to [`Self::ca_path`]),
     /// for a stand-in that answers as the API server (the fault proxy).
     pub fn serving_cert(&self) -> (PathBuf, PathBuf) {
