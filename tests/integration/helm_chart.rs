@@ -294,6 +294,24 @@ fn values_that_cannot_work_fail_with_the_reason() -> Result<()> {
         binding["subjects"][0]["namespace"] == "lb-system",
         "{binding}"
     );
+    // The node agents' ScrapeConfig follows their port.
+    let objects = render(
+        "x",
+        "x",
+        &[
+            "metrics.nodeAgents.scrapeConfig.enabled=true",
+            "metrics.nodeAgents.port=9999",
+        ],
+    )?;
+    let scrape = objects
+        .iter()
+        .find(|o| o["kind"] == "ScrapeConfig")
+        .context("no ScrapeConfig")?;
+    ensure!(
+        scrape["spec"]["relabelings"][0]["replacement"] == "${1}:9999"
+            && scrape["spec"]["kubernetesSDConfigs"][0]["role"] == "Node",
+        "{scrape}"
+    );
     // Rancher's system default registry goes in front of the image.
     let objects = render(
         "x",
