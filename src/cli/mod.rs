@@ -648,11 +648,10 @@ async fn cni_checks(cfg: &Config, args: &CheckArgs) -> (Vec<check::Check>, Vec<c
         Ok(conn) => crate::cni::host::node_facts(conn.client, &cfg.node_name, args.timeout).await,
         Err(e) => crate::cni::NodeFacts::NotRead(format!("{e:#}")),
     };
-    let uplink = cfg.uplink.clone().or_else(|| {
-        std::fs::read_to_string("/proc/net/route")
-            .ok()
-            .and_then(|r| crate::dhcp::link::default_route_interface(&r))
-    });
+    let route = std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
+        .ok()
+        .and_then(|r| crate::dhcp::link::default_route_interface(&r));
+    let uplink = crate::dhcp::link::current_uplink(cfg.uplink.as_deref(), route, None, |_| false);
     let facts = crate::cni::host::gather(&dirs, Path::new("/run"), uplink, node).await;
     let advice = crate::cni::helm_chart_configs(&facts)
         .into_iter()

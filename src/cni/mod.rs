@@ -220,22 +220,21 @@ fn keep_off(cnis: &[Cni]) -> String {
 }
 
 fn node_address_check(f: &Facts, cnis: &[Cni]) -> Check {
-    let NodeFacts::Read {
-        node,
-        annotations,
-        service_addresses,
-    } = &f.node
-    else {
-        let NodeFacts::NotRead(why) = &f.node else {
-            unreachable!()
-        };
-        return Check::new(
-            "cni-node-address",
-            Status::Warn,
-            "NotRead",
-            format!("the Node's CNI annotations were not read: {why}"),
-            "run where the node's kubeconfig is found (or pass --kubeconfig) to compare the CNI's node address with the load-balancer addresses",
-        );
+    let (node, annotations, service_addresses) = match &f.node {
+        NodeFacts::Read {
+            node,
+            annotations,
+            service_addresses,
+        } => (node, annotations, service_addresses),
+        NodeFacts::NotRead(why) => {
+            return Check::new(
+                "cni-node-address",
+                Status::Warn,
+                "NotRead",
+                format!("the Node's CNI annotations were not read: {why}"),
+                "run where the node's kubeconfig is found (or pass --kubeconfig) to compare the CNI's node address with the load-balancer addresses",
+            );
+        }
     };
     let mut bad = Vec::new();
     let mut seen = Vec::new();

@@ -131,23 +131,12 @@ impl HelmInstall {
     /// Runs the real `helm` as the rig's admin; `Ok` with its output when
     /// it succeeded, else an error with what it said.
     pub fn run(admin_kubeconfig: &Path, args: &[&str]) -> Result<String> {
-        let helm = crate::locate::helm::helm().map_err(anyhow::Error::msg)?;
-        let out = Command::new(&helm)
+        let home = admin_kubeconfig.with_file_name("helm");
+        let out = crate::locate::helm::command(&home)
+            .map_err(anyhow::Error::msg)?
             .args(args)
             .arg("--kubeconfig")
             .arg(admin_kubeconfig)
-            .env(
-                "HELM_CACHE_HOME",
-                admin_kubeconfig.with_file_name("helm-cache"),
-            )
-            .env(
-                "HELM_CONFIG_HOME",
-                admin_kubeconfig.with_file_name("helm-config"),
-            )
-            .env(
-                "HELM_DATA_HOME",
-                admin_kubeconfig.with_file_name("helm-data"),
-            )
             .output()
             .context("running helm")?;
         let said = format!(

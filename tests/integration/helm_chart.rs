@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -40,13 +39,10 @@ fn charts() -> PathBuf {
 }
 
 fn helm(args: &[&str]) -> Result<std::process::Output> {
-    let bin = hna_testkit::locate::helm::helm().map_err(anyhow::Error::msg)?;
     let home = tempfile::tempdir()?;
-    Command::new(bin)
+    hna_testkit::locate::helm::command(home.path())
+        .map_err(anyhow::Error::msg)?
         .args(args)
-        .env("HELM_CACHE_HOME", home.path().join("cache"))
-        .env("HELM_CONFIG_HOME", home.path().join("config"))
-        .env("HELM_DATA_HOME", home.path().join("data"))
         .output()
         .context("running helm")
 }

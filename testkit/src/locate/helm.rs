@@ -1,7 +1,8 @@
 //! Where `tests/rig/helm.sh` caches Helm, built from the Go module proxy by
 //! version.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use super::is_executable;
 
@@ -27,4 +28,14 @@ pub fn helm() -> Result<PathBuf, String> {
     } else {
         Err(format!("helm {HELM_VERSION} ({} absent)", bin.display()))
     }
+}
+
+/// `helm` with its cache, configuration and data under `home`, so that a
+/// test reads no user's repositories and leaves nothing in theirs.
+pub fn command(home: &Path) -> Result<Command, String> {
+    let mut cmd = Command::new(helm()?);
+    cmd.env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_DATA_HOME", home.join("data"));
+    Ok(cmd)
 }
