@@ -757,6 +757,7 @@ fn status(
         leases: reports,
         agent_version: "simulated".into(),
         lan: Some(lan.clone()),
+        conditions: Vec::new(),
     }
 }
 

@@ -39,7 +39,9 @@ use tokio::time::Instant;
 
 use crate::cluster::watch_one::{Update, watch_one};
 use crate::contract::INTERFACE_PREFIX;
-use crate::contract::node_object::{self, Assignment, LeaseReport, LoadBalancerNode, Spec, Status};
+use crate::contract::node_object::{
+    self, Assignment, Condition, LeaseReport, LoadBalancerNode, Spec, Status,
+};
 use crate::dhcp::LeaseEngine;
 use crate::dhcp::driver::LeaseStatus;
 use crate::lb::apply::{self, Settings};
@@ -213,6 +215,8 @@ pub struct LbSettings {
     pub keep_on_stop: crate::config::KeepOnStop,
     /// What every lease shares; `default_uplink` is filled in each round.
     pub leases: Settings,
+    /// Where the takeover guard's waits are observed (`/metrics`).
+    pub takeover_guard_wait: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// The loop's state between events.
@@ -232,6 +236,8 @@ struct Lb<E: LeaseEngine> {
     /// The last round's starts held back by the takeover guard, by
     /// interface.
     guarded: BTreeMap<String, String>,
+    /// Per start held back by the takeover guard: when it first was.
+    guarded_since: BTreeMap<String, Instant>,
     /// Invalid assignments already logged (their message).
     logged_invalid: BTreeSet<String>,
     retry_at: Option<Instant>,
@@ -248,6 +254,8 @@ struct Lb<E: LeaseEngine> {
     /// Self-fenced, and why (`agent::fence`): nothing is held until the
     /// reason is gone.
     fence: Option<String>,
+    /// The `Ready` condition last drafted (its transition time is kept).
+    ready_condition: Option<Condition>,
     /// When the fence is to be decided again, the inputs unchanged.
     fence_again: Option<Instant>,
     /// The start of the last LAN silence a status write was asked for, to
@@ -323,6 +331,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         swept: None,
         failures: BTreeMap::new(),
         guarded: BTreeMap::new(),
+        guarded_since: BTreeMap::new(),
         logged_invalid: BTreeSet::new(),
         retry_at: None,
         backoff: RETRY_MIN,
@@ -331,6 +340,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         no_carrier: BTreeSet::new(),
         uplink: None,
         fence: None,
+        ready_condition: None,
         fence_again: None,
         touched: None,
         out_of_touch: false,
@@ -825,6 +835,7 @@ impl<E: LeaseEngine> Lb<E> {
             witness: node.gateway_address,
             ..self.settings.leases.clone()
         };
+        let round_began = Instant::now();
         for (action, o) in actions
             .iter()
             .zip(apply::apply(&*self.engine, actions.clone(), &settings).await)
@@ -832,6 +843,12 @@ impl<E: LeaseEngine> Lb<E> {
             let a = describe(action);
             match o.result {
                 Ok(()) => {
+                    if o.passed_guard {
+                        let since = self.guarded_since.remove(&o.interface);
+                        self.settings
+                            .takeover_guard_wait
+                            .observe((Instant::now() - since.unwrap_or(round_began)).as_secs_f64());
+                    }
                     match action {
                         Action::Start(w) => {
                             self.started.insert(w.interface.clone(), w.started_as());
@@ -843,6 +860,9 @@ impl<E: LeaseEngine> Lb<E> {
                     tracing::info!(interface = %o.interface, "{a}")
                 }
                 Err(e) if o.guarded => {
+                    self.guarded_since
+                        .entry(o.interface.clone())
+                        .or_insert(round_began);
                     if !self.guarded.contains_key(&o.interface) {
                         tracing::warn!(interface = %o.interface, "{e}");
                     }
@@ -858,6 +878,9 @@ impl<E: LeaseEngine> Lb<E> {
             tracing::info!(interface = %i, "the address no longer answers elsewhere");
         }
         self.guarded = guarded;
+        // A start no longer wanted, or failed otherwise, waits no more.
+        let guarded = &self.guarded;
+        self.guarded_since.retain(|i, _| guarded.contains_key(i));
         self.failures = failures;
         // Not failures to retry: the carrier's return starts a round.
         let retry_for_failures = !self.failures.is_empty();
@@ -1133,6 +1156,22 @@ impl<E: LeaseEngine> Lb<E> {
         }
         status.heartbeat_period_ms = u64::try_from(self.settings.heartbeat.as_millis()).ok();
         status.observed_generation = self.read_generation;
+        let machine_reason = match (status.ready, self.stopping, &self.fence) {
+            (true, ..) => "Ready",
+            (false, true, _) => "Stopping",
+            (false, false, Some(_)) => "Fenced",
+            (false, false, None) => "NotReady",
+        };
+        let ready = ready_condition(
+            self.ready_condition.as_ref(),
+            status.ready,
+            machine_reason,
+            &status.reason,
+            self.read_generation,
+            std::time::SystemTime::now(),
+        );
+        self.ready_condition = Some(ready.clone());
+        status.conditions = vec![ready];
         status.lan = self.lan.view.borrow().report.clone();
         self.writes.draft(status.clone());
         let write_error = self.writes.written().error;
@@ -1358,6 +1397,37 @@ pub fn report(
         leases: reports,
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
         lan: None,
+        conditions: Vec::new(),
+    }
+}
+
+/// The `Ready` condition for a status saying `ready` (`machine_reason`
+/// and `reason`, the status's own words, as its message), judged with the
+/// spec of `generation`: the transition time of `previous` is kept while
+/// its status stays, so a heartbeat changes nothing in it.
+pub fn ready_condition(
+    previous: Option<&Condition>,
+    ready: bool,
+    machine_reason: &str,
+    reason: &str,
+    generation: Option<i64>,
+    now: std::time::SystemTime,
+) -> Condition {
+    let status = if ready { "True" } else { "False" };
+    Condition {
+        type_: crate::contract::node_object::READY.to_string(),
+        status: status.to_string(),
+        observed_generation: generation,
+        last_transition_time: previous
+            .filter(|p| p.status == status)
+            .map(|p| p.last_transition_time.clone())
+            .unwrap_or_else(|| humantime::format_rfc3339_seconds(now).to_string()),
+        reason: machine_reason.to_string(),
+        message: if ready {
+            String::new()
+        } else {
+            reason.to_string()
+        },
     }
 }
 

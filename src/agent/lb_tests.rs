@@ -80,6 +80,8 @@ struct Rig {
     relists: watch::Receiver<u64>,
     /// Pauses of the VM, as `crate::pause` reports them.
     pauses: watch::Sender<Option<crate::pause::Pause>>,
+    /// The loop's takeover-guard histogram.
+    guard_wait: prometheus_client::metrics::histogram::Histogram,
     _stop: watch::Sender<bool>,
 }
 
@@ -145,8 +147,10 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         restart_grace: Duration::ZERO,
         keep_on_stop: crate::config::KeepOnStop::Restart,
         leases: Settings::default(),
+        takeover_guard_wait: crate::agent::metrics::AgentMetrics::default().takeover_guard_wait,
     };
     custom(&mut settings);
+    let guard_wait = settings.takeover_guard_wait.clone();
     let view = Arc::new(Mutex::new(NodeView {
         macvlan_ready: true,
         macvlan_reason: String::new(),
@@ -204,6 +208,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         want,
         relists,
         pauses,
+        guard_wait,
         _stop: stop,
     }
 }
@@ -836,7 +841,48 @@ async fn the_status_says_which_generation_of_the_object_it_read() {
             })
         })
         .await;
+        // The Ready condition was judged with the same spec.
+        let s = r.writes.last().unwrap();
+        assert_eq!(s.conditions.len(), 1, "{s:?}");
+        assert_eq!(s.conditions[0].observed_generation, Some(generation));
     }
+}
+
+/// The `Ready` condition says what `ready` says; its transition time stays
+/// while its status does (heartbeats change nothing in it) and moves when
+/// the status flips.
+#[test]
+fn the_ready_condition_keeps_its_transition_time_until_it_flips() {
+    let t0 = std::time::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+    let later = t0 + Duration::from_secs(60);
+    let ready = ready_condition(None, true, "Ready", "Ready", Some(3), t0);
+    assert_eq!(
+        (
+            ready.type_.as_str(),
+            ready.status.as_str(),
+            ready.reason.as_str()
+        ),
+        ("Ready", "True", "Ready")
+    );
+    assert_eq!(ready.last_transition_time, "2027-01-15T08:00:00Z");
+    assert_eq!(ready.observed_generation, Some(3));
+    let again = ready_condition(Some(&ready), true, "Ready", "Ready", Some(4), later);
+    assert_eq!(again.last_transition_time, ready.last_transition_time);
+    assert_eq!(again.observed_generation, Some(4));
+    let not = ready_condition(
+        Some(&again),
+        false,
+        "Fenced",
+        "fenced: no status written",
+        Some(4),
+        later,
+    );
+    assert_eq!(
+        (not.status.as_str(), not.reason.as_str()),
+        ("False", "Fenced")
+    );
+    assert_eq!(not.message, "fenced: no status written");
+    assert_eq!(not.last_transition_time, "2027-01-15T08:01:00Z");
 }
 
 /// Issue #29: a restart leaves every address on its link for the grace
@@ -972,11 +1018,16 @@ async fn a_takeover_is_guarded_while_the_address_answers_then_taken() {
     assert!((9..=12).contains(&asked), "asked {asked} times in 10 s");
     assert!(engine.running().is_empty());
 
+    assert_eq!(r.guard_wait.count(), 0, "no wait ended yet");
     engine.set_answering(addr, false);
     until("the takeover", || {
         engine.running() == vec![a.interface.clone()]
     })
     .await;
+    // One wait, observed from the first turn behind the guard: over the
+    // 10.35 s slept above.
+    assert_eq!(r.guard_wait.count(), 1);
+    assert!(r.guard_wait.sum() > 10.35, "{}", r.guard_wait.sum());
     until("the report leaves GUARDED", || {
         r.writes
             .last()

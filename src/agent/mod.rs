@@ -21,6 +21,7 @@ pub mod delivery;
 mod fence;
 pub mod lb;
 mod macvlan;
+pub mod metrics;
 mod publish;
 pub mod status;
 pub mod status_writes;
@@ -66,6 +67,8 @@ pub struct Context {
     pub liveness: Liveness,
     /// Changes once, when the daemon stops.
     pub shutdown: watch::Receiver<bool>,
+    /// The histograms the tasks observe into.
+    pub metrics: metrics::AgentMetrics,
 }
 
 /// Runs until SIGTERM or SIGINT.
@@ -93,6 +96,7 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         beat_every,
         liveness: Liveness::default(),
         shutdown: shutdown_rx.clone(),
+        metrics: start.agent_metrics.clone(),
     };
     let settings = Settings::from(&cfg);
     let topology_cfg = crate::topology::TopologyConfig::from_config(&cfg);
@@ -273,6 +277,7 @@ impl Signals {
 /// What start-up hands to the running daemon.
 struct StartUp {
     metrics: Option<tokio::net::TcpListener>,
+    agent_metrics: metrics::AgentMetrics,
     control: tokio::net::UnixListener,
     engine: Arc<crate::dhcp::engine::Engine>,
     dhcp_at_start: status::DhcpStatus,
@@ -310,7 +315,8 @@ async fn start_up(cfg: &Config) -> anyhow::Result<StartUp> {
         let state = guest::watch::assess_with(Path::new("/"), systemd.as_ref()).await;
         (systemd, state)
     });
-    let (engine, dhcp_at_start) = start_dhcp(cfg, metrics.as_ref()).await?;
+    let agent_metrics = metrics::AgentMetrics::default();
+    let (engine, dhcp_at_start) = start_dhcp(cfg, metrics.as_ref(), &agent_metrics).await?;
 
     // READY=1 waits for them only until the budget is spent.
     let deadline = started_at + READY_BUDGET;
@@ -335,6 +341,7 @@ async fn start_up(cfg: &Config) -> anyhow::Result<StartUp> {
     };
     Ok(StartUp {
         metrics,
+        agent_metrics,
         control,
         engine,
         dhcp_at_start,
@@ -527,6 +534,7 @@ fn spawn_lb(
             takeover_guard: cfg.lb_takeover_guard,
             ..crate::lb::apply::Settings::default()
         },
+        takeover_guard_wait: ctx.metrics.takeover_guard_wait.clone(),
     };
     let lan = spawn_membership(tasks, cfg, client.clone(), ctx.shutdown.clone());
     let (pause_tx, pauses) = watch::channel(None);
@@ -729,13 +737,17 @@ async fn follow_membership_key(
 async fn start_dhcp(
     cfg: &Config,
     metrics: Option<&tokio::net::TcpListener>,
+    observe: &metrics::AgentMetrics,
 ) -> anyhow::Result<(Arc<crate::dhcp::engine::Engine>, status::DhcpStatus)> {
     let store = crate::dhcp::store::Store::open(&cfg.state_dir)
         .context("opening the DHCP lease directory")?;
     let engine = Arc::new(
         crate::dhcp::engine::Engine::new(Some(store))
             .context("connecting to rtnetlink for the DHCP engine")?
-            .tuning_ipv4(),
+            .tuning_ipv4()
+            .on_acquired(crate::metrics::dhcp::observe_acquisitions(
+                observe.acquisitions.clone(),
+            )),
     );
     // What start-up decided; each snapshot adds the live lease table.
     let at_start = status::DhcpStatus {
@@ -811,8 +823,9 @@ async fn serve_metrics(ctx: Context, listener: tokio::net::TcpListener, snapshot
             stalled => Err(format!("main loops stalled: {}", stalled.join(", "))),
         },
     );
+    let registry = ctx.metrics.registry(Arc::new(move || snapshot.take()));
     let pages = crate::metrics::Pages {
-        metrics: Arc::new(move || status::metrics(&snapshot.take())),
+        metrics: Arc::new(move || crate::metrics::exposition::encode(&registry)),
         live: health.clone(),
         health,
     };
@@ -860,6 +873,7 @@ mod tests {
             beat_every: Duration::from_secs(1),
             liveness: Liveness::default(),
             shutdown,
+            metrics: metrics::AgentMetrics::default(),
         };
         let late = tokio::spawn(async {
             sleep(Duration::from_secs(40)).await;

@@ -184,7 +184,10 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
             .context("no default route to find the uplink; name it with --parent")?,
     };
     let store = Store::open(&args.state_dir)?;
-    let engine = Arc::new(Engine::new(Some(store))?);
+    let acquisitions = crate::metrics::dhcp::acquisition_durations();
+    let engine = Arc::new(Engine::new(Some(store))?.on_acquired(
+        crate::metrics::dhcp::observe_acquisitions(acquisitions.clone()),
+    ));
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     for i in 0..args.count {
         let mac = [0, 0, 0x6c, args.set, (i >> 8) as u8, i as u8];
@@ -210,10 +213,11 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("listen on {addr}"))?;
         let e = engine.clone();
+        let registry = crate::metrics::dhcp::registry(Arc::new(move || e.snapshot()), acquisitions);
         tokio::spawn(crate::metrics::serve(
             l,
             crate::metrics::Pages {
-                metrics: Arc::new(move || crate::dhcp::engine::render_metrics(&e.snapshot())),
+                metrics: Arc::new(move || crate::metrics::exposition::encode(&registry)),
                 health: Arc::new(|| Ok(())),
                 live: Arc::new(|| Ok(())),
             },

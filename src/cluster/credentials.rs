@@ -206,7 +206,10 @@ pub struct Connection {
 pub async fn connect(found: &Discovery, timeout: Duration) -> anyhow::Result<Connection> {
     let cfg = client_config(found).await?;
     let server = cfg.cluster_url.to_string();
-    let client = kube::Client::try_from(cfg).map_err(CredentialsError::Client)?;
+    let client = kube::client::ClientBuilder::try_from(cfg)
+        .map_err(CredentialsError::Client)?
+        .with_layer(&crate::metrics::api::TimedLayer)
+        .build();
     let info = tokio::time::timeout(timeout, client.apiserver_version())
         .await
         .map_err(|_| {

@@ -156,6 +156,12 @@ impl Liveness {
             .is_none_or(|at| now.saturating_duration_since(at) >= self.quiet_after)
     }
 
+    /// When `node`'s heartbeat last changed (first seen with its value),
+    /// on this controller's clock.
+    pub fn last_change(&self, node: &str) -> Option<Instant> {
+        self.seen.get(node).map(|s| s.at)
+    }
+
     /// Whether `node`'s heartbeat changed within the staleness bound (or
     /// the watch is too quiet to tell).
     pub fn fresh(&self, node: &str, now: Instant) -> bool {

@@ -12,6 +12,7 @@
 pub mod deletions;
 pub mod election;
 pub mod endpoints;
+pub mod failover;
 mod heap;
 pub mod kube_edge;
 pub mod lan_verdict;
@@ -135,6 +136,7 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
         identity: opts.identity.clone(),
         ..Default::default()
     }));
+    let failover = stats::failover_histogram();
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(connection::watch(
         WatchOptions {
@@ -161,10 +163,11 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
         let listener = crate::metrics::bind(addr)
             .await
             .with_context(|| format!("listening for metrics on {addr}"))?;
-        let (m, h) = (stats.clone(), stats.clone());
+        let h = stats.clone();
+        let registry = stats::registry(stats.clone(), failover.clone());
         let alive = liveness.clone();
         let pages = crate::metrics::Pages {
-            metrics: Arc::new(move || m.lock().expect("stats lock").metrics()),
+            metrics: Arc::new(move || crate::metrics::exposition::encode(&registry)),
             health: Arc::new(move || {
                 let s = h.lock().expect("stats lock");
                 if s.connected {
@@ -213,7 +216,7 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
                     old.stop().await;
                 }
                 let client = client_rx.borrow_and_update().clone();
-                session = client.map(|c| Session::start(c, &opts, stats.clone()));
+                session = client.map(|c| Session::start(c, &opts, stats.clone(), failover.clone()));
             }
             _ = tick.tick() => main_beat.beat(),
             _ = sigterm.recv() => break,
@@ -239,7 +242,12 @@ struct Session {
 }
 
 impl Session {
-    fn start(client: kube::Client, opts: &Options, stats: Arc<Mutex<Stats>>) -> Session {
+    fn start(
+        client: kube::Client,
+        opts: &Options,
+        stats: Arc<Mutex<Stats>>,
+        failover: prometheus_client::metrics::histogram::Histogram,
+    ) -> Session {
         let (shutdown, shutdown_rx) = watch::channel(false);
         let leadership = Arc::new(lease::Leadership::default());
         let election = tokio::spawn(lease::run(
@@ -271,7 +279,7 @@ impl Session {
             changed,
             leadership,
             opts.clone(),
-            stats,
+            stats::Reports { stats, failover },
             shutdown_rx,
         ));
         Session {
@@ -296,9 +304,10 @@ async fn reconcile_loop(
     changed: Arc<Notify>,
     leadership: Arc<lease::Leadership>,
     opts: Options,
-    stats: Arc<Mutex<Stats>>,
+    reports: stats::Reports,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let stats::Reports { stats, failover } = reports;
     tokio::select! {
         ready = caches.ready() => if !ready { return },
         _ = shutdown.changed() => return,
@@ -323,6 +332,7 @@ async fn reconcile_loop(
         opts.service_guarded_after,
         opts.service_avoid_for,
     );
+    let mut failovers = failover::FailoverClock::default();
     let mut term = 0;
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -445,6 +455,17 @@ async fn reconcile_loop(
             s.summary = plan.summary.clone();
             s.leader = leading;
             s.holder = leadership.holder();
+        }
+        if leading {
+            // The leader alone: the replicas' histograms add up.
+            let alive = alive.lock().expect("liveness lock");
+            for took in failovers.observe(
+                &failover::serving(&inputs.objects),
+                |n| alive.last_change(n),
+                now,
+            ) {
+                failover.observe(took.as_secs_f64());
+            }
         }
         if !leading {
             // A follower writes nothing: the same inputs give the same

@@ -1,6 +1,15 @@
 //! What the controller reports: the `STATUS=` line and Prometheus metrics.
 
 use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::metrics::exposition::{Labels, counter, counters, flag, gauge, gauges};
 
 use crate::controller::reconcile::{EventOut, EventType, Summary};
 
@@ -65,26 +74,22 @@ impl Stats {
         line
     }
 
-    /// The Prometheus text exposition.
-    pub fn metrics(&self) -> String {
-        let mut out = String::new();
-        let mut gauge = |name: &str, help: &str, kind: &str, samples: Vec<(String, u64)>| {
-            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
-            for (labels, v) in samples {
-                out.push_str(&format!("{name}{labels} {v}\n"));
-            }
-        };
+    /// The controller's families (`hna_controller_*`), written at each
+    /// scrape from the stats as they are.
+    pub fn encode(&self, e: &mut DescriptorEncoder) -> fmt::Result {
         gauge(
+            e,
             "hna_controller_leader",
             "1 while this replica holds the controller Lease.",
-            "gauge",
-            vec![(String::new(), u64::from(self.leader))],
-        );
+            None,
+            flag(self.leader),
+        )?;
         let s = &self.summary;
-        gauge(
+        gauges(
+            e,
             "hna_controller_services",
-            "Services by state.",
-            "gauge",
+            "Services this controller is responsible for, by state (each in one state).",
+            None,
             [
                 ("served", s.served),
                 ("pending", s.pending),
@@ -92,75 +97,119 @@ impl Stats {
                 ("releasing", s.releasing),
                 ("refused", s.refused),
             ]
-            .into_iter()
-            .map(|(k, v)| (format!("{{state=\"{k}\"}}"), v as u64))
-            .collect(),
-        );
+            .map(|(k, v)| (vec![("state", k.to_string())] as Labels, v as i64)),
+        )?;
         gauge(
+            e,
             "hna_controller_nodes",
-            "LoadBalancer nodes, all and eligible to hold addresses.",
-            "gauge",
-            vec![
-                ("{state=\"eligible\"}".into(), s.nodes_eligible as u64),
-                ("{state=\"total\"}".into(), s.nodes_total as u64),
-            ],
-        );
+            "Nodes with a LoadBalancerNode.",
+            None,
+            s.nodes_total as i64,
+        )?;
         gauge(
-            "hna_controller_writes_total",
+            e,
+            "hna_controller_nodes_eligible",
+            "Nodes that may hold addresses now (agent ready, heartbeat fresh, not fenced).",
+            None,
+            s.nodes_eligible as i64,
+        )?;
+        counters(
+            e,
+            "hna_controller_writes",
             "Successful writes by kind.",
-            "counter",
             self.writes
                 .iter()
-                .map(|(k, v)| (format!("{{kind=\"{k}\"}}"), *v))
-                .collect(),
-        );
-        gauge(
-            "hna_controller_write_errors_total",
+                .map(|(k, v)| (vec![("kind", k.to_string())] as Labels, *v)),
+        )?;
+        counter(
+            e,
+            "hna_controller_write_errors",
             "Failed writes.",
-            "counter",
-            vec![(String::new(), self.write_errors)],
-        );
-        gauge(
-            "hna_controller_writes_deferred_total",
+            self.write_errors,
+        )?;
+        counter(
+            e,
+            "hna_controller_writes_deferred",
             "Writes held back because their object waits out a backoff after a failed write (each object backs off alone).",
-            "counter",
-            vec![(String::new(), self.writes_deferred)],
-        );
+            self.writes_deferred,
+        )?;
         gauge(
+            e,
             "hna_controller_objects_backing_off",
             "Objects whose writes wait out a backoff after a failed write.",
-            "gauge",
-            vec![(String::new(), self.objects_backing_off)],
-        );
-        gauge(
-            "hna_controller_watch_errors_total",
+            None,
+            self.objects_backing_off as i64,
+        )?;
+        counter(
+            e,
+            "hna_controller_watch_errors",
             "Watch errors (retried with backoff).",
-            "counter",
-            vec![(String::new(), self.watch_errors)],
-        );
-        gauge(
-            "hna_controller_refusals_total",
+            self.watch_errors,
+        )?;
+        counters(
+            e,
+            "hna_controller_refusals",
             "Warning Events published, by reason.",
-            "counter",
             self.refusals
                 .iter()
-                .map(|(k, v)| (format!("{{reason=\"{k}\"}}"), *v))
-                .collect(),
-        );
-        gauge(
-            "hna_controller_reconciles_total",
+                .map(|(k, v)| (vec![("reason", k.to_string())] as Labels, *v)),
+        )?;
+        counter(
+            e,
+            "hna_controller_reconciles",
             "Reconcile passes.",
-            "counter",
-            vec![(String::new(), self.reconciles)],
-        );
-        gauge(
-            "hna_controller_reconciles_skipped_total",
+            self.reconciles,
+        )?;
+        counter(
+            e,
+            "hna_controller_reconciles_skipped",
             "Wake-ups (watch events, ticks) that skipped the pass: nothing it decides from had changed since a pass that left nothing to do.",
-            "counter",
-            vec![(String::new(), self.skipped)],
-        );
-        out
+            self.skipped,
+        )
     }
+}
+
+/// Where the reconcile loop reports: the stats, and the failover
+/// histogram (observed by the leader).
+#[derive(Debug, Clone)]
+pub struct Reports {
+    pub stats: Arc<Mutex<Stats>>,
+    pub failover: Histogram,
+}
+
+/// The stats, read at each scrape.
+#[derive(Debug)]
+pub struct StatsCollector(pub Arc<Mutex<Stats>>);
+
+impl Collector for StatsCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let stats = self.0.lock().expect("stats lock").clone();
+        stats.encode(&mut encoder)
+    }
+}
+
+/// The controller's `/metrics`: its stats, the failover histogram, the API
+/// latency and the `process_*` metrics.
+pub fn registry(stats: Arc<Mutex<Stats>>, failover: Histogram) -> Registry {
+    let mut r = Registry::default();
+    r.register_collector(Box::new(StatsCollector(stats)));
+    r.register_with_unit(
+        "hna_controller_failover_duration",
+        "How long Services were without a holder when theirs was lost: from the old holder's last heartbeat change (the controller's clock; the decision, when it was not heard at all) to the new holder reporting the address BOUND",
+        Unit::Seconds,
+        failover,
+    );
+    crate::metrics::register_common(&mut r);
+    r
+}
+
+/// Buckets for [`registry`]'s failover histogram: the detection (the
+/// node's staleness bound, 10 s by default, or its LAN witnesses' word,
+/// about 2 s) plus the takeover guard and DHCP.
+pub fn failover_histogram() -> Histogram {
+    Histogram::new([
+        1.0, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+    ])
 }
 
 #[cfg(test)]
@@ -183,12 +232,18 @@ mod tests {
             s.status_line(),
             "controller: leader; Services: 2 served, 0 pending, 0 shared, 0 releasing, 0 refused; nodes eligible 1/3"
         );
-        let m = s.metrics();
+        let m = crate::metrics::exposition::encode(&registry(
+            Arc::new(Mutex::new(s.clone())),
+            failover_histogram(),
+        ));
         for line in [
             "hna_controller_leader 1\n",
             "hna_controller_services{state=\"served\"} 2\n",
-            "hna_controller_nodes{state=\"eligible\"} 1\n",
+            "hna_controller_nodes 3\n",
+            "hna_controller_nodes_eligible 1\n",
             "hna_controller_writes_total{kind=\"service_status\"} 4\n",
+            "# TYPE hna_controller_failover_duration_seconds histogram\n",
+            "# TYPE process_cpu_seconds counter\n",
         ] {
             assert!(m.contains(line), "{line} in\n{m}");
         }

@@ -44,6 +44,9 @@ pub struct Outcome {
     pub result: Result<(), String>,
     /// Not started because another host answers for the address.
     pub guarded: bool,
+    /// Started after the takeover guard heard nobody answer for the
+    /// address.
+    pub passed_guard: bool,
 }
 
 /// The guard's probe: two probes, the second a third of the way in, then
@@ -120,6 +123,7 @@ pub async fn apply<E: LeaseEngine>(
                     interface,
                     result,
                     guarded: false,
+                    passed_guard: false,
                 });
             }
             Action::Start(w) => starts.push((i, w)),
@@ -127,13 +131,14 @@ pub async fn apply<E: LeaseEngine>(
     }
     let started: Vec<(usize, Outcome)> = futures::stream::iter(starts)
         .map(|(i, w)| async move {
-            let (result, guarded) = start(engine, &w, settings).await;
+            let (result, guard) = start(engine, &w, settings).await;
             (
                 i,
                 Outcome {
                     interface: w.interface,
                     result,
-                    guarded,
+                    guarded: guard == Guard::HeldBack,
+                    passed_guard: guard == Guard::Passed,
                 },
             )
         })
@@ -148,17 +153,29 @@ pub async fn apply<E: LeaseEngine>(
         .collect()
 }
 
+/// What the takeover guard did to a start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Guard {
+    /// Not asked (a new address, or a guard of zero), or it failed.
+    NotAsked,
+    /// Another host answers, or the node cannot hear its LAN.
+    HeldBack,
+    /// Nobody answered: the start went ahead.
+    Passed,
+}
+
 /// One start, behind the takeover guard when the address is known: the
-/// result, and whether the guard held it back.
+/// result, and what the guard did.
 async fn start<E: LeaseEngine>(
     engine: &E,
     w: &Want,
     settings: &Settings,
-) -> (Result<(), String>, bool) {
+) -> (Result<(), String>, Guard) {
     let mut cfg = match lease_config(w, settings) {
         Ok(cfg) => cfg,
-        Err(e) => return (Err(e), false),
+        Err(e) => return (Err(e), Guard::NotAsked),
     };
+    let mut guard = Guard::NotAsked;
     if let Some(addr) = w.requested_ip
         && !settings.takeover_guard.is_zero()
     {
@@ -174,14 +191,14 @@ async fn start<E: LeaseEngine>(
             )
             .await;
         match answered {
-            Ok(false) => {}
+            Ok(false) => guard = Guard::Passed,
             Ok(true) => {
                 return (
                     Err(format!(
                         "{addr} still answers on {}'s LAN (another node holds it): waiting until it stops before taking it over",
                         cfg.parent
                     )),
-                    true,
+                    Guard::HeldBack,
                 );
             }
             // Guarded, not failed: looked at again soon, as for a holder
@@ -191,10 +208,15 @@ async fn start<E: LeaseEngine>(
                     Err(format!(
                         "takeover guard for {addr}: {e}; waiting until this node hears its LAN again"
                     )),
-                    true,
+                    Guard::HeldBack,
                 );
             }
-            Err(e) => return (Err(format!("takeover guard for {addr}: {e}")), false),
+            Err(e) => {
+                return (
+                    Err(format!("takeover guard for {addr}: {e}")),
+                    Guard::NotAsked,
+                );
+            }
         }
     }
     let result = engine
@@ -202,7 +224,7 @@ async fn start<E: LeaseEngine>(
         .await
         .map(|_| ())
         .map_err(|e| e.to_string());
-    (result, false)
+    (result, guard)
 }
 
 #[cfg(test)]
@@ -275,6 +297,7 @@ mod tests {
                 interface: "hlb-3f2a9c1e".into(),
                 result: Ok(()),
                 guarded: false,
+                passed_guard: false,
             }]
         );
         assert!(

@@ -716,6 +716,24 @@ impl LbRig {
         fs::read_to_string(self.agent_dir(i).join("agent.log")).unwrap_or_default()
     }
 
+    /// GET `path` from guest `i`'s agent at `listen` (its `metrics_listen`,
+    /// on the guest's loopback), from inside the guest's namespace.
+    pub fn agent_http(&self, i: usize, listen: &str, path: &str) -> Result<String> {
+        let out = self
+            .rig
+            .netns_cmd(self.rig.guest_ns(i), "busybox")
+            .args(["wget", "-q", "-T", "5", "-O", "-"])
+            .arg(format!("http://{listen}{path}"))
+            .output()
+            .context("running busybox wget in the guest")?;
+        anyhow::ensure!(
+            out.status.success(),
+            "GET {path} from guest {i}'s agent: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
     /// Starts (or restarts) guest `i`'s agent with the same state directory.
     pub fn start_agent(&mut self, i: usize) -> Result<()> {
         let node = self.node_name(i);

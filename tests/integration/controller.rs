@@ -522,6 +522,33 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
         },
     )
     .await?;
+    // The move is in the failover histogram (one, from the old holder's
+    // loss to the new one's BOUND, within the wait above), and the
+    // controller's API requests in theirs.
+    let m = get_metrics(&metrics).await?;
+    let sample = |prefix: &str| -> Option<f64> {
+        m.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    assert_eq!(
+        sample("hna_controller_failover_duration_seconds_count "),
+        Some(1.0),
+        "{m}"
+    );
+    let took = sample("hna_controller_failover_duration_seconds_sum ").unwrap();
+    assert!(took > 0.0 && took < 30.0 + 10.0, "{took}");
+    assert!(
+        sample("hna_api_request_duration_seconds_count{verb=\"PATCH\",code=\"2xx\"} ")
+            .is_some_and(|n| n >= 1.0),
+        "{m}"
+    );
+    assert!(
+        sample("hna_api_request_duration_seconds_count{verb=\"WATCH\",code=\"2xx\"} ")
+            .is_some_and(|n| n >= 3.0),
+        "{m}"
+    );
+    assert!(m.contains("\nprocess_cpu_seconds_total "), "{m}");
 
     // Delete: release first, the Service goes once the lease is gone.
     services.delete("web", &DeleteParams::default()).await?;

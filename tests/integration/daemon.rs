@@ -593,10 +593,16 @@ fn metrics_endpoint_serves_health_and_gauges_and_refuses_bad_addresses() {
         "hna_guest_agent_ready{reason=\"",
         "hna_cluster_connected 0\n",
         "hna_dhcp_leases 0\n",
-        "# TYPE hna_dhcp_packets_sent_total counter\n",
+        "# TYPE hna_dhcp_packets_sent counter\n",
+        "# TYPE hna_dhcp_acquisition_duration_seconds histogram\n",
+        "# TYPE hna_lb_takeover_guard_wait_seconds histogram\n",
+        "\nprocess_resident_memory_bytes ",
+        "\nprocess_open_fds ",
+        "Content-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\n",
     ] {
         assert!(metrics.contains(line), "{line} missing in\n{metrics}");
     }
+    assert!(metrics.ends_with("# EOF\n"), "{metrics}");
     let out = agent(tmp.path())
         .args(["status", "--output", "json", "--socket"])
         .arg(&sock)

@@ -375,13 +375,50 @@ fn a_holder_whose_uplink_is_deleted_hands_over_at_once_and_comes_back_without_th
 /// stop and moves the Service; a client connecting all along gets through
 /// again.
 fn a_dead_holders_address_moves_within_five_seconds() -> Result<()> {
-    let mut lb = LbRig::start(options())?;
+    const METRICS: &str = "127.0.0.1:9478";
+    let mut opts = options();
+    opts.agent_config
+        .push_str(&format!("metrics_listen = \"{METRICS}\"\n"));
+    let mut lb = LbRig::start(opts)?;
     let f = fail_over(&mut lb, "web", Fault::GuestDeleted, Duration::from_secs(15))?;
     clean(&f, Duration::from_secs(5))?;
     // A client that keeps trying gets through to the new holder.
     let reconnected = wait_for(Duration::from_secs(10), || reachable(&lb, &f).ok());
     println!("a client got through {:?} after the fault", f.t0.elapsed());
     ensure!(reconnected.is_some(), "no client got through to {}", f.ip);
+    // The new holder's histograms hold the takeover: one wait behind the
+    // guard and one acquisition of the address it asked for (INIT-REBOOT),
+    // each no longer than the failover; its API requests are timed.
+    let m = lb.agent_http(f.to, METRICS, "/metrics")?;
+    let sample = |prefix: &str| -> Option<f64> {
+        m.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    let took = f.took.as_secs_f64();
+    for family in [
+        "hna_lb_takeover_guard_wait_seconds",
+        "hna_dhcp_acquisition_duration_seconds{begin=\"reboot\"}",
+    ] {
+        let (name, labels) = family.split_once('{').map_or((family, ""), |(n, l)| (n, l));
+        let labels = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}")
+        };
+        let count = sample(&format!("{name}_count{labels} "));
+        let sum = sample(&format!("{name}_sum{labels} "));
+        ensure!(count == Some(1.0), "{family}: count {count:?} in\n{m}");
+        ensure!(
+            sum.is_some_and(|s| s > 0.0 && s <= took),
+            "{family}: sum {sum:?} beyond the failover's {took} s"
+        );
+    }
+    ensure!(
+        m.lines().any(|l| l
+            .starts_with("hna_api_request_duration_seconds_count{verb=\"PATCH\",code=\"2xx\"}")),
+        "no PATCH timed in\n{m}"
+    );
     Ok(())
 }
 

@@ -293,6 +293,14 @@ fn full_status() -> node_object::Status {
             },
         ],
         agent_version: "0.1.0".into(),
+        conditions: vec![node_object::Condition {
+            type_: node_object::READY.into(),
+            status: "True".into(),
+            observed_generation: Some(7),
+            last_transition_time: "2026-11-22T16:59:00Z".into(),
+            reason: "Ready".into(),
+            message: String::new(),
+        }],
         lan: Some(contract::membership::LanReport {
             address: "10.77.0.11:7947".into(),
             network: "10.77.0.0/24".into(),

@@ -221,6 +221,33 @@ pub mod node_object {
         /// found dead. `None`: membership is not running.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub lan: Option<crate::membership::LanReport>,
+        /// Kubernetes conditions, for `kubectl wait` and the tools that read
+        /// conditions: [`READY`] says what `ready` and `reason` say, with
+        /// the `observedGeneration` of the spec it was judged with.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub conditions: Vec<Condition>,
+    }
+
+    /// The condition type that mirrors `ready`.
+    pub const READY: &str = "Ready";
+
+    /// A Kubernetes condition (`metav1.Condition`'s fields).
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct Condition {
+        #[serde(rename = "type")]
+        pub type_: String,
+        /// `True`, `False` or `Unknown`.
+        pub status: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub observed_generation: Option<i64>,
+        /// RFC 3339: when `status` last changed.
+        pub last_transition_time: String,
+        /// CamelCase, for machines.
+        pub reason: String,
+        /// For people.
+        #[serde(default)]
+        pub message: String,
     }
 
     /// One lease as its holder sees it.

@@ -23,6 +23,30 @@ pub struct Transition {
     pub at_ms: f64,
 }
 
+/// How a lease came to hold its address, for [`AcquiredHook`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Acquisition {
+    /// DISCOVER, OFFER, REQUEST, ACK (and the ARP check).
+    Discovered,
+    /// INIT-REBOOT: a REQUEST for the address it had (a restart, a
+    /// takeover, a requested address).
+    Rebooted,
+}
+
+impl Acquisition {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Acquisition::Discovered => "discover",
+            Acquisition::Rebooted => "reboot",
+        }
+    }
+}
+
+/// Told each time a lease comes to hold an address, and how long that took:
+/// from its start, or from losing the address it had, to BOUND. An adopted
+/// lease (already BOUND at start) is not an acquisition.
+pub type AcquiredHook = std::sync::Arc<dyn Fn(Acquisition, Duration) + Send + Sync>;
+
 /// What `status`, `/metrics` and `dhcp-probe` show for one lease.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LeaseStatus {
@@ -195,6 +219,10 @@ pub struct Driver<T: Transport, A: AddressConfig> {
     uplink: Option<UplinkProbe>,
     last_error: Option<String>,
     transitions: Vec<Transition>,
+    on_acquired: Option<AcquiredHook>,
+    /// Since when the lease has been without an address (`None` while it
+    /// holds one, or was adopted holding one).
+    acquiring_since: Option<Instant>,
 }
 
 impl<T: Transport, A: AddressConfig> Driver<T, A> {
@@ -206,6 +234,8 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         store: Option<Store>,
     ) -> (Self, watch::Receiver<LeaseStatus>) {
         let (tx, rx) = watch::channel(LeaseStatus::new(name, machine.identity().mac));
+        let now = Instant::now();
+        let acquiring_since = (!machine.state().holds_address()).then_some(now);
         (
             Driver {
                 name: name.to_string(),
@@ -215,7 +245,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 store,
                 files: None,
                 status: tx,
-                started: Instant::now(),
+                started: now,
                 deadline: None,
                 lifetime: None,
                 configured: None,
@@ -224,9 +254,17 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 uplink: None,
                 last_error: None,
                 transitions: Vec::new(),
+                on_acquired: None,
+                acquiring_since,
             },
             rx,
         )
+    }
+
+    /// See [`AcquiredHook`].
+    pub fn on_acquired(mut self, hook: Option<AcquiredHook>) -> Self {
+        self.on_acquired = hook;
+        self
     }
 
     /// Lets a first binding that comes later than [`GUARD_FRESH`] after the
@@ -582,7 +620,25 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                         at_ms: (Instant::now() - self.started).as_secs_f64() * 1000.0,
                     });
                 }
+                self.time_acquisition(*from, *to);
             }
+        }
+    }
+
+    fn time_acquisition(&mut self, from: State, to: State) {
+        if to.holds_address() {
+            if let Some(since) = self.acquiring_since.take()
+                && let Some(hook) = &self.on_acquired
+            {
+                let how = if from == State::InitReboot {
+                    Acquisition::Rebooted
+                } else {
+                    Acquisition::Discovered
+                };
+                hook(how, since.elapsed());
+            }
+        } else if self.acquiring_since.is_none() && !matches!(to, State::Stopped) {
+            self.acquiring_since = Some(Instant::now());
         }
     }
 
@@ -841,6 +897,46 @@ mod tests {
             d.run(Begin::Fresh, crx).await
         });
         (rx, h)
+    }
+
+    /// The acquisition hook hears each binding once, with how it began and
+    /// how long it took: here an INIT-REBOOT whose first request went
+    /// unheard (the server was down for 2 s), so its retransmission bound
+    /// it.
+    #[tokio::test(start_paused = true)]
+    async fn an_acquisition_is_told_once_with_its_duration() {
+        let fake = Fake::default();
+        let addr = Ipv4Addr::new(10, 77, 0, 150);
+        {
+            let mut w = fake.0.lock().unwrap();
+            w.addr = Some(addr);
+            w.down = true;
+        }
+        let heard: Arc<Mutex<Vec<(Acquisition, Duration)>>> = Arc::default();
+        let hook: AcquiredHook = {
+            let heard = heard.clone();
+            Arc::new(move |how, took| heard.lock().unwrap().push((how, took)))
+        };
+        let m = Machine::new(Identity::new(MAC), Timing::default(), 1).requesting(Some(addr));
+        let (d, mut rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), None);
+        let d = d.on_acquired(Some(hook));
+        let (tx, crx) = mpsc::channel(4);
+        let h = tokio::spawn(async move {
+            let _tx = tx;
+            d.run(Begin::Fresh, crx).await
+        });
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        fake.0.lock().unwrap().down = false;
+        until(&mut rx, |s| s.state == State::Bound).await;
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let heard = heard.lock().unwrap().clone();
+        assert_eq!(heard.len(), 1, "{heard:?}");
+        assert_eq!(heard[0].0, Acquisition::Rebooted);
+        assert!(
+            heard[0].1 > Duration::from_secs(2) && heard[0].1 < Duration::from_secs(10),
+            "{heard:?}"
+        );
+        h.abort();
     }
 
     /// Issue #31: a bound address is announced again every

@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 
 use std::net::Ipv4Addr;
 
-use super::driver::{Begin, Command, Driver, LeaseStatus, probe_through};
+use super::driver::{AcquiredHook, Begin, Command, Driver, LeaseStatus, probe_through};
 use super::io::{ProbeConfig, Transport};
 // The trait and the types of its surface live with the trait; the engine
 // implements it (no import back from there).
@@ -127,6 +127,7 @@ pub struct Engine<L: Links = Netlink> {
     /// `Some` when the engine sets the IPv4 settings of its links and
     /// their uplinks ([`Engine::tuning_ipv4`]): the uplinks already logged.
     tuned: Option<Tuned>,
+    on_acquired: Option<AcquiredHook>,
 }
 
 /// The uplinks whose IPv4 settings were changed (logged once each).
@@ -155,7 +156,14 @@ impl<L: Links> Engine<L> {
             store,
             table: Arc::new(Mutex::new(BTreeMap::new())),
             tuned: None,
+            on_acquired: None,
         }
+    }
+
+    /// Every lease started from now on tells `hook` of its acquisitions.
+    pub fn on_acquired(mut self, hook: AcquiredHook) -> Self {
+        self.on_acquired = Some(hook);
+        self
     }
 
     /// Every start also applies [`Ipv4Conf::VIP_LINK`] to the lease's
@@ -201,6 +209,7 @@ impl<L: Links> Engine<L> {
             self.links.clone(),
             self.store.clone(),
             self.tuned.clone(),
+            self.on_acquired.clone(),
             cfg,
             claim,
         );
@@ -477,6 +486,7 @@ async fn bring_up<L: Links>(
     links: L,
     store: Option<Store>,
     tuned: Option<Tuned>,
+    on_acquired: Option<AcquiredHook>,
     cfg: LeaseConfig,
     claim: Claim,
 ) -> Result<watch::Receiver<LeaseStatus>, EngineError> {
@@ -532,7 +542,7 @@ async fn bring_up<L: Links>(
         Machine::new(cfg.identity, cfg.timing, fastrand::u64(..)).requesting(cfg.requested_ip);
     let addrs = links.addrs(&name, link.index());
     let (driver, status) = Driver::new(&name, machine, transport, addrs, store);
-    let driver = driver.guarded_at(cfg.guarded_at);
+    let driver = driver.guarded_at(cfg.guarded_at).on_acquired(on_acquired);
     // The uplink as it is now: a late first binding asks the LAN from it
     // (`GUARD_FRESH`); an uplink replaced meanwhile cannot be asked, and
     // then nothing is configured.
@@ -711,130 +721,5 @@ impl<L: Links> LeaseEngine for Engine<L> {
 
     async fn detach_all(&self, keep_for: Duration) -> Vec<EngineError> {
         Engine::detach_all(self, keep_for).await
-    }
-}
-
-/// Prometheus text exposition of the lease table.
-pub fn render_metrics(leases: &[LeaseStatus]) -> String {
-    use std::fmt::Write;
-    let mut out = String::new();
-    let mut family =
-        |name: &str, help: &str, ty: &str, value: &dyn Fn(&LeaseStatus) -> Option<f64>| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}");
-            for l in leases {
-                if let Some(v) = value(l) {
-                    let _ = writeln!(out, "{name}{{lease=\"{}\",mac=\"{}\"}} {v}", l.name, l.mac);
-                }
-            }
-        };
-    family(
-        "hna_dhcp_lease_bound",
-        "1 while the lease holds its address (BOUND, RENEWING, REBINDING).",
-        "gauge",
-        &|l| Some(if l.state.holds_address() { 1.0 } else { 0.0 }),
-    );
-    family(
-        "hna_dhcp_lease_expiry_timestamp_seconds",
-        "When the lease expires (Unix time).",
-        "gauge",
-        &|l| l.expires_at_unix_ms.map(|ms| ms as f64 / 1000.0),
-    );
-    family(
-        "hna_dhcp_lease_t1_timestamp_seconds",
-        "When renewal starts (Unix time).",
-        "gauge",
-        &|l| l.t1_at_unix_ms.map(|ms| ms as f64 / 1000.0),
-    );
-    family(
-        "hna_dhcp_lease_t2_timestamp_seconds",
-        "When rebinding starts (Unix time).",
-        "gauge",
-        &|l| l.t2_at_unix_ms.map(|ms| ms as f64 / 1000.0),
-    );
-    family(
-        "hna_dhcp_packets_sent_total",
-        "DHCP messages sent.",
-        "counter",
-        &|l| Some(l.counters.sent as f64),
-    );
-    family(
-        "hna_dhcp_packets_received_total",
-        "DHCP frames received on the lease's interface.",
-        "counter",
-        &|l| Some(l.counters.received as f64),
-    );
-    family(
-        "hna_dhcp_packets_dropped_total",
-        "Received frames not acted on (malformed, or not fitting xid, chaddr, type or state).",
-        "counter",
-        &|l| Some(l.counters.dropped as f64),
-    );
-    family(
-        "hna_dhcp_packets_malformed_total",
-        "Received frames that did not parse.",
-        "counter",
-        &|l| Some(l.counters.malformed as f64),
-    );
-    family(
-        "hna_dhcp_naks_total",
-        "DHCPNAKs honoured.",
-        "counter",
-        &|l| Some(l.counters.naks as f64),
-    );
-    family(
-        "hna_dhcp_declines_total",
-        "DHCPDECLINEs sent after an ARP conflict.",
-        "counter",
-        &|l| Some(l.counters.declines as f64),
-    );
-    let _ = writeln!(
-        out,
-        "# HELP hna_dhcp_lease_state 1 for the lease's current state.\n# TYPE hna_dhcp_lease_state gauge"
-    );
-    for l in leases {
-        let _ = writeln!(
-            out,
-            "hna_dhcp_lease_state{{lease=\"{}\",state=\"{}\",address=\"{}\"}} 1",
-            l.name,
-            l.state.as_str(),
-            l.address.map(|a| a.to_string()).unwrap_or_default()
-        );
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::machine::State;
-
-    #[test]
-    fn metrics_have_one_series_per_lease() {
-        let mut a = LeaseStatus::new("vip-00000001", [0, 0, 0x6c, 0, 0, 1]);
-        a.state = State::Bound;
-        a.address = Some("10.77.0.150".parse().unwrap());
-        a.expires_at_unix_ms = Some(1_700_000_000_000);
-        a.counters.sent = 3;
-        let b = LeaseStatus::new("vip-00000002", [0, 0, 0x6c, 0, 0, 2]);
-        let text = render_metrics(&[a, b]);
-        assert!(text.contains(
-            "hna_dhcp_lease_bound{lease=\"vip-00000001\",mac=\"00:00:6c:00:00:01\"} 1\n"
-        ));
-        assert!(text.contains(
-            "hna_dhcp_lease_bound{lease=\"vip-00000002\",mac=\"00:00:6c:00:00:02\"} 0\n"
-        ));
-        assert!(text.contains("hna_dhcp_lease_expiry_timestamp_seconds{lease=\"vip-00000001\",mac=\"00:00:6c:00:00:01\"} 1700000000\n"));
-        assert!(!text.contains("hna_dhcp_lease_expiry_timestamp_seconds{lease=\"vip-00000002\""));
-        assert!(text.contains(
-            "hna_dhcp_packets_sent_total{lease=\"vip-00000001\",mac=\"00:00:6c:00:00:01\"} 3\n"
-        ));
-        assert!(text.contains(
-            "hna_dhcp_lease_state{lease=\"vip-00000001\",state=\"BOUND\",address=\"10.77.0.150\"} 1"
-        ));
-        // Every sample line belongs to a declared family.
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let metric = line.split('{').next().unwrap();
-            assert!(text.contains(&format!("# TYPE {metric} ")), "{line}");
-        }
     }
 }

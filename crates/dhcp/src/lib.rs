@@ -12,7 +12,8 @@
 //!   (nothing binds UDP port 68, so the node's own DHCP client keeps working);
 //! - [`link`]: macvlan and address management over rtnetlink;
 //! - [`driver`]: runs one machine against a transport, a link and a store;
-//! - [`engine`]: many leases in one process, their status and metrics;
+//! - [`engine`]: many leases in one process, their status, and a hook
+//!   told of each acquisition (the caller's metrics);
 //! - [`probe`]: `dhcp-probe`, the operator's preflight (its command line
 //!   lives with the others in `cli`);
 //! - [`fuzzing`]: the receive path as one function of untrusted bytes
@@ -77,6 +78,7 @@ pub mod store;
 #[cfg(test)]
 mod machine_tests;
 
+pub use driver::{AcquiredHook, Acquisition};
 pub use engine::{Engine, EngineError, LeaseConfig};
 pub use lease_engine::{LeaseEngine, SweepReport};
 pub use machine::{Action, Event, Lease, Machine, State, StopMode, Timing};

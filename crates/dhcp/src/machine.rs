@@ -43,6 +43,20 @@ pub enum State {
 }
 
 impl State {
+    /// Every state, in the order a lease meets them.
+    pub const ALL: [State; 10] = [
+        State::Init,
+        State::Selecting,
+        State::Requesting,
+        State::Checking,
+        State::Bound,
+        State::Renewing,
+        State::Rebinding,
+        State::InitReboot,
+        State::Expired,
+        State::Stopped,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             State::Init => "INIT",

@@ -129,7 +129,7 @@ impl NodeIn {
     /// The address of the lease for `service` on `interface`, if it holds
     /// one: BOUND, or renewing or rebinding it (the address stays
     /// configured while the lease is extended).
-    pub(super) fn bound_address(&self, service: &str, interface: &str) -> Option<&str> {
+    pub fn bound_address(&self, service: &str, interface: &str) -> Option<&str> {
         self.status
             .leases
             .iter()

@@ -1,7 +1,15 @@
-//! The optional `/metrics` (Prometheus text) and `/healthz` endpoint of the
-//! daemon (`metrics_listen`, off by default) and of `dhcp-hold`.
+//! The optional `/metrics` (OpenMetrics text, through `prometheus-client`)
+//! and `/healthz` endpoint of the daemon (`metrics_listen`, off by default),
+//! the controller and `dhcp-hold`, and what every one of them exports: the
+//! `process_*` metrics ([`process`]) and its API requests' latency
+//! ([`api`]).
 //! Two read-only GET routes do not justify an HTTP framework: this answers
 //! one request per connection with `Connection: close`.
+
+pub mod api;
+pub mod dhcp;
+pub mod exposition;
+pub mod process;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -10,10 +18,22 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// What every component's registry has besides its own: the `process_*`
+/// metrics and the latency of its Kubernetes API requests.
+pub fn register_common(registry: &mut prometheus_client::registry::Registry) {
+    registry.register_collector(Box::new(process::ProcessCollector));
+    registry.register_with_unit(
+        "hna_api_request_duration",
+        "Kubernetes API requests by verb (GET, WATCH, POST, PUT, PATCH, DELETE) and outcome (2xx..5xx, error: no answer), until the response head",
+        prometheus_client::registry::Unit::Seconds,
+        api::api_latency().clone(),
+    );
+}
+
 /// What the endpoint serves, computed per request.
 #[derive(Clone)]
 pub struct Pages {
-    /// The Prometheus text exposition.
+    /// The OpenMetrics text exposition ([`exposition::encode`]).
     pub metrics: Arc<dyn Fn() -> String + Send + Sync>,
     /// `/healthz` (readiness): `Ok` for `200 ok`, `Err(why)` for `503`.
     pub health: Arc<dyn Fn() -> Result<(), String> + Send + Sync>,
@@ -73,11 +93,7 @@ async fn answer(mut conn: TcpStream, pages: Pages) -> std::io::Result<()> {
     let mut words = head.split_whitespace();
     let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
     let (code, ctype, body) = match (method, path.split('?').next().unwrap_or("")) {
-        ("GET", "/metrics") => (
-            "200 OK",
-            "text/plain; version=0.0.4; charset=utf-8",
-            (pages.metrics)(),
-        ),
+        ("GET", "/metrics") => ("200 OK", exposition::CONTENT_TYPE, (pages.metrics)()),
         ("GET", route @ ("/healthz" | "/livez")) => {
             let verdict = if route == "/healthz" {
                 (pages.health)()
