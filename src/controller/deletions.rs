@@ -63,6 +63,8 @@ mod tests {
             annotations: Default::default(),
             ports: vec![],
             ingress: vec![],
+            generation: 1,
+            assigned_for: None,
             finalizers: vec![],
             deleting: true,
             deleting_since: server_stamp,

@@ -15,8 +15,8 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use tokio::sync::Notify;
 
-use crate::contract::ServiceKey;
 use crate::contract::node_object::{self, LoadBalancerNode};
+use crate::contract::{self, ServiceKey};
 use crate::controller::endpoints::{self, EndpointCache, EndpointSetting};
 use crate::controller::networks::{self, NetworkMap};
 use crate::controller::reconcile::{EventOut, EventType, Ingress, NodeIn, Port, ServiceIn};
@@ -72,6 +72,14 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
             .creation_timestamp
             .as_ref()
             .map_or(0, |t| t.0.as_second()),
+        generation: meta.generation.unwrap_or(0),
+        assigned_for: s
+            .status
+            .as_ref()
+            .and_then(|st| st.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == contract::SERVICE_CONDITION))
+            .filter(|c| c.status == "True")
+            .map(|c| c.observed_generation.unwrap_or(0)),
         ingress: s
             .status
             .as_ref()
@@ -141,8 +149,17 @@ pub fn strip_service(s: &mut Service) {
             ..Default::default()
         };
     }
+    // Ours is read (`ServiceIn::assigned_for`); the rest never is.
     if let Some(status) = &mut s.status {
-        status.conditions = None;
+        status.conditions = status
+            .conditions
+            .take()
+            .map(|c| {
+                c.into_iter()
+                    .filter(|c| c.type_ == contract::SERVICE_CONDITION)
+                    .collect::<Vec<_>>()
+            })
+            .filter(|c| !c.is_empty());
     }
 }
 
@@ -673,14 +690,18 @@ mod tests {
             },
             "status": {
                 "loadBalancer": {"ingress": [{"ip": "10.77.0.5", "ipMode": "VIP", "ports": [{"port": 80, "protocol": "UDP"}]}]},
-                "conditions": [{"type": "X", "status": "True", "lastTransitionTime": "2026-11-27T10:00:00Z", "reason": "R", "message": "m"}]
+                "conditions": [
+                    {"type": "X", "status": "True", "lastTransitionTime": "2026-11-27T10:00:00Z", "reason": "R", "message": "m"},
+                    {"type": "harvester-node-agent.io/AddressAssigned", "status": "True", "observedGeneration": 3,
+                     "lastTransitionTime": "2026-11-27T10:00:00Z", "reason": "AddressAssigned", "message": "ours"}
+                ]
             }
         }))
         .unwrap();
         let mut stripped = full.clone();
         strip_service(&mut stripped);
         assert_eq!(service_in(&stripped), service_in(&full));
-        assert!(service_in(&full).is_some());
+        assert_eq!(service_in(&full).unwrap().assigned_for, Some(3));
         assert_eq!(
             stripped.metadata.deletion_timestamp,
             full.metadata.deletion_timestamp
@@ -691,7 +712,7 @@ mod tests {
             "selector",
             "nodePort",
             "ownerReferences",
-            "conditions",
+            "\"type\":\"X\"",
         ] {
             assert!(!kept.contains(gone), "{gone} kept: {kept}");
         }

@@ -16,8 +16,8 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use serde_json::{Value, json};
 
 use crate::contract::node_object::{self, Spec};
-use crate::contract::{FINALIZER, ServiceKey};
-use crate::controller::reconcile::{EventOut, Ingress, Plan, Write};
+use crate::contract::{self, FINALIZER, ServiceKey};
+use crate::controller::reconcile::{Assigned, EventOut, Ingress, Plan, Write};
 
 /// The kinds of object the controller writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -115,6 +115,25 @@ fn ingress_json(ingress: &[Ingress]) -> Value {
             entry
         })
         .collect()
+}
+
+/// Our condition on a Service, or the directive that removes it.
+fn condition_json(ingress: &[Ingress], assigned: Option<&Assigned>) -> Value {
+    let Some(a) = assigned else {
+        return json!({"type": contract::SERVICE_CONDITION, "$patch": "delete"});
+    };
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(a.at.max(0).unsigned_abs());
+    json!({
+        "type": contract::SERVICE_CONDITION,
+        "status": "True",
+        "observedGeneration": a.generation,
+        "lastTransitionTime": humantime::format_rfc3339_seconds(at).to_string(),
+        "reason": "AddressAssigned",
+        "message": format!(
+            "{} published by harvester-node-agent",
+            ingress.first().map_or("", |i| i.ip.as_str())
+        ),
+    })
 }
 
 fn service(key: &ServiceKey, subresource: Option<&'static str>, verb: Verb) -> Request {
@@ -222,12 +241,17 @@ pub fn requests(namespace: &str, w: &Write) -> Vec<Request> {
         Write::ServiceStatus {
             service: key,
             ingress,
+            assigned,
         } => vec![service(
             key,
             Some("status"),
             Verb::Patch(
-                PatchKind::Merge,
-                json!({"status": {"loadBalancer": {"ingress": ingress_json(ingress)}}}),
+                PatchKind::Strategic,
+                json!({"status": {
+                    "loadBalancer": {"ingress": ingress_json(ingress)},
+                    // A list merged by `type`: others' conditions stay.
+                    "conditions": [condition_json(ingress, assigned.as_ref())],
+                }}),
             ),
         )],
         Write::ServiceAnnotations { service: key, set } => vec![service(
@@ -745,6 +769,10 @@ mod tests {
                             protocol: "TCP".into(),
                         }],
                     }],
+                    assigned: Some(Assigned {
+                        generation: 1,
+                        at: 1_800_000_000,
+                    }),
                 },
                 Write::ServiceAnnotations {
                     service: k.clone(),
@@ -779,14 +807,10 @@ mod tests {
             (sent[0].kind, sent[0].subresource),
             (Kind::Service, Some("status"))
         );
+        // Its body: `node_access_is_limited_to_the_nodes_own_object` below.
         assert_eq!(
             sent[0].verb,
-            Verb::Patch(
-                PatchKind::Merge,
-                json!({"status": {"loadBalancer": {"ingress": [
-                    {"ip": "10.77.0.150", "ipMode": "VIP", "ports": [{"port": 80, "protocol": "TCP"}]}
-                ]}}})
-            )
+            requests("hna", &served("web").writes[0])[0].verb
         );
         assert_eq!(sent[1].subresource, None);
         assert_eq!(
@@ -1219,18 +1243,41 @@ mod tests {
             spec_write[0].verb,
             Verb::Patch(PatchKind::Merge, json!({"spec": {"assignments": []}}))
         );
+        // Clearing takes our condition off, and only ours.
         let clear = requests(
             "hna",
             &Write::ServiceStatus {
                 service: key("web"),
                 ingress: vec![],
+                assigned: None,
             },
         );
         assert_eq!(
             clear[0].verb,
             Verb::Patch(
-                PatchKind::Merge,
-                json!({"status": {"loadBalancer": {"ingress": null}}})
+                PatchKind::Strategic,
+                json!({"status": {
+                    "loadBalancer": {"ingress": null},
+                    "conditions": [{"type": contract::SERVICE_CONDITION, "$patch": "delete"}],
+                }})
+            )
+        );
+        let publish = requests("hna", &served("web").writes[0]);
+        assert_eq!(
+            publish[0].verb,
+            Verb::Patch(
+                PatchKind::Strategic,
+                json!({"status": {
+                    "loadBalancer": {"ingress": [{"ip": "10.77.0.150", "ipMode": "VIP", "ports": [{"port": 80, "protocol": "TCP"}]}]},
+                    "conditions": [{
+                        "type": contract::SERVICE_CONDITION,
+                        "status": "True",
+                        "observedGeneration": 1,
+                        "lastTransitionTime": "2027-01-15T08:00:00Z",
+                        "reason": "AddressAssigned",
+                        "message": "10.77.0.150 published by harvester-node-agent",
+                    }],
+                }})
             )
         );
     }

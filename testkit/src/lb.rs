@@ -721,8 +721,9 @@ impl LbRig {
     pub fn agent_http(&self, i: usize, listen: &str, path: &str) -> Result<String> {
         let out = self
             .rig
-            .netns_cmd(self.rig.guest_ns(i), "busybox")
-            .args(["wget", "-q", "-T", "5", "-O", "-"])
+            // busybox 1.35's `wget -T` dies of SIGSEGV: `timeout` bounds it.
+            .netns_cmd(self.rig.guest_ns(i), "timeout")
+            .args(["10", "busybox", "wget", "-q", "-O", "-"])
             .arg(format!("http://{listen}{path}"))
             .output()
             .context("running busybox wget in the guest")?;

@@ -549,6 +549,20 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
         "{m}"
     );
     assert!(m.contains("\nprocess_cpu_seconds_total "), "{m}");
+    // The served Service carries our condition, for its generation.
+    let s = services.get("web").await?;
+    let ours = s
+        .status
+        .as_ref()
+        .and_then(|st| st.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == contract::SERVICE_CONDITION))
+        .cloned();
+    let ours = ours.context("no condition of ours on the served Service")?;
+    assert_eq!(
+        (ours.status.as_str(), ours.reason.as_str()),
+        ("True", "AddressAssigned")
+    );
+    assert_eq!(ours.observed_generation, s.metadata.generation);
 
     // Delete: release first, the Service goes once the lease is gone.
     services.delete("web", &DeleteParams::default()).await?;
@@ -706,6 +720,7 @@ fn a_write_decided_on_an_old_version_is_refused() -> Result<()> {
                         ip_mode: None,
                         ports: vec![],
                     }],
+                    assigned: None,
                 }],
                 ..Plan::default()
             };

@@ -594,7 +594,6 @@ fn metrics_endpoint_serves_health_and_gauges_and_refuses_bad_addresses() {
         "hna_cluster_connected 0\n",
         "hna_dhcp_leases 0\n",
         "# TYPE hna_dhcp_packets_sent counter\n",
-        "# TYPE hna_dhcp_acquisition_duration_seconds histogram\n",
         "# TYPE hna_lb_takeover_guard_wait_seconds histogram\n",
         "\nprocess_resident_memory_bytes ",
         "\nprocess_open_fds ",

@@ -1240,6 +1240,43 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
             )
             .await
             .context("the status of a Service it serves")?;
+        // Its own condition there, as the controller writes it; never
+        // another component's.
+        let condition = |type_: &str| {
+            json!({ "status": { "conditions": [{
+                "type": type_, "status": "True", "observedGeneration": 1,
+                "lastTransitionTime": "2026-11-28T10:00:00Z",
+                "reason": "AddressAssigned", "message": "10.77.0.150"
+            }] } })
+        };
+        services
+            .patch_status(
+                "web",
+                &PatchParams::default(),
+                &Patch::Strategic(condition(contract::SERVICE_CONDITION)),
+            )
+            .await
+            .context("its own condition on a Service it serves")?;
+        denied(
+            services
+                .patch_status(
+                    "web",
+                    &PatchParams::default(),
+                    &Patch::Strategic(condition("cilium.io/IPAMRequestSatisfied")),
+                )
+                .await,
+            "another component's condition on a Service it serves",
+        )?;
+        denied(
+            services
+                .patch_status(
+                    "metallb-web",
+                    &PatchParams::default(),
+                    &Patch::Strategic(condition(contract::SERVICE_CONDITION)),
+                )
+                .await,
+            "its condition on another class's Service",
+        )?;
         denied(
             services
                 .patch(

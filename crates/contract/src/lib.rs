@@ -35,6 +35,13 @@ pub const DEFAULT_NAMESPACE: &str = "harvester-node-agent";
 /// The finalizer the controller puts on every Service it gives an address:
 /// deleting the Service waits until the holder has sent DHCPRELEASE.
 pub const FINALIZER: &str = "harvester-node-agent.io/dhcp-release";
+
+/// The condition the controller keeps in the `status.conditions` of each
+/// Service it publishes an address for (as Cilium keeps
+/// `cilium.io/IPAMRequestSatisfied`): `True`, reason `AddressAssigned`,
+/// with the Service's `observedGeneration`; removed when it lets the
+/// Service go.
+pub const SERVICE_CONDITION: &str = "harvester-node-agent.io/AddressAssigned";
 /// The `coordination.k8s.io` Lease the controller replicas elect a leader on.
 pub const CONTROLLER_LEASE: &str = "harvester-node-agent-controller";
 

@@ -179,7 +179,7 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
         };
         pass.summary.served += 1;
         pass.primary_ip.insert(s.key.clone(), ip.to_string());
-        if let Some(w) = status_write(s, ip, pass.world.ip_mode) {
+        if let Some(w) = status_write(s, ip, pass.world.ip_mode, pass.world.now) {
             pass.statuses.push(w);
             pass.events.tell(
                 s,

@@ -38,7 +38,7 @@ mod world;
 
 pub use annotations::OUR_ANNOTATIONS;
 pub use events::{EventOut, EventType, reason};
-pub use plan::{Plan, Summary, Write};
+pub use plan::{Assigned, Plan, Summary, Write};
 pub use release::{RELEASE_TIMEOUT_SECS, release_overdue};
 pub use world::{BOUND, IP_MODE_VIP, Ingress, NodeIn, NodeNetworks, Port, ServiceIn, World};
 

@@ -204,6 +204,7 @@ fn hand_over(
         pass.statuses.push(Write::ServiceStatus {
             service: s.key.clone(),
             ingress: Vec::new(),
+            assigned: None,
         });
         clear_secondaries(pass, s);
     }
@@ -242,6 +243,7 @@ fn clear_secondaries(pass: &mut Pass<'_>, primary: &ServiceIn) {
         pass.statuses.push(Write::ServiceStatus {
             service: t.key.clone(),
             ingress: Vec::new(),
+            assigned: None,
         });
         pass.events.tell(
             t,

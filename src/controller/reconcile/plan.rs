@@ -37,11 +37,15 @@ pub enum Write {
         node: String,
         peers: Vec<crate::contract::membership::Peer>,
     },
-    /// `status.loadBalancer.ingress` (status subresource, merge patch);
-    /// empty clears it.
+    /// `status.loadBalancer.ingress` and our condition
+    /// ([`SERVICE_CONDITION`](crate::contract::SERVICE_CONDITION)) in one
+    /// strategic-merge patch of the status subresource (others' conditions
+    /// stay); an empty `ingress` clears the address, `assigned: None`
+    /// removes the condition.
     ServiceStatus {
         service: ServiceKey,
         ingress: Vec<Ingress>,
+        assigned: Option<Assigned>,
     },
     /// Merge patch of annotations; `None` removes the key.
     ServiceAnnotations {
@@ -53,6 +57,14 @@ pub enum Write {
     RemoveFinalizer(ServiceKey),
     /// The node is gone: its object, Role and RoleBinding.
     DeleteNodeObject(String),
+}
+
+/// Our condition on a Service: the generation its address was published
+/// for, and when (the pass's wall clock, seconds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Assigned {
+    pub generation: i64,
+    pub at: i64,
 }
 
 impl Write {

@@ -185,6 +185,7 @@ fn clear_service(s: &ServiceIn, statuses: &mut Vec<Write>, annotations: &mut Vec
         statuses.push(Write::ServiceStatus {
             service: s.key.clone(),
             ingress: Vec::new(),
+            assigned: None,
         });
     }
     annotations.extend(removal_of_ours(s));

@@ -57,7 +57,7 @@ pub(super) fn secondaries<'a>(pass: &mut Pass<'a>) -> BTreeSet<&'a ServiceKey> {
             }
             pass.summary.shared += 1;
             sharing.insert(&s.key);
-            if let Some(w) = status_write(s, ip, pass.world.ip_mode) {
+            if let Some(w) = status_write(s, ip, pass.world.ip_mode, pass.world.now) {
                 pass.statuses.push(w);
                 pass.events.tell(
                     s,
@@ -157,6 +157,7 @@ pub(super) fn clear_unshared(pass: &mut Pass<'_>, sharing: &BTreeSet<&ServiceKey
             pass.statuses.push(Write::ServiceStatus {
                 service: s.key.clone(),
                 ingress: Vec::new(),
+                assigned: None,
             });
             pass.events.tell(
                 s,

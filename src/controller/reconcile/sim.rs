@@ -46,6 +46,8 @@ pub fn dhcp(name: &str, ports: &[i32]) -> ServiceIn {
         annotations: [(harvester::IPAM.to_string(), "dhcp".to_string())].into(),
         ports: ports.iter().map(|p| port(*p)).collect(),
         ingress: Vec::new(),
+        generation: 1,
+        assigned_for: None,
         finalizers: Vec::new(),
         deleting: false,
         deleting_since: 0,
@@ -165,8 +167,14 @@ impl Sim {
                     let s = &mut self.services[at[k]];
                     s.finalizers.retain(|f| f != FINALIZER);
                 }
-                Write::ServiceStatus { service, ingress } => {
-                    self.services[at[service]].ingress = ingress.clone();
+                Write::ServiceStatus {
+                    service,
+                    ingress,
+                    assigned,
+                } => {
+                    let s = &mut self.services[at[service]];
+                    s.ingress = ingress.clone();
+                    s.assigned_for = assigned.map(|a| a.generation);
                 }
                 Write::ServiceAnnotations { service, set } => {
                     let s = &mut self.services[at[service]];

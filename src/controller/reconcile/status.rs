@@ -8,7 +8,7 @@ use std::net::Ipv4Addr;
 use crate::contract::{self, harvester};
 
 use super::events::{EventType, Events, reason};
-use super::plan::Write;
+use super::plan::{Assigned, Write};
 use super::world::{IP_MODE_VIP, Ingress, ServiceIn, World};
 
 /// The addresses a load-balancer address must not be, indexed once per
@@ -93,17 +93,22 @@ fn shares(other: &ServiceIn, s: &ServiceIn) -> bool {
         .is_some_and(|p| p == s.key)
 }
 
-/// The status write that gives `s` the address `ip` with its own ports,
-/// unless its status says so already.
-pub(super) fn status_write(s: &ServiceIn, ip: &str, ip_mode: bool) -> Option<Write> {
+/// The status write that gives `s` the address `ip` with its own ports
+/// and our condition for its generation, unless its status says so
+/// already. `now`: the pass's wall clock (the condition's time).
+pub(super) fn status_write(s: &ServiceIn, ip: &str, ip_mode: bool, now: i64) -> Option<Write> {
     let want = vec![Ingress {
         ip: ip.to_string(),
         ip_mode: ip_mode.then(|| IP_MODE_VIP.to_string()),
         ports: s.ports.clone(),
     }];
-    (s.ingress != want).then(|| Write::ServiceStatus {
+    (s.ingress != want || s.assigned_for != Some(s.generation)).then(|| Write::ServiceStatus {
         service: s.key.clone(),
         ingress: want,
+        assigned: Some(Assigned {
+            generation: s.generation,
+            at: now,
+        }),
     })
 }
 

@@ -59,6 +59,12 @@ pub struct ServiceIn {
     pub ports: Vec<Port>,
     /// `status.loadBalancer.ingress` now.
     pub ingress: Vec<Ingress>,
+    /// `metadata.generation` (0 unknown).
+    pub generation: i64,
+    /// The `observedGeneration` of our condition
+    /// ([`SERVICE_CONDITION`](crate::contract::SERVICE_CONDITION)) while
+    /// it is there and `True`.
+    pub assigned_for: Option<i64>,
     pub finalizers: Vec<String>,
     /// `metadata.deletionTimestamp` is set.
     pub deleting: bool,
