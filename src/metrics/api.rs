@@ -1,6 +1,6 @@
 //! Latency of every request the process's Kubernetes clients send, by verb
 //! and outcome: a layer on the client's HTTP stack
-//! ([`crate::cluster::credentials`] builds every client with it), so no
+//! (the cluster connection builds every client with it), so no
 //! call site can forget it.
 
 use std::future::Future;
