@@ -537,7 +537,8 @@ fn migrate_a_holder(nic: NicModel) -> Result<()> {
     );
     ensure!(
         first_tcp.is_some_and(|d| d <= SWITCHOVER_BOUND + Duration::from_millis(100)),
-        "a new connection was first served {first_tcp:?} after the switchover"
+        "a new connection was first served {first_tcp:?} after the switchover; console:\n{}",
+        vm.console_tail(60)
     );
     ensure!(
         tcp.tries
