@@ -235,16 +235,7 @@ impl VmNode {
             .arg(&kernel.vmlinuz)
             .arg("-initrd")
             .arg(&image.initramfs)
-            // HPET counts QEMU's virtual clock, which stops with the VM and
-            // migrates with it, as a Harvester guest's kvm-clock does. The
-            // TSC a TCG guest picks by default jumped across live migrations
-            // on a 2-core host (the agent measured 2.5 s without running in
-            // a migration of 1.35 s, 84 ms of downtime), and its kernel
-            // dropped the held address at the 1 s lifetime.
-            .args([
-                "-append",
-                "console=ttyS0 panic=-1 quiet loglevel=3 clocksource=hpet",
-            ])
+            .args(["-append", "console=ttyS0 panic=-1 quiet loglevel=3"])
             .arg("-netdev")
             .arg(format!(
                 "tap,id=n0,ifname={},script=no,downscript=no",
