@@ -43,12 +43,7 @@ impl AgentMetrics {
     pub fn registry(&self, status: Arc<dyn Fn() -> AgentStatus + Send + Sync>) -> Registry {
         let mut r = Registry::default();
         r.register_collector(Box::new(StatusCollector(status)));
-        r.register_with_unit(
-            "hna_dhcp_acquisition_duration",
-            crate::metrics::dhcp::ACQUISITION_HELP,
-            Unit::Seconds,
-            self.acquisitions.clone(),
-        );
+        crate::metrics::dhcp::register_acquisitions(&mut r, self.acquisitions.clone());
         r.register_with_unit(
             "hna_lb_takeover_guard_wait",
             "How long starts of an address another node held waited behind the takeover guard: from the first turn to the guard letting it go",

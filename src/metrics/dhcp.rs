@@ -65,18 +65,24 @@ pub fn registry(
 ) -> prometheus_client::registry::Registry {
     let mut r = prometheus_client::registry::Registry::default();
     r.register_collector(Box::new(LeaseTable(leases)));
-    r.register_with_unit(
-        "hna_dhcp_acquisition_duration",
-        ACQUISITION_HELP,
-        Unit::Seconds,
-        acquisitions,
-    );
+    register_acquisitions(&mut r, acquisitions);
     super::register_common(&mut r);
     r
 }
 
-/// The help of `hna_dhcp_acquisition_duration_seconds`.
-pub const ACQUISITION_HELP: &str = "How long a lease took to come to hold an address: from its start, or from losing its address, to BOUND; by how it began (begin: discover, reboot)";
+/// `hna_dhcp_acquisition_duration_seconds`, in the daemon's registry and
+/// `dhcp-hold`'s.
+pub fn register_acquisitions(
+    registry: &mut prometheus_client::registry::Registry,
+    acquisitions: AcquisitionDurations,
+) {
+    registry.register_with_unit(
+        "hna_dhcp_acquisition_duration",
+        "How long a lease took to come to hold an address: from its start, or from losing its address, to BOUND; by how it began (begin: discover, reboot)",
+        Unit::Seconds,
+        acquisitions,
+    );
+}
 
 /// The lease table's families.
 pub fn encode_leases(encoder: &mut DescriptorEncoder, leases: &[LeaseStatus]) -> fmt::Result {

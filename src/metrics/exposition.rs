@@ -5,7 +5,8 @@
 use std::fmt;
 
 use prometheus_client::encoding::{
-    DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, EncodeMetric, MetricEncoder,
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeLabelSet, EncodeMetric,
+    MetricEncoder,
 };
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
@@ -71,8 +72,14 @@ pub fn counters<L: EncodeLabelSet>(
     Ok(())
 }
 
-/// A single unlabelled counter.
-pub fn counter(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) -> fmt::Result {
+/// A single unlabelled counter (`u64`, or `f64` for a fractional
+/// quantity such as CPU seconds).
+pub fn counter<N: EncodeCounterValue + std::fmt::Debug>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: N,
+) -> fmt::Result {
     let family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
     ConstCounter::new(value).encode(family)
 }
@@ -93,15 +100,4 @@ pub fn info(
 /// `1` for true.
 pub fn flag(b: bool) -> i64 {
     i64::from(b)
-}
-
-/// A single unlabelled counter of a fractional quantity (CPU seconds).
-pub fn counter_f64(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    value: f64,
-) -> fmt::Result {
-    let family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-    ConstCounter::new(value).encode(family)
 }

@@ -9,7 +9,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::registry::Unit;
 
-use super::exposition::{counter_f64, gauge};
+use super::exposition::{counter, gauge};
 
 /// Registered once per process (unprefixed: these names are shared).
 #[derive(Debug, Default)]
@@ -84,7 +84,7 @@ impl Collector for ProcessCollector {
         let Some(p) = ProcessFacts::read() else {
             return Ok(());
         };
-        counter_f64(
+        counter(
             &mut encoder,
             "process_cpu_seconds",
             "Total user and system CPU time spent in seconds.",
