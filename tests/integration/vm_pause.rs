@@ -133,8 +133,13 @@ struct Seen {
     record: hna_testkit::arpprobe::ArpRecord,
 }
 
+/// How long QEMU may take to open its monitor: `vm::boot` first waits for
+/// the VM turn, which another VM test may hold for minutes (a migration
+/// test holds it for about one and a half).
+const MONITOR_WITHIN: Duration = Duration::from_secs(600);
+
 fn pause_while_answering(ns: &str, qmp_socket: &Path) -> Result<Seen> {
-    let mut qmp = Qmp::connect(qmp_socket, Duration::from_secs(30))?;
+    let mut qmp = Qmp::connect(qmp_socket, MONITOR_WITHIN)?;
     // The guest answers once it has configured the address: that moment
     // starts its lifetime.
     let deadline = Instant::now() + Duration::from_secs(180);

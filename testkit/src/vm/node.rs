@@ -135,8 +135,15 @@ i=0; while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+
 ip link set eth0 up
 ip addr add {addr}/24 dev eth0
 ip route add default via {gw}
+# As systemd and the kubelet have it: the agent in a cgroup of its own,
+# the tenant's listeners (a process forked per connection) in another.
+mkdir -p /sys/fs/cgroup && mount -t cgroup2 cgroup2 /sys/fs/cgroup
+echo +cpu > /sys/fs/cgroup/cgroup.subtree_control
+mkdir /sys/fs/cgroup/workload /sys/fs/cgroup/agent
+echo $$ > /sys/fs/cgroup/workload/cgroup.procs
 nc -ll -p {hello} -e /hna/hello.sh &
 nc -ll -p {echo} -e cat &
+echo $$ > /sys/fs/cgroup/agent/cgroup.procs
 mkdir -p /run/harvester-node-agent /var/lib/harvester-node-agent
 echo "{started} $(cut -d' ' -f1 /proc/uptime)"
 HNA_LOG_TARGET=stderr HNA_KUBECONFIG_SEARCH= RUST_LOG=info,harvester_node_agent=debug \
