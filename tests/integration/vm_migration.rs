@@ -23,7 +23,9 @@
 //!    pause) is left to do it.
 //! 2. with the observer asking ARP every 10 ms and a client opening a new
 //!    connection every 100 ms: one MAC answers, new ARP is answered within
-//!    1 s of the switchover, and no request is answered twice but those
+//!    1 s of the switchover, ARP never goes unanswered for 1 s, a new
+//!    connection is served (within [`NEW_CONNECTION_BOUND`] under TCG),
+//!    and no request is answered twice but those
 //!    the target's tap queued before the switchover (the kernel holds
 //!    what reaches a tap nobody reads yet, and the migrated guest answers
 //!    it at its resume, with the same MAC).
@@ -97,6 +99,15 @@ const ECHO_AFTER_LEARNING: Duration = Duration::from_secs(2);
 /// natively and has no such warm-up. So the lifetime here is set past the
 /// warm-up, and these tests measure the migration, not TCG.
 const TCG_LIFETIME: Duration = Duration::from_secs(10);
+
+/// A new connection is served by the tenant's listener, a busybox `nc`
+/// that forks a shell per connection: under TCG the target retranslates
+/// that too, beside the agent (above). Measured 0.52 to 1.44 s after the
+/// switchover in 8 runs here (2026-11-28), while ARP was answered within
+/// 0.21 s and never went silent for more than 42 ms: the 1 s is
+/// met by the address (asserted on ARP, [`SWITCHOVER_BOUND`]), not by this
+/// listener under TCG; the bound is what it holds.
+const NEW_CONNECTION_BOUND: Duration = Duration::from_secs(3);
 
 fn learn_bound(nic: NicModel) -> Duration {
     match nic {
@@ -557,8 +568,17 @@ fn migrate_a_holder(nic: NicModel) -> Result<()> {
         first_arp.is_some_and(|d| d <= SWITCHOVER_BOUND),
         "new ARP first answered {first_arp:?} after the switchover (bound {SWITCHOVER_BOUND:?})"
     );
+    // The address answered throughout: a lifetime that ran out (or a
+    // release, a handover) shows here as a silence, also after the first
+    // answers came.
     ensure!(
-        first_tcp.is_some_and(|d| d <= SWITCHOVER_BOUND + Duration::from_millis(100)),
+        arp.longest_silence() <= SWITCHOVER_BOUND,
+        "the address went unanswered for {:?} (bound {SWITCHOVER_BOUND:?}); console:\n{}",
+        arp.longest_silence(),
+        vm.console_tail(60)
+    );
+    ensure!(
+        first_tcp.is_some_and(|d| d <= NEW_CONNECTION_BOUND),
         "a new connection was first served {first_tcp:?} after the switchover; console:\n{}",
         vm.console_tail(60)
     );

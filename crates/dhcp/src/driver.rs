@@ -369,9 +369,6 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         }
     }
 
-    /// Gives the address its lifetime again, or, when the kernel already
-    /// deleted it (this task did not run for the whole lifetime), tells
-    /// the machine and puts nothing back.
     /// One of the announcements after a takeover ([`REANNOUNCE_EVERY`]),
     /// while the address is still on the link.
     async fn announce_again(&mut self) {
@@ -389,6 +386,9 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         }
     }
 
+    /// Gives the address its lifetime again, or, when the kernel already
+    /// deleted it (this task did not run for the whole lifetime), tells
+    /// the machine and puts nothing back.
     async fn confirm_address(&mut self) {
         let Some((address, _)) = self.lifetime else {
             return;
