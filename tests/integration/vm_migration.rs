@@ -102,8 +102,8 @@ const TCG_LIFETIME: Duration = Duration::from_secs(10);
 
 /// A new connection is served by the tenant's listener, a busybox `nc`
 /// that forks a shell per connection: under TCG the target retranslates
-/// that too, beside the agent (above). Measured 0.52 to 1.44 s after the
-/// switchover in 8 runs here (2026-11-28), while ARP was answered within
+/// that too, beside the agent (above). Measured 0.24 to 1.44 s after the
+/// switchover in 10 runs here (2026-11-28), while ARP was answered within
 /// 0.21 s and never went silent for more than 42 ms: the 1 s is
 /// met by the address (asserted on ARP, [`SWITCHOVER_BOUND`]), not by this
 /// listener under TCG; the bound is what it holds.
