@@ -236,7 +236,15 @@ pub const KEYS: &[KeySpec] = &[
         env: "HNA_LB_PAUSE_CLOCK",
         flag: "--lb-pause-clock",
         default: "/sys/class/rtc/rtc0/since_epoch",
-        doc: "The clock that counts the time this VM stands paused (a live migration's switchover, a suspend), which the VM's own clocks do not: its RTC's seconds, read about eight times a second. After a pause of 50ms or more the daemon announces every LoadBalancer address it holds again (gratuitous ARP from the Service's MAC), so that the LAN's switches learn the Service MACs' new port after a live migration also where the NIC does not announce them (e1000-family NICs), and reads its assignments again after a pause longer than the address lifetime. Empty turns it off; a file that cannot be read is logged once and the watch stops.",
+        doc: "The clock that counts the time this VM stands paused (a live migration's switchover, a suspend), which the VM's own clocks do not: its RTC's seconds, read every 10ms around each change of its second and at least every 50ms in between (about 27 times a second), so a long pause is seen within 50ms of the resume. After a pause of 50ms or more the daemon announces every LoadBalancer address it holds again (gratuitous ARP from the Service's MAC), so that the LAN's switches learn the Service MACs' new port after a live migration also where the NIC does not announce them (e1000-family NICs), and reads its assignments again after a pause longer than the address lifetime. Empty turns it off; a file that cannot be read is logged once and the watch stops.",
+        kind: Kind::Text,
+    },
+    KeySpec {
+        name: "lb_presence",
+        env: "HNA_LB_PRESENCE",
+        flag: "--lb-presence",
+        default: "auto",
+        doc: "While a LoadBalancer address is held, one frame from its MAC (an ARP announcement unicast to the DHCP server's MAC, which nobody answers) every half second, so that the LAN's switches move the Service's traffic to the VM's new port within a second of a live migration's switchover, whether or not the daemon learns of the migration. auto sends them only on an uplink that is a hypervisor's NIC whose guest is not told of a migration (e1000-family and other emulated NICs; a virtio-net NIC that negotiated guest announce has the kernel announce every address itself, and a veth, bridge, bond or VLAN uplink is taken for no such NIC). A duration between 100ms and 10s sends them that often on every uplink; off never. Costs two 60-byte frames a second per address, to one host.",
         kind: Kind::Text,
     },
     KeySpec {
@@ -290,6 +298,8 @@ pub struct Config {
     pub uplink: Option<String>,
     /// The file of the RTC's seconds ([`crate::pause`]); `None` is off.
     pub lb_pause_clock: Option<std::path::PathBuf>,
+    /// Presence frames from each held address's MAC (`lb_presence`).
+    pub lb_presence: crate::dhcp::Presence,
     /// RFC 5227 ARP check of a LoadBalancer address before use.
     pub lb_arp_probe: bool,
     /// How long to listen for another holder before a takeover; zero: off.
@@ -484,6 +494,9 @@ pub fn resolve(
         lb_heartbeat: Duration::from_secs(10),
         uplink: None,
         lb_pause_clock: Some(crate::pause::DEFAULT_RTC_SECONDS.into()),
+        lb_presence: crate::dhcp::Presence::WhereTheNicIsSilent(
+            crate::dhcp::driver::PRESENCE_EVERY,
+        ),
         lb_arp_probe: true,
         lb_takeover_guard: Duration::from_millis(150),
         lb_fence_after: Duration::from_secs(30),
@@ -638,6 +651,7 @@ pub fn resolve(
                     Some(absolute_path(v).map_err(fail)?)
                 };
             }
+            "lb_presence" => cfg.lb_presence = presence(&text(raw)).map_err(fail)?,
             "uplink" => {
                 let v = text(raw).trim().to_string();
                 cfg.uplink = if v.is_empty() {
@@ -657,6 +671,20 @@ pub fn resolve(
         cfg.vm_name = hostname();
     }
     Ok(cfg)
+}
+
+fn presence(v: &str) -> Result<crate::dhcp::Presence, String> {
+    use crate::dhcp::Presence;
+    match v.trim() {
+        "auto" => Ok(Presence::WhereTheNicIsSilent(
+            crate::dhcp::driver::PRESENCE_EVERY,
+        )),
+        "off" => Ok(Presence::Off),
+        other if crate::duration::parse_duration(other).is_err() => Err(format!(
+            "`{other}` is not auto, off or a duration (such as 500ms)"
+        )),
+        other => duration_between_ms(other, 100, 10_000).map(Presence::Every),
+    }
 }
 
 fn boolean(v: &str) -> Result<bool, String> {
@@ -1087,6 +1115,38 @@ mod tests {
         assert_eq!(envs.len(), KEYS.len());
         for k in KEYS {
             assert!(k.env.starts_with("HNA_") && k.flag.starts_with("--") && !k.doc.is_empty());
+        }
+    }
+
+    /// Issue #31: presence frames where the NIC is silent by default; off
+    /// or a period on request; anything else refused with what is wanted.
+    #[test]
+    fn lb_presence_is_auto_by_default_and_validated() {
+        use crate::dhcp::Presence;
+        let cfg = resolve(None, &|_| None, &FlagValues::default(), &|| "n".into()).unwrap();
+        assert_eq!(
+            cfg.lb_presence,
+            Presence::WhereTheNicIsSilent(Duration::from_millis(500))
+        );
+        for (value, want) in [
+            (
+                "auto",
+                Presence::WhereTheNicIsSilent(Duration::from_millis(500)),
+            ),
+            ("off", Presence::Off),
+            ("250ms", Presence::Every(Duration::from_millis(250))),
+        ] {
+            let cfg = resolve_file(&format!("lb_presence = \"{value}\"")).unwrap();
+            assert_eq!(cfg.lb_presence, want, "{value}");
+        }
+        for (value, says) in [
+            ("sometimes", "is not auto, off or a duration"),
+            ("50ms", "out of range"),
+            ("1m", "out of range"),
+        ] {
+            let err = resolve_file(&format!("lb_presence = \"{value}\"")).unwrap_err();
+            assert_eq!(err.key(), Some("lb_presence"));
+            assert!(err.to_string().contains(says), "{value}: {err}");
         }
     }
 

@@ -65,6 +65,11 @@ pub struct PauseWatch {
     poll: Duration,
     /// How long before the expected change to start polling.
     lead: Duration,
+    /// The longest time between two readings, also far from a change: a
+    /// pause as long as the address lifetime is seen this soon after the
+    /// resume, before the resumed kernel has answered for the address
+    /// beside its new holder for long (issue #31 asks 100 ms).
+    at_least_every: Duration,
     edge: Option<Edge>,
     last: Option<Reading>,
 }
@@ -75,21 +80,30 @@ const SECOND: Duration = Duration::from_secs(1);
 impl PauseWatch {
     /// Reports pauses of at least `report_from`, polling every `poll` from
     /// `report_from + poll` before each expected change (so a pause of
-    /// about `report_from + poll` is seen at the first reading after it).
-    pub fn new(report_from: Duration, poll: Duration) -> PauseWatch {
+    /// about `report_from + poll` is seen at the first reading after it),
+    /// and at least every `at_least_every` in between (a pause of a second
+    /// or more is seen at the first reading after it).
+    pub fn new(report_from: Duration, poll: Duration, at_least_every: Duration) -> PauseWatch {
         PauseWatch {
             report_from,
             poll,
             lead: report_from + poll * 2,
+            at_least_every,
             edge: None,
             last: None,
         }
     }
 
-    /// The defaults: pauses of 50 ms or more, polled every 10 ms (about
-    /// eight reads a second).
+    /// The defaults: pauses of 50 ms or more, polled every 10 ms around
+    /// each change of second, and read at least every 50 ms (about 27
+    /// reads a second: a sysfs read of the emulated RTC each, a few
+    /// microseconds under KVM).
     pub fn with_defaults() -> PauseWatch {
-        PauseWatch::new(Duration::from_millis(50), Duration::from_millis(10))
+        PauseWatch::new(
+            Duration::from_millis(50),
+            Duration::from_millis(10),
+            Duration::from_millis(50),
+        )
     }
 
     /// Takes one reading.
@@ -141,6 +155,7 @@ impl PauseWatch {
             }
             None => r.after + self.poll,
         };
+        let next_at = next_at.min(r.after + self.at_least_every);
         Step { paused, next_at }
     }
 }
@@ -253,7 +268,7 @@ mod tests {
         for phase in [ms(0), ms(137), ms(999)] {
             let (seen, reads) = simulate(phase, ms(1), &[], Duration::from_secs(60));
             assert!(seen.is_empty(), "{phase:?}: {seen:?}");
-            assert!(reads < 60 * 12, "{reads} reads in a minute");
+            assert!(reads < 60 * 30, "{reads} reads in a minute");
         }
     }
 
@@ -285,7 +300,7 @@ mod tests {
         );
         assert_eq!(seen.len(), 1, "{seen:?}");
         let (when, bound) = seen[0];
-        assert!(when - ms(7_500) <= SECOND, "seen at {when:?}");
+        assert!(when - ms(7_500) <= ms(51), "seen at {when:?}");
         assert!(bound >= ms(7_000) && bound <= ms(8_000), "{bound:?}");
     }
 

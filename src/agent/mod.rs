@@ -532,6 +532,7 @@ fn spawn_lb(
                 ..crate::dhcp::Timing::default()
             },
             takeover_guard: cfg.lb_takeover_guard,
+            presence: cfg.lb_presence,
             ..crate::lb::apply::Settings::default()
         },
         takeover_guard_wait: ctx.metrics.takeover_guard_wait.clone(),

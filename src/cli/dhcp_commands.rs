@@ -204,6 +204,7 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
             probe: ProbeConfig::default(),
             guarded_at: None,
             witness: None,
+            presence: crate::dhcp::Presence::Off,
         };
         engine.start(cfg).await?;
     }

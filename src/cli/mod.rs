@@ -162,6 +162,9 @@ pub struct ConfigArgs {
     /// The RTC's seconds, which count the time this VM stands paused (live migration, suspend): every held address is announced again after a pause; empty is off [default: /sys/class/rtc/rtc0/since_epoch] [env: HNA_LB_PAUSE_CLOCK]
     #[arg(long, value_name = "PATH")]
     pub lb_pause_clock: Option<String>,
+    /// Presence frames from each held address's MAC, so the LAN's switches follow a live migration: auto (every 500ms where the NIC does not announce a migration itself: e1000-family), off, or a period (100ms to 10s) on every uplink [default: auto] [env: HNA_LB_PRESENCE]
+    #[arg(long, value_name = "auto|off|DURATION")]
+    pub lb_presence: Option<String>,
     /// Uplink of the LoadBalancer macvlans when a Service names none [default: the default route's interface] [env: HNA_UPLINK]
     #[arg(long, value_name = "IFACE")]
     pub uplink: Option<String>,
@@ -170,7 +173,7 @@ pub struct ConfigArgs {
 impl ConfigArgs {
     pub fn flag_values(&self) -> FlagValues {
         let mut values = std::collections::BTreeMap::new();
-        let pairs: [(&'static str, &Option<String>); 23] = [
+        let pairs: [(&'static str, &Option<String>); 24] = [
             ("log_level", &self.log_level),
             ("log_target", &self.log_target),
             ("state_dir", &self.state_dir),
@@ -193,6 +196,7 @@ impl ConfigArgs {
             ("lb_restart_grace", &self.lb_restart_grace),
             ("lb_keep_on_stop", &self.lb_keep_on_stop),
             ("lb_pause_clock", &self.lb_pause_clock),
+            ("lb_presence", &self.lb_presence),
             ("uplink", &self.uplink),
         ];
         for (key, value) in pairs {
@@ -855,7 +859,7 @@ fn human_dhcp(d: &crate::agent::status::DhcpStatus) -> String {
     for l in &d.leases {
         let _ = writeln!(
             out,
-            "    {} {} {:<10} {:<15} server {:<15} renew in {}, expires in {}; sent {} received {} dropped {} NAKs {}{}",
+            "    {} {} {:<10} {:<15} server {:<15} renew in {}, expires in {}; sent {} received {} dropped {} NAKs {}{}{}",
             l.name,
             l.mac,
             l.state.as_str(),
@@ -871,6 +875,9 @@ fn human_dhcp(d: &crate::agent::status::DhcpStatus) -> String {
             l.counters.received,
             l.counters.dropped,
             l.counters.naks,
+            l.presence_every_ms
+                .map(|ms| format!("; presence frames every {ms}ms"))
+                .unwrap_or_default(),
             l.last_error
                 .as_ref()
                 .map(|e| format!("; last error: {e}"))
@@ -1010,6 +1017,7 @@ mod tests {
         bound.expires_at_unix_ms = Some(now_ms + 3_600_500);
         bound.counters.sent = 2;
         bound.counters.received = 2;
+        bound.presence_every_ms = Some(500);
         let mut waiting = LeaseStatus::new("vip-0000abce", [0, 0, 0x6c, 0, 0xab, 0xce]);
         waiting.last_error = Some("send: network is down".into());
         let text = human_dhcp(&DhcpStatus {
@@ -1028,6 +1036,11 @@ mod tests {
             lines[2].starts_with("    vip-0000abcd 00:00:6c:00:ab:cd BOUND      10.77.0.150     server 10.77.0.1       renew in 1m 30s, expires in 1h; sent 2 received 2"),
             "{text}"
         );
+        assert!(
+            lines[2].ends_with("; presence frames every 500ms"),
+            "{text}"
+        );
+        assert!(!lines[3].contains("presence"), "{text}");
         assert!(
             lines[3].contains("INIT") && lines[3].ends_with("; last error: send: network is down"),
             "{text}"

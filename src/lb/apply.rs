@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use crate::dhcp::io::ProbeConfig;
-use crate::dhcp::{Identity, LeaseConfig, LeaseEngine, Timing};
+use crate::dhcp::{Identity, LeaseConfig, LeaseEngine, Presence, Timing};
 
 use super::plan::{Action, Want};
 
@@ -35,6 +35,8 @@ pub struct Settings {
     /// one binding nine addresses its former holder, cut off from the API
     /// server, still answered for).
     pub witness: Option<std::net::Ipv4Addr>,
+    /// Presence frames from each held address's MAC (`lb_presence`).
+    pub presence: Presence,
 }
 
 /// One action's result, by interface.
@@ -88,6 +90,7 @@ pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, String
         probe: settings.probe,
         guarded_at: None,
         witness,
+        presence: settings.presence,
     })
 }
 

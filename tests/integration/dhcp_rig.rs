@@ -74,6 +74,7 @@ fn lease(i: u32) -> LeaseConfig {
         probe: ProbeConfig::default(),
         guarded_at: None,
         witness: None,
+        presence: hna_dhcp::Presence::Off,
     }
 }
 

@@ -298,6 +298,7 @@ impl Bench {
                     probe: ProbeConfig::default(),
                     guarded_at: None,
                     witness: None,
+                    presence: hna_dhcp::Presence::Off,
                 })
             });
             let mut rxs = Vec::with_capacity(n);
@@ -535,6 +536,7 @@ fn hold(mut args: impl Iterator<Item = String>) -> Result<()> {
                         probe: ProbeConfig::default(),
                         guarded_at: None,
                         witness: None,
+                        presence: hna_dhcp::Presence::Off,
                     })
                     .await?;
             }

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
-use super::io::{RecvError, Transport};
+use super::io::{PresenceFrame, RecvError, Transport};
 use super::link::AddressConfig;
 use super::machine::{Action, Counters, Event, Lease, Machine, State, StopMode};
 use super::store::{LeaseRecord, Store};
@@ -69,6 +69,10 @@ pub struct LeaseStatus {
     pub last_error: Option<String>,
     /// The first 32 state changes.
     pub transitions: Vec<Transition>,
+    /// The period of the presence frames ([`Driver::presence`]); `None`:
+    /// none are sent.
+    #[serde(default)]
+    pub presence_every_ms: Option<u64>,
 }
 
 impl LeaseStatus {
@@ -90,6 +94,7 @@ impl LeaseStatus {
             last_drop: None,
             last_error: None,
             transitions: Vec::new(),
+            presence_every_ms: None,
         }
     }
 }
@@ -189,6 +194,13 @@ pub const REANNOUNCE_EVERY: Duration = Duration::from_millis(500);
 /// See [`REANNOUNCE_EVERY`].
 pub const REANNOUNCE_FOR: Duration = Duration::from_secs(30);
 
+/// The presence frames' period where a lease asks for them and gives none
+/// ([`Driver::presence`]): with the switch's learning within this of a
+/// live migration's switchover, the Service's traffic follows within the
+/// issue's 1 s (#31) with room for a late wake-up. Two frames a second
+/// per address, each 60 bytes, to one host.
+pub const PRESENCE_EVERY: Duration = Duration::from_millis(500);
+
 /// How old the takeover guard's verdict may be when a first binding puts
 /// the address on the link: a guard and exchange that took longer (a
 /// process frozen during the guard or between its request and the answer,
@@ -213,6 +225,11 @@ pub struct Driver<T: Transport, A: AddressConfig> {
     /// The address put on the link lately: when to announce it again, and
     /// until when ([`REANNOUNCE_EVERY`]).
     reannounce: Option<(Ipv4Addr, Instant, Instant)>,
+    /// How often a frame goes out from the lease's MAC while its address
+    /// is on the link ([`Driver::presence`]).
+    presence_every: Option<Duration>,
+    /// The presence frame registered with the transport now.
+    presence_sent: Option<PresenceFrame>,
     /// When the caller's takeover guard began (else the start): what a
     /// first binding's freshness is counted from.
     guarded_at: Option<Instant>,
@@ -250,6 +267,8 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 lifetime: None,
                 configured: None,
                 reannounce: None,
+                presence_every: None,
+                presence_sent: None,
                 guarded_at: None,
                 uplink: None,
                 last_error: None,
@@ -264,6 +283,23 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
     /// See [`AcquiredHook`].
     pub fn on_acquired(mut self, hook: Option<AcquiredHook>) -> Self {
         self.on_acquired = hook;
+        self
+    }
+
+    /// While the address is on the link, one frame from the lease's MAC
+    /// every `every`: an ARP announcement unicast to the DHCP server's
+    /// MAC (or its relay's), which crosses the LAN's switches and asks
+    /// nothing back. It keeps their record of the MAC's port current
+    /// whether or not anything tells this host that it moved: a live
+    /// migration moves the VM's NIC to another hypervisor's port, QEMU
+    /// announces only the NIC's own MAC, and where the NIC cannot have the
+    /// guest announce (e1000-family) the switches would otherwise send the
+    /// Service's traffic to the old port until the host sends from its MAC
+    /// (issue #31). `None`: no presence frames.
+    pub fn presence(mut self, every: Option<Duration>) -> Self {
+        self.presence_every = every.filter(|d| !d.is_zero());
+        let ms = self.presence_every.map(|d| d.as_millis() as u64);
+        self.status.send_modify(|s| s.presence_every_ms = ms);
         self
     }
 
@@ -386,6 +422,30 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         }
     }
 
+    /// Registers the presence frame the lease should send now (none
+    /// without an address on the link) with the transport, when it
+    /// changed. A frame that cannot be registered is logged, not made the
+    /// lease's error: the lease holds its address all the same.
+    fn update_presence(&mut self) {
+        let want = match (self.presence_every, self.configured, self.machine.lease()) {
+            (Some(every), Some(address), Some(lease)) => Some(PresenceFrame {
+                address,
+                to: lease.server_mac,
+                every,
+            }),
+            _ => None,
+        };
+        if want == self.presence_sent {
+            return;
+        }
+        match self.transport.set_presence(want) {
+            Ok(()) => self.presence_sent = want,
+            Err(e) => {
+                tracing::warn!(lease = %self.name, error = %e, "presence frames not sent: after a live migration the LAN's switches may send this address's traffic to the old host until it sends from its MAC")
+            }
+        }
+    }
+
     /// Gives the address its lifetime again, or, when the kernel already
     /// deleted it (this task did not run for the whole lifetime), tells
     /// the machine and puts nothing back.
@@ -436,6 +496,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         self.lifetime = None;
         self.configured = None;
         self.reannounce = None;
+        self.update_presence();
         tracing::warn!(
             lease = %self.name,
             %address,
@@ -500,6 +561,8 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                                     .machine
                                     .address_lifetime()
                                     .map(|l| (address, Instant::now() + confirm_every(l)));
+                                // A rebinding may have reached another server.
+                                self.update_presence();
                             }
                             Ok(false) => {
                                 self.note_expired(address, l);
@@ -521,6 +584,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                                     Some((address, now + REANNOUNCE_EVERY, now + REANNOUNCE_FOR));
                             }
                             self.configured = Some(address);
+                            self.update_presence();
                             self.lifetime = self
                                 .machine
                                 .address_lifetime()
@@ -533,6 +597,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                     self.lifetime = None;
                     self.configured = None;
                     self.reannounce = None;
+                    self.update_presence();
                     if let Err(e) = self.addrs.remove(address).await {
                         self.error(e.to_string());
                     }
@@ -662,6 +727,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
             last_drop: m.last_drop().map(str::to_string),
             last_error: self.last_error.clone(),
             transitions: self.transitions.clone(),
+            presence_every_ms: self.presence_every.map(|d| d.as_millis() as u64),
         };
         self.status.send_replace(st);
     }
@@ -774,6 +840,8 @@ mod tests {
         /// The lifetime of every add and successful refresh, in order.
         lifetimes: Vec<Option<u32>>,
         announced: usize,
+        /// Every presence frame registered (`None`: ended), in order.
+        presence: Vec<Option<PresenceFrame>>,
     }
 
     #[derive(Clone, Default)]
@@ -834,6 +902,11 @@ mod tests {
 
         async fn arp_announce(&self, _addr: Ipv4Addr) -> io::Result<()> {
             self.0.lock().unwrap().announced += 1;
+            Ok(())
+        }
+
+        fn set_presence(&self, frame: Option<PresenceFrame>) -> io::Result<()> {
+            self.0.lock().unwrap().presence.push(frame);
             Ok(())
         }
     }
@@ -967,6 +1040,59 @@ mod tests {
         tokio::time::sleep(REANNOUNCE_FOR).await;
         assert_eq!(announced(), all);
         h.abort();
+    }
+
+    /// Issue #31: a lease asked for presence frames has its frame sent
+    /// (registered with the transport's sender) from its binding, to the
+    /// MAC its server answered from, until its address leaves the link;
+    /// none before the binding, none for a lease not asked.
+    #[tokio::test(start_paused = true)]
+    async fn presence_frames_go_to_the_server_while_the_address_is_held() {
+        for every in [Some(PRESENCE_EVERY), None] {
+            let fake = Fake::default();
+            let addr = Ipv4Addr::new(10, 77, 0, 150);
+            {
+                let mut w = fake.0.lock().unwrap();
+                w.addr = Some(addr);
+                w.down = true;
+            }
+            let m = Machine::new(Identity::new(MAC), Timing::default(), 1).requesting(Some(addr));
+            let (d, mut rx) = Driver::new("vip-test", m, fake.clone(), fake.clone(), None);
+            let d = d.presence(every);
+            let (tx, crx) = mpsc::channel(4);
+            let h = tokio::spawn(d.run(Begin::Fresh, crx));
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            assert!(
+                fake.0.lock().unwrap().presence.is_empty(),
+                "a frame before the binding"
+            );
+            fake.0.lock().unwrap().down = false;
+            let st = until(&mut rx, |s| s.state == State::Bound).await;
+            assert_eq!(st.presence_every_ms, every.map(|d| d.as_millis() as u64));
+            // Renewals (T1 at 20 s) keep it as it is.
+            tokio::time::sleep(Duration::from_secs(50)).await;
+            let frame = every.map(|every| PresenceFrame {
+                address: addr,
+                to: SRV_MAC,
+                every,
+            });
+            let registered = fake.0.lock().unwrap().presence.clone();
+            match frame {
+                Some(f) => assert_eq!(registered, [Some(f)]),
+                None => assert!(registered.is_empty(), "{registered:?}"),
+            }
+            // The server goes away: the lease (120 s) runs out, the
+            // address leaves the link, and its frames end with it.
+            fake.0.lock().unwrap().down = true;
+            until(&mut rx, |s| !s.state.holds_address()).await;
+            let registered = fake.0.lock().unwrap().presence.clone();
+            match frame {
+                Some(f) => assert_eq!(registered, [Some(f), None]),
+                None => assert!(registered.is_empty(), "{registered:?}"),
+            }
+            drop(tx);
+            h.abort();
+        }
     }
 
     /// Issue #20 (found by the soak): an agent frozen between its

@@ -22,7 +22,7 @@ use super::driver::{AcquiredHook, Begin, Command, Driver, LeaseStatus, probe_thr
 use super::io::{ProbeConfig, Transport};
 // The trait and the types of its surface live with the trait; the engine
 // implements it (no import back from there).
-pub use super::lease_engine::{EngineError, LeaseConfig};
+pub use super::lease_engine::{EngineError, LeaseConfig, Presence};
 use super::lease_engine::{LeaseEngine, SweepReport};
 use super::link::{Ensured, Ipv4Conf, LinkError, LinkInfo, Links, Netlink};
 use super::machine::{Machine, StopMode};
@@ -542,7 +542,20 @@ async fn bring_up<L: Links>(
         Machine::new(cfg.identity, cfg.timing, fastrand::u64(..)).requesting(cfg.requested_ip);
     let addrs = links.addrs(&name, link.index());
     let (driver, status) = Driver::new(&name, machine, transport, addrs, store);
-    let driver = driver.guarded_at(cfg.guarded_at).on_acquired(on_acquired);
+    let presence = match cfg.presence {
+        Presence::Off => None,
+        Presence::Every(every) => Some(every),
+        Presence::WhereTheNicIsSilent(every) => {
+            links.silent_after_migration(&cfg.parent).then_some(every)
+        }
+    };
+    if let Some(every) = presence {
+        tracing::debug!(lease = %name, parent = %cfg.parent, every = ?every, "presence frames on");
+    }
+    let driver = driver
+        .guarded_at(cfg.guarded_at)
+        .on_acquired(on_acquired)
+        .presence(presence);
     // The uplink as it is now: a late first binding asks the LAN from it
     // (`GUARD_FRESH`); an uplink replaced meanwhile cannot be asked, and
     // then nothing is configured.

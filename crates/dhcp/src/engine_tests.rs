@@ -284,6 +284,7 @@ fn cfg(name: &str, parent: &str) -> LeaseConfig {
         probe: ProbeConfig::default(),
         guarded_at: None,
         witness: None,
+        presence: crate::lease_engine::Presence::Off,
     }
 }
 

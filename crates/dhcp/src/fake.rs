@@ -379,6 +379,7 @@ mod tests {
             probe: ProbeConfig::default(),
             guarded_at: None,
             witness: None,
+            presence: crate::lease_engine::Presence::Off,
         }
     }
 

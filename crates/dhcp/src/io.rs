@@ -22,7 +22,7 @@ use super::frame::{self, FrameError};
 use super::machine::Destination;
 
 const ETH_P_IP: u16 = 0x0800;
-const ETH_P_ARP: u16 = 0x0806;
+pub(crate) const ETH_P_ARP: u16 = 0x0806;
 const BROADCAST_MAC: [u8; 6] = [0xff; 6];
 
 /// A DHCP payload received on the interface, with the source MAC of its
@@ -103,6 +103,25 @@ pub trait Transport: Send + Sync + 'static {
     fn arp_announce_once(&self, addr: Ipv4Addr) -> impl Future<Output = io::Result<()>> + Send {
         self.arp_announce(addr)
     }
+    /// Starts (`Some`) or ends (`None`) this lease's presence frames
+    /// ([`PresenceFrame`]), which a thread of their own sends
+    /// ([`crate::presence`]). Fakes have none.
+    fn set_presence(&self, frame: Option<PresenceFrame>) -> io::Result<()> {
+        let _ = frame;
+        Ok(())
+    }
+}
+
+/// A lease's presence frame: an ARP announcement of `address` from the
+/// lease's MAC, unicast to `to` (the DHCP server's MAC, or its relay's),
+/// every `every`. It crosses the LAN's switches toward a host beyond them,
+/// so that they keep the MAC's port current, and nobody answers it
+/// (`Driver::presence` says why).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PresenceFrame {
+    pub address: Ipv4Addr,
+    pub to: [u8; 6],
+    pub every: Duration,
 }
 
 /// Packet sockets on one interface.
@@ -111,6 +130,8 @@ pub struct AfPacket {
     mac: [u8; 6],
     probe: ProbeConfig,
     ip: PacketFd,
+    /// This lease's entry with the presence sender, while it has one.
+    presence: std::sync::Mutex<Option<crate::presence::Registration>>,
 }
 
 /// An AF_PACKET socket registered with the runtime. Closing one makes the
@@ -142,7 +163,7 @@ impl Drop for PacketFd {
     }
 }
 
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+pub(crate) fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
@@ -314,7 +335,13 @@ fn recv_datagram(fd: &OwnedFd, buf: &mut [u8]) -> io::Result<Datagram> {
     }
 }
 
-fn send_to(fd: &OwnedFd, ifindex: u32, protocol: u16, mac: [u8; 6], data: &[u8]) -> io::Result<()> {
+pub(crate) fn send_to(
+    fd: &OwnedFd,
+    ifindex: u32,
+    protocol: u16,
+    mac: [u8; 6],
+    data: &[u8],
+) -> io::Result<()> {
     let sa = ll_addr(ifindex, protocol, mac);
     // SAFETY: sendto from a live buffer with its length and a valid
     // sockaddr_ll.
@@ -366,6 +393,7 @@ impl AfPacket {
             mac,
             probe,
             ip,
+            presence: std::sync::Mutex::new(None),
         })
     }
 
@@ -471,6 +499,24 @@ impl Transport for AfPacket {
         let sock = self.arp_sender()?;
         let ann = frame::build_arp(self.mac, addr, addr);
         send_async(&sock, self.ifindex, ETH_P_ARP, BROADCAST_MAC, &ann).await
+    }
+
+    fn set_presence(&self, frame: Option<PresenceFrame>) -> io::Result<()> {
+        let registration = match frame {
+            Some(f) => Some(crate::presence::register(
+                self.ifindex,
+                f.to,
+                frame::build_arp(self.mac, f.address, f.address),
+                f.every,
+            )?),
+            None => None,
+        };
+        // The entry replaced (or ended) is removed as its registration drops.
+        *self
+            .presence
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = registration;
+        Ok(())
     }
 
     async fn arp_announce(&self, addr: Ipv4Addr) -> io::Result<()> {

@@ -44,6 +44,22 @@ pub struct LeaseConfig {
     /// only when this answers, so a node that cannot hear its LAN (a port
     /// gone silent) does not take its silence for a free address.
     pub witness: Option<Ipv4Addr>,
+    /// Whether the lease sends presence frames while it holds its address
+    /// ([`Driver::presence`](super::driver::Driver::presence)).
+    pub presence: Presence,
+}
+
+/// Whether a lease sends presence frames, and how often.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Presence {
+    #[default]
+    Off,
+    Every(std::time::Duration),
+    /// Every this long where the parent is a hypervisor's NIC that cannot
+    /// have its guest announce a live migration
+    /// ([`silent_after_migration`](super::link::silent_after_migration)),
+    /// never elsewhere.
+    WhereTheNicIsSilent(std::time::Duration),
 }
 
 #[derive(Debug, thiserror::Error)]

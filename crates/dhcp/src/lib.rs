@@ -45,6 +45,7 @@
 //!             probe: ProbeConfig::default(),
 //!             guarded_at: None,
 //!             witness: None,
+//!             presence: hna_dhcp::Presence::Off,
 //!         })
 //!         .await?;
 //!     let bound = status.wait_for(|s| s.state.holds_address()).await?.clone();
@@ -72,6 +73,7 @@ pub mod link;
 pub mod mac;
 pub mod machine;
 pub mod packet;
+pub mod presence;
 pub mod probe;
 pub mod store;
 
@@ -79,7 +81,7 @@ pub mod store;
 mod machine_tests;
 
 pub use driver::{AcquiredHook, Acquisition};
-pub use engine::{Engine, EngineError, LeaseConfig};
+pub use engine::{Engine, EngineError, LeaseConfig, Presence};
 pub use lease_engine::{LeaseEngine, SweepReport};
 pub use machine::{Action, Event, Lease, Machine, State, StopMode, Timing};
 pub use packet::Identity;

@@ -166,6 +166,11 @@ pub trait Links: Clone + Send + Sync + 'static {
     ) -> std::io::Result<Self::Transport>;
     /// The lease's address configuration on interface `name`/`index`.
     fn addrs(&self, name: &str, index: u32) -> Self::Addrs;
+    /// See [`silent_after_migration`]; fakes have no such NIC.
+    fn silent_after_migration(&self, parent: &str) -> bool {
+        let _ = parent;
+        false
+    }
 }
 
 /// How [`Netlink::ensure_macvlan`] came by the link.
@@ -505,6 +510,10 @@ impl Links for Netlink {
     type Transport = AfPacket;
     type Addrs = IfAddrs;
 
+    fn silent_after_migration(&self, parent: &str) -> bool {
+        silent_after_migration(std::path::Path::new("/sys/class/net"), parent)
+    }
+
     fn link(&self, name: &str) -> impl Future<Output = Result<Option<LinkInfo>, LinkError>> + Send {
         Netlink::link(self, name)
     }
@@ -736,6 +745,29 @@ pub fn network_cards(
             d.join("device").exists() && !d.join("master").exists() && !d.join("bridge").exists()
         })
         .collect()
+}
+
+/// `VIRTIO_NET_F_GUEST_ANNOUNCE`: the host may ask the guest to announce
+/// itself after a live migration (virtio 1.x, 5.1.3).
+const VIRTIO_NET_F_GUEST_ANNOUNCE: usize = 21;
+
+/// Whether `parent` (under `sys_class_net`) is a hypervisor's NIC that
+/// cannot have its guest announce a live migration: a device (PCI, virtio)
+/// other than a virtio-net that negotiated `VIRTIO_NET_F_GUEST_ANNOUNCE`,
+/// which the virtio device's `features` file shows as a `1` at index 21
+/// (one character per feature bit). Such a guest's kernel announces
+/// every address of every macvlan on the NIC after a migration; with an
+/// e1000-family NIC nothing does but QEMU's RARP for the NIC's own MAC.
+/// A link without a device (veth, bridge, bond, VLAN) is not such a NIC.
+pub fn silent_after_migration(sys_class_net: &std::path::Path, parent: &str) -> bool {
+    let device = sys_class_net.join(parent).join("device");
+    if !device.exists() {
+        return false;
+    }
+    match std::fs::read_to_string(device.join("features")) {
+        Ok(bits) => bits.as_bytes().get(VIRTIO_NET_F_GUEST_ANNOUNCE) != Some(&b'1'),
+        Err(_) => true,
+    }
 }
 
 /// The MAC addresses (lower case) of the interfaces under `sys_class_net`,
@@ -978,6 +1010,43 @@ mod tests {
         );
         let cards = super::network_cards(dir.path(), "hlb-");
         assert_eq!(cards.into_iter().collect::<Vec<_>>(), ["enp1s0", "enp2s0"]);
+    }
+
+    /// Issue #31: the NICs whose guest is not told of a live migration.
+    #[test]
+    fn silent_after_migration_is_a_device_without_virtio_guest_announce() {
+        let dir = tempfile::tempdir().unwrap();
+        let virtio = |announce: bool| {
+            // The kernel's `features`: one character per feature bit, 64.
+            let mut bits = vec![b'0'; 64];
+            for b in [0, 5, 16, 17, 32] {
+                bits[b] = b'1';
+            }
+            bits[21] = if announce { b'1' } else { b'0' };
+            let mut text = String::from_utf8(bits).unwrap();
+            text.push('\n');
+            text
+        };
+        let link = |name: &str, device: bool, features: Option<String>| {
+            let d = dir.path().join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            if device {
+                std::fs::create_dir_all(d.join("device")).unwrap();
+            }
+            if let Some(f) = features {
+                std::fs::write(d.join("device").join("features"), f).unwrap();
+            }
+        };
+        link("virtio-announcing", true, Some(virtio(true)));
+        link("virtio-plain", true, Some(virtio(false)));
+        link("e1000e", true, None);
+        link("veth0", false, None);
+        let silent = |n: &str| super::silent_after_migration(dir.path(), n);
+        assert!(!silent("virtio-announcing"));
+        assert!(silent("virtio-plain"));
+        assert!(silent("e1000e"));
+        assert!(!silent("veth0"));
+        assert!(!silent("missing"));
     }
 
     #[test]

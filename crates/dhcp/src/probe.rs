@@ -184,6 +184,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
         probe: ProbeConfig::default(),
         guarded_at: None,
         witness: None,
+        presence: crate::lease_engine::Presence::Off,
     };
     let mut status = match engine.start(cfg).await {
         Ok(s) => s,
