@@ -23,7 +23,7 @@
 //! of announcements.
 //!
 //! Pure: readings in, pauses and the time of the next reading out; the
-//! task that reads the file is [`run`].
+//! thread that reads the file is started by [`spawn`].
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -171,16 +171,57 @@ pub struct Pause {
     pub seen: tokio::time::Instant,
 }
 
-/// Reads `path` as [`PauseWatch`] asks and sends every pause it sees to
-/// `tx` (the newest only: a consumer that announces after a pause needs
-/// no history). Ends when every receiver is gone; a file that cannot be
-/// read (no RTC, as in some containers) is said once and the watch stops.
-pub async fn run(path: PathBuf, tx: tokio::sync::watch::Sender<Option<Pause>>) {
+/// What the watch's own thread does at once when it sees a pause of at
+/// least `from`, before it tells anyone: after a pause as long as the
+/// address lifetime the node's Services may be held elsewhere by now,
+/// while this VM's kernel, whose clocks did not count the pause, still
+/// answers for their addresses beside the new holders, until something
+/// removes them. The rest of the daemon gets to that only after the
+/// runtime's tasks have run (under TCG, with the resumed kernel first
+/// draining what was queued for it, 0.2 to 0.66 s after the resume here,
+/// issue #31); this thread reads the RTC every 50 ms and acts in the same
+/// wake-up.
+pub struct OnLongPause {
+    pub from: Duration,
+    pub act: Box<dyn Fn(Duration) + Send>,
+}
+
+/// Starts the watch on a thread of its own: reads `path` as
+/// [`PauseWatch`] asks, runs `on_long` for a long pause, and sends every
+/// pause it sees to `tx` (the newest only: a consumer that announces after
+/// a pause needs no history). A thread, not a task: the first reading
+/// after a resume must not wait for the runtime (nor a blocking-pool hop
+/// per read). Ends when every receiver is gone; a file that cannot be read
+/// (no RTC, as in some containers) is said once and the watch stops.
+pub fn spawn(
+    path: PathBuf,
+    tx: tokio::sync::watch::Sender<Option<Pause>>,
+    on_long: Option<OnLongPause>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("hna-pause".into())
+        .spawn(move || {
+            run(
+                &path,
+                || std::fs::read_to_string(&path),
+                &tx,
+                on_long.as_ref(),
+            )
+        })
+}
+
+/// The watch's loop over `read` (the RTC file's text, `path` in messages).
+fn run(
+    path: &std::path::Path,
+    mut read: impl FnMut() -> std::io::Result<String>,
+    tx: &tokio::sync::watch::Sender<Option<Pause>>,
+    on_long: Option<&OnLongPause>,
+) {
     let mut watch = PauseWatch::with_defaults();
-    let origin = tokio::time::Instant::now();
+    let origin = std::time::Instant::now();
     loop {
         let before = origin.elapsed();
-        let text = match tokio::fs::read_to_string(&path).await {
+        let text = match read() {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "cannot read the RTC: pauses of this VM (live migration, suspend) go unseen, and addresses are not announced again after them");
@@ -198,6 +239,9 @@ pub async fn run(path: PathBuf, tx: tokio::sync::watch::Sender<Option<Pause>>) {
             rtc_seconds,
         });
         if let Some(at_least) = step.paused {
+            if let Some(hook) = on_long.filter(|h| at_least >= h.from) {
+                (hook.act)(at_least);
+            }
             tracing::info!(at_least = ?at_least, "this VM was paused (its RTC ran on while its clocks stood still): a live migration or a suspend");
             if tx
                 .send(Some(Pause {
@@ -212,7 +256,7 @@ pub async fn run(path: PathBuf, tx: tokio::sync::watch::Sender<Option<Pause>>) {
         if tx.is_closed() {
             return;
         }
-        tokio::time::sleep_until(origin + step.next_at).await;
+        std::thread::sleep(step.next_at.saturating_sub(origin.elapsed()));
     }
 }
 
@@ -337,6 +381,57 @@ mod tests {
             rtc_seconds: 11,
         });
         assert_eq!(step.paused, None);
+    }
+
+    /// Issue #31: the watch's thread runs the long-pause hook itself, in
+    /// the wake-up that sees the pause, before it tells the receiver; a
+    /// pause shorter than the hook's `from` is only told.
+    #[test]
+    fn the_long_pause_hook_runs_on_the_watch_thread_before_the_news() {
+        for (jump, hooked) in [(9, true), (2, false)] {
+            let (tx, rx) = tokio::sync::watch::channel(None);
+            let (hook_tx, hook_rx) = std::sync::mpsc::channel();
+            let told_before_hook = rx.clone();
+            let on_long = OnLongPause {
+                from: Duration::from_secs(3),
+                act: Box::new(move |at_least| {
+                    let told = told_before_hook.borrow().is_some();
+                    let _ = hook_tx.send((at_least, told));
+                }),
+            };
+            // The RTC as read: 1000 three times, its change to 1001 (the
+            // edge), then a jump of `jump` seconds (the resume), then the
+            // file gone (the watch ends).
+            let mut script = vec!["1000", "1000", "1000", "1001"];
+            let resumed = (1001 + jump).to_string();
+            let mut reads = 0;
+            let thread = std::thread::spawn(move || {
+                run(
+                    std::path::Path::new("rtc"),
+                    || {
+                        reads += 1;
+                        match reads {
+                            1..=4 => Ok(script.remove(0).to_string()),
+                            5 => Ok(resumed.clone()),
+                            _ => Err(std::io::Error::other("gone")),
+                        }
+                    },
+                    &tx,
+                    Some(&on_long),
+                )
+            });
+            thread.join().unwrap();
+            let told = rx.borrow().expect("the pause is told");
+            assert!(told.at_least >= Duration::from_secs(jump - 1), "{told:?}");
+            match hook_rx.try_recv() {
+                Ok((at_least, told_first)) => {
+                    assert!(hooked, "hooked for a {jump} s pause");
+                    assert_eq!(at_least, told.at_least);
+                    assert!(!told_first, "the receiver heard before the hook ran");
+                }
+                Err(_) => assert!(!hooked, "no hook for a {jump} s pause"),
+            }
+        }
     }
 
     #[test]

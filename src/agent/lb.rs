@@ -95,6 +95,17 @@ pub const STAND_DOWN_AFTER: Duration = Duration::from_secs(2);
 /// How long the LAN's silence is borne before the fence when the addresses
 /// have no lifetime (`lb_address_lifetime = 0`): the witnesses' default.
 const DEFAULT_LAN_WAIT: Duration = Duration::from_secs(1);
+
+/// How long a pause must be for this node's Services to be taken for
+/// held elsewhere after it (see `Lb::after_pause`): the address lifetime
+/// (`lb_address_lifetime`; zero is off, then 1 s, the witnesses' default).
+pub fn lan_wait(address_lifetime: Duration) -> Duration {
+    if address_lifetime.is_zero() {
+        DEFAULT_LAN_WAIT
+    } else {
+        address_lifetime
+    }
+}
 /// `status.reason` of a stopping agent.
 pub const STOPPING: &str = "stopping: the agent is shutting down and has handed its addresses over";
 
@@ -1026,11 +1037,13 @@ impl<E: LeaseEngine> Lb<E> {
 
     /// The address lifetime: how long the LAN's silence is borne.
     fn lan_wait(&self) -> Duration {
-        self.settings
-            .leases
-            .timing
-            .address_lifetime
-            .unwrap_or(DEFAULT_LAN_WAIT)
+        lan_wait(
+            self.settings
+                .leases
+                .timing
+                .address_lifetime
+                .unwrap_or_default(),
+        )
     }
 
     /// Decides the fence ([`super::fence`]): hands every lease over when

@@ -540,13 +540,23 @@ fn spawn_lb(
     let lan = spawn_membership(tasks, cfg, client.clone(), ctx.shutdown.clone());
     let (pause_tx, pauses) = watch::channel(None);
     if let Some(clock) = cfg.lb_pause_clock.clone() {
-        let mut stopping = ctx.shutdown.clone();
-        tasks.spawn(async move {
-            tokio::select! {
-                _ = crate::pause::run(clock, pause_tx) => {}
-                _ = stopping.changed() => {}
-            }
-        });
+        // A pause as long as the address lifetime: every Service address
+        // of this node goes silent at once, before the LoadBalancer task
+        // hands them over (`lb::Lb::after_pause`), which deletes the links.
+        let on_long = crate::pause::OnLongPause {
+            from: lb::lan_wait(cfg.lb_address_lifetime),
+            act: Box::new(|at_least| {
+                let (down, failed) =
+                    crate::dhcp::link::set_down_now(crate::contract::INTERFACE_PREFIX);
+                tracing::warn!(at_least = ?at_least, links = ?down, "this VM was paused for as long as its address lifetime or longer: every LoadBalancer link set down at once");
+                for (link, e) in failed {
+                    tracing::warn!(%link, error = %e, "could not set the link down after the pause");
+                }
+            }),
+        };
+        if let Err(e) = crate::pause::spawn(clock, pause_tx, Some(on_long)) {
+            tracing::warn!(error = %e, "cannot start the pause watch: pauses of this VM (live migration, suspend) go unseen");
+        }
     }
     let writer = lb::KubeStatus {
         client,
