@@ -1197,11 +1197,17 @@ fn two_hundred_services_moving_onto_one_node_leave_its_heartbeat_beating() -> Re
             lb::tail(&log, 40)
         );
     }
-    // The heartbeat is 1 s here (`lb_heartbeat`); the gap seen
-    // through the API adds the write's and the read's latency and the
-    // 50 ms between reads (1.05-1.17 s seen on this 2-core machine).
+    // The heartbeat is 1 s here (`lb_heartbeat`), due a period after the
+    // last write began, so the gap seen through the API is the period plus
+    // how much longer one write took than the one before it, plus the read's
+    // latency and the 50 ms between reads: 1.05-1.17 s on a quiet 2-core
+    // machine, 1.45 and 1.54 s in whole CI-like runs (2026-11-28/29), where
+    // a write of 200 addresses' status took up to half a second. What is
+    // held is the writer's independence from the loop's rounds: a writer
+    // that waited for the takeover round would show its 3.6-4.1 s, so the
+    // bound is two periods.
     ensure!(
-        gap <= Duration::from_millis(1500),
+        gap <= Duration::from_secs(2),
         "{node}'s heartbeat stopped for {gap:?} while it took {SERVICES} Services over"
     );
     Ok(())
