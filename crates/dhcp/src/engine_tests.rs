@@ -717,6 +717,63 @@ mod real {
             .collect()
     }
 
+    /// A veth pair `a`/`b` in the namespace, both up; the connection that
+    /// made it, for more.
+    async fn veth_pair_up(a: &str, b: &str) -> rtnetlink::Handle {
+        let (conn, handle, _) = rtnetlink::new_connection().expect("netlink socket");
+        tokio::spawn(conn);
+        handle
+            .link()
+            .add(LinkVeth::new(a, b).build())
+            .execute()
+            .await
+            .expect("veth pair");
+        for name in [a, b] {
+            let index = handle
+                .link()
+                .get()
+                .match_name(name.to_string())
+                .execute()
+                .try_next()
+                .await
+                .unwrap()
+                .unwrap()
+                .header
+                .index;
+            handle
+                .link()
+                .set(LinkUnspec::new_with_index(index).up().build())
+                .execute()
+                .await
+                .expect("set up");
+        }
+        handle
+    }
+
+    /// Issue #31: the pause watch's way to silence the node at once, in a
+    /// namespace of its own (`in_private_netns`): only the prefixed link
+    /// goes down.
+    #[test]
+    #[ignore = "needs root (a private network namespace); tests/run.sh runs it"]
+    fn set_down_now_takes_down_the_prefixed_links_only() {
+        in_private_netns("engine-netns-down", set_down_scenario);
+    }
+
+    async fn set_down_scenario() {
+        veth_pair_up("hlbt-0", "keep-0").await;
+        let up = |name: &str| {
+            nix::ifaddrs::getifaddrs()
+                .unwrap()
+                .find(|a| a.interface_name == name)
+                .map(|a| a.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP))
+        };
+        assert_eq!((up("hlbt-0"), up("keep-0")), (Some(true), Some(true)));
+        let (down, failed) = crate::link::set_down_now("hlbt-");
+        assert_eq!(down, ["hlbt-0"]);
+        assert!(failed.is_empty(), "{failed:?}");
+        assert_eq!((up("hlbt-0"), up("keep-0")), (Some(false), Some(true)));
+    }
+
     /// Every IPv4 address the namespace's kernel announces as added
     /// (RTM_NEWADDR to the IPv4 address group), from now on.
     fn address_monitor() -> tokio::sync::mpsc::UnboundedReceiver<Ipv4Addr> {
@@ -754,33 +811,7 @@ mod real {
     }
 
     async fn scenario() {
-        let (conn, handle, _) = rtnetlink::new_connection().expect("netlink socket");
-        tokio::spawn(conn);
-        handle
-            .link()
-            .add(LinkVeth::new("hna-up0", "hna-up1").build())
-            .execute()
-            .await
-            .expect("veth pair");
-        for name in ["hna-up0", "hna-up1"] {
-            let index = handle
-                .link()
-                .get()
-                .match_name(name)
-                .execute()
-                .try_next()
-                .await
-                .unwrap()
-                .unwrap()
-                .header
-                .index;
-            handle
-                .link()
-                .set(LinkUnspec::new_with_index(index).up().build())
-                .execute()
-                .await
-                .expect("set up");
-        }
+        let handle = veth_pair_up("hna-up0", "hna-up1").await;
         let nl = Netlink::connect().expect("netlink");
         let fail = Arc::new(AtomicBool::new(false));
         let links = FailingOpen {
@@ -881,24 +912,8 @@ mod real {
     /// The IPv4 settings over netlink, read back through this namespace's
     /// `/proc/sys`; then adoption of a left link on the real kernel.
     async fn ipv4_and_adoption_scenario() {
-        let (conn, handle, _) = rtnetlink::new_connection().expect("netlink socket");
-        tokio::spawn(conn);
-        handle
-            .link()
-            .add(LinkVeth::new("hna-up0", "hna-up1").build())
-            .execute()
-            .await
-            .expect("veth pair");
+        let handle = veth_pair_up("hna-up0", "hna-up1").await;
         let nl = Netlink::connect().expect("netlink");
-        for name in ["hna-up0", "hna-up1"] {
-            let index = nl.link(name).await.unwrap().unwrap().index;
-            handle
-                .link()
-                .set(LinkUnspec::new_with_index(index).up().build())
-                .execute()
-                .await
-                .expect("set up");
-        }
         // Values a fresh namespace may inherit; ours must differ to show.
         let uplink_rp_filter = sysctl("hna-up0", "rp_filter");
         let other_arp_ignore = sysctl("hna-up1", "arp_ignore");
@@ -1063,28 +1078,7 @@ mod real {
     #[test]
     #[ignore = "needs root (a private network namespace); tests/run.sh runs it"]
     fn ipv4_settings_and_adoption_on_the_real_kernel() {
-        assert!(
-            nix::unistd::geteuid().is_root(),
-            "needs root for a private network namespace: run `sudo -E cargo test --lib -- --ignored`"
-        );
-        std::thread::Builder::new()
-            .name("engine-netns-ipv4".into())
-            .spawn(|| {
-                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
-                    .expect("unshare(CLONE_NEWNET)");
-                tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap()
-                    .block_on(async {
-                        tokio::time::timeout(Duration::from_secs(60), ipv4_and_adoption_scenario())
-                            .await
-                            .expect("the scenario did not finish in 60 s")
-                    })
-            })
-            .unwrap()
-            .join()
-            .unwrap();
+        in_private_netns("engine-netns-ipv4", ipv4_and_adoption_scenario);
     }
 
     /// Root only, so ignored by a plain `cargo test` (and counted there as
@@ -1092,16 +1086,24 @@ mod real {
     #[test]
     #[ignore = "needs root (a private network namespace); tests/run.sh runs it"]
     fn on_the_real_kernel_in_a_private_netns() {
+        in_private_netns("engine-netns", scenario);
+    }
+
+    /// Runs `scenario` (within 60 s) on a thread of its own moved into a
+    /// network namespace of its own: unshare(CLONE_NEWNET) moves the
+    /// calling thread for good, and everything made in the namespace goes
+    /// with it when the thread ends. The host's interfaces are never seen.
+    fn in_private_netns<F: std::future::Future<Output = ()> + 'static>(
+        name: &str,
+        scenario: fn() -> F,
+    ) {
         assert!(
             nix::unistd::geteuid().is_root(),
             "needs root for a private network namespace: run `sudo -E cargo test --lib -- --ignored`"
         );
-        // A dedicated thread: unshare(CLONE_NEWNET) moves the calling
-        // thread for good, and everything made in the namespace goes with
-        // it when the thread ends. The host's interfaces are never seen.
         std::thread::Builder::new()
-            .name("engine-netns".into())
-            .spawn(|| {
+            .name(name.into())
+            .spawn(move || {
                 nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
                     .expect("unshare(CLONE_NEWNET)");
                 tokio::runtime::Builder::new_current_thread()

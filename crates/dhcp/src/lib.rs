@@ -75,6 +75,7 @@ pub mod machine;
 pub mod packet;
 pub mod presence;
 pub mod probe;
+mod raw;
 pub mod store;
 
 #[cfg(test)]
