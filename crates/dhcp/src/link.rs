@@ -794,6 +794,7 @@ pub fn set_down_now(prefix: &str) -> (Vec<String>, Vec<(String, std::io::Error)>
 }
 
 fn set_down(name: &str) -> std::io::Result<()> {
+    use crate::raw::cvt;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     if name.len() >= libc::IFNAMSIZ {
         return Err(std::io::Error::other("interface name too long"));
@@ -801,22 +802,18 @@ fn set_down(name: &str) -> std::io::Result<()> {
     // SAFETY: plain syscalls on a descriptor owned here; `req` is a live,
     // zero-initialised ifreq whose name is NUL-terminated (checked above).
     unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let fd = OwnedFd::from_raw_fd(fd);
+        let fd = OwnedFd::from_raw_fd(cvt(libc::socket(
+            libc::AF_INET,
+            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+            0,
+        ))?);
         let mut req: libc::ifreq = std::mem::zeroed();
         for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
             *dst = src as libc::c_char;
         }
-        if libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        cvt(libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req))?;
         req.ifr_ifru.ifru_flags &= !(libc::IFF_UP as libc::c_short);
-        if libc::ioctl(fd.as_raw_fd(), libc::SIOCSIFFLAGS, &req) < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        cvt(libc::ioctl(fd.as_raw_fd(), libc::SIOCSIFFLAGS, &req))?;
     }
     Ok(())
 }
