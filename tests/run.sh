@@ -10,7 +10,8 @@
 # test, naming the command that installs it.
 #
 # The last lines are each failed test's message, shortened (`failed: NAME:
-# ...`), then the integration runs' `skipped: N of M ...` summaries, also
+# ...`), the integration runs' `durations: ...` lines (their time per module
+# and the longest tests), then their `skipped: N of M ...` summaries, also
 # when something failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,8 @@ skipped_summary() {
          name != "" && /^$/ { name = ""; next }
          name != "" && n < 6 { print "failed: " name ": " substr($0, 1, 300); n++ }' \
         "$log" 2>/dev/null || true
+    # Where the integration runs' time went (per module, the longest tests).
+    grep -h '^durations: ' "$log" 2>/dev/null || true
     lines="$(grep -h '^skipped: ' "$log" 2>/dev/null || true)"
     echo "${lines:-skipped: unknown (the integration tests did not run to their end)}"
     rm -f "$log"

@@ -139,6 +139,43 @@ impl Drop for ArpProber {
     }
 }
 
+/// Sends one broadcast ARP announcement of `addr` (sender and target) from
+/// interface `ifname` in namespace `ns`, with `mac` as the frame's source
+/// and the ARP sender: what a VM resumed from a long pause sends for an
+/// address (and MAC) it still held, from its own port of the LAN.
+pub fn announce_as(ns: &str, ifname: &str, mac: [u8; 6], addr: Ipv4Addr) -> Result<()> {
+    let (fd, ifindex) = in_netns(ns, || open(ifname))??;
+    let mut f = Vec::with_capacity(42);
+    f.extend_from_slice(&[0xff; 6]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&ETH_P_ARP.to_be_bytes());
+    f.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&addr.octets());
+    f.extend_from_slice(&[0; 6]);
+    f.extend_from_slice(&addr.octets());
+    send(&fd, ifindex, &f)
+}
+
+/// Sends a whole Ethernet `frame` (broadcast) on `ifindex`.
+fn send(fd: &OwnedFd, ifindex: i32, frame: &[u8]) -> Result<()> {
+    let mut sa = link_addr(ifindex);
+    sa.sll_halen = 6;
+    sa.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+    // SAFETY: sendto on our socket with a live buffer and address.
+    let r = unsafe {
+        libc::sendto(
+            fd.as_raw_fd(),
+            frame.as_ptr() as *const libc::c_void,
+            frame.len(),
+            0,
+            &sa as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    cvt(r as i32, "sendto").map(|_| ())
+}
+
 fn cvt(r: libc::c_int, what: &str) -> Result<libc::c_int> {
     if r < 0 {
         bail!("{what}: {}", std::io::Error::last_os_error());
@@ -273,23 +310,7 @@ fn run(
         if Instant::now() >= next {
             let seq = probes.len() as u16;
             let frame = request(seq, source, target);
-            // SAFETY: sendto on our socket with a live buffer and address.
-            unsafe {
-                let mut sa = link_addr(ifindex);
-                sa.sll_halen = 6;
-                sa.sll_addr[..6].copy_from_slice(&[0xff; 6]);
-                cvt(
-                    libc::sendto(
-                        fd.as_raw_fd(),
-                        frame.as_ptr() as *const libc::c_void,
-                        frame.len(),
-                        0,
-                        &sa as *const _ as *const libc::sockaddr,
-                        std::mem::size_of::<libc::sockaddr_ll>() as u32,
-                    ) as i32,
-                    "sendto",
-                )?;
-            }
+            send(&fd, ifindex, &frame)?;
             probes.push(Probe {
                 sent: Instant::now(),
                 replies: Vec::new(),

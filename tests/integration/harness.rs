@@ -47,6 +47,11 @@ pub struct Test {
 /// that runs alone starts as soon as the tests already running end.
 static RUNNING: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
+/// How long each test that ran took, for the closing `durations:` lines
+/// (docs/testing.md: where CI's time goes).
+static DURATIONS: std::sync::Mutex<Vec<(String, std::time::Duration)>> =
+    std::sync::Mutex::new(Vec::new());
+
 /// What a test body may return: `()` (it panics on failure) or a `Result`.
 pub trait Outcome {
     fn into_outcome(self) -> Result<(), Failed>;
@@ -225,11 +230,16 @@ pub fn main(mut tests: Vec<Test>) -> ExitCode {
                 // A test that panicked poisons the lock; the next runs anyway.
                 let _alone = alone.then(|| RUNNING.write().unwrap_or_else(|p| p.into_inner()));
                 let _beside = (!alone).then(|| RUNNING.read().unwrap_or_else(|p| p.into_inner()));
+                let started = std::time::Instant::now();
                 let outcome = if missing.is_empty() {
                     run()
                 } else {
                     Err(prerequisite_failure(&missing))
                 };
+                DURATIONS
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((name.clone(), started.elapsed()));
                 // Said at once too, beside the test's own output: the
                 // closing list comes after every other test's output, and
                 // a log cut short may lose it.
@@ -253,7 +263,48 @@ pub fn main(mut tests: Vec<Test>) -> ExitCode {
         .collect();
     let conclusion = libtest_mimic::run(&args, trials);
     if !args.list {
+        let durations = std::mem::take(&mut *DURATIONS.lock().unwrap_or_else(|p| p.into_inner()));
+        for line in durations_report(durations) {
+            println!("{line}");
+        }
         println!("{}", summary(selected, &skipped));
     }
     conclusion.exit_code()
+}
+
+/// The closing `durations:` lines: the tests' times summed per module,
+/// longest first, and the ten longest tests. Tests run side by side (two
+/// threads on two cores), so the sums add up to more than the wall time.
+fn durations_report(mut durations: Vec<(String, std::time::Duration)>) -> Vec<String> {
+    if durations.is_empty() {
+        return Vec::new();
+    }
+    let total: std::time::Duration = durations.iter().map(|(_, d)| *d).sum();
+    let mut by_module: BTreeMap<&str, (usize, std::time::Duration)> = BTreeMap::new();
+    for (name, took) in &durations {
+        let module = name.split("::").next().unwrap_or(name);
+        let entry = by_module.entry(module).or_default();
+        entry.0 += 1;
+        entry.1 += *took;
+    }
+    let mut modules: Vec<_> = by_module.into_iter().collect();
+    modules.sort_by_key(|m| std::cmp::Reverse(m.1.1));
+    let modules: Vec<String> = modules
+        .iter()
+        .map(|(module, (n, took))| format!("{module} {:.0} s ({n})", took.as_secs_f64()))
+        .collect();
+    let mut lines = vec![format!(
+        "durations: {} tests took {:.0} s in all; by module: {}",
+        durations.len(),
+        total.as_secs_f64(),
+        modules.join(", ")
+    )];
+    durations.sort_by_key(|d| std::cmp::Reverse(d.1));
+    let longest: Vec<String> = durations
+        .iter()
+        .take(10)
+        .map(|(name, took)| format!("{name} {:.0} s", took.as_secs_f64()))
+        .collect();
+    lines.push(format!("durations: the longest: {}", longest.join(", ")));
+    lines
 }

@@ -5,6 +5,11 @@
 //! no member. Every packet is dropped and counted by reason (the agent's
 //! own `status`), nobody is reported dead, and nothing moves; then the
 //! holder really dies and its Service moves all the same.
+//!
+//! And a host on the LAN that announces a held Service's address from the
+//! Service's MAC, as a VM resumed from a long pause does (issue #31): the
+//! LAN's switch sends the MAC to that host's port, and the holder takes it
+//! back at once, every time.
 
 use std::net::{SocketAddrV4, UdpSocket};
 use std::path::Path;
@@ -14,7 +19,9 @@ use anyhow::{Context, Result, ensure};
 use harvester_node_agent::contract::membership::DEFAULT_PORT;
 use harvester_node_agent::membership::wire::{self, Key, Stamp};
 use hna_testkit::addrwatch::AddressWatch;
+use hna_testkit::arpprobe;
 use hna_testkit::failover::guest_namespaces;
+use hna_testkit::fdbwatch::FdbWatch;
 use hna_testkit::lb::{self, LbRig, node_address, wait_for};
 use hna_testkit::rig::forward::in_netns;
 
@@ -22,6 +29,7 @@ use crate::harness::tests;
 
 tests! {
     a_lan_host_without_the_key_makes_nobody_dead_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_lan_host_announcing_a_services_mac_has_it_taken_back_at_once: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
 fn options() -> lb::Options {
@@ -149,4 +157,85 @@ fn a_lan_host_without_the_key_makes_nobody_dead_and_moves_nothing() -> Result<()
         f.took
     );
     Ok(())
+}
+
+/// How soon the LAN's switch must send the Service's MAC to the holder
+/// again after another port announced it. The holder's LAN watch answers
+/// within milliseconds; its announcements after a takeover
+/// (`REANNOUNCE_EVERY`, 500 ms, for 30 s) alone would take up to 500 ms,
+/// so ten rounds within this bound do not pass without the watch (the
+/// chance is 0.4^10).
+const TAKEN_BACK_WITHIN: Duration = Duration::from_millis(200);
+
+/// Issue #31: a LAN host (the client's namespace, its own port of the
+/// LAN's switch) announces the Service's address from the Service's MAC,
+/// ten times about a second and a half apart. Each time the switch learns
+/// the MAC on that host's port (read from the switch), and then on the
+/// holder's again within [`TAKEN_BACK_WITHIN`]; the holder keeps the
+/// Service and nothing moves.
+fn a_lan_host_announcing_a_services_mac_has_it_taken_back_at_once() -> Result<()> {
+    let lb = LbRig::start(options())?;
+    let (ip, holder) = hna_testkit::failover::served(&lb, "web")?;
+    let mac = address_mac(&guest_namespaces(&lb)[holder], ip)?;
+    let mac_text = hna_dhcp::mac::format(&mac);
+    let holder_port = format!("vg{}", holder + 1);
+    let fdb = FdbWatch::start(lb.rig.lan_ns(), &holder_port)?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+    let mut took = Vec::new();
+    for round in 0..10u32 {
+        // Spread over the holder's 500 ms announcement period.
+        std::thread::sleep(Duration::from_millis(1_300 + u64::from(round * 137 % 500)));
+        let sent = Instant::now();
+        arpprobe::announce_as(&lb.client_ns, "eth0", mac, ip)?;
+        let back = wait_for(Duration::from_secs(5), || {
+            let moves = fdb.moves(&mac_text, "br0", sent);
+            let stolen = moves.iter().position(|(_, port)| *port != holder_port)?;
+            let (stolen_at, _) = moves[stolen];
+            moves[stolen..]
+                .iter()
+                .find(|(_, port)| *port == holder_port)
+                .map(|(at, _)| at.saturating_duration_since(stolen_at))
+        });
+        let Some(back) = back else {
+            anyhow::bail!(
+                "round {round}: the switch did not send {mac_text} to {holder_port} again within 5 s of another port's announcement (moves: {:?})",
+                fdb.moves(&mac_text, "br0", sent)
+            );
+        };
+        took.push(back);
+    }
+    let ms: Vec<u128> = took.iter().map(Duration::as_millis).collect();
+    println!("the switch back on the holder after another port's announcement: {ms:?} ms");
+    ensure!(
+        took.iter().all(|t| *t <= TAKEN_BACK_WITHIN),
+        "the holder took its MAC back later than {TAKEN_BACK_WITHIN:?}: {ms:?} ms"
+    );
+    ensure!(
+        watch.taken_by_other(ip, holder, t0).is_none() && watch.overlaps(ip).is_empty(),
+        "{ip} moved"
+    );
+    Ok(())
+}
+
+/// The MAC of the interface holding `ip` in namespace `ns`.
+fn address_mac(ns: &str, ip: std::net::Ipv4Addr) -> Result<[u8; 6]> {
+    let ip_json = |args: &[&str]| -> Result<serde_json::Value> {
+        let out = std::process::Command::new("ip")
+            .args(["-j", "-n", ns])
+            .args(args)
+            .output()
+            .context("ip")?;
+        serde_json::from_slice(&out.stdout).context("ip -j")
+    };
+    let holding = ip_json(&["addr", "show", "to", &format!("{ip}/32")])?;
+    let ifname = holding[0]["ifname"]
+        .as_str()
+        .with_context(|| format!("no interface with {ip} in {ns}: {holding}"))?
+        .to_string();
+    let link = ip_json(&["link", "show", "dev", &ifname])?;
+    link[0]["address"]
+        .as_str()
+        .and_then(hna_dhcp::mac::parse)
+        .with_context(|| format!("no MAC for {ifname} in {ns}: {link}"))
 }

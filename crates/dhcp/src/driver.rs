@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
-use super::io::{PresenceFrame, RecvError, Transport};
+use super::io::{HeldAddress, RecvError, Transport};
 use super::link::AddressConfig;
 use super::machine::{Action, Counters, Event, Lease, Machine, State, StopMode};
 use super::store::{LeaseRecord, Store};
@@ -228,8 +228,8 @@ pub struct Driver<T: Transport, A: AddressConfig> {
     /// How often a frame goes out from the lease's MAC while its address
     /// is on the link ([`Driver::presence`]).
     presence_every: Option<Duration>,
-    /// The presence frame registered with the transport now.
-    presence_sent: Option<PresenceFrame>,
+    /// What the transport was last told the lease holds.
+    held_told: Option<HeldAddress>,
     /// When the caller's takeover guard began (else the start): what a
     /// first binding's freshness is counted from.
     guarded_at: Option<Instant>,
@@ -268,7 +268,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
                 configured: None,
                 reannounce: None,
                 presence_every: None,
-                presence_sent: None,
+                held_told: None,
                 guarded_at: None,
                 uplink: None,
                 last_error: None,
@@ -422,26 +422,27 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         }
     }
 
-    /// Registers the presence frame the lease should send now (none
-    /// without an address on the link) with the transport, when it
-    /// changed. A frame that cannot be registered is logged, not made the
-    /// lease's error: the lease holds its address all the same.
+    /// Tells the transport what the lease holds on the link now (nothing
+    /// without an address there), when that changed: its presence frames
+    /// and its LAN watch follow ([`Transport::set_held`]). A failure is
+    /// logged, not made the lease's error: the lease holds its address
+    /// all the same.
     fn update_presence(&mut self) {
-        let want = match (self.presence_every, self.configured, self.machine.lease()) {
-            (Some(every), Some(address), Some(lease)) => Some(PresenceFrame {
+        let want = match (self.configured, self.machine.lease()) {
+            (Some(address), Some(lease)) => Some(HeldAddress {
                 address,
-                to: lease.server_mac,
-                every,
+                server_mac: lease.server_mac,
+                presence_every: self.presence_every,
             }),
             _ => None,
         };
-        if want == self.presence_sent {
+        if want == self.held_told {
             return;
         }
-        match self.transport.set_presence(want) {
-            Ok(()) => self.presence_sent = want,
+        match self.transport.set_held(want) {
+            Ok(()) => self.held_told = want,
             Err(e) => {
-                tracing::warn!(lease = %self.name, error = %e, "presence frames not sent: after a live migration the LAN's switches may send this address's traffic to the old host until it sends from its MAC")
+                tracing::warn!(lease = %self.name, error = %e, "presence frames and LAN watch not started: after a live migration or a long pause elsewhere the LAN's switches may send this address's traffic to another host until this one sends from its MAC")
             }
         }
     }
@@ -840,8 +841,9 @@ mod tests {
         /// The lifetime of every add and successful refresh, in order.
         lifetimes: Vec<Option<u32>>,
         announced: usize,
-        /// Every presence frame registered (`None`: ended), in order.
-        presence: Vec<Option<PresenceFrame>>,
+        /// Every address the transport was told is held (`None`:
+        /// none), in order.
+        held: Vec<Option<HeldAddress>>,
     }
 
     #[derive(Clone, Default)]
@@ -905,8 +907,8 @@ mod tests {
             Ok(())
         }
 
-        fn set_presence(&self, frame: Option<PresenceFrame>) -> io::Result<()> {
-            self.0.lock().unwrap().presence.push(frame);
+        fn set_held(&self, held: Option<HeldAddress>) -> io::Result<()> {
+            self.0.lock().unwrap().held.push(held);
             Ok(())
         }
     }
@@ -1042,12 +1044,13 @@ mod tests {
         h.abort();
     }
 
-    /// Issue #31: a lease asked for presence frames has its frame sent
-    /// (registered with the transport's sender) from its binding, to the
-    /// MAC its server answered from, until its address leaves the link;
-    /// none before the binding, none for a lease not asked.
+    /// Issue #31: the transport is told the address the lease holds from
+    /// its binding, with the MAC its server answered from and the
+    /// presence frames' period when the lease was asked for them, until
+    /// the address leaves the link (its presence frames and LAN watch
+    /// follow); nothing before the binding.
     #[tokio::test(start_paused = true)]
-    async fn presence_frames_go_to_the_server_while_the_address_is_held() {
+    async fn the_transport_is_told_the_held_address_while_it_is_on_the_link() {
         for every in [Some(PRESENCE_EVERY), None] {
             let fake = Fake::default();
             let addr = Ipv4Addr::new(10, 77, 0, 150);
@@ -1063,33 +1066,25 @@ mod tests {
             let h = tokio::spawn(d.run(Begin::Fresh, crx));
             tokio::time::sleep(Duration::from_secs(3)).await;
             assert!(
-                fake.0.lock().unwrap().presence.is_empty(),
-                "a frame before the binding"
+                fake.0.lock().unwrap().held.is_empty(),
+                "told of an address before the binding"
             );
             fake.0.lock().unwrap().down = false;
             let st = until(&mut rx, |s| s.state == State::Bound).await;
             assert_eq!(st.presence_every_ms, every.map(|d| d.as_millis() as u64));
             // Renewals (T1 at 20 s) keep it as it is.
             tokio::time::sleep(Duration::from_secs(50)).await;
-            let frame = every.map(|every| PresenceFrame {
+            let held = HeldAddress {
                 address: addr,
-                to: SRV_MAC,
-                every,
-            });
-            let registered = fake.0.lock().unwrap().presence.clone();
-            match frame {
-                Some(f) => assert_eq!(registered, [Some(f)]),
-                None => assert!(registered.is_empty(), "{registered:?}"),
-            }
+                server_mac: SRV_MAC,
+                presence_every: every,
+            };
+            assert_eq!(fake.0.lock().unwrap().held, [Some(held)]);
             // The server goes away: the lease (120 s) runs out, the
-            // address leaves the link, and its frames end with it.
+            // address leaves the link, and the transport is told.
             fake.0.lock().unwrap().down = true;
             until(&mut rx, |s| !s.state.holds_address()).await;
-            let registered = fake.0.lock().unwrap().presence.clone();
-            match frame {
-                Some(f) => assert_eq!(registered, [Some(f), None]),
-                None => assert!(registered.is_empty(), "{registered:?}"),
-            }
+            assert_eq!(fake.0.lock().unwrap().held, [Some(held), None]);
             drop(tx);
             h.abort();
         }

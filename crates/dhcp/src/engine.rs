@@ -531,7 +531,14 @@ async fn bring_up<L: Links>(
         Some(lease) if adoptable(&links, link, &lease).await => Begin::Adopt(lease),
         other => Begin::from(other),
     };
-    let transport = match links.open(link.index(), cfg.identity.mac, cfg.probe) {
+    // The uplink as it is now: the lease's LAN watch listens there, and a
+    // late first binding asks the LAN from it (below).
+    let uplink_now = links.link(&cfg.parent).await;
+    let uplink_index = match &uplink_now {
+        Ok(Some(info)) => Some(info.index),
+        _ => None,
+    };
+    let transport = match links.open(link.index(), uplink_index, cfg.identity.mac, cfg.probe) {
         Ok(t) => t,
         Err(source) => {
             undo(&links, &name, link).await;
@@ -559,7 +566,7 @@ async fn bring_up<L: Links>(
     // The uplink as it is now: a late first binding asks the LAN from it
     // (`GUARD_FRESH`); an uplink replaced meanwhile cannot be asked, and
     // then nothing is configured.
-    let driver = match links.link(&cfg.parent).await {
+    let driver = match uplink_now {
         Ok(Some(LinkInfo {
             index,
             mac: Some(mac),
@@ -567,13 +574,12 @@ async fn bring_up<L: Links>(
         })) => {
             let (links, probe) = (links.clone(), cfg.probe);
             match cfg.witness {
-                None => {
-                    driver.with_uplink_check(probe_through(move || links.open(index, mac, probe)))
-                }
+                None => driver
+                    .with_uplink_check(probe_through(move || links.open(index, None, mac, probe))),
                 Some(witness) => driver.with_uplink_check(Box::new(move |addr| {
                     let links = links.clone();
                     Box::pin(async move {
-                        let transport = links.open(index, mac, probe)?;
+                        let transport = links.open(index, None, mac, probe)?;
                         if transport.arp_probe(addr).await? {
                             return Ok(true);
                         }
@@ -584,7 +590,7 @@ async fn bring_up<L: Links>(
                             .and_then(|a| a.into_iter().next())
                             .unwrap_or(Ipv4Addr::UNSPECIFIED);
                         if links
-                            .open(index, mac, probe)?
+                            .open(index, None, mac, probe)?
                             .arp_ask(witness, sender)
                             .await?
                         {
@@ -680,7 +686,7 @@ struct Uplink<'a, L: Links> {
 impl<L: Links> Uplink<'_, L> {
     fn open(&self, probe: ProbeConfig) -> Result<L::Transport, EngineError> {
         self.links
-            .open(self.index, self.mac, probe)
+            .open(self.index, None, self.mac, probe)
             .map_err(|e| self.error(e))
     }
 

@@ -230,7 +230,13 @@ impl Links for FakeLinks {
         Ok(())
     }
 
-    fn open(&self, _index: u32, _mac: [u8; 6], _probe: ProbeConfig) -> io::Result<IdleTransport> {
+    fn open(
+        &self,
+        _index: u32,
+        _uplink: Option<u32>,
+        _mac: [u8; 6],
+        _probe: ProbeConfig,
+    ) -> io::Result<IdleTransport> {
         if self.kernel.lock().unwrap().fail_open {
             return Err(io::Error::from_raw_os_error(libc::EPERM));
         }
@@ -699,11 +705,17 @@ mod real {
         async fn set_ipv4_conf(&self, name: &str, conf: Ipv4Conf) -> Result<(), LinkError> {
             self.nl.set_ipv4_conf(name, conf).await
         }
-        fn open(&self, index: u32, mac: [u8; 6], probe: ProbeConfig) -> io::Result<AfPacket> {
+        fn open(
+            &self,
+            index: u32,
+            uplink: Option<u32>,
+            mac: [u8; 6],
+            probe: ProbeConfig,
+        ) -> io::Result<AfPacket> {
             if self.fail.load(Ordering::SeqCst) {
                 return Err(io::Error::from_raw_os_error(libc::EPERM));
             }
-            AfPacket::open(index, mac, probe)
+            AfPacket::open(index, uplink, mac, probe)
         }
         fn addrs(&self, name: &str, index: u32) -> IfAddrs {
             self.nl.on(name, index)
@@ -772,6 +784,177 @@ mod real {
         assert_eq!(down, ["hlbt-0"]);
         assert!(failed.is_empty(), "{failed:?}");
         assert_eq!((up("hlbt-0"), up("keep-0")), (Some(false), Some(true)));
+    }
+
+    /// Issue #31: the LAN watch, on the real kernel in a namespace of its
+    /// own: a macvlan holding an address on a veth uplink, the LAN at the
+    /// veth's other end.
+    #[test]
+    #[ignore = "needs root (a private network namespace); tests/run.sh runs it"]
+    fn the_lan_watch_answers_another_ports_frames_from_a_held_mac() {
+        in_private_netns("engine-netns-watch", lan_watch_scenario);
+    }
+
+    /// A raw packet socket on the LAN's end of the uplink: sends whole
+    /// Ethernet frames (any source MAC) and receives the ARP frames that
+    /// reach the LAN.
+    struct Wire {
+        fd: std::os::fd::OwnedFd,
+        ifindex: u32,
+    }
+
+    impl Wire {
+        fn open(ifindex: u32) -> Wire {
+            use std::os::fd::{AsRawFd as _, FromRawFd as _};
+            let arp = crate::raw::ETH_P_ARP;
+            // SAFETY: plain syscalls with correctly sized locals; the
+            // descriptor is owned from its creation.
+            unsafe {
+                let fd = crate::raw::cvt(libc::socket(
+                    libc::AF_PACKET,
+                    libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                    i32::from(arp.to_be()),
+                ))
+                .expect("packet socket");
+                let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+                let sa = crate::raw::ll_addr(ifindex, arp, [0; 6]);
+                crate::raw::cvt(libc::bind(
+                    fd.as_raw_fd(),
+                    &sa as *const _ as *const libc::sockaddr,
+                    size_of::<libc::sockaddr_ll>() as u32,
+                ))
+                .expect("bind");
+                let tick = libc::timeval {
+                    tv_sec: 0,
+                    tv_usec: 20_000,
+                };
+                crate::raw::cvt(libc::setsockopt(
+                    fd.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVTIMEO,
+                    &tick as *const _ as *const libc::c_void,
+                    size_of::<libc::timeval>() as u32,
+                ))
+                .expect("SO_RCVTIMEO");
+                Wire { fd, ifindex }
+            }
+        }
+
+        /// A broadcast announcement of `addr` from `src`, as a resumed VM
+        /// sends it.
+        fn announce_from(&self, src: [u8; 6], addr: Ipv4Addr) {
+            let mut frame = vec![0xff; 6];
+            frame.extend_from_slice(&src);
+            frame.extend_from_slice(&crate::raw::ETH_P_ARP.to_be_bytes());
+            frame.extend_from_slice(&crate::frame::build_arp(src, addr, addr));
+            crate::raw::send_to(
+                &self.fd,
+                self.ifindex,
+                crate::raw::ETH_P_ARP,
+                [0xff; 6],
+                &frame,
+            )
+            .expect("send a frame on the LAN");
+        }
+
+        /// The ARP frames from `src` that reach the LAN within `within`,
+        /// parsed; with `first`, the wait ends at the first.
+        fn from(&self, src: [u8; 6], within: Duration, first: bool) -> Vec<crate::frame::Arp> {
+            let deadline = std::time::Instant::now() + within;
+            let mut got = Vec::new();
+            let mut buf = [0u8; 128];
+            while std::time::Instant::now() < deadline && !(first && !got.is_empty()) {
+                let Ok(d) = crate::raw::recv_datagram(&self.fd, &mut buf) else {
+                    continue;
+                };
+                let frame = &buf[..d.len.min(buf.len())];
+                if d.pkttype != libc::PACKET_OUTGOING
+                    && frame.len() >= 14
+                    && frame[6..12] == src
+                    && let Some(arp) = crate::frame::parse_arp(&frame[14..])
+                {
+                    got.push(arp);
+                }
+            }
+            got
+        }
+    }
+
+    async fn lan_watch_scenario() {
+        use crate::io::{HeldAddress, Transport as _};
+        use crate::presence::ANSWER_BURST;
+        const MAC: [u8; 6] = [0x02, 0x5a, 0, 0, 0, 1];
+        const OTHER: [u8; 6] = [0x02, 0x5a, 0, 0, 0, 2];
+        // Long enough for an answer that would come (it takes
+        // milliseconds), to say that none came.
+        const QUIET: Duration = Duration::from_millis(300);
+        veth_pair_up("wup0", "wlan0").await;
+        let nl = Netlink::connect().expect("netlink");
+        let macvlan = nl
+            .ensure_macvlan("hlbw-0", "wup0", MAC, None)
+            .await
+            .expect("macvlan")
+            .index();
+        let index = |name: &'static str| {
+            let nl = nl.clone();
+            async move { nl.link(name).await.unwrap().unwrap().index }
+        };
+        let (uplink, lan) = (index("wup0").await, index("wlan0").await);
+        let addr = Ipv4Addr::new(10, 99, 0, 5);
+        let lease = AfPacket::open(macvlan, Some(uplink), MAC, ProbeConfig::default())
+            .expect("the lease's sockets");
+        let wire = Wire::open(lan);
+        lease
+            .set_held(Some(HeldAddress {
+                address: addr,
+                server_mac: [0x02, 0x5a, 0, 0, 0, 0xfe],
+                presence_every: None,
+            }))
+            .expect("watch");
+
+        wire.announce_from(OTHER, addr);
+        let answers = wire.from(MAC, QUIET, false);
+        assert!(
+            answers.is_empty(),
+            "another MAC's frame answered: {answers:?}"
+        );
+
+        // The lease's own announcement reaches the LAN once: the watch
+        // does not take it for another port's.
+        lease.arp_announce_once(addr).await.expect("announce");
+        assert_eq!(wire.from(MAC, QUIET, false).len(), 1, "own frame answered");
+
+        // Another port sends from the lease's MAC: answered at once with
+        // an announcement of the held address.
+        wire.announce_from(MAC, addr);
+        let answer = wire.from(MAC, Duration::from_secs(5), true);
+        let [arp] = answer.as_slice() else {
+            panic!("not answered within 5 s: {answer:?}");
+        };
+        assert_eq!(
+            (arp.sender_mac, arp.sender_ip, arp.target_ip),
+            (MAC, addr, addr)
+        );
+
+        // A flood of them: a burst answered, no more.
+        for _ in 0..3 * ANSWER_BURST {
+            wire.announce_from(MAC, addr);
+        }
+        let answered = wire.from(MAC, QUIET, false).len();
+        assert!(
+            (1..=ANSWER_BURST as usize).contains(&answered),
+            "{answered} answers to {} frames",
+            3 * ANSWER_BURST
+        );
+
+        // Not held any more: not answered.
+        lease.set_held(None).expect("unwatch");
+        wire.announce_from(MAC, addr);
+        let answers = wire.from(MAC, QUIET, false);
+        assert!(
+            answers.is_empty(),
+            "answered after the address went: {answers:?}"
+        );
     }
 
     /// Every IPv4 address the namespace's kernel announces as added

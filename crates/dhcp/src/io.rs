@@ -10,7 +10,7 @@
 
 use std::future::Future;
 use std::io;
-use std::mem::{size_of, zeroed};
+use std::mem::size_of;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
@@ -21,8 +21,7 @@ use tokio::time::Instant;
 use super::frame::{self, FrameError};
 use super::machine::Destination;
 
-use super::raw::{ETH_P_ARP, ETH_P_IP, cvt, ll_addr, send_to};
-const BROADCAST_MAC: [u8; 6] = [0xff; 6];
+use super::raw::{BROADCAST_MAC, ETH_P_ARP, ETH_P_IP, cvt, ll_addr, recv_datagram, send_to};
 
 /// A DHCP payload received on the interface, with the source MAC of its
 /// frame (the server or the relay toward it).
@@ -102,35 +101,44 @@ pub trait Transport: Send + Sync + 'static {
     fn arp_announce_once(&self, addr: Ipv4Addr) -> impl Future<Output = io::Result<()>> + Send {
         self.arp_announce(addr)
     }
-    /// Starts (`Some`) or ends (`None`) this lease's presence frames
-    /// ([`PresenceFrame`]), which a thread of their own sends
-    /// ([`crate::presence`]). Fakes have none.
-    fn set_presence(&self, frame: Option<PresenceFrame>) -> io::Result<()> {
-        let _ = frame;
+    /// Tells the transport the address the lease holds on the link now
+    /// (`None`: none), and so what keeps the lease's MAC in place on the
+    /// LAN meanwhile ([`crate::presence`], threads of their own): its
+    /// presence frames, when asked for, and the LAN watch, which answers
+    /// another port's frames from the lease's MAC. Fakes do neither.
+    fn set_held(&self, held: Option<HeldAddress>) -> io::Result<()> {
+        let _ = held;
         Ok(())
     }
 }
 
-/// A lease's presence frame: an ARP announcement of `address` from the
-/// lease's MAC, unicast to `to` (the DHCP server's MAC, or its relay's),
-/// every `every`. It crosses the LAN's switches toward a host beyond them,
-/// so that they keep the MAC's port current, and nobody answers it
-/// (`Driver::presence` says why).
+/// The address a lease holds on its link, as [`Transport::set_held`] is
+/// told it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PresenceFrame {
+pub struct HeldAddress {
     pub address: Ipv4Addr,
-    pub to: [u8; 6],
-    pub every: Duration,
+    /// The MAC its DHCP server (or relay) answered from.
+    pub server_mac: [u8; 6],
+    /// How often a presence frame goes from the lease's MAC to
+    /// `server_mac`: an ARP announcement of `address`, which crosses the
+    /// LAN's switches toward a host beyond them, so that they keep the
+    /// MAC's port current, and which nobody answers (`Driver::presence`
+    /// says why). `None`: no presence frames.
+    pub presence_every: Option<Duration>,
 }
 
 /// Packet sockets on one interface.
 pub struct AfPacket {
     ifindex: u32,
     mac: [u8; 6],
+    /// The interface's lower device (a macvlan's parent): where the LAN
+    /// watch listens. `None`: no LAN watch (the uplink's own sockets).
+    uplink: Option<u32>,
     probe: ProbeConfig,
     ip: PacketFd,
-    /// This lease's entry with the presence sender, while it has one.
-    presence: std::sync::Mutex<Option<crate::presence::Registration>>,
+    /// This lease's entries with the presence threads while it holds an
+    /// address: its presence frames and its LAN watch.
+    held: std::sync::Mutex<Vec<crate::presence::Registration>>,
 }
 
 /// An AF_PACKET socket registered with the runtime. Closing one makes the
@@ -262,59 +270,6 @@ fn arp_filter(addr: Ipv4Addr) -> [libc::sock_filter; 6] {
     ]
 }
 
-/// One received datagram: length, sender link address, packet type, and
-/// whether the checksum may be verified.
-struct Datagram {
-    len: usize,
-    src_mac: [u8; 6],
-    pkttype: u8,
-    csum_ready: bool,
-}
-
-fn recv_datagram(fd: &OwnedFd, buf: &mut [u8]) -> io::Result<Datagram> {
-    // SAFETY: recvmsg into live buffers whose sizes are passed along; the
-    // control messages are read only within msg_controllen.
-    unsafe {
-        let mut sa: libc::sockaddr_ll = zeroed();
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-            iov_len: buf.len(),
-        };
-        let mut cbuf = [0u64; 16];
-        let mut msg: libc::msghdr = zeroed();
-        msg.msg_name = &mut sa as *mut _ as *mut libc::c_void;
-        msg.msg_namelen = size_of::<libc::sockaddr_ll>() as u32;
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-        msg.msg_controllen = size_of::<[u64; 16]>();
-        let n = libc::recvmsg(fd.as_raw_fd(), &mut msg, libc::MSG_TRUNC);
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let mut csum_ready = true;
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_PACKET && (*c).cmsg_type == libc::PACKET_AUXDATA {
-                let aux =
-                    std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::tpacket_auxdata);
-                if aux.tp_status & libc::TP_STATUS_CSUMNOTREADY != 0 {
-                    csum_ready = false;
-                }
-            }
-            c = libc::CMSG_NXTHDR(&msg, c);
-        }
-        let mut src_mac = [0u8; 6];
-        src_mac.copy_from_slice(&sa.sll_addr[..6]);
-        Ok(Datagram {
-            len: n as usize,
-            src_mac,
-            pkttype: sa.sll_pkttype,
-            csum_ready,
-        })
-    }
-}
-
 async fn send_async(
     fd: &AsyncFd<OwnedFd>,
     ifindex: u32,
@@ -333,15 +288,22 @@ async fn send_async(
 
 impl AfPacket {
     /// Opens the DHCP socket on `ifindex` (the lease's macvlan, whose MAC
-    /// is `mac`). Needs CAP_NET_RAW.
-    pub fn open(ifindex: u32, mac: [u8; 6], probe: ProbeConfig) -> io::Result<AfPacket> {
+    /// is `mac`), whose lower device is `uplink` (`None` for a socket on
+    /// the uplink itself). Needs CAP_NET_RAW.
+    pub fn open(
+        ifindex: u32,
+        uplink: Option<u32>,
+        mac: [u8; 6],
+        probe: ProbeConfig,
+    ) -> io::Result<AfPacket> {
         let ip = packet_socket(ifindex, ETH_P_IP, Some(&dhcp_filter()))?;
         Ok(AfPacket {
             ifindex,
             mac,
+            uplink,
             probe,
             ip,
-            presence: std::sync::Mutex::new(None),
+            held: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -449,21 +411,33 @@ impl Transport for AfPacket {
         send_async(&sock, self.ifindex, ETH_P_ARP, BROADCAST_MAC, &ann).await
     }
 
-    fn set_presence(&self, frame: Option<PresenceFrame>) -> io::Result<()> {
-        let registration = match frame {
-            Some(f) => Some(crate::presence::register(
-                self.ifindex,
-                f.to,
-                frame::build_arp(self.mac, f.address, f.address),
-                f.every,
-            )?),
-            None => None,
-        };
-        // The entry replaced (or ended) is removed as its registration drops.
+    fn set_held(&self, held: Option<HeldAddress>) -> io::Result<()> {
+        let mut registrations = Vec::new();
+        if let Some(h) = held {
+            let announcement = frame::build_arp(self.mac, h.address, h.address);
+            if let Some(every) = h.presence_every {
+                registrations.push(crate::presence::register(
+                    self.ifindex,
+                    h.server_mac,
+                    announcement.clone(),
+                    every,
+                )?);
+            }
+            if let Some(uplink) = self.uplink {
+                registrations.push(crate::presence::watch(
+                    uplink,
+                    self.mac,
+                    self.ifindex,
+                    announcement,
+                )?);
+            }
+        }
+        // The entries replaced (or ended) are removed as their
+        // registrations drop.
         *self
-            .presence
+            .held
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = registration;
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = registrations;
         Ok(())
     }
 

@@ -157,10 +157,12 @@ pub trait Links: Clone + Send + Sync + 'static {
         name: &str,
         conf: Ipv4Conf,
     ) -> impl Future<Output = Result<(), LinkError>> + Send;
-    /// The lease's packet sockets on interface `index`.
+    /// The lease's packet sockets on interface `index`, whose lower device
+    /// is `uplink` (`None`: the uplink's own, or unknown).
     fn open(
         &self,
         index: u32,
+        uplink: Option<u32>,
         mac: [u8; 6],
         probe: ProbeConfig,
     ) -> std::io::Result<Self::Transport>;
@@ -551,8 +553,14 @@ impl Links for Netlink {
         Netlink::set_ipv4_conf(self, name, conf)
     }
 
-    fn open(&self, index: u32, mac: [u8; 6], probe: ProbeConfig) -> std::io::Result<AfPacket> {
-        AfPacket::open(index, mac, probe)
+    fn open(
+        &self,
+        index: u32,
+        uplink: Option<u32>,
+        mac: [u8; 6],
+        probe: ProbeConfig,
+    ) -> std::io::Result<AfPacket> {
+        AfPacket::open(index, uplink, mac, probe)
     }
 
     fn addrs(&self, name: &str, index: u32) -> IfAddrs {

@@ -1,29 +1,60 @@
-//! The presence frames of every lease of the process, sent by one thread
-//! of their own.
+//! What keeps a held address's MAC where it is on the LAN, for every lease
+//! of the process, on threads of their own: the presence frames, and the
+//! LAN watch that answers another port's frames from one of our MACs.
 //!
-//! Why a thread and not each lease's task: the frames matter most right
+//! **Presence frames.** While a lease asks for them, its MAC sends one
+//! frame every period (`Driver::presence` says why and to whom).
+//!
+//! **The LAN watch.** While a lease holds its address, a frame that
+//! arrives on its uplink from the LAN with the lease's MAC as its source
+//! was sent by another port: a VM resumed from a long pause, whose kernel
+//! still held the address, announcing it after a migration or answering
+//! the ARP requests queued for it (issue #31). The LAN's switches now
+//! send that MAC's traffic there. The watch answers each such frame at
+//! once with a broadcast announcement from the lease's MAC, which takes
+//! the MAC back on every switch the other frame crossed: at most
+//! [`ANSWER_BURST`] at once, then one every [`ANSWER_EVERY`], so that two
+//! hosts that both hold the address (a fault) do not answer each other
+//! without end. Our own frames never come back in on the uplink: a
+//! socket for one protocol is not shown what the host sends, and a
+//! bridge does not send a frame back out of the port it came in on.
+//!
+//! Why threads and not each lease's task: the frames matter most right
 //! after a live migration's switchover, which is when the process is
 //! slowest. Under QEMU's TCG the target translates every instruction
 //! anew as it first runs it, and the async runtime's paths (the lease
 //! driver, netlink, the API client) kept the agent busy for one to four
-//! seconds after the switchover, its timers seconds late (issue #31). This
-//! thread's loop is a handful of instructions and a `sendto` per frame:
-//! it is runnable within milliseconds of its deadline, whatever the rest
-//! of the process is doing, and one wake-up sends every lease's frame that
-//! is due, where a task per lease would wake a hundred times.
+//! seconds after the switchover, its timers seconds late (issue #31). The
+//! threads' loops are a handful of instructions and a syscall per frame:
+//! runnable within milliseconds, whatever the rest of the process is
+//! doing, and one wake-up serves every lease, where a task per lease
+//! would wake a hundred times.
 //!
-//! A lease registers its frame while its address is on the link and drops
-//! the [`Registration`] when it is not; the thread starts with the first
-//! registration and runs for the life of the process.
+//! A lease registers while its address is on the link and drops the
+//! [`Registration`] when it is not. The sending thread starts with the
+//! first registration and runs for the life of the process; an uplink's
+//! listening thread starts with the first lease watched on it and ends
+//! once none is (or the uplink is gone).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::raw::{ETH_P_ARP, cvt, send_to};
+use crate::raw::{BROADCAST_MAC, ETH_P_ARP, cvt, ll_addr, recv_datagram, send_to};
+
+/// How many frames from another port the LAN watch answers at once for
+/// one lease ([module docs](self)): a resumed kernel sends a handful of
+/// announcements in its first second.
+pub const ANSWER_BURST: u32 = 5;
+/// Past [`ANSWER_BURST`], one answer per this long for one lease.
+pub const ANSWER_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a listening thread blocks before it looks whether it still
+/// has a lease to watch and an uplink to watch on.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One lease's frame, and when it is due next.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,9 +68,66 @@ struct Entry {
     due: Instant,
 }
 
+/// An uplink: its network namespace (the inode of
+/// `/proc/thread-self/ns/net` where it was registered, 0 when unknown)
+/// and its index there. The agent has one namespace; the tests run
+/// several in one process, where indexes repeat.
+type UplinkKey = (u64, u32);
+
+/// One lease watched on its uplink.
+#[derive(Debug)]
+struct Watched {
+    uplink: UplinkKey,
+    mac: [u8; 6],
+    /// The lease's macvlan, which the answer is sent from.
+    ifindex: u32,
+    /// The announcement (ARP body) the answer carries.
+    arp: Vec<u8>,
+    budget: Budget,
+}
+
+/// The answers a watched lease may still give: [`ANSWER_BURST`], one more
+/// per [`ANSWER_EVERY`] up to that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Budget {
+    left: u32,
+    /// When `left` was last counted up (or full).
+    since: Instant,
+}
+
+impl Budget {
+    fn full(now: Instant) -> Budget {
+        Budget {
+            left: ANSWER_BURST,
+            since: now,
+        }
+    }
+
+    /// Spends one answer at `now` if there is one left.
+    fn spend(&mut self, now: Instant) -> bool {
+        let periods =
+            now.saturating_duration_since(self.since).as_millis() / ANSWER_EVERY.as_millis().max(1);
+        let periods = u32::try_from(periods).unwrap_or(u32::MAX);
+        if self.left.saturating_add(periods) >= ANSWER_BURST {
+            *self = Budget::full(now);
+        } else {
+            self.left += periods;
+            self.since += ANSWER_EVERY * periods;
+        }
+        if self.left == 0 {
+            return false;
+        }
+        self.left -= 1;
+        true
+    }
+}
+
 #[derive(Default)]
 struct Table {
     entries: BTreeMap<u64, Entry>,
+    watched: BTreeMap<u64, Watched>,
+    /// The uplinks with a listening thread.
+    listening: BTreeSet<UplinkKey>,
 }
 
 impl Table {
@@ -62,6 +150,21 @@ impl Table {
             .min();
         (due, wait)
     }
+
+    /// The answers to a frame from `src` that arrived on `uplink` from
+    /// the LAN: `(macvlan, announcement)` of each lease watched there with
+    /// that MAC and an answer left.
+    fn answers(&mut self, uplink: UplinkKey, src: [u8; 6], now: Instant) -> Vec<(u32, Vec<u8>)> {
+        self.watched
+            .values_mut()
+            .filter(|w| w.uplink == uplink && w.mac == src)
+            .filter_map(|w| w.budget.spend(now).then(|| (w.ifindex, w.arp.clone())))
+            .collect()
+    }
+
+    fn watches_on(&self, uplink: UplinkKey) -> bool {
+        self.watched.values().any(|w| w.uplink == uplink)
+    }
 }
 
 struct Sender {
@@ -71,12 +174,26 @@ struct Sender {
 }
 
 impl Sender {
+    fn new() -> Sender {
+        Sender {
+            table: Mutex::new(Table::default()),
+            changed: Condvar::new(),
+            ids: AtomicU64::new(1),
+        }
+    }
+
     fn table(&self) -> MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-/// A lease's entry with the sender: removed when dropped.
+/// The process's sender.
+struct Process {
+    sender: Arc<Sender>,
+}
+
+/// A lease's entry with the sender (its frame, or its watch): removed
+/// when dropped.
 #[derive(Debug)]
 pub struct Registration {
     id: u64,
@@ -84,25 +201,23 @@ pub struct Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        if let Ok(sender) = sender() {
-            sender.table().entries.remove(&self.id);
+        if let Ok(process) = process() {
+            let mut table = process.sender.table();
+            table.entries.remove(&self.id);
+            table.watched.remove(&self.id);
         }
     }
 }
 
 /// The process's sender, started on first use; an error when its socket
 /// cannot be opened (no `CAP_NET_RAW`), said again to every caller.
-fn sender() -> Result<&'static Arc<Sender>, &'static str> {
-    static SENDER: OnceLock<Result<Arc<Sender>, String>> = OnceLock::new();
-    SENDER
+fn process() -> Result<&'static Process, &'static str> {
+    static PROCESS: OnceLock<Result<Process, String>> = OnceLock::new();
+    PROCESS
         .get_or_init(|| {
             let socket =
-                open_socket().map_err(|e| format!("presence frames: packet socket: {e}"))?;
-            let sender = Arc::new(Sender {
-                table: Mutex::new(Table::default()),
-                changed: Condvar::new(),
-                ids: AtomicU64::new(1),
-            });
+                open_socket(0).map_err(|e| format!("presence frames: packet socket: {e}"))?;
+            let sender = Arc::new(Sender::new());
             let theirs = sender.clone();
             std::thread::Builder::new()
                 .name("hna-presence".into())
@@ -112,21 +227,21 @@ fn sender() -> Result<&'static Arc<Sender>, &'static str> {
                     })
                 })
                 .map_err(|e| format!("presence frames: thread: {e}"))?;
-            Ok(sender)
+            Ok(Process { sender })
         })
         .as_ref()
         .map_err(String::as_str)
 }
 
-/// A blocking `SOCK_DGRAM` packet socket that receives nothing (protocol
-/// 0); each frame names its interface.
-fn open_socket() -> io::Result<OwnedFd> {
+/// A blocking `SOCK_DGRAM` packet socket for `protocol` (0: receives
+/// nothing; each frame sent names its interface).
+fn open_socket(protocol: u16) -> io::Result<OwnedFd> {
     // SAFETY: a plain syscall; the descriptor is owned from here on.
     unsafe {
         let fd = cvt(libc::socket(
             libc::AF_PACKET,
             libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            0,
+            i32::from(protocol.to_be()),
         ))?;
         Ok(OwnedFd::from_raw_fd(fd))
     }
@@ -140,7 +255,8 @@ pub fn register(
     arp: Vec<u8>,
     every: Duration,
 ) -> io::Result<Registration> {
-    let sender = sender().map_err(io::Error::other)?;
+    let process = process().map_err(io::Error::other)?;
+    let sender = &process.sender;
     let id = sender.ids.fetch_add(1, Ordering::Relaxed);
     sender.table().entries.insert(
         id,
@@ -156,9 +272,129 @@ pub fn register(
     Ok(Registration { id })
 }
 
-/// The thread's loop: sends what is due, sleeps until the next is due or
-/// the table changes. A frame that cannot be sent (its link just deleted)
-/// is skipped: the lease removes its entry as it goes.
+/// Watches `uplink` for frames from `mac` sent by another port, and
+/// answers each with `arp` broadcast from `ifindex` (the lease's macvlan,
+/// whose MAC is `mac`), until the registration is dropped ([module
+/// docs](self)).
+pub fn watch(uplink: u32, mac: [u8; 6], ifindex: u32, arp: Vec<u8>) -> io::Result<Registration> {
+    let process = process().map_err(io::Error::other)?;
+    let sender = &process.sender;
+    let id = sender.ids.fetch_add(1, Ordering::Relaxed);
+    let uplink = (current_netns(), uplink);
+    let mut table = sender.table();
+    if !table.listening.contains(&uplink) {
+        // Bound before the lease counts as watched: no frame goes unseen
+        // from here on. The thread, made from this one, is in its
+        // namespace, as the socket is.
+        let socket = listening_socket(uplink.1)?;
+        let theirs = sender.clone();
+        std::thread::Builder::new()
+            .name(format!("hna-lan-{}", uplink.1))
+            .spawn(move || listen(&theirs, uplink, &socket))?;
+        table.listening.insert(uplink);
+    }
+    table.watched.insert(
+        id,
+        Watched {
+            uplink,
+            mac,
+            ifindex,
+            arp,
+            budget: Budget::full(Instant::now()),
+        },
+    );
+    Ok(Registration { id })
+}
+
+/// A socket that receives the ARP frames arriving on `uplink`, blocking
+/// for at most [`LISTEN_TIMEOUT`].
+fn listening_socket(uplink: u32) -> io::Result<OwnedFd> {
+    let socket = open_socket(ETH_P_ARP)?;
+    let timeout = libc::timeval {
+        tv_sec: LISTEN_TIMEOUT.as_secs() as libc::time_t,
+        tv_usec: 0,
+    };
+    let sa = ll_addr(uplink, ETH_P_ARP, [0; 6]);
+    // SAFETY: plain syscalls on a live descriptor with correctly sized
+    // locals.
+    unsafe {
+        cvt(libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &timeout as *const _ as *const libc::c_void,
+            size_of::<libc::timeval>() as u32,
+        ))?;
+        cvt(libc::bind(
+            socket.as_raw_fd(),
+            &sa as *const _ as *const libc::sockaddr,
+            size_of::<libc::sockaddr_ll>() as u32,
+        ))?;
+    }
+    Ok(socket)
+}
+
+/// The namespace key of [`UplinkKey`] for the calling thread.
+fn current_netns() -> u64 {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/thread-self/ns/net").map_or(0, |m| m.ino())
+}
+
+/// An uplink's listening thread: answers what [`Table::answers`] says,
+/// from the listening socket (sent on the lease's macvlan, in the
+/// uplink's namespace); ends once no lease is watched on the uplink or
+/// the uplink is gone.
+fn listen(sender: &Sender, uplink: UplinkKey, socket: &OwnedFd) {
+    let mut buf = [0u8; 64];
+    loop {
+        match recv_datagram(socket, &mut buf) {
+            // A socket for one protocol is not shown outgoing frames; a
+            // looped-back copy would say so.
+            Ok(d) if d.pkttype == libc::PACKET_OUTGOING => {}
+            Ok(d) => {
+                let answers = sender.table().answers(uplink, d.src_mac, Instant::now());
+                for (ifindex, arp) in answers {
+                    let sent = send_to(socket, ifindex, ETH_P_ARP, BROADCAST_MAC, &arp);
+                    tracing::info!(
+                        uplink = uplink.1,
+                        ifindex,
+                        mac = %crate::mac::format(&d.src_mac),
+                        sent = sent.is_ok(),
+                        "another port sent from a held address's MAC: announced it again"
+                    );
+                }
+            }
+            Err(e) => {
+                let timed_out = matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                );
+                let mut table = sender.table();
+                if !table.watches_on(uplink) || !interface_exists(uplink.1) {
+                    table.listening.remove(&uplink);
+                    return;
+                }
+                drop(table);
+                // The uplink went down (ENETDOWN, said once): the socket
+                // listens again when it comes up.
+                if !timed_out {
+                    tracing::debug!(uplink = uplink.1, error = %e, "LAN watch: receive");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+    }
+}
+
+fn interface_exists(ifindex: u32) -> bool {
+    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: the buffer is IF_NAMESIZE long, as if_indextoname needs.
+    !unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null()
+}
+
+/// The sending thread's loop: sends what is due, sleeps until the next is
+/// due or the table changes. A frame that cannot be sent (its link just
+/// deleted) is skipped: the lease removes its entry as it goes.
 fn run(sender: &Sender, mut send: impl FnMut(&Entry) -> io::Result<()>) {
     let mut table = sender.table();
     loop {
@@ -223,14 +459,52 @@ mod tests {
         assert!(due.is_empty());
     }
 
+    /// The LAN watch answers a burst at once, then one per period, and a
+    /// quiet spell fills the budget again, but not beyond the burst.
+    #[test]
+    fn answers_come_in_a_burst_then_one_per_period() {
+        let t0 = Instant::now();
+        let mut b = Budget::full(t0);
+        let spent = (0..10).filter(|_| b.spend(t0)).count();
+        assert_eq!(spent, ANSWER_BURST as usize);
+        assert!(!b.spend(t0 + ANSWER_EVERY / 2));
+        assert!(b.spend(t0 + ANSWER_EVERY));
+        assert!(!b.spend(t0 + ANSWER_EVERY + ANSWER_EVERY / 2));
+        assert!(b.spend(t0 + ANSWER_EVERY * 2));
+        let later = t0 + ANSWER_EVERY * 100;
+        let spent = (0..10).filter(|_| b.spend(later)).count();
+        assert_eq!(spent, ANSWER_BURST as usize);
+    }
+
+    /// Only a frame on the lease's uplink, from the lease's MAC, is
+    /// answered, from the lease's macvlan with its announcement; the
+    /// same MAC on another uplink (or namespace) is another lease's.
+    #[test]
+    fn a_frame_is_answered_for_the_leases_with_its_mac_on_its_uplink() {
+        let now = Instant::now();
+        let mut table = Table::default();
+        let watched = |uplink: UplinkKey, mac: [u8; 6], ifindex: u32| Watched {
+            uplink,
+            mac,
+            ifindex,
+            arp: vec![ifindex as u8],
+            budget: Budget::full(now),
+        };
+        let (m1, m2) = ([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2]);
+        table.watched.insert(1, watched((7, 3), m1, 10));
+        table.watched.insert(2, watched((7, 3), m2, 11));
+        table.watched.insert(3, watched((8, 3), m1, 12));
+        assert_eq!(table.answers((7, 3), m1, now), [(10, vec![10])]);
+        assert_eq!(table.answers((8, 3), m1, now), [(12, vec![12])]);
+        assert!(table.answers((7, 4), m1, now).is_empty());
+        assert!(table.answers((7, 3), [2, 0, 0, 0, 0, 9], now).is_empty());
+        assert!(table.watches_on((7, 3)) && !table.watches_on((7, 4)));
+    }
+
     /// The loop sends each entry every period and nothing once it is gone.
     #[test]
     fn the_loop_sends_every_period_until_the_entry_goes() {
-        let sender = Arc::new(Sender {
-            table: Mutex::new(Table::default()),
-            changed: Condvar::new(),
-            ids: AtomicU64::new(1),
-        });
+        let sender = Arc::new(Sender::new());
         let (tx, rx) = std::sync::mpsc::channel();
         let theirs = sender.clone();
         std::thread::spawn(move || {
