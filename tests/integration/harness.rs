@@ -20,6 +20,10 @@
 //!
 //! `HNA_TEST_AS_NONROOT=1` makes a root run behave like a non-root one
 //! (outside CI only), to see the skip path without another user.
+//!
+//! `HNA_TEST_SET=ci` leaves out the [`LONG_SUITES`] (tests/run.sh, CI) and
+//! says how many in its closing line; `HNA_TEST_SET=long` runs only them
+//! (tests/long.sh); unset, every test runs.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -200,12 +204,81 @@ fn summary(selected: usize, skipped: &[Vec<Prereq>]) -> String {
     )
 }
 
+/// The suites that do not fit CI's hour on a cold machine (issue #31:
+/// their prerequisites take long to build, or they boot a whole VM image
+/// under TCG): `tests/long.sh` runs them (`HNA_TEST_SET=long`),
+/// `tests/run.sh` and CI leave them out (`HNA_TEST_SET=ci`) and say so in
+/// their closing line. docs/testing.md, "The long suites".
+pub const LONG_SUITES: &[&str] = &["vm_image::", "peers::", "harvester_ccm::"];
+
+/// Which tests `HNA_TEST_SET` selects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TestSet {
+    /// Every test (unset, or `all`).
+    All,
+    /// All but the [`LONG_SUITES`].
+    Ci,
+    /// The [`LONG_SUITES`] only.
+    Long,
+}
+
+impl TestSet {
+    fn from_env() -> Result<TestSet, String> {
+        match std::env::var("HNA_TEST_SET").as_deref() {
+            Err(_) | Ok("") | Ok("all") => Ok(TestSet::All),
+            Ok("ci") => Ok(TestSet::Ci),
+            Ok("long") => Ok(TestSet::Long),
+            Ok(other) => Err(format!(
+                "HNA_TEST_SET={other:?}: must be `ci` (tests/run.sh), `long` (tests/long.sh) or `all` (the default)"
+            )),
+        }
+    }
+
+    fn keeps(self, name: &str) -> bool {
+        let long = LONG_SUITES.iter().any(|s| name.starts_with(s));
+        match self {
+            TestSet::All => true,
+            TestSet::Ci => !long,
+            TestSet::Long => long,
+        }
+    }
+}
+
+/// What the closing line adds for the long tests a `ci` run left out,
+/// e.g. `; 5 long tests left to `sudo tests/long.sh` (peers:: 2, ...)`.
+fn left_out_note(left_out: &[String]) -> String {
+    if left_out.is_empty() {
+        return String::new();
+    }
+    let mut by_suite: BTreeMap<&str, usize> = BTreeMap::new();
+    for name in left_out {
+        let suite = name.split("::").next().unwrap_or(name);
+        *by_suite.entry(suite).or_default() += 1;
+    }
+    let suites: Vec<String> = by_suite
+        .iter()
+        .map(|(suite, n)| format!("{suite}:: {n}"))
+        .collect();
+    format!(
+        "; {} long tests left to `sudo tests/long.sh` ({})",
+        left_out.len(),
+        suites.join(", ")
+    )
+}
+
 /// Runs `tests` as the process's test harness.
 pub fn main(mut tests: Vec<Test>) -> ExitCode {
     let args = Arguments::from_args();
+    let set = match TestSet::from_env() {
+        Ok(set) => set,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
     // Several name filters at once (libtest takes one): `HNA_TEST_FILTERS`
     // holds space-separated substrings, and a test runs if its name has
-    // any of them. tests/run.sh runs the API-facing suites this way on the
+    // any of them. tests/long.sh runs the API-facing suites this way on the
     // oldest supported Kubernetes release.
     if let Ok(filters) = std::env::var("HNA_TEST_FILTERS") {
         let filters: Vec<&str> = filters.split_whitespace().collect();
@@ -213,6 +286,16 @@ pub fn main(mut tests: Vec<Test>) -> ExitCode {
             tests.retain(|t| filters.iter().any(|f| t.name.contains(f)));
         }
     }
+    // After the name filters: what they leave of the long tests is what
+    // the closing line counts.
+    let mut left_out = Vec::new();
+    tests.retain(|t| {
+        let keep = set.keeps(&t.name);
+        if !keep && set == TestSet::Ci {
+            left_out.push(t.name.clone());
+        }
+        keep
+    });
     let machine = Machine::probe(&tests);
     let runs_ignored = args.ignored || args.include_ignored;
     let mut selected = 0;
@@ -267,7 +350,11 @@ pub fn main(mut tests: Vec<Test>) -> ExitCode {
         for line in durations_report(durations) {
             println!("{line}");
         }
-        println!("{}", summary(selected, &skipped));
+        println!(
+            "{}{}",
+            summary(selected, &skipped),
+            left_out_note(&left_out)
+        );
     }
     conclusion.exit_code()
 }

@@ -5,7 +5,11 @@
 # (tests/rig/helm.sh), the VM kernel
 # and image, kiwi and the packaging tools.
 #
-# Usage: prereqs.sh          everything the tests need
+# Usage: prereqs.sh          everything the tests need (tests/long.sh)
+#        prereqs.sh ci       what tests/run.sh (CI) runs: all but the long
+#                            suites' (docs/testing.md): no VM image, no
+#                            kube-vip, MetalLB or Harvester cloud provider,
+#                            no oldest release
 #        prereqs.sh demo     only what tests/demo.sh runs: a few Debian
 #                            packages, etcd and the newest release's
 #                            kube-apiserver (no kubectl, no peers, no oldest
@@ -75,9 +79,12 @@ case "${1:-all}" in
     k8s_dir="$(HNA_KUBE_COMMANDS=kube-apiserver bash "$(dirname "$0")/kubernetes.sh" newest | tail -n1)"
     [[ -n "$k8s_dir" ]] || { log "tests/rig/kubernetes.sh printed no folder"; exit 1; }
     echo "$k8s_dir"; exit 0 ;;
-  all) ;;
-  *) log "usage: prereqs.sh [demo] (not \`$1\`)"; exit 2 ;;
+  all|ci) ;;
+  *) log "usage: prereqs.sh [ci|demo] (not \`$1\`)"; exit 2 ;;
 esac
+# The long suites' prerequisites (tests/long.sh), left out with `ci`.
+long=1
+[[ "${1:-all}" == ci ]] && long=0
 
 install_missing "${PACKAGES[@]}" "${DEMO_PACKAGES[@]}" "${VM_PACKAGES[@]}" "${SHIP_PACKAGES[@]}" "${IMAGE_PACKAGES[@]}"
 
@@ -87,12 +94,15 @@ install_missing "${PACKAGES[@]}" "${DEMO_PACKAGES[@]}" "${VM_PACKAGES[@]}" "${SH
 # is minutes of downloading and unpacking, so it runs in the background while
 # the sections below compile; `finish` waits for it (and fails if it did).
 image_log="$(mktemp)"
-bash "$(dirname "$0")/image.sh" >"$image_log" 2>&1 &
-image_pid=$!
+image_pid=""
+if ((long)); then
+  bash "$(dirname "$0")/image.sh" >"$image_log" 2>&1 &
+  image_pid=$!
+fi
 # Prints the kube-apiserver folder ($1) as the last line, once the image is
 # ready, and exits.
 finish() {
-  if ! wait "$image_pid"; then
+  if [[ -n "$image_pid" ]] && ! wait "$image_pid"; then
     cat "$image_log" >&2; rm -f "$image_log"
     log "tests/rig/image.sh failed (its output is above)"; exit 1
   fi
@@ -220,10 +230,14 @@ else
 fi
 # --- end of shipping section ------------------------------------------------
 
-# --- The peers (tests/integration/peers.rs, benches/peers.rs): kube-vip and
-# MetalLB from the Go module proxy (tests/rig/peers.sh), built once and
-# cached by version (cold, about 5 minutes on 2 cores).
-bash "$(dirname "$0")/peers.sh" >&2
+# --- The peers (tests/integration/{peers,harvester_ccm}.rs,
+# benches/peers.rs): kube-vip and MetalLB from the Go module proxy and the
+# Harvester cloud provider from its snapshot (tests/rig/peers.sh), built
+# once and cached by version (cold, about 10 minutes on 2 cores). A long
+# suite's.
+if ((long)); then
+  bash "$(dirname "$0")/peers.sh" >&2
+fi
 
 # --- Helm (tests/integration/helm_chart.rs) from the Go module proxy
 # (tests/rig/helm.sh), built once and cached by version (cold, about 1.5
@@ -237,9 +251,12 @@ fi
 
 # --- Kubernetes and etcd from the Go module proxy (tests/rig/kubernetes.sh) -
 # kube-apiserver and kubectl of the newest release and of the oldest
-# supported one, and etcd; built once and cached by version. The folder
-# printed last is the newest release's, or HNA_KUBE_RELEASE's (newest,
-# oldest; the default `all` builds both and prints the newest).
-k8s_dir="$(bash "$(dirname "$0")/kubernetes.sh" "${HNA_KUBE_RELEASE:-all}" | tail -n1)"
+# supported one (the oldest: for tests/long.sh), and etcd; built once and
+# cached by version. The folder printed last is the newest release's, or
+# HNA_KUBE_RELEASE's (newest, oldest; by default both are built, with `ci`
+# the newest only, and the newest is printed).
+releases=all
+((long)) || releases=newest
+k8s_dir="$(bash "$(dirname "$0")/kubernetes.sh" "${HNA_KUBE_RELEASE:-$releases}" | tail -n1)"
 [[ -n "$k8s_dir" ]] || { log "tests/rig/kubernetes.sh printed no folder"; exit 1; }
 finish "$k8s_dir"
