@@ -20,6 +20,7 @@ use crate::harness::tests;
 
 tests! {
     the_harvester_cloud_provider_and_we_serve_dhcp_share_it_and_leave_pool_mode_alone: Root, Iproute2, Dnsmasq, ApiServer, Socat, HarvesterCcm;
+    a_snapshot_that_does_not_build_stops_the_prerequisites_with_the_command: KubeVip, MetalLb;
 }
 
 const WITHIN: Duration = Duration::from_secs(60);
@@ -197,5 +198,84 @@ fn the_harvester_cloud_provider_and_we_serve_dhcp_share_it_and_leave_pool_mode_a
     );
     lb.ensure_released("web", ip, &mac, mark)?;
     hv.check_running()?;
+    Ok(())
+}
+
+/// Issue #31: the cloud provider's snapshot that does not build stops
+/// `tests/rig/peers.sh` (and so `tests/rig/prereqs.sh`) naming the build
+/// command that failed, and caches nothing. The snapshot is the real one;
+/// the build fails because `go build` does (a `go` first on `PATH` that
+/// refuses to build and passes every other command to the real one), as
+/// a toolchain that cannot build it would. kube-vip and MetalLB come from
+/// the real cache, so the script reaches the cloud provider.
+fn a_snapshot_that_does_not_build_stops_the_prerequisites_with_the_command() -> Result<()> {
+    use anyhow::Context as _;
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let real_go = ["/usr/local/go/bin/go", "/usr/bin/go"]
+        .into_iter()
+        .map(std::path::PathBuf::from)
+        .chain(
+            std::env::var_os("PATH")
+                .map(|p| {
+                    std::env::split_paths(&p)
+                        .map(|d| d.join("go"))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default(),
+        )
+        .find(|p| p.is_file())
+        .context("no `go` found (tests/rig/go-build.sh needs Go 1.26 or newer)")?;
+    let cache = tempfile::tempdir()?;
+    let peers = hna_testkit::locate::peers::peers_dir();
+    std::fs::create_dir_all(cache.path().join("peers"))?;
+    for built in ["kube-vip", "metallb"] {
+        std::os::unix::fs::symlink(peers.join(built), cache.path().join("peers").join(built))?;
+    }
+    let bin = tempfile::tempdir()?;
+    let fake_go = bin.path().join("go");
+    std::fs::write(
+        &fake_go,
+        format!(
+            "#!/bin/bash\nif [[ \"$1\" == build ]]; then echo 'go: this toolchain refuses to build' >&2; exit 1; fi\nexec {} \"$@\"\n",
+            real_go.display()
+        ),
+    )?;
+    std::fs::set_permissions(
+        &fake_go,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
+    let path = std::env::join_paths(std::iter::once(bin.path().to_path_buf()).chain(
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()),
+    ))?;
+    let out = std::process::Command::new("bash")
+        .arg(repo.join("tests/rig/peers.sh"))
+        .env("HNA_CACHE_DIR", cache.path())
+        .env("PATH", path)
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success(),
+        "peers.sh succeeded with a `go` that cannot build:\n{err}"
+    );
+    let commit = hna_testkit::locate::peers::CCM_COMMIT;
+    for said in [
+        format!("go build failed: module harvester-cloud-provider, version {commit}"),
+        "go build -trimpath".to_string(),
+        "go: this toolchain refuses to build".to_string(),
+    ] {
+        ensure!(
+            err.contains(&said),
+            "{said:?} not in peers.sh's output:\n{err}"
+        );
+    }
+    ensure!(
+        !cache.path().join("peers/harvester-cloud-provider").exists(),
+        "a cloud provider folder was cached after a failed build"
+    );
+    let scratch: Vec<_> = std::fs::read_dir(cache.path().join("build"))?
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    ensure!(scratch.is_empty(), "scratch folders left: {scratch:?}");
     Ok(())
 }

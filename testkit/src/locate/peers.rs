@@ -16,15 +16,20 @@ pub const METALLB_VERSION: &str = "v0.16.1";
 /// `tests/rig/peers.sh`).
 pub const CCM_COMMIT: &str = "1a80755";
 /// Where `tests/rig/peers.sh` caches the peers, unless `HNA_PEERS_DIR`
-/// says otherwise.
+/// says otherwise, or `HNA_CACHE_DIR` (then its `peers/`, as the script's).
 pub const PEERS_DIR: &str = "/var/cache/harvester-node-agent/peers";
 /// The command that builds and caches them.
 pub const INSTALL: &str = "tests/rig/peers.sh";
 
-fn peers_dir() -> PathBuf {
-    std::env::var_os("HNA_PEERS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(PEERS_DIR))
+/// See [`PEERS_DIR`].
+pub fn peers_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("HNA_PEERS_DIR") {
+        return PathBuf::from(dir);
+    }
+    match std::env::var_os("HNA_CACHE_DIR") {
+        Some(cache) => PathBuf::from(cache).join("peers"),
+        None => PathBuf::from(PEERS_DIR),
+    }
 }
 
 /// The cached kube-vip binary, or what is absent.
