@@ -9,7 +9,7 @@
 #    supported Kubernetes release, which tests/run.sh does not build);
 # 2. runs the long suites on the newest release (the integration harness's
 #    LONG_SUITES: the booted VM image, the peers, the Harvester cloud
-#    provider);
+#    provider, the flaky API server);
 # 3. runs the API-facing suites again on the oldest supported release;
 # 4. fuzzes the DHCP receive path for a bounded time (tests/fuzz.sh, 60 s by
 #    default, HNA_FUZZ_SECONDS to change; a crash fails the run).

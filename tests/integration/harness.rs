@@ -205,11 +205,12 @@ fn summary(selected: usize, skipped: &[Vec<Prereq>]) -> String {
 }
 
 /// The suites that do not fit CI's hour on a cold machine (issue #31:
-/// their prerequisites take long to build, or they boot a whole VM image
-/// under TCG): `tests/long.sh` runs them (`HNA_TEST_SET=long`),
+/// their prerequisites take long to build, they boot a whole VM image
+/// under TCG, or they run alone for minutes): `tests/long.sh` runs them
+/// (`HNA_TEST_SET=long`),
 /// `tests/run.sh` and CI leave them out (`HNA_TEST_SET=ci`) and say so in
 /// their closing line. docs/testing.md, "The long suites".
-pub const LONG_SUITES: &[&str] = &["vm_image::", "peers::", "harvester_ccm::"];
+pub const LONG_SUITES: &[&str] = &["vm_image::", "peers::", "harvester_ccm::", "flaky_api::"];
 
 /// Which tests `HNA_TEST_SET` selects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
