@@ -145,16 +145,7 @@ impl Drop for ArpProber {
 /// address (and MAC) it still held, from its own port of the LAN.
 pub fn announce_as(ns: &str, ifname: &str, mac: [u8; 6], addr: Ipv4Addr) -> Result<()> {
     let (fd, ifindex) = in_netns(ns, || open(ifname))??;
-    let mut f = Vec::with_capacity(42);
-    f.extend_from_slice(&[0xff; 6]);
-    f.extend_from_slice(&mac);
-    f.extend_from_slice(&ETH_P_ARP.to_be_bytes());
-    f.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
-    f.extend_from_slice(&mac);
-    f.extend_from_slice(&addr.octets());
-    f.extend_from_slice(&[0; 6]);
-    f.extend_from_slice(&addr.octets());
-    send(&fd, ifindex, &f)
+    send(&fd, ifindex, &arp_request(mac, addr, addr))
 }
 
 /// Sends a whole Ethernet `frame` (broadcast) on `ifindex`.
@@ -257,7 +248,12 @@ fn set_option<T>(fd: &OwnedFd, level: i32, name: i32, value: &T, what: &str) -> 
 }
 
 fn request(seq: u16, source: Ipv4Addr, target: Ipv4Addr) -> Vec<u8> {
-    let mac = mac_of(seq);
+    arp_request(mac_of(seq), source, target)
+}
+
+/// A broadcast ARP request from `mac` (the frame's source and the ARP
+/// sender) with `source` as the sender's address, for `target`.
+fn arp_request(mac: [u8; 6], source: Ipv4Addr, target: Ipv4Addr) -> Vec<u8> {
     let mut f = Vec::with_capacity(42);
     f.extend_from_slice(&[0xff; 6]);
     f.extend_from_slice(&mac);
