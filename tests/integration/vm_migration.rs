@@ -549,11 +549,7 @@ fn migrate_a_holder(nic: NicModel) -> Result<()> {
             wrong.push(format!("sent {}: {}", rel(p.sent), replies.join(", ")));
         }
     }
-    let macs: std::collections::BTreeSet<String> = arp
-        .probes
-        .iter()
-        .flat_map(|p| p.replies.iter().map(|(_, m)| mac_text(m)))
-        .collect();
+    let macs = answering_macs(&arp);
     eprintln!(
         "vm_migration ({nic:?}): back: {queued} ARP requests queued on the target's tap answered again at its resume; MACs that answered: {macs:?}"
     );
@@ -825,19 +821,13 @@ fn a_failed_migration_leaves_the_source_serving_and_one_that_never_resumes_fails
         serde_json::json!({"max-bandwidth": SLOW_MIGRATION}),
     )?;
     for (round, ending) in ["cancelled", "target killed"].into_iter().enumerate() {
-        let target_dir = dir.join(format!("target-{round}"));
-        std::fs::create_dir_all(&target_dir)?;
-        let socket = target_dir.join("incoming.sock");
-        let mut target = VmNode::start(
+        let (mut target, socket) = start_target(
             &kernel,
             &image,
             &spec,
             &host(&lan, "hostB", &format!("tapB{round}")),
-            &target_dir,
-            Some(&socket),
+            &dir.join(format!("target-{round}")),
         )?;
-        wait_for(Duration::from_secs(30), || socket.exists().then_some(()))
-            .context("the target's incoming socket")?;
         vm.qmp().execute(
             "migrate",
             serde_json::json!({"uri": format!("unix:{}", socket.display())}),
@@ -880,11 +870,7 @@ fn a_failed_migration_leaves_the_source_serving_and_one_that_never_resumes_fails
     }
     let arp = arp.finish()?;
     let tcp = tcp.finish()?;
-    let macs: std::collections::BTreeSet<String> = arp
-        .probes
-        .iter()
-        .flat_map(|p| p.replies.iter().map(|(_, m)| mac_text(m)))
-        .collect();
+    let macs = answering_macs(&arp);
     // Each try has 300 ms to connect and read; the VM's listener forks a
     // shell per connection under TCG, which misses that now and then, so
     // what is held is that the VM kept serving, not every try.
@@ -987,17 +973,38 @@ fn migrate(
     to: &Host,
     dir: &Path,
 ) -> Result<(VmNode, vm::node::Migration)> {
-    let socket = dir.join("incoming.sock");
-    std::fs::create_dir_all(dir)?;
-    let mut target = VmNode::start(kernel, image, spec, to, dir, Some(&socket))?;
-    wait_for(Duration::from_secs(30), || socket.exists().then_some(()))
-        .context("the target's incoming socket")?;
+    let (mut target, socket) = start_target(kernel, image, spec, to, dir)?;
     let migration = source.migrate_to(
         &mut target,
         &socket,
         Instant::now() + Duration::from_secs(180),
     )?;
     Ok((target, migration))
+}
+
+/// A migration's target on `to`, paused and waiting on its incoming
+/// socket (returned), as a target virt-launcher is before the copy.
+fn start_target(
+    kernel: &vm::Kernel,
+    image: &vm::node::NodeImage,
+    spec: &vm::node::NodeSpec,
+    to: &Host,
+    dir: &Path,
+) -> Result<(VmNode, std::path::PathBuf)> {
+    let socket = dir.join("incoming.sock");
+    std::fs::create_dir_all(dir)?;
+    let target = VmNode::start(kernel, image, spec, to, dir, Some(&socket))?;
+    wait_for(Duration::from_secs(30), || socket.exists().then_some(()))
+        .context("the target's incoming socket")?;
+    Ok((target, socket))
+}
+
+/// Every MAC that answered ARP in `arp`.
+fn answering_macs(arp: &hna_testkit::arpprobe::ArpRecord) -> std::collections::BTreeSet<String> {
+    arp.probes
+        .iter()
+        .flat_map(|p| p.replies.iter().map(|(_, m)| mac_text(m)))
+        .collect()
 }
 
 fn mac_text(mac: &[u8; 6]) -> String {
