@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use harvester_node_agent::controller::reconcile::sim::{Sim, dhcp};
+use hna_controller::reconcile::sim::{Sim, dhcp};
 
 fn main() -> Result<()> {
     let mut sizes = vec![1_000usize, 2_000, 5_000, 10_000];

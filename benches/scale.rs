@@ -11,7 +11,7 @@
 //! by the agent's own writer (`agent::status_writes` with `KubeStatus`:
 //! written when it changes, else every `lb_heartbeat`, 10 s; a renewal's
 //! new expiry rides along with the next one) and its Node conditions
-//! (`node_status::reconcile`: read every 5 minutes, written when they differ). What is simulated
+//! (`node_conditions::reconcile`: read every 5 minutes, written when they differ). What is simulated
 //! is the host: each assigned lease goes BOUND 50 ms after the node read
 //! its assignment, and renews at half its lease time (`--lease-time`). Its
 //! LAN report lists the nodes it witnesses on the controller's own ring as
@@ -38,16 +38,14 @@ mod common;
 use anyhow::{Context, Result, bail, ensure};
 use common::rss_kib;
 use futures::{StreamExt, TryStreamExt};
-use harvester_node_agent::agent::lb::{KubeStatus, SpecRead, follow};
-use harvester_node_agent::agent::status_writes::StatusWrites;
-use harvester_node_agent::cluster::credentials::WATCH_TIMEOUT_SECS;
-use harvester_node_agent::cluster::watch_one::{Update, watch_one};
-use harvester_node_agent::contract::harvester;
-use harvester_node_agent::contract::membership::{self, LanReport, witnesses_of};
-use harvester_node_agent::contract::node_object::{
-    self, Assignment, LeaseReport, LoadBalancerNode, Status,
-};
-use harvester_node_agent::node_status;
+use hna_contract::harvester;
+use hna_contract::membership::{self, LanReport, witnesses_of};
+use hna_contract::node_object::{self, Assignment, LeaseReport, LoadBalancerNode, Status};
+use hna_edges::cluster::credentials::WATCH_TIMEOUT_SECS;
+use hna_edges::cluster::watch_one::{Update, watch_one};
+use hna_node::loadbalancer::status_writes::StatusWrites;
+use hna_node::loadbalancer::task::{KubeStatus, SpecRead, follow};
+use hna_node::node_conditions;
 use hna_testkit::lb::{self, LbRig};
 use hna_testkit::promtext::{Sample, is_write, parse as parse_metrics, quantile, sum};
 use k8s_openapi::api::core::v1::{Node, Secret, Service};
@@ -762,19 +760,19 @@ fn status(
 }
 
 /// The agent's Node conditions: at start, then looked at every
-/// `node_status::RECHECK`, from a phase of its own.
+/// `node_conditions::RECHECK`, from a phase of its own.
 async fn conditions(client: kube::Client, name: String) {
-    let wanted = [node_status::Condition {
+    let wanted = [node_conditions::Condition {
         type_: "MacvlanReady".into(),
         ready: true,
         reason: "ModuleAvailable".into(),
         message: "macvlan is available".into(),
     }];
-    node_status::reconcile(&client, &name, &wanted, false).await;
-    let period = node_status::RECHECK;
+    node_conditions::reconcile(&client, &name, &wanted, false).await;
+    let period = node_conditions::RECHECK;
     tokio::time::sleep(period.mul_f64(fastrand::f64())).await;
     loop {
-        node_status::reconcile(&client, &name, &wanted, false).await;
+        node_conditions::reconcile(&client, &name, &wanted, false).await;
         tokio::time::sleep(period).await;
     }
 }

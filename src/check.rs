@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cluster::credentials::{self, Discovery, DiscoveryEnv};
-use crate::config::{Config, ConfigError};
-pub use crate::health::{Check, Status};
-use crate::state_dir::{self, Inspection};
+use hna_edges::cluster::credentials::{self, Discovery, DiscoveryEnv};
+use hna_node::config::{Config, ConfigError};
+pub use hna_node::health::{Check, Status};
+use hna_node::state_dir::{self, Inspection};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -106,7 +106,7 @@ pub fn config_check(loaded: &Result<Config, ConfigError>) -> Check {
                 "Defaults",
                 format!(
                     "no file at {}; built-in defaults, environment and flags apply",
-                    crate::config::DEFAULT_CONFIG_PATH
+                    hna_node::config::DEFAULT_CONFIG_PATH
                 ),
                 "",
             ),
@@ -169,7 +169,7 @@ pub async fn kubeconfig_checks(
     env: &dyn DiscoveryEnv,
     timeout: Duration,
 ) -> Vec<Check> {
-    let found = credentials::discover(&cfg.into(), env);
+    let found = credentials::discover(&cfg.credential_settings(), env);
     let where_ = match &found {
         Discovery::File { path, source } => {
             format!(
@@ -258,7 +258,7 @@ pub fn name_api_server(checks: &mut Vec<Check>) {
 }
 
 /// The `macvlan` check, from a preflight result.
-pub fn macvlan_check(state: &crate::kmod::MacvlanState) -> Check {
+pub fn macvlan_check(state: &hna_node::kmod::MacvlanState) -> Check {
     Check::new(
         "macvlan",
         state.status,
@@ -269,7 +269,7 @@ pub fn macvlan_check(state: &crate::kmod::MacvlanState) -> Check {
 }
 
 /// The `qemu-guest-agent` check.
-pub fn guest_agent_check(state: &crate::guest::GuestAgentState) -> Check {
+pub fn guest_agent_check(state: &hna_node::guest::GuestAgentState) -> Check {
     Check::new(
         "qemu-guest-agent",
         state.status,

@@ -8,7 +8,7 @@ use tracing_subscriber::EnvFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
-use crate::config::LogTarget;
+use hna_node::config::LogTarget;
 
 const JOURNALD_SOCKET: &str = "/run/systemd/journal/socket";
 

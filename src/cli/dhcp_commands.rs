@@ -17,17 +17,18 @@ use std::time::Duration;
 use clap::Args;
 
 use super::Output;
-use crate::dhcp::driver::LeaseStatus;
-use crate::dhcp::engine::{Engine, LeaseConfig};
-use crate::dhcp::io::ProbeConfig;
-use crate::dhcp::link::default_route_interface;
-use crate::dhcp::machine::{StopMode, Timing};
-use crate::dhcp::packet::Identity;
-use crate::dhcp::probe::{self, ProbeOptions};
-use crate::dhcp::store::Store;
+use hna_dhcp::driver::LeaseStatus;
+use hna_dhcp::engine::{Engine, LeaseConfig};
+use hna_dhcp::io::ProbeConfig;
+use hna_dhcp::link::default_route_interface;
+use hna_dhcp::machine::{StopMode, Timing};
+use hna_dhcp::packet::Identity;
+use hna_dhcp::probe::{self, ProbeOptions};
+use hna_dhcp::store::Store;
 
 fn parse_mac_arg(s: &str) -> Result<[u8; 6], String> {
-    crate::mac::parse(s).ok_or_else(|| format!("`{s}` is not a MAC address like 00:00:6c:12:34:56"))
+    hna_contract::mac::parse(s)
+        .ok_or_else(|| format!("`{s}` is not a MAC address like 00:00:6c:12:34:56"))
 }
 
 /// Option 61 as given on the command line. A newtype, because clap reads
@@ -80,7 +81,7 @@ pub struct ProbeArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub release: bool,
     /// How long to wait for a lease (seconds, or with a unit: 500ms, 1m)
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = crate::duration::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = hna_edges::duration::parse_duration)]
     pub timeout: Duration,
     /// Skip the ARP probe (RFC 5227) of the offered address
     #[arg(long)]
@@ -135,7 +136,7 @@ pub struct HoldArgs {
     #[arg(long, value_name = "DIR")]
     pub state_dir: PathBuf,
     /// Smallest retransmission interval while renewing/rebinding (RFC: 60s; seconds, or with a unit)
-    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = crate::duration::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = hna_edges::duration::parse_duration)]
     pub renew_floor: Duration,
     /// Skip the ARP probe (RFC 5227) of offered addresses
     #[arg(long)]
@@ -178,15 +179,15 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
     use anyhow::Context;
     let parent = match args.parent.clone() {
         Some(p) => p,
-        None => std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
+        None => std::fs::read_to_string(hna_dhcp::link::ROUTE_TABLE)
             .ok()
             .and_then(|t| default_route_interface(&t))
             .context("no default route to find the uplink; name it with --parent")?,
     };
     let store = Store::open(&args.state_dir)?;
-    let acquisitions = crate::metrics::dhcp::acquisition_durations();
+    let acquisitions = hna_node::loadbalancer::lease_metrics::acquisition_durations();
     let engine = Arc::new(Engine::new(Some(store))?.on_acquired(
-        crate::metrics::dhcp::observe_acquisitions(acquisitions.clone()),
+        hna_node::loadbalancer::lease_metrics::observe_acquisitions(acquisitions.clone()),
     ));
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     for i in 0..args.count {
@@ -204,21 +205,24 @@ async fn hold(args: HoldArgs) -> anyhow::Result<()> {
             probe: ProbeConfig::default(),
             guarded_at: None,
             witness: None,
-            presence: crate::dhcp::Presence::Off,
+            presence: hna_dhcp::Presence::Off,
         };
         engine.start(cfg).await?;
     }
     eprintln!("dhcp-hold: {} leases started on {parent}", args.count);
     if let Some(addr) = args.metrics_listen {
-        let l = crate::metrics::bind(addr)
+        let l = hna_edges::metrics::bind(addr)
             .await
             .with_context(|| format!("listen on {addr}"))?;
         let e = engine.clone();
-        let registry = crate::metrics::dhcp::registry(Arc::new(move || e.snapshot()), acquisitions);
-        tokio::spawn(crate::metrics::serve(
+        let registry = hna_node::loadbalancer::lease_metrics::registry(
+            Arc::new(move || e.snapshot()),
+            acquisitions,
+        );
+        tokio::spawn(hna_edges::metrics::serve(
             l,
-            crate::metrics::Pages {
-                metrics: Arc::new(move || crate::metrics::exposition::encode(&registry)),
+            hna_edges::metrics::Pages {
+                metrics: Arc::new(move || hna_edges::metrics::exposition::encode(&registry)),
                 health: Arc::new(|| Ok(())),
                 live: Arc::new(|| Ok(())),
             },

@@ -11,10 +11,10 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 mod dhcp_commands;
 
 use crate::check::{self, Report};
-use crate::cluster::credentials::HostEnv;
-use crate::config::{self, Config, ConfigError, FlagValues};
-use crate::control;
-use crate::systemd::{Notifier, SdNotifier};
+use hna_edges::cluster::credentials::HostEnv;
+use hna_edges::systemd::{Notifier, SdNotifier};
+use hna_node::config::{self, Config, ConfigError, FlagValues};
+use hna_node::control;
 
 /// sysexits.h EX_CONFIG: systemd's `RestartPreventExitStatus=78` keeps the
 /// unit from restarting into the same configuration error.
@@ -236,7 +236,7 @@ pub struct ControllerArgs {
     /// Namespace of the controller's Lease and of the LoadBalancerNode
     /// objects (one per Node) and their Roles; the node agents' `namespace`
     /// must be the same
-    #[arg(long, value_name = "NAMESPACE", env = "HNA_NAMESPACE", default_value = crate::contract::DEFAULT_NAMESPACE)]
+    #[arg(long, value_name = "NAMESPACE", env = "HNA_NAMESPACE", default_value = hna_contract::DEFAULT_NAMESPACE)]
     pub namespace: String,
     /// This replica's name in the leader-election Lease (a Deployment sets
     /// POD_NAME from metadata.name); unset: `<hostname>-<pid>`
@@ -294,8 +294,8 @@ pub struct ControllerArgs {
     /// endpoint: auto (EndpointSlices of discovery.k8s.io/v1 where the API
     /// serves them, Kubernetes 1.21 and later; else Endpoints), endpoints,
     /// or endpointslices (v1, else v1beta1 on Kubernetes 1.17 to 1.20)
-    #[arg(long, value_name = "SOURCE", env = "HNA_ENDPOINT_SOURCE", default_value = "auto", value_parser = crate::controller::endpoints::EndpointSetting::parse)]
-    pub endpoint_source: crate::controller::endpoints::EndpointSetting,
+    #[arg(long, value_name = "SOURCE", env = "HNA_ENDPOINT_SOURCE", default_value = "auto", value_parser = hna_controller::endpoints::EndpointSetting::parse)]
+    pub endpoint_source: hna_controller::endpoints::EndpointSetting,
     /// Serve LoadBalancer Services of this spec.loadBalancerClass. Services
     /// of any other class are never touched. Naming a class also stops
     /// serving class-less DHCP Services (the Harvester cloud provider's
@@ -312,9 +312,9 @@ pub struct ControllerArgs {
 
 impl ControllerArgs {
     /// `--load-balancer-class` and `--serve-classless` as one policy.
-    pub fn classes(&self) -> crate::contract::ClassPolicy {
-        let default = crate::contract::ClassPolicy::default();
-        crate::contract::ClassPolicy {
+    pub fn classes(&self) -> hna_contract::ClassPolicy {
+        let default = hna_contract::ClassPolicy::default();
+        hna_contract::ClassPolicy {
             classless: self
                 .serve_classless
                 .unwrap_or(self.load_balancer_class.is_none()),
@@ -324,7 +324,7 @@ impl ControllerArgs {
 }
 
 fn class_arg(v: &str) -> Result<String, String> {
-    crate::k8s_names::validate_label_key(v)
+    hna_contract::k8s_names::validate_label_key(v)
         .map(|()| v.to_string())
         .map_err(|e| {
             format!("{e} (spec.loadBalancerClass is a label-style name, e.g. example.com/dhcp)")
@@ -336,7 +336,7 @@ fn class_arg(v: &str) -> Result<String, String> {
 const DEFAULT_WATCH_QUIET_AFTER: Duration = Duration::from_secs(15);
 
 fn election_arg(v: &str) -> Result<Duration, String> {
-    let d = crate::duration::parse_duration(v)?;
+    let d = hna_edges::duration::parse_duration(v)?;
     if d < Duration::from_millis(100) || d > Duration::from_secs(3600) {
         return Err(format!("`{v}` must be between 100ms and 1h"));
     }
@@ -382,7 +382,7 @@ pub struct CheckArgs {
     #[arg(long, value_enum, default_value_t = Output::Human)]
     pub output: Output,
     /// How long to wait for the API server when credentials are found (seconds, or with a unit: 500ms, 1m)
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = crate::duration::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = hna_edges::duration::parse_duration)]
     pub timeout: Duration,
     /// Do what the daemon does: load macvlan when it is on disk but not
     /// loaded (with the system's modprobe), then prove it with a throwaway
@@ -419,11 +419,11 @@ pub fn main() -> ExitCode {
                 Err(e) => return config_failure(&e),
             };
             serve(&cfg.log_level.clone(), cfg.log_target, |n| {
-                Box::pin(crate::agent::run(cfg, n))
+                Box::pin(hna_node::agent::run(cfg, n))
             })
         }
         Command::Controller(args) => {
-            let timing = crate::controller::election::Timing {
+            let timing = hna_controller::election::Timing {
                 lease_duration: args.lease_duration,
                 renew_deadline: args.renew_deadline,
                 retry_period: args.retry_period,
@@ -444,14 +444,14 @@ pub fn main() -> ExitCode {
                 return ExitCode::from(EXIT_CONFIG);
             }
             let classes = args.classes();
-            let opts = crate::controller::Options {
+            let opts = hna_controller::Options {
                 kubeconfig: args.kubeconfig,
                 credentials_retry: args.credentials_retry,
                 namespace: args.namespace,
                 identity: args
                     .identity
                     .filter(|i| !i.trim().is_empty())
-                    .unwrap_or_else(crate::controller::default_identity),
+                    .unwrap_or_else(hna_controller::default_identity),
                 timing,
                 node_stale_after: args.node_stale_after,
                 watch_quiet_after,
@@ -463,7 +463,7 @@ pub fn main() -> ExitCode {
                 classes,
             };
             serve(&args.log_level, args.log_target, |n| {
-                Box::pin(crate::controller::run(opts, n))
+                Box::pin(hna_controller::run(opts, n))
             })
         }
         Command::Check(args) => check(args),
@@ -593,13 +593,17 @@ fn check(args: CheckArgs) -> ExitCode {
             checks.push(check::state_dir_check(cfg));
         }
         if wanted("topology") {
-            let found = crate::cluster::credentials::discover(&cfg.into(), &HostEnv);
+            let found =
+                hna_edges::cluster::credentials::discover(&cfg.credential_settings(), &HostEnv);
             let guest = runtime
-                .block_on(crate::cluster::credentials::connect(&found, args.timeout))
+                .block_on(hna_edges::cluster::credentials::connect(
+                    &found,
+                    args.timeout,
+                ))
                 .ok()
                 .map(|c| c.client);
-            let tcfg = crate::topology::TopologyConfig::from_config(cfg);
-            let state = runtime.block_on(crate::topology::probe(
+            let tcfg = hna_node::topology::TopologyConfig::from_config(cfg);
+            let state = runtime.block_on(hna_node::topology::probe(
                 &tcfg,
                 guest,
                 &cfg.node_name,
@@ -614,11 +618,13 @@ fn check(args: CheckArgs) -> ExitCode {
         }
     }
     if wanted("macvlan") {
-        let macvlan = crate::kmod::preflight(&crate::kmod::host::Host::default(), args.fix);
+        let macvlan = hna_node::kmod::preflight(&hna_node::kmod::host::Host::default(), args.fix);
         checks.push(check::macvlan_check(&macvlan));
     }
     if wanted("qemu-guest-agent") {
-        let guest = runtime.block_on(crate::guest::watch::assess_now(std::path::Path::new("/")));
+        let guest = runtime.block_on(hna_node::guest::watch::assess_now(std::path::Path::new(
+            "/",
+        )));
         checks.push(check::guest_agent_check(&guest));
     }
     let report = Report {
@@ -647,15 +653,15 @@ async fn cni_checks(cfg: &Config, args: &CheckArgs) -> (Vec<check::Check>, Vec<c
     } else {
         args.cni_conf_dir.clone()
     };
-    let found = crate::cluster::credentials::discover(&cfg.into(), &HostEnv);
-    let node = match crate::cluster::credentials::connect(&found, args.timeout).await {
+    let found = hna_edges::cluster::credentials::discover(&cfg.credential_settings(), &HostEnv);
+    let node = match hna_edges::cluster::credentials::connect(&found, args.timeout).await {
         Ok(conn) => crate::cni::host::node_facts(conn.client, &cfg.node_name, args.timeout).await,
         Err(e) => crate::cni::NodeFacts::NotRead(format!("{e:#}")),
     };
-    let route = std::fs::read_to_string(crate::dhcp::link::ROUTE_TABLE)
+    let route = std::fs::read_to_string(hna_dhcp::link::ROUTE_TABLE)
         .ok()
-        .and_then(|r| crate::dhcp::link::default_route_interface(&r));
-    let uplink = crate::dhcp::link::current_uplink(cfg.uplink.as_deref(), route, None, |_| false);
+        .and_then(|r| hna_dhcp::link::default_route_interface(&r));
+    let uplink = hna_dhcp::link::current_uplink(cfg.uplink.as_deref(), route, None, |_| false);
     let facts = crate::cni::host::gather(&dirs, Path::new("/run"), uplink, node).await;
     let advice = crate::cni::helm_chart_configs(&facts)
         .into_iter()
@@ -701,7 +707,10 @@ fn status(args: StatusArgs) -> ExitCode {
         Ok(rt) => rt,
         Err(code) => return code,
     };
-    match runtime.block_on(control::request_status::<crate::agent::status::AgentStatus>(&socket)) {
+    match runtime.block_on(control::request_status::<
+        hna_node::agent::daemon_state::AgentStatus,
+    >(&socket))
+    {
         Ok(st) => {
             match args.output {
                 Output::Json => println!(
@@ -719,8 +728,8 @@ fn status(args: StatusArgs) -> ExitCode {
     }
 }
 
-fn human_status(st: &crate::agent::status::AgentStatus) -> String {
-    use crate::agent::status::ClusterState;
+fn human_status(st: &hna_node::agent::daemon_state::AgentStatus) -> String {
+    use hna_node::agent::daemon_state::ClusterState;
     let cluster = match &st.cluster {
         ClusterState::WaitingForCredentials { searched, .. } => format!(
             "waiting for credentials (searched {})",
@@ -777,13 +786,13 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
         st.guest_agent.message,
         st.topology.short(),
         match &st.node_conditions {
-            crate::node_status::Reported::NotConnected =>
+            hna_node::node_conditions::Reported::NotConnected =>
                 "not connected to the cluster".to_string(),
-            crate::node_status::Reported::NodeNotRegistered =>
+            hna_node::node_conditions::Reported::NodeNotRegistered =>
                 format!("Node {} is not registered yet", st.node_name),
-            crate::node_status::Reported::Reported { at } =>
+            hna_node::node_conditions::Reported::Reported { at } =>
                 format!("MacvlanReady, GuestAgentReady reported at {at}"),
-            crate::node_status::Reported::Failed { error } => format!("failed: {error}"),
+            hna_node::node_conditions::Reported::Failed { error } => format!("failed: {error}"),
         }
     ) + &human_lb(&st.lb)
         + &human_dhcp(&st.dhcp)
@@ -791,7 +800,7 @@ fn human_status(st: &crate::agent::status::AgentStatus) -> String {
 
 /// The lease table: one line per lease, then the endpoint.
 /// The LoadBalancer addresses assigned to this node, one line each.
-fn human_lb(lb: &crate::agent::status::LbStatus) -> String {
+fn human_lb(lb: &hna_node::agent::daemon_state::LbStatus) -> String {
     use std::fmt::Write;
     let mut out = format!(
         "  lb:        {} ({}: {}){}\n",
@@ -828,7 +837,7 @@ fn human_lb(lb: &crate::agent::status::LbStatus) -> String {
     out
 }
 
-fn human_dhcp(d: &crate::agent::status::DhcpStatus) -> String {
+fn human_dhcp(d: &hna_node::agent::daemon_state::DhcpStatus) -> String {
     use std::fmt::Write;
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -949,14 +958,14 @@ mod tests {
         assert!(controller_help.contains("--kubeconfig"));
         assert!(Cli::try_parse_from(["hna", "controller", "--state-dir", "/x"]).is_err());
     }
-    use crate::agent::status::DhcpStatus;
-    use crate::dhcp::State;
-    use crate::dhcp::driver::LeaseStatus;
+    use hna_dhcp::State;
+    use hna_dhcp::driver::LeaseStatus;
+    use hna_node::agent::daemon_state::DhcpStatus;
 
     #[test]
     fn lb_lines_name_each_service_and_its_lease() {
-        use crate::contract::node_object::{LeaseReport, Status};
-        let lb = crate::agent::status::LbStatus {
+        use hna_contract::node_object::{LeaseReport, Status};
+        let lb = hna_node::agent::daemon_state::LbStatus {
             object: "harvester-node-agent/n1".into(),
             read: "watching".into(),
             wanted: 2,
@@ -1097,7 +1106,7 @@ mod tests {
         let Ok(Command::Run(run)) = parse(&["run", "--credentials-retry", "3"]) else {
             panic!("run does not parse");
         };
-        let cfg = crate::config::resolve(None, &|_| None, &run.config.flag_values(), &|| {
+        let cfg = hna_node::config::resolve(None, &|_| None, &run.config.flag_values(), &|| {
             "node-a".into()
         })
         .unwrap();

@@ -15,7 +15,7 @@ use kube::Api;
 use kube::api::ListParams;
 
 use super::{ConfFile, Facts, Managed, Manager, NodeFacts, OurLink};
-use crate::contract::INTERFACE_PREFIX;
+use hna_contract::INTERFACE_PREFIX;
 
 /// Where NetworkManager keeps its per-device run state (`<ifindex>`
 /// keyfiles), under the run directory.
@@ -95,7 +95,7 @@ pub fn plugin_types(text: &str) -> Vec<String> {
 }
 
 async fn our_links() -> Result<Vec<OurLink>, String> {
-    let nl = crate::dhcp::link::Netlink::connect().map_err(|e| e.to_string())?;
+    let nl = hna_dhcp::link::Netlink::connect().map_err(|e| e.to_string())?;
     let mut out = Vec::new();
     for link in nl.links().await.map_err(|e| e.to_string())? {
         if !link.name.starts_with(INTERFACE_PREFIX) {

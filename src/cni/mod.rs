@@ -18,8 +18,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::contract::INTERFACE_PREFIX;
-use crate::health::{Check, Status};
+use hna_contract::INTERFACE_PREFIX;
+use hna_node::health::{Check, Status};
 
 /// Where CNI configurations live: RKE2 and kubeadm, then K3s.
 pub const DEFAULT_CONF_DIRS: &[&str] =

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use harvester_node_agent::contract::harvester;
+use hna_contract::harvester;
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig};
 use kube::api::{Patch, PatchParams};
 use serde_json::{Value, json};

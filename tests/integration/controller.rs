@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use harvester_node_agent::contract::{self, node_object};
+use hna_contract::{self, node_object};
 use hna_testkit::rig::{self, Rig, RigOptions};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Service};
@@ -31,7 +31,7 @@ tests! {
     a_nodes_status_does_not_refuse_a_spec_write_but_a_newer_spec_does: Root, Iproute2, ApiServer;
 }
 
-const NS: &str = contract::DEFAULT_NAMESPACE;
+const NS: &str = hna_contract::DEFAULT_NAMESPACE;
 
 struct Controller(Child);
 impl Drop for Controller {
@@ -343,14 +343,14 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
         svc.metadata
             .finalizers
             .unwrap_or_default()
-            .contains(&contract::FINALIZER.to_string()),
+            .contains(&hna_contract::FINALIZER.to_string()),
         "finalizer before the assignment"
     );
-    let id = contract::address_identity(&uid, &Default::default()).unwrap();
+    let id = hna_contract::address_identity(&uid, &Default::default()).unwrap();
     assert_eq!(assignment["interface"], id.interface.as_str());
     assert_eq!(
         assignment["mac"],
-        harvester_node_agent::mac::format(&id.mac).as_str()
+        hna_contract::mac::format(&id.mac).as_str()
     );
     assert_eq!(assignment["uid"], uid.as_str());
     assert!(
@@ -389,7 +389,7 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
                     .metadata
                     .annotations
                     .as_ref()
-                    .is_some_and(|a| a.contains_key(contract::kube_vip::VIP_HOST));
+                    .is_some_and(|a| a.contains_key(hna_contract::kube_vip::VIP_HOST));
                 Ok(done.then_some(s))
             }
         },
@@ -398,14 +398,14 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
     let status = serde_json::to_value(&svc.status)?;
     assert_eq!(status["loadBalancer"]["ingress"][0]["ip"], ip, "{status}");
     let ann = svc.metadata.annotations.unwrap();
-    assert_eq!(ann[contract::kube_vip::REQUESTED_IP], ip);
-    assert_eq!(ann[contract::kube_vip::VIP_HOST], holder);
+    assert_eq!(ann[hna_contract::kube_vip::REQUESTED_IP], ip);
+    assert_eq!(ann[hna_contract::kube_vip::VIP_HOST], holder);
     assert_eq!(
-        ann[contract::kube_vip::HWADDR],
+        ann[hna_contract::kube_vip::HWADDR],
         assignment["mac"].as_str().unwrap()
     );
     assert!(
-        !ann.contains_key(contract::kube_vip::LOADBALANCER_IPS),
+        !ann.contains_key(hna_contract::kube_vip::LOADBALANCER_IPS),
         "never ours to write"
     );
 
@@ -515,7 +515,7 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
                     .metadata
                     .annotations
                     .as_ref()
-                    .and_then(|a| a.get(contract::kube_vip::VIP_HOST))
+                    .and_then(|a| a.get(hna_contract::kube_vip::VIP_HOST))
                     .is_some_and(|h| *h == holder);
                 Ok(on_it.then_some(()))
             }
@@ -555,7 +555,10 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
         .status
         .as_ref()
         .and_then(|st| st.conditions.as_ref())
-        .and_then(|c| c.iter().find(|c| c.type_ == contract::SERVICE_CONDITION))
+        .and_then(|c| {
+            c.iter()
+                .find(|c| c.type_ == hna_contract::SERVICE_CONDITION)
+        })
         .cloned();
     let ours = ours.context("no condition of ours on the served Service")?;
     assert_eq!(
@@ -627,7 +630,7 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
         "the Lease released on SIGTERM",
         Duration::from_secs(15),
         || async {
-            let l = leases.get(contract::CONTROLLER_LEASE).await?;
+            let l = leases.get(hna_contract::CONTROLLER_LEASE).await?;
             let holder = l.spec.and_then(|s| s.holder_identity);
             Ok(holder.is_none().then_some(()))
         },
@@ -659,20 +662,15 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
 /// Carries out `plan` as the leader would, as if it had been decided on
 /// `version` of every object it writes.
 async fn execute_decided_on(
-    edge: &harvester_node_agent::controller::kube_edge::KubeApi,
+    edge: &hna_controller::kube_edge::KubeApi,
     namespace: &str,
-    plan: harvester_node_agent::controller::reconcile::Plan,
+    plan: hna_controller::reconcile::Plan,
     version: Option<String>,
-) -> harvester_node_agent::controller::writer::Outcome {
-    let mut memory = harvester_node_agent::controller::writer::Memory::default();
-    harvester_node_agent::controller::writer::execute(
-        namespace,
-        &plan,
-        edge,
-        &|| true,
-        &mut memory,
-        &move |_| version.clone(),
-    )
+) -> hna_controller::writer::Outcome {
+    let mut memory = hna_controller::writer::Memory::default();
+    hna_controller::writer::execute(namespace, &plan, edge, &|| true, &mut memory, &move |_| {
+        version.clone()
+    })
     .await
 }
 
@@ -681,9 +679,9 @@ async fn execute_decided_on(
 /// leader's, is one decided on an older version: the real API server
 /// refuses it as a conflict and the status stays the new leader's.
 fn a_write_decided_on_an_old_version_is_refused() -> Result<()> {
-    use harvester_node_agent::contract::ServiceKey;
-    use harvester_node_agent::controller::kube_edge::KubeApi;
-    use harvester_node_agent::controller::reconcile::{Ingress, Plan, Write};
+    use hna_contract::ServiceKey;
+    use hna_controller::kube_edge::KubeApi;
+    use hna_controller::reconcile::{Ingress, Plan, Write};
 
     let rig = Rig::start(RigOptions {
         guests: 1,
@@ -760,9 +758,9 @@ fn a_write_decided_on_an_old_version_is_refused() -> Result<()> {
 /// decided before another spec write (a deposed leader's, late) is refused
 /// as a conflict and the newer spec stays.
 fn a_nodes_status_does_not_refuse_a_spec_write_but_a_newer_spec_does() -> Result<()> {
-    use harvester_node_agent::contract::node_object::{Assignment, Spec};
-    use harvester_node_agent::controller::kube_edge::{KubeApi, generation_token};
-    use harvester_node_agent::controller::reconcile::{Plan, Write};
+    use hna_contract::node_object::{Assignment, Spec};
+    use hna_controller::kube_edge::{KubeApi, generation_token};
+    use hna_controller::reconcile::{Plan, Write};
 
     let rig = Rig::start(RigOptions {
         guests: 1,

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use harvester_node_agent::contract::{harvester, kube_vip};
+use hna_contract::{harvester, kube_vip};
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Patch, PatchParams};

@@ -12,10 +12,10 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use harvester_node_agent::dhcp::driver::LeaseStatus;
-use harvester_node_agent::dhcp::engine::{Engine, LeaseConfig};
-use harvester_node_agent::dhcp::io::ProbeConfig;
-use harvester_node_agent::dhcp::{Identity, State, StopMode, Timing};
+use hna_dhcp::driver::LeaseStatus;
+use hna_dhcp::engine::{Engine, LeaseConfig};
+use hna_dhcp::io::ProbeConfig;
+use hna_dhcp::{Identity, State, StopMode, Timing};
 use hna_testkit::rig::process::run;
 use hna_testkit::rig::{Rig, RigOptions, find_program, in_netns};
 use tokio::sync::watch;

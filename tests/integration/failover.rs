@@ -52,10 +52,7 @@ fn options() -> lb::Options {
 }
 
 fn the_test_kit_asks_for_dhcp_as_the_contract_does() {
-    assert_eq!(
-        failover::IPAM,
-        harvester_node_agent::contract::harvester::IPAM
-    );
+    assert_eq!(failover::IPAM, hna_contract::harvester::IPAM);
 }
 
 /// The new holder answers a client's TCP connection.

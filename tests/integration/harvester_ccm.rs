@@ -12,7 +12,7 @@ use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use harvester_node_agent::contract::{self, harvester, kube_vip};
+use hna_contract::{self, harvester, kube_vip};
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
 use hna_testkit::peers::harvester_ccm::{HarvesterSide, POOL};
 
@@ -142,7 +142,7 @@ fn the_harvester_cloud_provider_and_we_serve_dhcp_share_it_and_leave_pool_mode_a
     // it alone (no finalizer, no status, no link, no Event of ours).
     let pooled_ip = pooled_ip.unwrap_or(Ipv4Addr::UNSPECIFIED);
     ensure!(
-        !finalizers(&lb, "pooled").contains(&contract::FINALIZER.to_string()),
+        !finalizers(&lb, "pooled").contains(&hna_contract::FINALIZER.to_string()),
         "our finalizer on the pool-mode Service: {:?}",
         finalizers(&lb, "pooled")
     );

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use harvester_node_agent::contract::harvester;
+use hna_contract::harvester;
 use hna_testkit::lb::{self, HelmInstall, LISTEN_PORT, LbRig, wait_for};
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::Api;

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use harvester_node_agent::contract::{harvester, node_object};
+use hna_contract::{harvester, node_object};
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, NAMESPACE, wait_for};
 use hna_testkit::rig;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};

@@ -16,8 +16,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use harvester_node_agent::contract::membership::DEFAULT_PORT;
-use harvester_node_agent::membership::wire::{self, Key, Stamp};
+use hna_contract::membership::DEFAULT_PORT;
+use hna_node::membership::wire::{self, Key, Stamp};
 use hna_testkit::addrwatch::AddressWatch;
 use hna_testkit::arpprobe;
 use hna_testkit::failover::guest_namespaces;
@@ -177,7 +177,7 @@ fn a_lan_host_announcing_a_services_mac_has_it_taken_back_at_once() -> Result<()
     let lb = LbRig::start(options())?;
     let (ip, holder) = hna_testkit::failover::served(&lb, "web")?;
     let mac = address_mac(&guest_namespaces(&lb)[holder], ip)?;
-    let mac_text = hna_dhcp::mac::format(&mac);
+    let mac_text = hna_contract::mac::format(&mac);
     let holder_port = format!("vg{}", holder + 1);
     let fdb = FdbWatch::start(lb.rig.lan_ns(), &holder_port)?;
     let watch = AddressWatch::start(&guest_namespaces(&lb))?;
@@ -236,6 +236,6 @@ fn address_mac(ns: &str, ip: std::net::Ipv4Addr) -> Result<[u8; 6]> {
     let link = ip_json(&["link", "show", "dev", &ifname])?;
     link[0]["address"]
         .as_str()
-        .and_then(hna_dhcp::mac::parse)
+        .and_then(hna_contract::mac::parse)
         .with_context(|| format!("no MAC for {ifname} in {ns}: {link}"))
 }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use harvester_node_agent::contract::{self, harvester, kube_vip, node_object};
+use hna_contract::{self, harvester, kube_vip, node_object};
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
 use nix::sys::signal::Signal;
 
@@ -38,12 +38,12 @@ fn node_object(lb: &LbRig, node: &str) -> Result<node_object::LoadBalancerNode> 
 }
 
 fn the_test_kit_names_what_the_contract_names() {
-    assert_eq!(lb::NAMESPACE, contract::DEFAULT_NAMESPACE);
-    assert_eq!(lb::CONTROLLER_LEASE, contract::CONTROLLER_LEASE);
-    assert_eq!(lb::INTERFACE_PREFIX, contract::INTERFACE_PREFIX);
+    assert_eq!(lb::NAMESPACE, hna_contract::DEFAULT_NAMESPACE);
+    assert_eq!(lb::CONTROLLER_LEASE, hna_contract::CONTROLLER_LEASE);
+    assert_eq!(lb::INTERFACE_PREFIX, hna_contract::INTERFACE_PREFIX);
     assert_eq!(
         lb::CONTROLLER_REPORTER,
-        harvester_node_agent::controller::writer::FIELD_MANAGER
+        hna_controller::writer::FIELD_MANAGER
     );
 }
 
@@ -327,14 +327,14 @@ fn going_back_to_kube_vip_keeps_the_address() -> Result<()> {
     ensure!(annotation(&svc, kube_vip::REQUESTED_IP) == Some(ip.to_string().as_str()));
     let mark = lb.dnsmasq_log_len();
 
-    lb.annotate("web", contract::IGNORE, Some("true"))?;
+    lb.annotate("web", hna_contract::IGNORE, Some("true"))?;
     wait_for(WITHIN, || {
         lb.service("web").filter(|s| {
             !s.metadata
                 .finalizers
                 .iter()
                 .flatten()
-                .any(|f| f == contract::FINALIZER)
+                .any(|f| f == hna_contract::FINALIZER)
         })
     })
     .with_context(|| format!("finalizer kept after the opt-out\n{}", lb.diagnostics()))?;

@@ -1,6 +1,6 @@
 //! `packaging/kubernetes/` against a real API server (the rig's): the
 //! manifests apply (dry run, then for real), the LoadBalancerNode schema
-//! round-trips `contract::node_object`'s types, and the RBAC holds: the
+//! round-trips `hna_contract::node_object`'s types, and the RBAC holds: the
 //! controller (authenticated as the manifests' ServiceAccount) can do what
 //! the design needs, including granting each node its own object, and a
 //! node can read its object and write its status but nothing else.
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use futures::{StreamExt, TryStreamExt};
-use harvester_node_agent::contract::{self, node_object};
+use hna_contract::{self, node_object};
 use hna_testkit::rig::apiserver::on_runtime;
 use hna_testkit::rig::manifests::{self, Manifest, Mode};
 use hna_testkit::rig::{self, ApiServer, Rig, RigOptions};
@@ -34,7 +34,7 @@ tests! {
     the_controller_policy_follows_the_namespace_it_is_installed_in: Root, Iproute2, ApiServer, Kubectl;
 }
 
-const NS: &str = contract::DEFAULT_NAMESPACE;
+const NS: &str = hna_contract::DEFAULT_NAMESPACE;
 const CRD: &str = "loadbalancernodes.lb.harvester-node-agent.io";
 const NODES: [&str; 2] = ["node-1", "node-2"];
 
@@ -250,7 +250,7 @@ fn full_spec() -> node_object::Spec {
                 ..Default::default()
             },
         ],
-        peers: vec![contract::membership::Peer {
+        peers: vec![hna_contract::membership::Peer {
             name: "node-b".into(),
             address: "10.77.0.12:7947".into(),
         }],
@@ -301,7 +301,7 @@ fn full_status() -> node_object::Status {
             reason: "Ready".into(),
             message: String::new(),
         }],
-        lan: Some(contract::membership::LanReport {
+        lan: Some(hna_contract::membership::LanReport {
             address: "10.77.0.11:7947".into(),
             network: "10.77.0.0/24".into(),
             down: vec!["node-c".into()],
@@ -612,7 +612,7 @@ fn node_role(node: &str) -> Result<(Role, RoleBinding)> {
             { "apiGroups": [node_object::GROUP], "resources": [format!("{}/status", node_object::PLURAL)],
               "resourceNames": [node], "verbs": ["get", "update", "patch"] },
             { "apiGroups": [""], "resources": ["secrets"],
-              "resourceNames": [contract::membership::SECRET_NAME], "verbs": ["get", "list", "watch"] },
+              "resourceNames": [hna_contract::membership::SECRET_NAME], "verbs": ["get", "list", "watch"] },
         ]
     }))?;
     let binding: RoleBinding = serde_json::from_value(json!({
@@ -705,7 +705,7 @@ fn rbac_controller_and_nodes() -> Result<()> {
                 "web",
                 &PatchParams::default(),
                 &Patch::Merge(json!({ "metadata": {
-                    "finalizers": [contract::FINALIZER],
+                    "finalizers": [hna_contract::FINALIZER],
                     "annotations": { "kube-vip.io/hwaddr": "02:11:22:33:44:55" }
                 } })),
             )
@@ -748,13 +748,13 @@ fn rbac_controller_and_nodes() -> Result<()> {
             .context("controller creates an events.k8s.io/v1 Event")?;
         let leases: Api<Lease> = Api::namespaced(ctrl.clone(), NS);
         let lease: Lease = serde_json::from_value(json!({
-            "metadata": { "name": contract::CONTROLLER_LEASE, "namespace": NS },
+            "metadata": { "name": hna_contract::CONTROLLER_LEASE, "namespace": NS },
             "spec": { "holderIdentity": "controller-0", "leaseDurationSeconds": 15 }
         }))?;
         leases.create(&PostParams::default(), &lease).await?;
         leases
             .patch(
-                contract::CONTROLLER_LEASE,
+                hna_contract::CONTROLLER_LEASE,
                 &PatchParams::default(),
                 &Patch::Merge(json!({ "spec": { "holderIdentity": "controller-1" } })),
             )
@@ -793,13 +793,13 @@ fn rbac_controller_and_nodes() -> Result<()> {
         let key_secret = |name: &str| -> Result<Secret> {
             Ok(serde_json::from_value(json!({
                 "metadata": { "name": name, "namespace": NS },
-                "data": { contract::membership::SECRET_KEY: "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=" },
+                "data": { hna_contract::membership::SECRET_KEY: "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=" },
             }))?)
         };
         secrets
             .create(
                 &PostParams::default(),
-                &key_secret(contract::membership::SECRET_NAME)?,
+                &key_secret(hna_contract::membership::SECRET_NAME)?,
             )
             .await
             .context("controller creates the membership key")?;
@@ -831,13 +831,13 @@ fn rbac_controller_and_nodes() -> Result<()> {
         let n1 = rig::kube_client(api.node_kubeconfig("node-1")).await?;
         let node_secrets = Api::<Secret>::namespaced(n1.clone(), NS);
         node_secrets
-            .get(contract::membership::SECRET_NAME)
+            .get(hna_contract::membership::SECRET_NAME)
             .await
             .context("node-1 reads the membership key")?;
         node_secrets
             .list(&ListParams::default().fields(&format!(
                 "metadata.name={}",
-                contract::membership::SECRET_NAME
+                hna_contract::membership::SECRET_NAME
             )))
             .await
             .context("node-1 lists the membership key by name (its watch)")?;
@@ -1095,7 +1095,7 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
                 "web",
                 &PatchParams::default(),
                 &Patch::Merge(json!({ "metadata": {
-                    "finalizers": [contract::FINALIZER],
+                    "finalizers": [hna_contract::FINALIZER],
                     "annotations": { "kube-vip.io/vipHost": "node-1" }
                 } })),
             )
@@ -1225,7 +1225,7 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
                         name,
                         &PatchParams::default(),
                         &Patch::Merge(
-                            json!({ "metadata": { "finalizers": [contract::FINALIZER] } }),
+                            json!({ "metadata": { "finalizers": [hna_contract::FINALIZER] } }),
                         ),
                     )
                     .await,
@@ -1253,7 +1253,7 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
             .patch_status(
                 "web",
                 &PatchParams::default(),
-                &Patch::Strategic(condition(contract::SERVICE_CONDITION)),
+                &Patch::Strategic(condition(hna_contract::SERVICE_CONDITION)),
             )
             .await
             .context("its own condition on a Service it serves")?;
@@ -1272,7 +1272,7 @@ fn the_controller_cannot_write_what_it_does_not_own() -> Result<()> {
                 .patch_status(
                     "metallb-web",
                     &PatchParams::default(),
-                    &Patch::Strategic(condition(contract::SERVICE_CONDITION)),
+                    &Patch::Strategic(condition(hna_contract::SERVICE_CONDITION)),
                 )
                 .await,
             "its condition on another class's Service",

@@ -14,7 +14,6 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use harvester_node_agent::contract;
 use hna_testkit::rig::{self, Rig, RigOptions};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
@@ -302,7 +301,7 @@ fn controller_from_the_image_becomes_leader() -> Result<()> {
         "--kubeconfig",
         "/etc/harvester-node-agent/kubeconfig",
         "--namespace",
-        contract::DEFAULT_NAMESPACE,
+        hna_contract::DEFAULT_NAMESPACE,
         "--identity",
         &identity,
         "--metrics-listen",
@@ -327,7 +326,7 @@ fn controller_from_the_image_becomes_leader() -> Result<()> {
         .context("runc run")?;
     let mut container = Container { id, child };
 
-    let leases: Api<Lease> = Api::namespaced(admin, contract::DEFAULT_NAMESPACE);
+    let leases: Api<Lease> = Api::namespaced(admin, hna_contract::DEFAULT_NAMESPACE);
     let deadline = Instant::now() + Duration::from_secs(60);
     let started = Instant::now();
     let outcome = loop {

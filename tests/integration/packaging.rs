@@ -24,7 +24,7 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 use anyhow::{Context, Result, bail, ensure};
-use harvester_node_agent::config::{self, FlagValues, KEYS};
+use hna_node::config::{self, FlagValues, KEYS};
 
 use crate::BIN;
 use crate::harness::tests;

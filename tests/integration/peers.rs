@@ -11,7 +11,7 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use harvester_node_agent::contract::{self, harvester, kube_vip};
+use hna_contract::{self, harvester, kube_vip};
 use hna_testkit::arpprobe::ArpProber;
 use hna_testkit::failover;
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
@@ -126,7 +126,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
     for name in SERVICES {
         lb.create_service(
             name,
-            &[(harvester::IPAM, "dhcp"), (contract::IGNORE, "true")],
+            &[(harvester::IPAM, "dhcp"), (hna_contract::IGNORE, "true")],
             &[LISTEN_PORT],
         )?;
         lb.set_endpoints(name, &nodes)?;
@@ -162,7 +162,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
         SECONDARY.0,
         &[
             (harvester::PRIMARY_SERVICE, SECONDARY.1),
-            (contract::IGNORE, "true"),
+            (hna_contract::IGNORE, "true"),
         ],
         &[LISTEN_PORT + 1],
     )?;
@@ -236,7 +236,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
     let ours_from = Instant::now();
     lb.start_ours()?;
     for name in SERVICES.into_iter().chain([SECONDARY.0]) {
-        lb.annotate(name, contract::IGNORE, None)?;
+        lb.annotate(name, hna_contract::IGNORE, None)?;
     }
     for (name, h) in &held {
         let carried = wait_for(WITHIN, || {
@@ -315,7 +315,7 @@ fn kube_vip_to_us_and_back_keeps_every_address_and_mac() -> Result<()> {
     // Back: opted out, handed over (released, links gone), ours stopped,
     // kube-vip started again.
     for name in SERVICES.into_iter().chain([SECONDARY.0]) {
-        lb.annotate(name, contract::IGNORE, Some("true"))?;
+        lb.annotate(name, hna_contract::IGNORE, Some("true"))?;
     }
     ensure!(
         wait_for(WITHIN, || lb

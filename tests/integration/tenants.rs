@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use harvester_node_agent::contract::{self, harvester, kube_vip};
+use hna_contract::{self, harvester, kube_vip};
 use hna_testkit::lb::{self, LISTEN_PORT, LbRig, annotation, wait_for};
 
 use crate::harness::tests;
@@ -76,7 +76,7 @@ fn a_tenant_cannot_take_another_namespaces_address() -> Result<()> {
         why.replace("team-b/web", "X") == why_probe.replace("team-b/nothing", "X"),
         "the refusal tells an existing Service from a missing one:\n{why}\n{why_probe}"
     );
-    ensure!(why.contains(contract::SHARE_WITH), "{why}");
+    ensure!(why.contains(hna_contract::SHARE_WITH), "{why}");
     ensure!(
         ingress_is_empty(&lb, "team-a/thief"),
         "thief got an address"
@@ -95,7 +95,7 @@ fn a_tenant_cannot_take_another_namespaces_address() -> Result<()> {
     ensure!(lb.carriers(ip).len() == 1);
 
     // team-b consents: team-a shares the address.
-    lb.annotate("team-b/web", contract::SHARE_WITH, Some("team-a"))?;
+    lb.annotate("team-b/web", hna_contract::SHARE_WITH, Some("team-a"))?;
     let shared = wait_for(WITHIN, || {
         (lb.ingress_ip("team-a/thief") == Some(ip)).then_some(())
     });
@@ -106,7 +106,7 @@ fn a_tenant_cannot_take_another_namespaces_address() -> Result<()> {
     );
 
     // ... and withdraws it: team-a loses the address.
-    lb.annotate("team-b/web", contract::SHARE_WITH, None)?;
+    lb.annotate("team-b/web", hna_contract::SHARE_WITH, None)?;
     let withdrawn = wait_for(WITHIN, || {
         ingress_is_empty(&lb, "team-a/thief").then_some(())
     });

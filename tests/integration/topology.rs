@@ -19,7 +19,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use harvester_node_agent::topology::{self, Reason, TopologyConfig, TopologyState};
+use hna_node::topology::{self, Reason, TopologyConfig, TopologyState};
 use hna_testkit::rig::apiserver::{ApiServer, Binaries, base64};
 use hna_testkit::rig::{self, Rig, RigOptions};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};

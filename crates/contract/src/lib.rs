@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
 pub mod k8s_names;
+pub mod mac;
 
 /// `spec.loadBalancerClass` that selects this agent on clusters without the
 /// Harvester cloud provider (Kubernetes 1.24+; the field is immutable).
@@ -454,7 +455,7 @@ pub fn address_identity(uid: &str, annotations: &Annotations) -> Result<AddressI
         return Err(format!("Service UID `{uid}` has fewer than 8 hex digits"));
     }
     let mac = match annotations.get(kube_vip::HWADDR) {
-        Some(v) => hna_dhcp::mac::parse_unicast(v).ok_or_else(|| {
+        Some(v) => crate::mac::parse_unicast(v).ok_or_else(|| {
             format!(
                 "{}: `{v}` is not a unicast MAC like 00:00:6c:12:34:56",
                 kube_vip::HWADDR
@@ -857,7 +858,7 @@ mod tests {
         let id = address_identity(UID, &a).unwrap();
         assert_eq!(id.mac, [0x00, 0x00, 0x6c, 0xab, 0xcd, 0xef]);
         assert_eq!(
-            hna_dhcp::mac::format(&id.mac),
+            crate::mac::format(&id.mac),
             "00:00:6c:ab:cd:ef",
             "kube-vip's format"
         );
@@ -874,7 +875,7 @@ mod tests {
         let with = |mac: String| -> Annotations { [(kube_vip::HWADDR.to_string(), mac)].into() };
         let theirs = address_identity(UID, &with("00:00:6c:ab:cd:ef".into())).unwrap();
         assert!(theirs.client_id.is_empty());
-        let ours = address_identity(UID, &with(hna_dhcp::mac::format(&derived_mac(UID)))).unwrap();
+        let ours = address_identity(UID, &with(crate::mac::format(&derived_mac(UID)))).unwrap();
         assert_eq!(ours, address_identity(UID, &Annotations::new()).unwrap());
     }
 

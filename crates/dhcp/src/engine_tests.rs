@@ -863,7 +863,7 @@ mod real {
             let deadline = std::time::Instant::now() + within;
             let mut got = Vec::new();
             let mut buf = [0u8; 128];
-            while std::time::Instant::now() < deadline && !(first && !got.is_empty()) {
+            while std::time::Instant::now() < deadline && (!first || got.is_empty()) {
                 let Ok(d) = crate::raw::recv_datagram(&self.fd, &mut buf) else {
                     continue;
                 };

@@ -70,7 +70,7 @@ pub mod fuzzing;
 pub mod io;
 pub mod lease_engine;
 pub mod link;
-pub mod mac;
+mod mac;
 pub mod machine;
 pub mod packet;
 pub mod presence;

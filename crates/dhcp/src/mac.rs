@@ -1,20 +1,22 @@
-//! MAC addresses as text, the way Go's `HardwareAddr.String()` (and so
-//! kube-vip's `hwaddr` annotation) writes them: `00:00:6c:ab:cd:ef`. A leaf,
-//! shared by the DHCP engine, the command line and the contract.
+//! MAC addresses as text in this crate's own records (lease status, logs)
+//! and in `/proc/net/arp`: `00:00:6c:ab:cd:ef`. The contract's public form
+//! (`hna_contract::mac`) is the same; this crate keeps its own two functions
+//! so it stays free of Kubernetes, and a test of the root package holds the
+//! two equal.
 
 /// `aa:bb:cc:dd:ee:ff`, lowercase.
-pub fn format(mac: &[u8; 6]) -> String {
+pub(crate) fn format(mac: &[u8; 6]) -> String {
     mac.iter()
         .map(|b| format!("{b:02x}"))
         .collect::<Vec<_>>()
         .join(":")
 }
 
-/// Six two-digit hex bytes separated by `:` or `-`, any case.
-pub fn parse(s: &str) -> Option<[u8; 6]> {
+/// Six two-digit hex bytes separated by `:`, any case (`/proc/net/arp`).
+pub(crate) fn parse(s: &str) -> Option<[u8; 6]> {
     let parts: Vec<u8> = s
         .trim()
-        .split([':', '-'])
+        .split(':')
         .map(|p| {
             (p.len() == 2)
                 .then(|| u8::from_str_radix(p, 16).ok())
@@ -22,33 +24,4 @@ pub fn parse(s: &str) -> Option<[u8; 6]> {
         })
         .collect::<Option<_>>()?;
     parts.try_into().ok()
-}
-
-/// [`parse`], refusing multicast and all-zero addresses (not a host's).
-pub fn parse_unicast(s: &str) -> Option<[u8; 6]> {
-    parse(s).filter(|m| m[0] & 0x01 == 0 && *m != [0; 6])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn round_trip_and_refusals() {
-        let m = [0x00, 0x00, 0x6c, 0xab, 0xcd, 0xef];
-        assert_eq!(format(&m), "00:00:6c:ab:cd:ef");
-        assert_eq!(parse(&format(&m)), Some(m));
-        assert_eq!(parse("00-00-6C-AB-CD-EF"), Some(m));
-        for bad in [
-            "00:00:6c:ab:cd",
-            "00:00:6c:ab:cd:eg",
-            "0:00:6c:ab:cd:ef",
-            "",
-        ] {
-            assert_eq!(parse(bad), None, "{bad}");
-        }
-        assert_eq!(parse_unicast("01:00:5e:00:00:01"), None);
-        assert_eq!(parse_unicast("00:00:00:00:00:00"), None);
-        assert_eq!(parse_unicast("02:00:00:00:00:01"), Some([2, 0, 0, 0, 0, 1]));
-    }
 }

@@ -1,0 +1,782 @@
+//! `harvester-node-agent controller`: the in-cluster controller that gives
+//! DHCP-mode LoadBalancer Services an address through the node agents
+//! (issue #9; `docs/loadbalancer-design.md`).
+//!
+//! Layers: [`reconcile`] decides (pure), [`liveness`] judges node agents on
+//! our clock (pure), [`election`] decides leadership (pure) and
+//! [`leadership`] runs it, [`writer`] turns decisions into PATCHes and carries them out,
+//! [`kube_edge`] is the API (watch caches, requests, Events), [`endpoints`]
+//! says which nodes have a ready endpoint of a Service. Every replica
+//! watches and decides; only the leader writes.
+
+pub mod deletions;
+pub mod election;
+pub mod endpoints;
+pub mod failover;
+mod heap;
+pub mod kube_edge;
+pub mod lan_verdict;
+pub mod leadership;
+pub mod liveness;
+pub mod networks;
+pub mod placement;
+pub mod reconcile;
+pub mod service_health;
+pub mod stats;
+pub mod watches;
+pub mod writer;
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use kube::api::Api;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+
+use hna_edges::cluster::connection::{self, ClusterState, WatchOptions};
+use hna_edges::cluster::credentials::{self, HostEnv, Settings};
+use hna_edges::systemd::{self, Liveness, Notifier};
+
+use election::Timing;
+use stats::Stats;
+
+/// How long one API health request may take.
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the controller reconciles without a change (heartbeat
+/// staleness is only seen by looking again).
+const TICK: Duration = Duration::from_secs(1);
+/// A burst of watch events is decided once, a window after its first:
+/// twice as long as the last pass took to decide (the pure part), within
+/// these bounds. Short for a small cluster, since the window is paid twice
+/// on the way from a new Service to its address (Service to assignment,
+/// lease to status); longer for a large one, so a storm of events cannot
+/// keep the controller deciding all the time.
+const COALESCE_MIN: Duration = Duration::from_millis(5);
+const COALESCE_MAX: Duration = Duration::from_millis(200);
+
+fn coalesce_window(last_pass: Duration) -> Duration {
+    (last_pass * 2).clamp(COALESCE_MIN, COALESCE_MAX)
+}
+
+/// The controller's own settings (its command line is `cli`'s
+/// `ControllerArgs`); none of the node daemon's keys apply to it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Options {
+    /// A kubeconfig to use; `None` means `$KUBECONFIG`, then the Pod's
+    /// service account.
+    pub kubeconfig: Option<PathBuf>,
+    /// How often to look for credentials and re-check the API server.
+    pub credentials_retry: Duration,
+    /// The namespace of the controller Lease and the LoadBalancerNodes.
+    pub namespace: String,
+    /// This replica's name in the Lease.
+    pub identity: String,
+    pub timing: Timing,
+    /// A node whose heartbeat has not changed for this long (on our clock)
+    /// holds no address.
+    pub node_stale_after: Duration,
+    /// No heartbeat change from any node for this long: the watch, not the
+    /// nodes, is suspect ([`liveness`]).
+    pub watch_quiet_after: Duration,
+    /// A lease reported FAILED, or GUARDED, for this long makes its node
+    /// one to avoid for that Service for `service_avoid_for`
+    /// ([`service_health`]).
+    pub service_failed_after: Duration,
+    pub service_guarded_after: Duration,
+    pub service_avoid_for: Duration,
+    /// Serve `/metrics` and `/healthz` here.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Where `externalTrafficPolicy: Local` reads ready endpoints.
+    pub endpoint_source: endpoints::EndpointSetting,
+    /// Which `spec.loadBalancerClass` values are ours.
+    pub classes: hna_contract::ClassPolicy,
+}
+
+/// `<hostname>-<pid>`: unique enough among replicas when no Pod name is
+/// given.
+pub fn default_identity() -> String {
+    let host = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "controller".into());
+    format!("{host}-{}", std::process::id())
+}
+
+pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<()> {
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        identity = %opts.identity,
+        namespace = %opts.namespace,
+        "starting harvester-node-agent controller"
+    );
+    opts.timing
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid election timing: {e}"))?;
+    let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    let watchdog = systemd::watchdog_period();
+    let beat_every = systemd::heartbeat_interval(watchdog);
+    let settings = Settings {
+        kubeconfig: opts.kubeconfig.clone(),
+        search: Vec::new(),
+    };
+    let (cluster_tx, mut cluster_rx) = watch::channel(ClusterState::initial(
+        &credentials::discover(&settings, &HostEnv),
+    ));
+    let (client_tx, mut client_rx) = watch::channel::<Option<kube::Client>>(None);
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let liveness = Liveness::default();
+    let stats = Arc::new(Mutex::new(Stats {
+        identity: opts.identity.clone(),
+        ..Default::default()
+    }));
+    let failover = stats::failover_histogram();
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(connection::watch(
+        WatchOptions {
+            settings,
+            every: opts.credentials_retry,
+            api_timeout: API_TIMEOUT,
+            beat_every,
+        },
+        HostEnv,
+        cluster_tx,
+        client_tx,
+        liveness.register("credentials"),
+        shutdown_rx.clone(),
+    ));
+    if let Some(period) = watchdog {
+        tasks.spawn(systemd::run_watchdog(
+            notifier.clone(),
+            liveness.clone(),
+            period,
+            shutdown_rx.clone(),
+        ));
+    }
+    if let Some(addr) = opts.metrics_listen {
+        let listener = hna_edges::metrics::bind(addr)
+            .await
+            .with_context(|| format!("listening for metrics on {addr}"))?;
+        let h = stats.clone();
+        let registry = stats::registry(stats.clone(), failover.clone());
+        let alive = liveness.clone();
+        let pages = hna_edges::metrics::Pages {
+            metrics: Arc::new(move || hna_edges::metrics::exposition::encode(&registry)),
+            health: Arc::new(move || {
+                let s = h.lock().expect("stats lock");
+                if s.connected {
+                    Ok(())
+                } else {
+                    Err("not connected to the cluster".into())
+                }
+            }),
+            // Not the connection: a restart does not bring an API server
+            // back, and an outage would restart every replica at once.
+            live: Arc::new(move || {
+                match alive.stalled(tokio::time::Instant::now(), beat_every * 5) {
+                    stalled if stalled.is_empty() => Ok(()),
+                    stalled => Err(format!("loops stalled: {}", stalled.join(", "))),
+                }
+            }),
+        };
+        tasks.spawn(hna_edges::metrics::serve(listener, pages));
+    }
+    notifier.ready();
+
+    let main_beat = liveness.register("main");
+    let mut tick = tokio::time::interval(beat_every);
+    let mut last_status = String::new();
+    let mut session: Option<Session> = None;
+    loop {
+        let status = {
+            let mut s = stats.lock().expect("stats lock");
+            s.connected = matches!(*cluster_rx.borrow(), ClusterState::Connected { .. });
+            if s.connected {
+                s.status_line()
+            } else {
+                summary(&cluster_rx.borrow())
+            }
+        };
+        if status != last_status {
+            tracing::info!("{status}");
+            notifier.status(&status);
+            last_status = status;
+        }
+        tokio::select! {
+            changed = cluster_rx.changed() => if changed.is_err() { break },
+            changed = client_rx.changed() => {
+                if changed.is_err() { break }
+                if let Some(old) = session.take() {
+                    old.stop().await;
+                }
+                let client = client_rx.borrow_and_update().clone();
+                session = client.map(|c| Session::start(c, &opts, stats.clone(), failover.clone()));
+            }
+            _ = tick.tick() => main_beat.beat(),
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        }
+    }
+    notifier.stopping();
+    if let Some(s) = session.take() {
+        s.stop().await;
+    }
+    let _ = shutdown_tx.send(true);
+    let drain = async { while tasks.join_next().await.is_some() {} };
+    let _ = tokio::time::timeout(Duration::from_secs(10), drain).await;
+    tracing::info!("controller stopped");
+    Ok(())
+}
+
+/// Everything that runs on one client: watches, election, reconcile.
+struct Session {
+    shutdown: watch::Sender<bool>,
+    election: tokio::task::JoinHandle<()>,
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl Session {
+    fn start(
+        client: kube::Client,
+        opts: &Options,
+        stats: Arc<Mutex<Stats>>,
+        failover: prometheus_client::metrics::histogram::Histogram,
+    ) -> Session {
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let leadership = Arc::new(leadership::Leadership::default());
+        let election = tokio::spawn(leadership::run(
+            Api::namespaced(client.clone(), &opts.namespace),
+            hna_contract::CONTROLLER_LEASE.to_string(),
+            opts.identity.clone(),
+            opts.timing,
+            leadership.clone(),
+            shutdown_rx.clone(),
+        ));
+        let mut tasks = tokio::task::JoinSet::new();
+        let changed = Arc::new(Notify::new());
+        let errors = stats.clone();
+        let caches = kube_edge::watch_all(
+            &client,
+            &opts.namespace,
+            opts.endpoint_source,
+            liveness::Liveness::new(opts.node_stale_after, opts.watch_quiet_after),
+            changed.clone(),
+            Arc::new(move |e: String| {
+                tracing::warn!("{e}");
+                errors.lock().expect("stats lock").watch_errors += 1;
+            }),
+            &mut tasks,
+        );
+        tasks.spawn(reconcile_loop(
+            kube_edge::KubeApi::new(client, &opts.identity),
+            caches,
+            changed,
+            leadership,
+            opts.clone(),
+            stats::Reports { stats, failover },
+            shutdown_rx,
+        ));
+        Session {
+            shutdown,
+            election,
+            tasks,
+        }
+    }
+
+    /// Stops writing at once, releases the Lease if held, stops watching.
+    async fn stop(mut self) {
+        let _ = self.shutdown.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(6), &mut self.election).await;
+        self.tasks.abort_all();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+async fn reconcile_loop(
+    api: kube_edge::KubeApi,
+    caches: kube_edge::Caches,
+    changed: Arc<Notify>,
+    leadership: Arc<leadership::Leadership>,
+    opts: Options,
+    reports: stats::Reports,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let stats::Reports { stats, failover } = reports;
+    tokio::select! {
+        ready = caches.ready() => if !ready { return },
+        _ = shutdown.changed() => return,
+    }
+    stats.lock().expect("stats lock").synced = true;
+    let alive = caches.alive.clone();
+    // The floor of supported servers (1.33) knows it; an older or
+    // unreadable one gets no ipMode rather than a write every pass.
+    let ip_mode = api.knows_ip_mode().await.unwrap_or_else(|| {
+        tracing::warn!("GET /version failed: ipMode is not written in this session");
+        false
+    });
+    tracing::info!(ip_mode, "watch caches loaded: reconciling");
+    let mut slow_warned: BTreeSet<String> = BTreeSet::new();
+    let mut let_go = lan_verdict::LetGo::default();
+    let mut memory = writer::Memory::default();
+    let mut deletions = deletions::Deletions::default();
+    let mut access_ensured: BTreeSet<String> = BTreeSet::new();
+    let mut key_ensured = false;
+    let mut health = service_health::ServiceHealth::new(
+        opts.service_failed_after,
+        opts.service_guarded_after,
+        opts.service_avoid_for,
+    );
+    let mut failovers = failover::FailoverClock::default();
+    let mut term = 0;
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut coalesce = COALESCE_MIN;
+    // The inputs of the last pass, if it left nothing to do.
+    let mut settled: Option<Inputs> = None;
+    let mut trimmer = heap::Trimmer::new(Instant::now());
+    loop {
+        // A node turning stale is news without an event: wake for it; and
+        // for the first write whose backoff is over. A failing write never
+        // delays a pass: it waits out its own backoff
+        // (`writer::WriteBackoff`) while the rest is decided and written.
+        let stale_at = alive
+            .lock()
+            .expect("liveness lock")
+            .next_deadline(Instant::now());
+        let retry_at = memory.backoff.next_retry(Instant::now());
+        let health_at = health.next_deadline();
+        // A node dead on its LAN that never reported its addresses gone:
+        // they move when its wait ends.
+        let let_go_at = let_go.next_deadline(Instant::now());
+        tokio::select! {
+            _ = changed.notified() => tokio::time::sleep(coalesce).await,
+            _ = tick.tick() => {}
+            _ = hna_edges::duration::sleep_until(stale_at) => {}
+            _ = hna_edges::duration::sleep_until(retry_at) => {}
+            _ = hna_edges::duration::sleep_until(health_at) => {}
+            _ = hna_edges::duration::sleep_until(let_go_at) => {}
+            _ = shutdown.changed() => return,
+        }
+        if trimmer.due(Instant::now()) {
+            heap::trim();
+        }
+        let now = Instant::now();
+        let (objects, object_versions) = {
+            let mut alive = alive.lock().expect("liveness lock");
+            objects_from(&caches, &mut alive, &mut slow_warned, &mut let_go, now)
+        };
+        let avoid = health.observe(
+            objects.iter().map(|o| service_health::Report {
+                node: &o.name,
+                spec: &o.spec,
+                generation: o.generation,
+                status: &o.status,
+            }),
+            now,
+            caches.node_objects_generation.current(),
+        );
+        let leading = leadership.leading();
+        let wall = k8s_openapi::jiff::Timestamp::now().as_second();
+        let inputs = Inputs {
+            overdue: caches
+                .services
+                .state()
+                .iter()
+                .filter(|s| s.metadata.deletion_timestamp.is_some())
+                .filter_map(|s| {
+                    s.metadata
+                        .uid
+                        .as_deref()
+                        .map(|uid| deletions.waited(uid, now))
+                })
+                .filter(|w| w.as_secs() as i64 >= reconcile::RELEASE_TIMEOUT_SECS)
+                .count(),
+            services: caches.services_generation.get(),
+            nodes: caches.nodes_generation.get(),
+            endpoints: caches.endpoints.generation(),
+            objects,
+            avoid,
+            networks: caches.networks.lock().expect("network map lock").clone(),
+            leading,
+            term: leadership.term(),
+        };
+        // Most wake-ups at scale are heartbeats alone: they move no
+        // decision, and a whole pass over every Service for each would
+        // keep a core busy. Skipped only after a pass that had nothing to
+        // write and nothing failed, so a skipped pass would have been the
+        // same again.
+        if settled.as_ref() == Some(&inputs) {
+            let mut s = stats.lock().expect("stats lock");
+            s.skipped += 1;
+            s.holder = leadership.holder();
+            continue;
+        }
+        let (mut services, nodes, mut versions) = services_from(&caches);
+        for s in &mut services {
+            deletions.time(s, now, wall);
+        }
+        let deleting: BTreeSet<&str> = services
+            .iter()
+            .filter(|s| s.deleting)
+            .map(|s| s.uid.as_str())
+            .collect();
+        deletions.retain(|uid| deleting.contains(uid));
+        let node_networks = node_networks(&caches);
+        versions.extend(object_versions);
+        let plan = reconcile::reconcile(reconcile::World {
+            services: &services,
+            nodes: &nodes,
+            node_objects: &inputs.objects,
+            access_ensured: &access_ensured,
+            networks: &inputs.networks,
+            classes: &opts.classes,
+            ip_mode,
+            node_networks: &node_networks,
+            avoid: &inputs.avoid,
+            now: wall,
+        });
+        coalesce = coalesce_window(now.elapsed());
+        trimmer.worked();
+        tracing::debug!(
+            took = ?now.elapsed(),
+            services = services.len(),
+            writes = plan.writes.len(),
+            "pass decided"
+        );
+        {
+            let mut s = stats.lock().expect("stats lock");
+            s.reconciles += 1;
+            s.summary = plan.summary.clone();
+            s.leader = leading;
+            s.holder = leadership.holder();
+        }
+        if leading {
+            // The leader alone: the replicas' histograms add up.
+            let alive = alive.lock().expect("liveness lock");
+            for took in failovers.observe(
+                &failover::serving(&inputs.objects),
+                |n| alive.last_change(n),
+                now,
+            ) {
+                failover.observe(took.as_secs_f64());
+            }
+        }
+        if !leading {
+            // A follower writes nothing: the same inputs give the same
+            // summary. (Its plan always has writes, each node's access
+            // among them, which only a leader ensures: settled on an
+            // empty plan, it ran a whole pass every second, 0.2 s of CPU a
+            // second at 10,000 Services.)
+            settled = Some(inputs);
+            continue;
+        }
+        if leadership.term() != term {
+            // A new term: what was sent or told before may have been
+            // undone by another leader since.
+            term = leadership.term();
+            memory.clear();
+            access_ensured.clear();
+            key_ensured = false;
+        }
+        if !key_ensured {
+            match api.ensure_membership_key(&opts.namespace).await {
+                Ok(made) => {
+                    key_ensured = true;
+                    if made {
+                        tracing::info!(
+                            secret = %format!("{}/{}", opts.namespace, hna_contract::membership::SECRET_NAME),
+                            "made the LAN membership's key"
+                        );
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot make the LAN membership's key (Secret {}); the agents' membership waits for it", hna_contract::membership::SECRET_NAME);
+                    stats.lock().expect("stats lock").write_errors += 1;
+                }
+            }
+        }
+        memory.writes.prune(|t| versions.get(t).cloned());
+        let uids: HashMap<&hna_contract::ServiceKey, &str> =
+            services.iter().map(|s| (&s.key, s.uid.as_str())).collect();
+        memory.events.retain(|k, uid| uids.get(k) == Some(&uid));
+        let version_of = |t: &str| versions.get(t).cloned();
+        let out = writer::execute(
+            &opts.namespace,
+            &plan,
+            &api,
+            &|| leadership.leading(),
+            &mut memory,
+            &version_of,
+        )
+        .await;
+        access_ensured.extend(out.access_ensured.iter().cloned());
+        for e in &out.errors {
+            tracing::warn!("{e}");
+        }
+        for (kind, n) in &out.writes {
+            tracing::debug!(kind, n, "writes");
+        }
+        {
+            let mut s = stats.lock().expect("stats lock");
+            for (kind, n) in &out.writes {
+                *s.writes.entry(kind).or_default() += n;
+            }
+            s.write_errors += out.errors.len() as u64;
+            if let Some(e) = out.errors.last() {
+                s.last_error = Some(e.clone());
+            } else if out.writes.values().sum::<u64>() > 0 {
+                s.last_error = None;
+            }
+            s.count_events(&out.published);
+        }
+        for e in &out.published {
+            tracing::info!(service = %e.service, reason = e.reason, "{}", e.message);
+        }
+        if out.conflicts > 0 {
+            tracing::debug!(
+                conflicts = out.conflicts,
+                "writes refused: their objects changed since this plan; the next plan redoes them"
+            );
+        }
+        {
+            let mut s = stats.lock().expect("stats lock");
+            s.writes_deferred += out.deferred;
+            s.objects_backing_off = memory.backoff.waiting() as u64;
+        }
+        settled = (plan.writes.is_empty()
+            && out.errors.is_empty()
+            && out.conflicts == 0
+            && out.deferred == 0
+            && !out.stopped)
+            .then_some(inputs);
+    }
+}
+
+/// What a pass decides from, as far as it can change: the caches'
+/// generations (they change with every change of an object), the node
+/// objects as the decision reads them (without their heartbeat: liveness
+/// has read it), and leadership.
+#[derive(Debug, PartialEq)]
+struct Inputs {
+    /// Deletions that have waited past the release timeout: time alone
+    /// changes a decision there.
+    overdue: usize,
+    services: u64,
+    nodes: u64,
+    endpoints: u64,
+    objects: Vec<reconcile::NodeIn>,
+    avoid: service_health::Avoid,
+    networks: networks::NetworkMap,
+    leading: bool,
+    term: u64,
+}
+
+/// The Services and Nodes as the decision reads them, and the
+/// resourceVersion of every Service (for the [`writer::WriteMemo`]).
+fn services_from(
+    caches: &kube_edge::Caches,
+) -> (
+    Vec<reconcile::ServiceIn>,
+    Vec<String>,
+    HashMap<String, String>,
+) {
+    let mut versions = HashMap::new();
+    let mut services = Vec::new();
+    // Built at the first `Local` Service of the pass, if there is one.
+    let mut ready_nodes = None;
+    for s in caches.services.state() {
+        let Some(mut view) = kube_edge::service_in(&s) else {
+            continue;
+        };
+        if let Some(local) = &mut view.local_endpoints {
+            let by_service = ready_nodes.get_or_insert_with(|| caches.endpoints.ready_nodes());
+            if let Some(nodes) = by_service.get(&view.key) {
+                local.clone_from(nodes);
+            }
+        }
+        if let Some(rv) = &s.metadata.resource_version {
+            versions.insert(format!("service/{}", view.key), rv.clone());
+        }
+        services.push(view);
+    }
+    let nodes: Vec<String> = caches
+        .nodes
+        .state()
+        .iter()
+        .filter_map(|n| n.metadata.name.clone())
+        .collect();
+    (services, nodes, versions)
+}
+
+/// The Nodes' own addresses and Pod CIDRs (`reconcile::NodeNetworks`).
+fn node_networks(caches: &kube_edge::Caches) -> reconcile::NodeNetworks {
+    let mut out = reconcile::NodeNetworks::default();
+    for n in caches.nodes.state() {
+        let addresses: Vec<&str> = n
+            .status
+            .iter()
+            .flat_map(|s| s.addresses.iter().flatten())
+            .map(|a| a.address.as_str())
+            .collect();
+        let cidrs: Vec<&str> = n
+            .spec
+            .iter()
+            .flat_map(|s| s.pod_cidrs.iter().flatten())
+            .map(String::as_str)
+            .collect();
+        out.add(&addresses, &cidrs);
+    }
+    out
+}
+
+/// The node objects as the decision reads them (each judged on our clock
+/// by `alive`, which the watch gives their heartbeats as they arrive),
+/// sorted by name, and the resourceVersion of each.
+fn objects_from(
+    caches: &kube_edge::Caches,
+    alive: &mut liveness::Liveness,
+    slow_warned: &mut BTreeSet<String>,
+    let_go: &mut lan_verdict::LetGo,
+    now: Instant,
+) -> (Vec<reconcile::NodeIn>, HashMap<String, String>) {
+    let mut versions = HashMap::new();
+    let mut objects = Vec::new();
+    let mut names = BTreeSet::new();
+    let state = caches.node_objects.state();
+    let reporters: Vec<lan_verdict::Reporter<'_>> = state
+        .iter()
+        .filter_map(|o| {
+            let name = o.metadata.name.as_deref()?;
+            Some(lan_verdict::Reporter {
+                name,
+                lan: o.status.as_ref()?.lan.as_ref()?,
+                fresh: alive.fresh(name, now),
+                on_time: alive.on_time(name, now),
+                restarting: alive.restarting(name, now),
+            })
+        })
+        .collect();
+    let lan = lan_verdict::judge(&reporters);
+    let lan_dead = &lan.dead;
+    let was_dead: BTreeSet<String> = let_go.dead().map(str::to_string).collect();
+    let unheard: BTreeSet<String> = state
+        .iter()
+        .filter(|o| {
+            o.status
+                .as_ref()
+                .and_then(|s| s.lan.as_ref())
+                .is_some_and(|l| l.unheard)
+        })
+        .filter_map(|o| o.metadata.name.clone())
+        .collect();
+    for n in let_go.observe(lan_dead, &unheard, now) {
+        let witnesses: Vec<&str> = reporters
+            .iter()
+            .filter(|r| r.lan.down.contains(&n))
+            .map(|r| r.name)
+            .collect();
+        let lets_go_first = let_go.lets_go_first(&n, alive.on_time(&n, now), now);
+        tracing::warn!(node = %n, reported_by = ?witnesses, said_unheard = unheard.contains(&n), on_time = alive.on_time(&n, now), lets_go_first, "dead on its LAN by its witnesses' agreement: its Services move");
+    }
+    for n in was_dead.difference(lan_dead) {
+        tracing::info!(node = %n, "no longer dead on its LAN");
+    }
+    for o in state.iter() {
+        let Some(name) = o.metadata.name.clone() else {
+            continue;
+        };
+        // Its heartbeat was given to `alive` when the watch delivered it.
+        let status = o.status.as_ref();
+        let period = status
+            .and_then(|s| s.heartbeat_period_ms)
+            .map(Duration::from_millis);
+        let too_slow = alive.too_slow(period);
+        if too_slow && slow_warned.insert(name.clone()) {
+            tracing::warn!(
+                node = %name,
+                heartbeat = ?period,
+                node_stale_after = ?alive.stale_after(),
+                "this node's agent writes its heartbeat too seldom for --node-stale-after (two must fit in it): it gets no addresses; lower `lb_heartbeat` in its configuration"
+            );
+        } else if !too_slow {
+            slow_warned.remove(&name);
+        }
+        // A stale status with a witness that hears the node: cut off from
+        // the API server only, it serves on (nothing moves).
+        let fresh = alive.fresh(&name, now);
+        let heard = fresh || lan.vouched.contains(&name);
+        let eligible =
+            !too_slow && !lan_dead.contains(&name) && heard && status.is_some_and(|s| s.ready);
+        // Its spec's version: the status moves the resourceVersion with
+        // every write of the node's (`kube_edge::generation_guarded`).
+        if let Some(g) = o.metadata.generation {
+            versions.insert(format!("node/{name}"), kube_edge::generation_token(g));
+        }
+        if let Some(mut n) = kube_edge::node_in(o, eligible) {
+            // Late by its own stated period (two heartbeats missed), it is
+            // probably cut off from the API server: it keeps what it holds
+            // and is given nothing new, which it could not read. Not only
+            // once stale (40 s), which a leader that has just started
+            // counts from its own start: the soak saw one give a Service to
+            // a node cut off 43 s before, 22 s after it began to lead.
+            n.keep_only = eligible && !alive.on_time(&name, now);
+            n.unproven = !alive.written(&name);
+            n.lets_go_first = let_go.lets_go_first(&name, alive.on_time(&name, now), now);
+            // Neither the heartbeat nor a renewal's new expiry moves a
+            // decision: without them, a write that carries nothing else
+            // wakes no pass (issue #30).
+            n.status.heartbeat = None;
+            for l in &mut n.status.leases {
+                l.expires = None;
+            }
+            objects.push(n);
+        }
+        names.insert(name);
+    }
+    alive.retain(|n| names.contains(n));
+    objects.sort_by(|a, b| a.name.cmp(&b.name));
+    (objects, versions)
+}
+
+/// The controller's `STATUS=` line before it is connected.
+pub fn summary(cluster: &ClusterState) -> String {
+    match cluster {
+        ClusterState::Connected {
+            server,
+            server_version,
+            ..
+        } => format!("controller: connected to {server} ({server_version})"),
+        ClusterState::Connecting { .. } => "controller: connecting to the cluster".into(),
+        ClusterState::Unreachable { error, .. } => {
+            format!("controller: cluster unreachable: {error}")
+        }
+        ClusterState::WaitingForCredentials { searched, .. } => format!(
+            "controller: waiting for credentials (searched {})",
+            searched
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_coalescing_window_follows_the_cost_of_a_pass_within_bounds() {
+        assert_eq!(coalesce_window(Duration::ZERO), COALESCE_MIN);
+        assert_eq!(
+            coalesce_window(Duration::from_millis(30)),
+            Duration::from_millis(60)
+        );
+        assert_eq!(coalesce_window(Duration::from_secs(1)), COALESCE_MAX);
+    }
+}

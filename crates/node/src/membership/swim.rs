@@ -1,0 +1,1201 @@
+//! One node's membership of its LAN, as a state machine with no I/O:
+//! packets and timers in, packets to send and timers to set out
+//! ([`Out`]), the way the DHCP engine is built. The transport
+//! (`membership::transport`) owns the socket and the clock.
+//!
+//! Two layers:
+//!
+//! - SWIM (`foca`): every member probes a random other each
+//!   [`Settings::probe_period`], asks others to probe it indirectly when it
+//!   does not answer, suspects it, and spreads the news by gossip. Its view
+//!   of who is alive is reported (`status.lan.alive`); its verdicts move
+//!   nothing: each is one member's, reached at a random moment and
+//!   repeated by gossip.
+//! - Witnesses: each node is watched by the [`WITNESSES`] nodes after it on
+//!   a hash ring (`hna_contract::membership`). A witness probes each node it
+//!   watches itself, every [`Settings::witness_every`], and reports it
+//!   down (in its own status) only once its probes have gone unanswered
+//!   for longer than that node's address lifetime (which its answers
+//!   carry) plus [`Settings::margin`]: by then the dead node's kernel has
+//!   dropped every address it held (the lifetime is confirmed only while
+//!   its agent runs), so the node the controller moves its Services to
+//!   cannot answer beside it, even though a frozen holder's kernel still
+//!   answers ARP with the Service's own MAC, which the takeover guard
+//!   cannot tell from the new holder's. The controller moves a node's
+//!   Services when two of its witnesses agree, so a node is moved on
+//!   independent voices that each tried to reach it, never on one. A node
+//!   that stood down ([`Member::set_stood_down`]: it holds nothing and
+//!   cannot read its assignments) says so in its answers, and is reported
+//!   while it answers.
+//!
+//! Every packet travels sealed (`membership::wire`); what the gate drops is
+//! counted and never reaches SWIM. Packets go only to the peers the
+//! controller named: an address learned from gossip is never sent to.
+//!
+//! [`WITNESSES`]: hna_contract::membership::WITNESSES
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddrV4;
+use std::num::{NonZeroU8, NonZeroUsize};
+use std::sync::Arc;
+use std::time::Duration;
+
+use foca::{Config, Foca, NoCustomBroadcast, Notification, PeriodicParams, Runtime};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::time::Instant;
+
+use super::codec::Codec;
+pub use super::identity::Id;
+use super::wire::{self, Dropped, Gate, Key, Stamp};
+use hna_contract::membership::witnessed_by;
+
+/// The protocol's timing.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// How often each member probes another (SWIM's protocol period).
+    pub probe_period: Duration,
+    /// How long a direct probe waits before indirect ones are asked for.
+    pub probe_rtt: Duration,
+    /// How long a suspect may refute before SWIM declares it down.
+    pub suspect_to_down: Duration,
+    /// How often a witness probes each node it watches.
+    pub witness_every: Duration,
+    /// Added to a node's address lifetime before its witness may report
+    /// it: scheduling, clock rates and the probe in flight.
+    pub margin: Duration,
+    /// This node's own address lifetime (`lb_address_lifetime`), told to
+    /// its witnesses in every answer.
+    pub own_lifetime: Duration,
+    /// The lifetime assumed of a node that has not said its own yet.
+    pub default_lifetime: Duration,
+    /// How often peers SWIM does not count as alive are announced to.
+    pub join_every: Duration,
+    /// A peer not heard for this long counts as silent for this node's own
+    /// fence ([`Hearing`]): three of its witness probes missed.
+    pub silent_after: Duration,
+}
+
+impl Default for Settings {
+    /// A dead node is reported by its witnesses 1.25-1.35 s after it died
+    /// (its 1 s address lifetime, the margin, and the probe interval): the
+    /// controller's move, the new holder's guard and its DHCP round trip
+    /// follow within about 0.3 s, under the 2 s the failover is allowed.
+    /// Ten probes a second to each of three watched nodes, and their
+    /// answers: about 60 small packets a second per node.
+    fn default() -> Settings {
+        Settings {
+            probe_period: Duration::from_millis(300),
+            probe_rtt: Duration::from_millis(100),
+            suspect_to_down: Duration::from_millis(900),
+            witness_every: Duration::from_millis(100),
+            margin: Duration::from_millis(250),
+            own_lifetime: Duration::from_secs(1),
+            default_lifetime: Duration::from_secs(1),
+            join_every: Duration::from_secs(1),
+            silent_after: Duration::from_millis(300),
+        }
+    }
+}
+
+/// A timer the state machine set; handed back through [`Member::timer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Timer {
+    Swim(foca::Timer<Id>),
+    /// The witnesses' next round of probes.
+    Witness,
+    /// Announce to the peers SWIM does not count as alive.
+    Join,
+}
+
+/// What the transport is to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Out {
+    Send { to: SocketAddrV4, packet: Vec<u8> },
+    After { after: Duration, timer: Timer },
+}
+
+/// The first byte of a sealed payload.
+const KIND_SWIM: u8 = 0;
+const KIND_PING: u8 = 1;
+/// An answer to a witness's probe: the nonce (4 bytes), the node's address
+/// lifetime in ms (4) and its flags (1; absent from agents before the
+/// flags, which read as none: a witness reads what it knows and ignores
+/// the rest, so either side may be the older).
+const KIND_PONG: u8 = 2;
+
+/// A flag of a probe's answer: this node stood down
+/// ([`Member::set_stood_down`]).
+const FLAG_STOOD_DOWN: u8 = 0x01;
+
+/// What a witness knows of a node it watches.
+#[derive(Debug, Clone, Default)]
+struct Watched {
+    /// The last authentic packet from it.
+    heard: Option<Instant>,
+    /// The last probe sent to it.
+    probed: Option<Instant>,
+    /// The first probe of the unanswered run, if the last one is
+    /// unanswered.
+    silent_since: Option<Instant>,
+    /// Its address lifetime, as its answers say.
+    lifetime: Option<Duration>,
+    /// Reported down since.
+    down_since: Option<Instant>,
+    /// Its last answer said it stood down: reported down while it says
+    /// so, though it answers.
+    stood_down: bool,
+}
+
+/// What this node hears of its LAN, for its own fence: the mirror of its
+/// witnesses' verdict. A node that cannot hear enough of its witnesses to
+/// be moved by them (or hears none of its peers) is likely the one cut
+/// off, and must let go of its addresses before they report it, unless
+/// the API server heard from it since (then the controller decides).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Hearing {
+    /// Since when no peer has been heard (none for [`Settings::silent_after`];
+    /// `None`: one was, or none ever was).
+    pub none_since: Option<Instant>,
+    /// Since when [`Hearing::convicting`] of this node's witnesses have
+    /// been silent (each heard before, none for `silent_after`).
+    pub short_since: Option<Instant>,
+    /// This node's witnesses that are silent, sorted.
+    pub silent: Vec<String>,
+    /// How many witnesses' reports move a node (two, or all it has when
+    /// fewer), as the controller counts them.
+    pub convicting: usize,
+}
+
+/// Counters, for metrics and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// SWIM payloads that did not parse or that SWIM refused.
+    pub swim_errors: u64,
+    /// Packets SWIM wanted to send to a member the controller did not name.
+    pub not_a_peer: u64,
+    /// Witness probes sent.
+    pub witness_probes: u64,
+}
+
+/// One node's membership.
+pub struct Member {
+    me: Id,
+    settings: Settings,
+    foca: Foca<Id, Codec, SmallRng, NoCustomBroadcast>,
+    rng: SmallRng,
+    gate: Gate,
+    seal_with: Key,
+    sequence: u64,
+    peers: BTreeMap<Arc<str>, SocketAddrV4>,
+    watched: BTreeMap<Arc<str>, Watched>,
+    /// The last authentic packet from any peer.
+    heard_any: Option<Instant>,
+    /// The last authentic packet from each peer.
+    heard: BTreeMap<Arc<str>, Instant>,
+    /// This node's own witnesses (the ring's, among the peers).
+    witnesses: Vec<Arc<str>>,
+    /// When the peers were last set (silence before it counts from then).
+    since: Instant,
+    counters: Counters,
+    out: Vec<Out>,
+    /// This node stood down ([`Member::set_stood_down`]): its answers to
+    /// its witnesses say so.
+    stood_down: bool,
+}
+
+/// Collects what `foca` asks for during one call.
+#[derive(Default)]
+struct Collect {
+    send: Vec<(Id, Vec<u8>)>,
+    after: Vec<(Duration, foca::Timer<Id>)>,
+}
+
+impl Runtime<Id> for Collect {
+    fn notify(&mut self, _n: Notification<'_, Id>) {}
+
+    fn send_to(&mut self, to: Id, data: &[u8]) {
+        self.send.push((to, data.to_vec()));
+    }
+
+    fn submit_after(&mut self, event: foca::Timer<Id>, after: Duration) {
+        self.after.push((after, event));
+    }
+}
+
+impl Member {
+    /// `keys`: the first seals, all open (a rotation has two). `run`: when
+    /// this run of the agent began (Unix ms).
+    pub fn new(
+        name: &str,
+        addr: SocketAddrV4,
+        run: u64,
+        keys: Vec<Key>,
+        settings: Settings,
+        seed: u64,
+        now: Instant,
+    ) -> Option<Member> {
+        let seal_with = keys.first()?.clone();
+        let me = Id {
+            name: Arc::from(name),
+            addr,
+            run,
+            renewal: 0,
+        };
+        let config = Config {
+            probe_period: settings.probe_period,
+            probe_rtt: settings.probe_rtt,
+            num_indirect_probes: NonZeroUsize::new(3).expect("nonzero"),
+            max_transmissions: NonZeroU8::new(10).expect("nonzero"),
+            suspect_to_down_after: settings.suspect_to_down,
+            remove_down_after: Some(Duration::from_secs(3600)),
+            max_packet_size: NonZeroUsize::new(wire::MAX_PAYLOAD - 1).expect("nonzero"),
+            notify_down_members: true,
+            periodic_announce: Some(PeriodicParams {
+                frequency: Duration::from_secs(30),
+                num_members: NonZeroUsize::new(1).expect("nonzero"),
+            }),
+            periodic_announce_to_down_members: Some(PeriodicParams {
+                frequency: Duration::from_secs(10),
+                num_members: NonZeroUsize::new(2).expect("nonzero"),
+            }),
+            periodic_gossip: Some(PeriodicParams {
+                frequency: Duration::from_millis(100),
+                num_members: NonZeroUsize::new(3).expect("nonzero"),
+            }),
+        };
+        let foca = Foca::new(me.clone(), config, SmallRng::seed_from_u64(seed), Codec);
+        let mut m = Member {
+            me,
+            settings,
+            foca,
+            rng: SmallRng::seed_from_u64(seed ^ 0x5eed),
+            gate: Gate::new(keys, BTreeSet::new()),
+            seal_with,
+            sequence: 0,
+            peers: BTreeMap::new(),
+            watched: BTreeMap::new(),
+            heard_any: None,
+            heard: BTreeMap::new(),
+            witnesses: Vec::new(),
+            since: now,
+            counters: Counters::default(),
+            out: Vec::new(),
+            stood_down: false,
+        };
+        m.out.push(Out::After {
+            after: Duration::ZERO,
+            timer: Timer::Join,
+        });
+        m.out.push(Out::After {
+            after: Duration::ZERO,
+            timer: Timer::Witness,
+        });
+        Some(m)
+    }
+
+    pub fn id(&self) -> &Id {
+        &self.me
+    }
+
+    /// The peers the controller named (this node excluded): only they are
+    /// admitted, sent to and watched.
+    pub fn set_peers(&mut self, peers: &[(String, SocketAddrV4)], now: Instant) {
+        let new: BTreeMap<Arc<str>, SocketAddrV4> = peers
+            .iter()
+            .filter(|(n, _)| **n != *self.me.name)
+            .map(|(n, a)| (Arc::from(n.as_str()), *a))
+            .collect();
+        if new == self.peers {
+            return;
+        }
+        self.peers = new;
+        self.since = now;
+        self.gate
+            .set_members(self.peers.keys().map(|n| n.to_string()).collect());
+        let watch: BTreeSet<String> = witnessed_by(self.peers.keys().map(|n| &**n), &self.me.name)
+            .into_iter()
+            .collect();
+        self.watched.retain(|n, _| watch.contains(&**n));
+        for n in watch {
+            self.watched.entry(Arc::from(n.as_str())).or_default();
+        }
+        let members = self.peers.keys().map(|n| &**n).chain([&*self.me.name]);
+        self.witnesses = hna_contract::membership::witnesses_of(members, &self.me.name)
+            .into_iter()
+            .map(|n| Arc::from(n.as_str()))
+            .collect();
+        self.heard.retain(|n, _| self.peers.contains_key(n));
+        self.join();
+    }
+
+    /// A new key set (the first seals).
+    pub fn set_keys(&mut self, keys: Vec<Key>) {
+        if let Some(k) = keys.first() {
+            self.seal_with = k.clone();
+            self.gate.set_keys(keys);
+        }
+    }
+
+    /// This node holds none of its addresses and cannot read its
+    /// assignments (its API path is cut): from its next answer on, its
+    /// witnesses report it down while they hear it, so that its Services
+    /// move, as they would were it silent. It keeps answering, and keeps
+    /// witnessing for others: going silent instead would take a witness
+    /// from every node it watches. `false`: it serves again, and its next
+    /// answer withdraws the report.
+    pub fn set_stood_down(&mut self, stood_down: bool) {
+        self.stood_down = stood_down;
+    }
+
+    /// A packet arrived.
+    pub fn receive(&mut self, packet: &[u8], now: Instant) {
+        let Some((sender, payload)) = self.gate.admit(packet) else {
+            return;
+        };
+        let Some(name) = self.peers.get_key_value(sender).map(|(n, _)| n.clone()) else {
+            return;
+        };
+        self.heard_any = Some(now);
+        self.heard.insert(name.clone(), now);
+        if let Some(w) = self.watched.get_mut(&name) {
+            // Anything authentic from it (fresh: the gate refuses a replay)
+            // says it runs.
+            w.heard = Some(now);
+            w.silent_since = None;
+            if let Some((&KIND_PONG, rest)) = payload.split_first()
+                && let Some(ms) = rest.get(4..8)
+            {
+                let ms = u32::from_be_bytes([ms[0], ms[1], ms[2], ms[3]]);
+                w.lifetime = Some(Duration::from_millis(u64::from(ms)));
+                let stood_down = rest.get(8).is_some_and(|f| f & FLAG_STOOD_DOWN != 0);
+                if stood_down && !w.stood_down {
+                    tracing::info!(
+                        peer = %name,
+                        "a witnessed peer says it stood down (it holds none of its addresses and cannot read its assignments): reporting it dead on the LAN"
+                    );
+                } else if !stood_down && w.stood_down {
+                    tracing::info!(peer = %name, "a witnessed peer no longer stands down");
+                }
+                w.stood_down = stood_down;
+            }
+            // Only its answers carry the flag: its other packets leave the
+            // report as its last answer made it.
+            if w.stood_down {
+                w.down_since.get_or_insert(now);
+            } else {
+                w.down_since = None;
+            }
+        }
+        match payload.split_first() {
+            Some((&KIND_SWIM, data)) => {
+                // Speaking for another member is refused, however sealed.
+                use foca::Codec as _;
+                match Codec.decode_header(data) {
+                    Ok(h) if *h.src.name == *name => {}
+                    _ => {
+                        self.counters.swim_errors += 1;
+                        return;
+                    }
+                }
+                let mut rt = Collect::default();
+                if self.foca.handle_data(data, &mut rt).is_err() {
+                    self.counters.swim_errors += 1;
+                }
+                self.run_collected(rt);
+            }
+            Some((&KIND_PING, nonce)) if nonce.len() == 4 => {
+                let mut reply = vec![KIND_PONG];
+                reply.extend_from_slice(nonce);
+                let ms = u32::try_from(self.settings.own_lifetime.as_millis()).unwrap_or(u32::MAX);
+                reply.extend_from_slice(&ms.to_be_bytes());
+                reply.push(if self.stood_down { FLAG_STOOD_DOWN } else { 0 });
+                self.send_to(&name, &reply);
+            }
+            Some((&KIND_PONG, _)) => {}
+            _ => self.counters.swim_errors += 1,
+        }
+    }
+
+    /// A timer this machine set fired.
+    pub fn timer(&mut self, t: Timer, now: Instant) {
+        match t {
+            Timer::Swim(t) => {
+                let mut rt = Collect::default();
+                if self.foca.handle_timer(t, &mut rt).is_err() {
+                    self.counters.swim_errors += 1;
+                }
+                self.run_collected(rt);
+            }
+            Timer::Join => {
+                self.join();
+                self.out.push(Out::After {
+                    after: self.settings.join_every,
+                    timer: Timer::Join,
+                });
+            }
+            Timer::Witness => {
+                self.witness_round(now);
+                self.out.push(Out::After {
+                    after: self.settings.witness_every,
+                    timer: Timer::Witness,
+                });
+            }
+        }
+    }
+
+    /// Leaves the cluster (a stop that hands the addresses over): the peers
+    /// learn at once instead of after a probe.
+    pub fn leave(&mut self) {
+        let mut rt = Collect::default();
+        let _ = self.foca.leave_cluster(&mut rt);
+        self.run_collected(rt);
+    }
+
+    /// What to do, since the last call.
+    pub fn drain(&mut self) -> Vec<Out> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// The nodes this one watches and found dead (sorted).
+    pub fn down(&self) -> Vec<String> {
+        self.watched
+            .iter()
+            .filter(|(_, w)| w.down_since.is_some())
+            .map(|(n, _)| n.to_string())
+            .collect()
+    }
+
+    /// The nodes this one watches whose probes it hears answered
+    /// (sorted): heard, and not reported down since. A probe or two lost
+    /// changes nothing (no status write for it).
+    pub fn hears(&self) -> Vec<String> {
+        self.watched
+            .iter()
+            .filter(|(_, w)| w.heard.is_some() && w.down_since.is_none())
+            .map(|(n, _)| n.to_string())
+            .collect()
+    }
+
+    /// What this node hears of its LAN at `now`, for its own fence. A
+    /// witness never heard does not count as silent, as a witness never
+    /// reports a node it never heard.
+    pub fn hearing(&self, now: Instant) -> Hearing {
+        let silent_after = self.settings.silent_after;
+        let quiet = |at: Instant| now.saturating_duration_since(at) >= silent_after;
+        let none_since = self.heard_any.filter(|at| quiet(*at));
+        let mut silent: Vec<(Instant, String)> = self
+            .witnesses
+            .iter()
+            .filter_map(|w| {
+                let at = *self.heard.get(w)?;
+                quiet(at).then(|| (at, w.to_string()))
+            })
+            .collect();
+        silent.sort();
+        let convicting = self.witnesses.len().min(2);
+        let short_since =
+            (convicting > 0 && silent.len() >= convicting).then(|| silent[convicting - 1].0);
+        let mut silent: Vec<String> = silent.into_iter().map(|(_, n)| n).collect();
+        silent.sort();
+        Hearing {
+            none_since,
+            short_since,
+            silent,
+            convicting,
+        }
+    }
+
+    /// The nodes this one watches.
+    pub fn watching(&self) -> Vec<String> {
+        self.watched.keys().map(|n| n.to_string()).collect()
+    }
+
+    /// The last authentic packet from any peer (`None`: none yet).
+    pub fn heard_any(&self) -> Option<Instant> {
+        self.heard_any
+    }
+
+    pub fn has_peers(&self) -> bool {
+        !self.peers.is_empty()
+    }
+
+    /// The peers SWIM counts as alive.
+    pub fn alive(&self) -> usize {
+        self.foca.num_members()
+    }
+
+    pub fn dropped(&self, why: Dropped) -> u64 {
+        self.gate.dropped(why)
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    fn join(&mut self) {
+        let alive: BTreeSet<Arc<str>> = self
+            .foca
+            .iter_members()
+            .map(|m| m.id().name.clone())
+            .collect();
+        let mut rt = Collect::default();
+        let unknown: Vec<(Arc<str>, SocketAddrV4)> = self
+            .peers
+            .iter()
+            .filter(|(n, _)| !alive.contains(*n))
+            .map(|(n, a)| (n.clone(), *a))
+            .collect();
+        // A few at a time: a large LAN is learned through their feeds.
+        for (name, addr) in unknown.into_iter().take(4) {
+            let dst = Id {
+                name,
+                addr,
+                run: 0,
+                renewal: 0,
+            };
+            let _ = self.foca.announce(dst, &mut rt);
+        }
+        self.run_collected(rt);
+    }
+
+    fn run_collected(&mut self, rt: Collect) {
+        for (after, t) in rt.after {
+            self.out.push(Out::After {
+                after,
+                timer: Timer::Swim(t),
+            });
+        }
+        for (to, data) in rt.send {
+            let mut payload = Vec::with_capacity(data.len() + 1);
+            payload.push(KIND_SWIM);
+            payload.extend_from_slice(&data);
+            let name = to.name.clone();
+            self.send_to(&name, &payload);
+        }
+    }
+
+    fn send_to(&mut self, name: &Arc<str>, payload: &[u8]) {
+        let Some(to) = self.peers.get(name).copied() else {
+            self.counters.not_a_peer += 1;
+            return;
+        };
+        self.sequence += 1;
+        let stamp = Stamp {
+            epoch: self.me.run,
+            sequence: self.sequence,
+        };
+        if let Ok(packet) = wire::seal(&self.seal_with, &self.me.name, stamp, payload) {
+            self.out.push(Out::Send { to, packet });
+        }
+    }
+
+    /// One round of the witness's probes: each watched node that answered
+    /// before and whose last probe went unanswered is silent since that
+    /// probe; silent for longer than its address lifetime and the margin,
+    /// it is reported down (its kernel has dropped its addresses by then).
+    /// Then the next probes.
+    fn witness_round(&mut self, now: Instant) {
+        let names: Vec<Arc<str>> = self.watched.keys().cloned().collect();
+        for name in names {
+            let Some(w) = self.watched.get_mut(&name) else {
+                continue;
+            };
+            // A node never heard is never reported: its membership may not
+            // run yet (no key, no peers, UDP blocked), and silence from a
+            // node that never spoke says nothing of the addresses it holds.
+            // Its heartbeat judges it.
+            if let (Some(probed), Some(_)) = (w.probed, w.heard) {
+                let answered = w.heard.is_some_and(|h| h >= probed);
+                if !answered {
+                    let since = *w.silent_since.get_or_insert(probed);
+                    // A node without a lifetime (`lb_address_lifetime = 0`)
+                    // is given the default: its addresses never expire by
+                    // themselves, so no wait makes a frozen one safe.
+                    let bound = w
+                        .lifetime
+                        .filter(|l| !l.is_zero())
+                        .unwrap_or(self.settings.default_lifetime)
+                        + self.settings.margin;
+                    if now.saturating_duration_since(since) >= bound && w.down_since.is_none() {
+                        w.down_since = Some(now);
+                        tracing::info!(
+                            peer = %name,
+                            silent_for = ?now.saturating_duration_since(since),
+                            last_heard = ?w.heard.map(|h| now.saturating_duration_since(h)),
+                            bound = ?bound,
+                            "a witnessed peer answers no probe: reporting it dead on the LAN"
+                        );
+                    }
+                }
+            }
+            w.probed = Some(now);
+            let nonce = self.rng.next_u32();
+            let mut ping = vec![KIND_PING];
+            ping.extend_from_slice(&nonce.to_be_bytes());
+            self.counters.witness_probes += 1;
+            self.send_to(&name, &ping);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+
+    use hna_contract::membership::witnesses_of;
+    use rand::RngExt;
+
+    fn key() -> Key {
+        Key::new(1, &[7; 32]).unwrap()
+    }
+
+    enum Event {
+        Deliver(usize, Vec<u8>),
+        Timer(usize, u64, Timer),
+    }
+
+    /// A LAN of members on a virtual clock: packets take 1 ms (or are
+    /// lost), timers fire when due.
+    struct Lan {
+        members: Vec<Member>,
+        addrs: Vec<SocketAddrV4>,
+        /// Per member: its run (timers of an older run are dropped), and
+        /// whether it is cut off (sends and receives nothing).
+        runs: Vec<u64>,
+        cut: Vec<bool>,
+        /// Pairs that cannot reach each other (a split LAN).
+        split: Option<Box<dyn Fn(usize, usize) -> bool>>,
+        loss: f64,
+        rng: SmallRng,
+        queue: BinaryHeap<Reverse<(Instant, u64)>>,
+        events: BTreeMap<u64, Event>,
+        seq: u64,
+        now: Instant,
+        delivered: BTreeMap<(String, usize), Vec<u8>>,
+    }
+
+    impl Lan {
+        fn new(n: usize) -> Lan {
+            let now = Instant::now();
+            let addrs: Vec<SocketAddrV4> = (0..n)
+                .map(|i| SocketAddrV4::new([10, 0, 0, 10 + i as u8].into(), 7947))
+                .collect();
+            let mut lan = Lan {
+                members: Vec::new(),
+                addrs,
+                runs: vec![1; n],
+                cut: vec![false; n],
+                split: None,
+                loss: 0.0,
+                rng: SmallRng::seed_from_u64(42),
+                queue: BinaryHeap::new(),
+                events: BTreeMap::new(),
+                seq: 0,
+                now,
+                delivered: BTreeMap::new(),
+            };
+            for i in 0..n {
+                let m = lan.member(i, 1);
+                lan.members.push(m);
+                lan.flush(i);
+            }
+            lan
+        }
+
+        fn name(i: usize) -> String {
+            format!("node-{i}")
+        }
+
+        fn peers(&self) -> Vec<(String, SocketAddrV4)> {
+            (0..self.addrs.len())
+                .map(|i| (Lan::name(i), self.addrs[i]))
+                .collect()
+        }
+
+        fn member(&self, i: usize, run: u64) -> Member {
+            let mut m = Member::new(
+                &Lan::name(i),
+                self.addrs[i],
+                run,
+                vec![key()],
+                Settings::default(),
+                i as u64 * 1000 + run,
+                self.now,
+            )
+            .unwrap();
+            m.set_peers(&self.peers(), self.now);
+            m
+        }
+
+        fn push(&mut self, at: Instant, e: Event) {
+            self.seq += 1;
+            self.queue.push(Reverse((at, self.seq)));
+            self.events.insert(self.seq, e);
+        }
+
+        fn flush(&mut self, i: usize) {
+            for out in self.members[i].drain() {
+                match out {
+                    Out::Send { to, packet } => {
+                        if self.cut[i] || self.rng.random_bool(self.loss) {
+                            continue;
+                        }
+                        let j = self.addrs.iter().position(|a| *a == to).unwrap();
+                        if self.split.as_ref().is_some_and(|apart| apart(i, j)) {
+                            continue;
+                        }
+                        self.push(
+                            self.now + Duration::from_millis(1),
+                            Event::Deliver(j, packet),
+                        );
+                    }
+                    Out::After { after, timer } => {
+                        self.push(self.now + after, Event::Timer(i, self.runs[i], timer))
+                    }
+                }
+            }
+        }
+
+        fn run_for(&mut self, d: Duration) {
+            let until = self.now + d;
+            while let Some(Reverse((at, seq))) = self.queue.peek().copied() {
+                if at > until {
+                    break;
+                }
+                self.queue.pop();
+                assert!(
+                    self.seq < 5_000_000,
+                    "runaway: {:?}",
+                    self.events.get(&seq).map(|e| match e {
+                        Event::Deliver(j, _) => format!("deliver to {j}"),
+                        Event::Timer(i, _, t) => format!("timer {i} {t:?}"),
+                    })
+                );
+                self.now = at;
+                let Some(event) = self.events.remove(&seq) else {
+                    continue;
+                };
+                match event {
+                    Event::Deliver(j, p) => {
+                        if !self.cut[j] {
+                            if let Ok(o) = wire::open(&[key()], &p) {
+                                self.delivered.insert((o.sender.to_string(), j), p.clone());
+                            }
+                            self.members[j].receive(&p, at);
+                            self.flush(j);
+                        }
+                    }
+                    Event::Timer(i, run, t) => {
+                        if run == self.runs[i] {
+                            self.members[i].timer(t, at);
+                            self.flush(i);
+                        }
+                    }
+                }
+            }
+            self.now = until;
+        }
+
+        /// Cuts node `i` off, its packets on the way included.
+        fn silence(&mut self, i: usize) {
+            self.cut[i] = true;
+            let name = Lan::name(i);
+            self.events.retain(|_, e| match e {
+                Event::Deliver(_, p) => wire::open(&[key()], p).map_or(true, |o| o.sender != name),
+                Event::Timer(..) => true,
+            });
+        }
+
+        /// The last packet from `from` that reached `to`.
+        fn sniff(&self, from: usize, to: usize) -> Option<Vec<u8>> {
+            self.delivered.get(&(Lan::name(from), to)).cloned()
+        }
+
+        /// Who reports node `i` down.
+        fn accusers(&self, i: usize) -> BTreeSet<String> {
+            let name = Lan::name(i);
+            (0..self.members.len())
+                .filter(|j| *j != i && !self.cut[*j])
+                .filter(|j| self.members[*j].down().contains(&name))
+                .map(Lan::name)
+                .collect()
+        }
+
+        fn witnesses(&self, i: usize) -> BTreeSet<String> {
+            let names: Vec<String> = (0..self.members.len()).map(Lan::name).collect();
+            witnesses_of(names.iter().map(String::as_str), &Lan::name(i))
+                .into_iter()
+                .collect()
+        }
+
+        /// Steps until `done` holds; how long it took.
+        fn until(&mut self, limit: Duration, done: impl Fn(&Lan) -> bool) -> Option<Duration> {
+            let start = self.now;
+            while self.now - start < limit {
+                if done(self) {
+                    return Some(self.now - start);
+                }
+                self.run_for(Duration::from_millis(10));
+            }
+            None
+        }
+    }
+
+    #[test]
+    fn members_find_each_other_and_nobody_is_reported() {
+        let mut lan = Lan::new(6);
+        let took = lan.until(Duration::from_secs(5), |l| {
+            l.members.iter().all(|m| m.alive() == 5)
+        });
+        assert!(
+            took.is_some(),
+            "{:?}",
+            lan.members.iter().map(Member::alive).collect::<Vec<_>>()
+        );
+        lan.run_for(Duration::from_secs(30));
+        for i in 0..6 {
+            assert!(
+                lan.accusers(i).is_empty(),
+                "node-{i}: {:?}",
+                lan.accusers(i)
+            );
+            assert_eq!(lan.members[i].watching().len(), 3);
+        }
+    }
+
+    #[test]
+    fn a_dead_node_is_reported_by_its_witnesses_only_once_its_addresses_are_gone() {
+        for victim in 0..5 {
+            let mut lan = Lan::new(7);
+            lan.run_for(Duration::from_secs(5));
+            lan.cut[victim] = true;
+            let witnesses = lan.witnesses(victim);
+            let took = lan
+                .until(Duration::from_secs(5), |l| l.accusers(victim) == witnesses)
+                .unwrap_or_else(|| {
+                    panic!("node-{victim}: {:?} of {witnesses:?}", lan.accusers(victim))
+                });
+            // Not before its 1 s address lifetime and the margin have
+            // surely passed; not much after.
+            assert!(
+                took >= Duration::from_millis(1250) && took <= Duration::from_millis(1420),
+                "node-{victim}: {took:?}"
+            );
+            // Nobody else is accused, and nobody but the witnesses accuses.
+            lan.run_for(Duration::from_secs(5));
+            assert_eq!(lan.accusers(victim), witnesses);
+            for i in (0..7).filter(|i| *i != victim) {
+                assert!(
+                    lan.accusers(i).is_empty(),
+                    "node-{i}: {:?}",
+                    lan.accusers(i)
+                );
+            }
+            // Back (a restarted agent, a new run): the reports end.
+            lan.cut[victim] = false;
+            lan.runs[victim] = 2;
+            lan.members[victim] = lan.member(victim, 2);
+            lan.flush(victim);
+            let back = lan.until(Duration::from_secs(5), |l| l.accusers(victim).is_empty());
+            assert!(back.is_some(), "still accused: {:?}", lan.accusers(victim));
+        }
+    }
+
+    /// A node that stood down is reported by its witnesses at their next
+    /// probe, though they hear it, and nobody else is; it still witnesses
+    /// for others (nobody it watches loses a witness) and hears its own
+    /// witnesses. Serving again, its next answer withdraws the report.
+    #[test]
+    fn a_node_that_stood_down_is_reported_while_it_answers() {
+        let mut lan = Lan::new(5);
+        lan.run_for(Duration::from_secs(5));
+        let victim = 2;
+        let witnesses = lan.witnesses(victim);
+        lan.members[victim].set_stood_down(true);
+        let took = lan
+            .until(Duration::from_secs(2), |l| l.accusers(victim) == witnesses)
+            .unwrap_or_else(|| panic!("{:?} of {witnesses:?}", lan.accusers(victim)));
+        assert!(took <= Duration::from_millis(300), "took {took:?}");
+        // Held while it says so: answers and gossip alike leave it down.
+        lan.run_for(Duration::from_secs(3));
+        assert_eq!(lan.accusers(victim), witnesses);
+        for i in (0..5).filter(|i| *i != victim) {
+            assert!(
+                lan.accusers(i).is_empty(),
+                "node-{i}: {:?}",
+                lan.accusers(i)
+            );
+            assert!(
+                !lan.members[i].hears().contains(&Lan::name(victim)),
+                "node-{i} still vouches for it"
+            );
+        }
+        let h = lan.members[victim].hearing(lan.now);
+        assert!(h.none_since.is_none() && h.short_since.is_none() && h.silent.is_empty());
+        lan.members[victim].set_stood_down(false);
+        let back = lan.until(Duration::from_secs(2), |l| l.accusers(victim).is_empty());
+        assert!(
+            back.is_some_and(|b| b <= Duration::from_millis(300)),
+            "still accused after {back:?}: {:?}",
+            lan.accusers(victim)
+        );
+    }
+
+    /// The mirror of the witnesses' verdict: a node cut off hears none of
+    /// its peers and too few of its witnesses, and its own fence (the
+    /// silence's start plus its 1 s address lifetime) falls before its
+    /// witnesses report it; the others notice nothing of the kind.
+    #[test]
+    fn a_node_cut_off_knows_before_its_witnesses_report_it() {
+        let mut lan = Lan::new(5);
+        lan.run_for(Duration::from_secs(5));
+        let victim = 1;
+        let cut_at = lan.now;
+        lan.cut[victim] = true;
+        let witnesses = lan.witnesses(victim);
+        let reported = lan
+            .until(Duration::from_secs(5), |l| l.accusers(victim) == witnesses)
+            .expect("reported");
+        let h = lan.members[victim].hearing(lan.now);
+        let none = h.none_since.expect("hears none");
+        let short = h.short_since.expect("too few witnesses");
+        assert_eq!(h.convicting, 2);
+        assert_eq!(h.silent.iter().cloned().collect::<BTreeSet<_>>(), witnesses);
+        let lifetime = Settings::default().own_lifetime;
+        for since in [none, short] {
+            assert!(since <= cut_at, "{since:?} after the cut {cut_at:?}");
+            let fence = since + lifetime - cut_at;
+            assert!(
+                fence + Duration::from_millis(200) <= reported,
+                "fenced {fence:?} after the cut, reported {reported:?}"
+            );
+        }
+        for i in (0..5).filter(|i| *i != victim) {
+            let h = lan.members[i].hearing(lan.now);
+            assert_eq!(h.none_since, None, "node-{i}");
+            assert_eq!(h.short_since, None, "node-{i}: {:?}", h.silent);
+        }
+        // Back: it hears them again.
+        lan.cut[victim] = false;
+        lan.run_for(Duration::from_millis(500));
+        assert_eq!(
+            lan.members[victim].hearing(lan.now),
+            Hearing {
+                convicting: 2,
+                ..Hearing::default()
+            }
+        );
+    }
+
+    /// Lost packets (one in ten) never keep a live node from hearing two
+    /// witnesses for the fence's second.
+    #[test]
+    fn a_lossy_lan_fences_nobody() {
+        let mut lan = Lan::new(6);
+        lan.loss = 0.1;
+        lan.run_for(Duration::from_secs(5));
+        for _ in 0..1200 {
+            lan.run_for(Duration::from_millis(100));
+            for i in 0..6 {
+                let h = lan.members[i].hearing(lan.now);
+                let long = |s: Option<Instant>| {
+                    s.is_some_and(|s| lan.now - s >= Duration::from_millis(900))
+                };
+                assert!(
+                    !long(h.none_since) && !long(h.short_since),
+                    "node-{i} at {:?}: {h:?}",
+                    lan.now
+                );
+            }
+        }
+    }
+
+    /// A LAN split three to four: the nodes whose witnesses are mostly
+    /// across know it; a node of the larger side whose witnesses are on
+    /// its side does not.
+    #[test]
+    fn a_split_shows_in_each_nodes_hearing_of_its_witnesses() {
+        let mut lan = Lan::new(7);
+        lan.run_for(Duration::from_secs(5));
+        let side = |i: usize| i < 3;
+        lan.loss = 0.0;
+        lan.split = Some(Box::new(move |a, b| side(a) != side(b)));
+        lan.run_for(Duration::from_secs(2));
+        let names: Vec<String> = (0..7).map(Lan::name).collect();
+        for i in 0..7 {
+            let across = lan
+                .witnesses(i)
+                .iter()
+                .filter(|w| side(names.iter().position(|n| n == *w).unwrap()) != side(i))
+                .count();
+            let h = lan.members[i].hearing(lan.now);
+            assert_eq!(h.none_since, None, "node-{i}");
+            assert_eq!(h.silent.len(), across, "node-{i}: {h:?}");
+            assert_eq!(h.short_since.is_some(), across >= 2, "node-{i}: {h:?}");
+        }
+    }
+
+    #[test]
+    fn a_node_with_a_longer_address_lifetime_is_reported_after_it() {
+        let mut lan = Lan::new(5);
+        let victim = 3;
+        let settings = Settings {
+            own_lifetime: Duration::from_secs(3),
+            ..Settings::default()
+        };
+        let mut m = Member::new(
+            &Lan::name(victim),
+            lan.addrs[victim],
+            2,
+            vec![key()],
+            settings,
+            99,
+            lan.now,
+        )
+        .unwrap();
+        m.set_peers(&lan.peers(), lan.now);
+        lan.runs[victim] = 2;
+        lan.members[victim] = m;
+        lan.flush(victim);
+        lan.run_for(Duration::from_secs(5));
+        lan.cut[victim] = true;
+        let witnesses = lan.witnesses(victim);
+        let took = lan
+            .until(Duration::from_secs(10), |l| l.accusers(victim) == witnesses)
+            .expect("reported");
+        assert!(
+            took >= Duration::from_millis(3250) && took <= Duration::from_millis(3420),
+            "{took:?}"
+        );
+    }
+
+    #[test]
+    fn a_lossy_lan_makes_no_two_witnesses_agree_on_a_live_node() {
+        let mut lan = Lan::new(8);
+        lan.loss = 0.1;
+        lan.run_for(Duration::from_secs(5));
+        for _ in 0..1200 {
+            lan.run_for(Duration::from_millis(100));
+            for i in 0..8 {
+                assert!(
+                    lan.accusers(i).len() < 2,
+                    "node-{i} at {:?}: {:?}",
+                    lan.now,
+                    lan.accusers(i)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_node_never_heard_is_never_reported() {
+        // Its membership may not run (no key yet, UDP blocked) while its
+        // agent holds addresses: silence says nothing then.
+        let mut lan = Lan::new(5);
+        lan.silence(2);
+        lan.run_for(Duration::from_secs(20));
+        assert!(lan.accusers(2).is_empty(), "{:?}", lan.accusers(2));
+        // Once heard, it is.
+        lan.cut[2] = false;
+        lan.run_for(Duration::from_secs(3));
+        lan.cut[2] = true;
+        let witnesses = lan.witnesses(2);
+        let took = lan.until(Duration::from_secs(10), |l| l.accusers(2) == witnesses);
+        assert!(
+            took.is_some_and(|t| t <= Duration::from_millis(1420)),
+            "{took:?}"
+        );
+    }
+
+    #[test]
+    fn forged_replayed_and_foreign_packets_are_dropped_and_counted_and_change_nothing() {
+        let mut lan = Lan::new(4);
+        lan.run_for(Duration::from_secs(3));
+        // A real packet from node-1 to node-0, taken off the wire.
+        let real = lan
+            .until(Duration::from_secs(5), |l| l.sniff(1, 0).is_some())
+            .and_then(|_| lan.sniff(1, 0))
+            .expect("node-1 talks to node-0");
+        let now = lan.now;
+        let m0 = &mut lan.members[0];
+        m0.receive(&real, now);
+        m0.receive(&real, now);
+        assert_eq!(m0.dropped(Dropped::Replayed), 2);
+        let mut forged = real.clone();
+        let last = forged.len() - 1;
+        forged[last] ^= 1;
+        m0.receive(&forged, now);
+        assert_eq!(m0.dropped(Dropped::Unauthenticated), 1);
+        m0.receive(b"not ours at all", now);
+        assert_eq!(m0.dropped(Dropped::Malformed), 1);
+        let stranger = wire::seal(
+            &key(),
+            "node-9",
+            Stamp {
+                epoch: 1,
+                sequence: 1,
+            },
+            &[KIND_PING, 0, 0, 0, 1],
+        )
+        .unwrap();
+        m0.receive(&stranger, now);
+        assert_eq!(m0.dropped(Dropped::NotAMember), 1);
+        let other_key = Key::new(2, &[9; 32]).unwrap();
+        let wrong = wire::seal(
+            &other_key,
+            "node-1",
+            Stamp {
+                epoch: 9,
+                sequence: 1,
+            },
+            &[KIND_PING, 0, 0, 0, 1],
+        )
+        .unwrap();
+        m0.receive(&wrong, now);
+        assert_eq!(m0.dropped(Dropped::UnknownKey), 1);
+        // Nobody without the key made anyone look dead.
+        lan.run_for(Duration::from_secs(10));
+        for i in 0..4 {
+            assert!(
+                lan.accusers(i).is_empty(),
+                "node-{i}: {:?}",
+                lan.accusers(i)
+            );
+        }
+    }
+
+    #[test]
+    fn a_member_speaking_for_another_is_refused() {
+        let mut lan = Lan::new(3);
+        lan.run_for(Duration::from_secs(2));
+        let now = lan.now;
+        let mut m2 = lan.member(2, 5);
+        m2.timer(Timer::Join, now);
+        let said: Vec<u8> = m2
+            .drain()
+            .into_iter()
+            .find_map(|o| match o {
+                Out::Send { packet, .. } => Some(packet),
+                _ => None,
+            })
+            .unwrap();
+        let opened = wire::open(&[key()], &said).unwrap();
+        // node-1's name on the envelope, node-2's in the SWIM header.
+        let resealed = wire::seal(
+            &key(),
+            "node-1",
+            Stamp {
+                epoch: 99,
+                sequence: 1,
+            },
+            opened.payload,
+        )
+        .unwrap();
+        let before = lan.members[0].counters().swim_errors;
+        lan.members[0].receive(&resealed, now);
+        assert_eq!(lan.members[0].counters().swim_errors, before + 1);
+    }
+}
