@@ -21,13 +21,22 @@ pub struct Timing {
     pub retry_period: Duration,
 }
 
+/// Why a [`Timing`] cannot work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TimingError {
+    #[error("retry period must be above zero and below the renew deadline")]
+    RetryPeriod,
+    #[error("renew deadline must be below the lease duration")]
+    RenewDeadline,
+}
+
 impl Timing {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), TimingError> {
         if self.retry_period.is_zero() || self.retry_period >= self.renew_deadline {
-            return Err("retry period must be above zero and below the renew deadline".into());
+            return Err(TimingError::RetryPeriod);
         }
         if self.renew_deadline >= self.lease_duration {
-            return Err("renew deadline must be below the lease duration".into());
+            return Err(TimingError::RenewDeadline);
         }
         Ok(())
     }

@@ -33,18 +33,20 @@ pub enum EndpointSetting {
     EndpointSlices,
 }
 
+/// `--endpoint-source` named none of [`EndpointSetting::NAMES`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not an endpoint source; use one of: {names}", names = EndpointSetting::NAMES.join(", "))]
+pub struct UnknownEndpointSource(pub String);
+
 impl EndpointSetting {
     pub const NAMES: &[&str] = &["auto", "endpoints", "endpointslices"];
 
-    pub fn parse(v: &str) -> Result<EndpointSetting, String> {
+    pub fn parse(v: &str) -> Result<EndpointSetting, UnknownEndpointSource> {
         match v {
             "auto" => Ok(EndpointSetting::Auto),
             "endpoints" => Ok(EndpointSetting::Endpoints),
             "endpointslices" => Ok(EndpointSetting::EndpointSlices),
-            _ => Err(format!(
-                "`{v}` is not an endpoint source; use one of: {}",
-                EndpointSetting::NAMES.join(", ")
-            )),
+            _ => Err(UnknownEndpointSource(v.to_string())),
         }
     }
 }
@@ -531,7 +533,7 @@ mod tests {
         for name in EndpointSetting::NAMES {
             assert!(EndpointSetting::parse(name).is_ok(), "{name}");
         }
-        let err = EndpointSetting::parse("slices").unwrap_err();
+        let err = EndpointSetting::parse("slices").unwrap_err().to_string();
         assert!(err.contains("auto, endpoints, endpointslices"), "{err}");
     }
 }

@@ -19,7 +19,9 @@ use crate::endpoints::{self, EndpointCache, EndpointSetting};
 use crate::networks::{self, NetworkMap};
 use crate::reconcile::{EventOut, EventType, Ingress, NodeIn, Port, ServiceIn};
 use crate::watches::{Changed, Generation, spawn_watch, watch_config};
-use crate::writer::{FIELD_MANAGER, Kind, PatchKind, Request, Requests, SendError, Verb};
+use crate::writer::{
+    EventError, FIELD_MANAGER, Kind, PatchKind, Request, Requests, SendError, Verb,
+};
 use hna_contract::node_object::{self, LoadBalancerNode};
 use hna_contract::{self, ServiceKey};
 
@@ -402,7 +404,7 @@ impl Requests for KubeApi {
         }
     }
 
-    async fn event(&self, e: &EventOut) -> Result<(), String> {
+    async fn event(&self, e: &EventOut) -> Result<(), EventError> {
         let ev = KubeEvent {
             type_: match e.type_ {
                 EventType::Normal => KubeEventType::Normal,
@@ -426,8 +428,8 @@ impl Requests for KubeApi {
         // ours differ in the message (deduplication is the writer's).
         let recorder = Recorder::new(self.client.clone(), self.reporter.clone());
         match tokio::time::timeout(WRITE_TIMEOUT, recorder.publish(&ev, &regarding)).await {
-            Ok(result) => result.map_err(|e| e.to_string()),
-            Err(_) => Err(format!("timed out after {WRITE_TIMEOUT:?}")),
+            Ok(result) => result.map_err(EventError::from),
+            Err(_) => Err(EventError::TimedOut(WRITE_TIMEOUT)),
         }
     }
 }

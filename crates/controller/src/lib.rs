@@ -32,7 +32,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context as _;
 use kube::api::Api;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{Notify, watch};
@@ -107,18 +106,36 @@ pub fn default_identity() -> String {
     format!("{host}-{}", std::process::id())
 }
 
-pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<()> {
+/// Why the controller could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("invalid election timing: {0}")]
+    Timing(election::TimingError),
+    #[error("installing {signal} handler")]
+    Signal {
+        signal: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("listening for metrics on {addr}")]
+    Metrics {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> Result<(), ControllerError> {
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         identity = %opts.identity,
         namespace = %opts.namespace,
         "starting harvester-node-agent controller"
     );
-    opts.timing
-        .validate()
-        .map_err(|e| anyhow::anyhow!("invalid election timing: {e}"))?;
-    let mut sigterm = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    opts.timing.validate().map_err(ControllerError::Timing)?;
+    let installing = |signal| move |source| ControllerError::Signal { signal, source };
+    let mut sigterm = signal(SignalKind::terminate()).map_err(installing("SIGTERM"))?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(installing("SIGINT"))?;
     let watchdog = systemd::watchdog_period();
     let beat_every = systemd::heartbeat_interval(watchdog);
     let settings = Settings {
@@ -161,7 +178,7 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<(
     if let Some(addr) = opts.metrics_listen {
         let listener = hna_edges::metrics::bind(addr)
             .await
-            .with_context(|| format!("listening for metrics on {addr}"))?;
+            .map_err(|source| ControllerError::Metrics { addr, source })?;
         let h = stats.clone();
         let registry = stats::registry(stats.clone(), failover.clone());
         let alive = liveness.clone();

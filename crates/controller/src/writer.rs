@@ -57,7 +57,8 @@ pub struct Request {
 }
 
 /// Why a request failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
 pub struct SendError {
     pub message: String,
     /// The precondition did not hold (409): the object changed since the
@@ -75,10 +76,13 @@ impl From<&str> for SendError {
     }
 }
 
-impl std::fmt::Display for SendError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
+/// Why an Event was not published.
+#[derive(Debug, thiserror::Error)]
+pub enum EventError {
+    #[error("timed out after {0:?}")]
+    TimedOut(std::time::Duration),
+    #[error(transparent)]
+    Api(#[from] kube::Error),
 }
 
 /// The API edge.
@@ -92,7 +96,7 @@ pub trait Requests: Sync {
         r: &Request,
         precondition: Option<&str>,
     ) -> impl Future<Output = Result<Option<String>, SendError>> + Send;
-    fn event(&self, e: &EventOut) -> impl Future<Output = Result<(), String>> + Send;
+    fn event(&self, e: &EventOut) -> impl Future<Output = Result<(), EventError>> + Send;
 }
 
 /// The field manager of our server-side applies.
@@ -536,7 +540,7 @@ async fn tell<R: Requests>(
     e: &EventOut,
     api: &R,
     leading: &(dyn Fn() -> bool + Sync),
-) -> Option<Result<(), String>> {
+) -> Option<Result<(), EventError>> {
     if !leading() {
         return None;
     }
@@ -683,7 +687,7 @@ pub async fn execute<R: Requests>(
         .filter(|e| events.first_time(e))
         .collect();
     let telling: Vec<_> = to_tell.iter().map(|e| tell(e, api, leading)).collect();
-    let results: Vec<Option<Result<(), String>>> = futures::stream::iter(telling)
+    let results: Vec<Option<Result<(), EventError>>> = futures::stream::iter(telling)
         .buffered(WRITES_IN_FLIGHT)
         .collect()
         .await;
@@ -742,7 +746,7 @@ mod tests {
             // As the server does: every write makes a new version.
             Ok(Some(format!("after-{}", sent.len())))
         }
-        async fn event(&self, e: &EventOut) -> Result<(), String> {
+        async fn event(&self, e: &EventOut) -> Result<(), EventError> {
             self.events.lock().unwrap().push(e.clone());
             Ok(())
         }
@@ -911,7 +915,7 @@ mod tests {
                 }
                 self.0.send(r, p).await
             }
-            async fn event(&self, e: &EventOut) -> Result<(), String> {
+            async fn event(&self, e: &EventOut) -> Result<(), EventError> {
                 self.0.event(e).await
             }
         }
@@ -1124,7 +1128,7 @@ mod tests {
             self.ran.lock().unwrap().push((kind, began, Instant::now()));
             Ok(Some("2".into()))
         }
-        async fn event(&self, _e: &EventOut) -> Result<(), String> {
+        async fn event(&self, _e: &EventOut) -> Result<(), EventError> {
             tokio::time::sleep(Duration::from_millis(100)).await;
             Ok(())
         }
@@ -1191,7 +1195,7 @@ mod tests {
                 self.1.store(false, Ordering::SeqCst);
                 self.0.send(r, p).await
             }
-            async fn event(&self, e: &EventOut) -> Result<(), String> {
+            async fn event(&self, e: &EventOut) -> Result<(), EventError> {
                 self.0.event(e).await
             }
         }
