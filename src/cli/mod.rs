@@ -419,7 +419,7 @@ pub fn main() -> ExitCode {
                 Err(e) => return config_failure(&e),
             };
             serve(&cfg.log_level.clone(), cfg.log_target, |n| {
-                Box::pin(hna_node::agent::run(cfg, n))
+                Box::pin(async move { Ok(hna_node::agent::run(cfg, n).await?) })
             })
         }
         Command::Controller(args) => {

@@ -26,7 +26,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use anyhow::Context as _;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -54,6 +53,34 @@ pub const READY_BUDGET: Duration = Duration::from_secs(20);
 /// unreachable.
 const API_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Why the daemon could not start: each start-up step that can fail, with
+/// its cause kept as the source (the binary prints the chain).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("installing {signal} handler")]
+    Signal {
+        signal: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "metrics_listen {addr}: cannot listen there; choose a free port or leave metrics_listen unset"
+    )]
+    MetricsListen {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    StateDir(#[from] crate::state_dir::StateDirError),
+    #[error(transparent)]
+    Control(#[from] control::ControlError),
+    #[error("opening the DHCP lease directory")]
+    LeaseStore(#[source] hna_dhcp::store::StoreError),
+    #[error("connecting to rtnetlink for the DHCP engine")]
+    DhcpEngine(#[source] hna_dhcp::engine::EngineError),
+}
+
 /// What every task of the daemon shares.
 #[derive(Clone)]
 pub struct Context {
@@ -68,19 +95,11 @@ pub struct Context {
 }
 
 /// Runs until SIGTERM or SIGINT.
-pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()> {
+pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> Result<(), AgentError> {
     let started = SystemTime::now();
     let watchdog = systemd::watchdog_period();
     let beat_every = systemd::heartbeat_interval(watchdog);
-    tracing::info!(
-        version = env!("CARGO_PKG_VERSION"),
-        node = %cfg.node_name,
-        config = ?cfg.file,
-        state_dir = %cfg.state_dir.display(),
-        socket = %cfg.socket.display(),
-        watchdog = ?watchdog,
-        "starting harvester-node-agent"
-    );
+    log_starting(&cfg, watchdog);
     // Handlers first: a SIGTERM that arrives during start-up must still
     // mean a clean stop, not the default disposition.
     let mut signals = Signals::install()?;
@@ -94,8 +113,74 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         shutdown: shutdown_rx.clone(),
         metrics: start.agent_metrics.clone(),
     };
+    let engine = start.engine.clone();
+    let mut tasks = tokio::task::JoinSet::new();
+    let running = spawn_subsystems(&mut tasks, &ctx, &cfg, start, started);
+    // READY=1 first, then the first STATUS=, then watchdog pings: the order
+    // a service manager (and a reader of `systemctl status`) expects.
+    notifier.ready();
+    tracing::info!(summary = %running.snapshot.take().summary, "ready");
+    let snapshot = running.snapshot;
+    tasks.spawn(publish::status_line(
+        notifier.clone(),
+        running.sources,
+        move || snapshot.take(),
+        shutdown_rx.clone(),
+    ));
+    if let Some(period) = watchdog {
+        tasks.spawn(systemd::run_watchdog(
+            notifier.clone(),
+            ctx.liveness.clone(),
+            period,
+            shutdown_rx,
+        ));
+    }
+
+    let signal_name = signals
+        .until_stop(&ctx.liveness.register("main"), beat_every, &running.recheck)
+        .await;
+    tracing::info!(signal = signal_name, "stopping");
+    notifier.stopping();
+    notifier.status(&format!("stopping ({signal_name})"));
+    let _ = shutdown_tx.send(true);
+    shut_down(tasks, &engine).await;
+    let _ = std::fs::remove_file(&cfg.socket);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn log_starting(cfg: &Config, watchdog: Option<Duration>) {
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        node = %cfg.node_name,
+        config = ?cfg.file,
+        state_dir = %cfg.state_dir.display(),
+        socket = %cfg.socket.display(),
+        watchdog = ?watchdog,
+        "starting harvester-node-agent"
+    );
+}
+
+/// What the running subsystems leave for the daemon's own loop.
+struct Running {
+    snapshot: Snapshot,
+    /// What the `STATUS=` line follows.
+    sources: publish::Sources,
+    /// Asks the macvlan task for a re-check (SIGHUP).
+    recheck: mpsc::Sender<()>,
+}
+
+/// One task per subsystem (see the module's documentation), wired by the
+/// channels they publish on.
+fn spawn_subsystems(
+    tasks: &mut tokio::task::JoinSet<()>,
+    ctx: &Context,
+    cfg: &Config,
+    start: StartUp,
+    started: SystemTime,
+) -> Running {
     let settings = cfg.credential_settings();
-    let topology_cfg = crate::topology::TopologyConfig::from_config(&cfg);
+    let topology_cfg = crate::topology::TopologyConfig::from_config(cfg);
     let (cluster_tx, cluster_rx) = watch::channel(ClusterState::initial(&credentials::discover(
         &settings, &HostEnv,
     )));
@@ -124,7 +209,6 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         lb: lb_rx.clone(),
     };
 
-    let mut tasks = tokio::task::JoinSet::new();
     if let Some(l) = start.metrics {
         tasks.spawn(serve_metrics(ctx.clone(), l, snapshot.clone()));
     }
@@ -134,13 +218,13 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
             settings,
             every: cfg.credentials_retry,
             api_timeout: API_TIMEOUT,
-            beat_every,
+            beat_every: ctx.beat_every,
         },
         HostEnv,
         cluster_tx,
         client_tx,
         ctx.liveness.register("credentials"),
-        shutdown_rx.clone(),
+        ctx.shutdown.clone(),
     ));
     tasks.spawn(macvlan::recheck(
         ctx.clone(),
@@ -160,13 +244,18 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         client_rx.clone(),
         cfg.node_name.clone(),
         topology_tx,
-        shutdown_rx.clone(),
+        ctx.shutdown.clone(),
     ));
-    spawn_lb(
-        &mut tasks,
-        &ctx,
-        &cfg,
-        start.engine.clone(),
+    crate::loadbalancer::spawn::spawn(
+        tasks,
+        crate::loadbalancer::spawn::Daemon {
+            liveness: &ctx.liveness,
+            beat_every: ctx.beat_every,
+            shutdown: ctx.shutdown.clone(),
+            takeover_guard_wait: ctx.metrics.takeover_guard_wait.clone(),
+        },
+        cfg,
+        start.engine,
         client_rx.clone(),
         macvlan_rx.clone(),
         lb_tx,
@@ -179,38 +268,22 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
         guest_rx.clone(),
         conditions_tx,
     ));
-    // READY=1 first, then the first STATUS=, then watchdog pings: the order
-    // a service manager (and a reader of `systemctl status`) expects.
-    notifier.ready();
-    tracing::info!(summary = %snapshot.take().summary, "ready");
-    tasks.spawn(publish::status_line(
-        notifier.clone(),
-        publish::Sources {
+    Running {
+        snapshot,
+        sources: publish::Sources {
             cluster: cluster_rx,
             macvlan: macvlan_rx,
             guest: guest_rx,
             topology: topology_rx,
             lb: lb_rx,
         },
-        move || snapshot.take(),
-        shutdown_rx.clone(),
-    ));
-    if let Some(period) = watchdog {
-        tasks.spawn(systemd::run_watchdog(
-            notifier.clone(),
-            ctx.liveness.clone(),
-            period,
-            shutdown_rx,
-        ));
+        recheck: recheck_tx,
     }
+}
 
-    let signal_name = signals
-        .until_stop(&ctx.liveness.register("main"), beat_every, &recheck_tx)
-        .await;
-    tracing::info!(signal = signal_name, "stopping");
-    notifier.stopping();
-    notifier.status(&format!("stopping ({signal_name})"));
-    let _ = shutdown_tx.send(true);
+/// Waits (a while) for the tasks to stop, then hands over what leases
+/// still run.
+async fn shut_down(mut tasks: tokio::task::JoinSet<()>, engine: &hna_dhcp::engine::Engine) {
     // The LoadBalancer task decides what its leases become (handed over,
     // or left on their links for a restart): it goes first.
     let drain = async { while tasks.join_next().await.is_some() {} };
@@ -222,12 +295,9 @@ pub async fn run(cfg: Config, notifier: Arc<dyn Notifier>) -> anyhow::Result<()>
     }
     // Whatever still runs (that task gone early): a handover, never a
     // release, so the address stays the Service's wherever it goes next.
-    for e in start.engine.stop_all(hna_dhcp::StopMode::Handover).await {
+    for e in engine.stop_all(hna_dhcp::StopMode::Handover).await {
         tracing::warn!(error = %e, "could not stop a DHCP lease cleanly");
     }
-    let _ = std::fs::remove_file(&cfg.socket);
-    tracing::info!("stopped");
-    Ok(())
 }
 
 /// The signals the daemon acts on.
@@ -238,11 +308,17 @@ struct Signals {
 }
 
 impl Signals {
-    fn install() -> anyhow::Result<Signals> {
+    fn install() -> Result<Signals, AgentError> {
+        let one = |kind: SignalKind, name: &'static str| {
+            signal(kind).map_err(|source| AgentError::Signal {
+                signal: name,
+                source,
+            })
+        };
         Ok(Signals {
-            term: signal(SignalKind::terminate()).context("installing SIGTERM handler")?,
-            int: signal(SignalKind::interrupt()).context("installing SIGINT handler")?,
-            hup: signal(SignalKind::hangup()).context("installing SIGHUP handler")?,
+            term: one(SignalKind::terminate(), "SIGTERM")?,
+            int: one(SignalKind::interrupt(), "SIGINT")?,
+            hup: one(SignalKind::hangup(), "SIGHUP")?,
         })
     }
 
@@ -289,16 +365,16 @@ type GuestSetup = JoinHandle<(Option<guest::units::Systemd>, GuestAgentState)>;
 /// Everything before `READY=1`, in an order that changes nothing on the
 /// host before it must, and takes at most [`READY_BUDGET`] for the slow
 /// parts.
-async fn start_up(cfg: &Config) -> anyhow::Result<StartUp> {
+async fn start_up(cfg: &Config) -> Result<StartUp, AgentError> {
     let started_at = tokio::time::Instant::now();
     // Binding changes nothing on the host, so a taken port stops start-up
     // before the state directory or any link is touched.
     let metrics = match cfg.metrics_listen {
-        Some(addr) => Some(hna_edges::metrics::bind(addr).await.with_context(|| {
-            format!(
-                "metrics_listen {addr}: cannot listen there; choose a free port or leave metrics_listen unset"
-            )
-        })?),
+        Some(addr) => Some(
+            hna_edges::metrics::bind(addr)
+                .await
+                .map_err(|source| AgentError::MetricsListen { addr, source })?,
+        ),
         None => None,
     };
     crate::state_dir::prepare(&cfg.state_dir)?;
@@ -420,320 +496,6 @@ async fn within<T>(
     }
 }
 
-/// The LoadBalancer task and the watch of this node's object it reads.
-fn spawn_lb(
-    tasks: &mut tokio::task::JoinSet<()>,
-    ctx: &Context,
-    cfg: &Config,
-    engine: Arc<hna_dhcp::engine::Engine>,
-    client: watch::Receiver<Option<kube::Client>>,
-    macvlan: watch::Receiver<MacvlanState>,
-    out: watch::Sender<LbStatus>,
-) {
-    let (tx, rx) = mpsc::channel(16);
-    let (relist, relist_asked) = watch::channel(0);
-    tasks.spawn(crate::loadbalancer::task::follow(
-        client.clone(),
-        cfg.namespace.clone(),
-        cfg.node_name.clone(),
-        tx,
-        relist_asked,
-    ));
-    let uplink = cfg.uplink.clone();
-    let last_uplink = std::sync::Mutex::new(None::<String>);
-    let last_gateway = std::sync::Mutex::new(None::<((String, std::net::Ipv4Addr), String)>);
-    let node = move || {
-        let m = macvlan.borrow();
-        let sys_class_net = std::path::Path::new("/sys/class/net");
-        // Read once: the uplink and the gateway come from the same table.
-        let routes = std::fs::read_to_string(hna_dhcp::link::ROUTE_TABLE).ok();
-        let default_uplink = {
-            let mut last = last_uplink.lock().unwrap_or_else(|p| p.into_inner());
-            let now = hna_dhcp::link::current_uplink(
-                uplink.as_deref(),
-                routes
-                    .as_deref()
-                    .and_then(hna_dhcp::link::default_route_interface),
-                last.as_deref(),
-                |name| sys_class_net.join(name).exists(),
-            );
-            last.clone_from(&now);
-            now
-        };
-        let neighbours = std::fs::read_to_string(hna_dhcp::link::ARP_TABLE)
-            .map(|t| hna_dhcp::link::arp_neighbours(&t))
-            .unwrap_or_default();
-        // Kept while the gateway stays the same: its ARP entry comes and
-        // goes with traffic, and `status.gatewayMac` should not.
-        let gateway = routes.as_deref().and_then(hna_dhcp::link::default_gateway);
-        let gateway_address = gateway.as_ref().map(|(_, gw)| *gw);
-        let gateway_mac = {
-            let mut last = last_gateway.lock().unwrap_or_else(|p| p.into_inner());
-            let seen = gateway.as_ref().and_then(|(dev, gw)| {
-                neighbours
-                    .iter()
-                    .find(|(_, at)| at.contains(&(*gw, dev.clone())))
-                    .map(|(mac, _)| mac.clone())
-            });
-            *last = match (gateway, seen, last.take()) {
-                (Some(gw), Some(mac), _) => Some((gw, mac)),
-                (Some(gw), None, Some((was, mac))) if was == gw => Some((gw, mac)),
-                _ => None,
-            };
-            last.as_ref().map(|(_, mac)| mac.clone())
-        };
-        let mut no_carrier =
-            hna_dhcp::link::without_carrier(sys_class_net, hna_contract::INTERFACE_PREFIX);
-        // A configured uplink that does not exist (deleted, not yet made
-        // again by the network service) carries nothing either: its leases
-        // are handed over at once, not retried on it.
-        if let Some(u) = &default_uplink
-            && !sys_class_net.join(u).exists()
-        {
-            no_carrier.insert(u.clone());
-        }
-        crate::loadbalancer::task::NodeView {
-            macvlan_ready: m.ready,
-            macvlan_reason: m.short(),
-            default_uplink,
-            no_carrier,
-            nics: hna_dhcp::link::network_cards(
-                std::path::Path::new("/sys/class/net"),
-                hna_contract::INTERFACE_PREFIX,
-            ),
-            own_macs: hna_dhcp::link::interface_macs(
-                std::path::Path::new("/sys/class/net"),
-                hna_contract::INTERFACE_PREFIX,
-            ),
-            neighbours,
-            gateway_mac,
-            gateway_address,
-        }
-    };
-    let settings = crate::loadbalancer::task::LbSettings {
-        object: format!("{}/{}", cfg.namespace, cfg.node_name),
-        heartbeat: cfg.lb_heartbeat,
-        fence_after: cfg.lb_fence_after,
-        restart_grace: cfg.lb_restart_grace,
-        keep_on_stop: cfg.lb_keep_on_stop,
-        adoption_wait: crate::loadbalancer::task::ADOPTION_WAIT,
-        settle: crate::loadbalancer::task::SETTLE,
-        leases: crate::loadbalancer::apply::Settings {
-            timing: hna_dhcp::Timing {
-                arp_probe: cfg.lb_arp_probe,
-                address_lifetime: (!cfg.lb_address_lifetime.is_zero())
-                    .then_some(cfg.lb_address_lifetime),
-                ..hna_dhcp::Timing::default()
-            },
-            takeover_guard: cfg.lb_takeover_guard,
-            presence: cfg.lb_presence,
-            ..crate::loadbalancer::apply::Settings::default()
-        },
-        takeover_guard_wait: ctx.metrics.takeover_guard_wait.clone(),
-    };
-    let lan = spawn_membership(tasks, cfg, client.clone(), ctx.shutdown.clone());
-    let (pause_tx, pauses) = watch::channel(None);
-    if let Some(clock) = cfg.lb_pause_clock.clone() {
-        // A pause as long as the address lifetime: every Service address
-        // of this node goes silent at once, before the LoadBalancer task
-        // hands them over (`crate::loadbalancer::task::Lb::after_pause`), which deletes the links.
-        let on_long = crate::pause::OnLongPause {
-            from: crate::loadbalancer::task::lan_wait(cfg.lb_address_lifetime),
-            act: Box::new(|at_least| {
-                let (down, failed) = hna_dhcp::link::set_down_now(hna_contract::INTERFACE_PREFIX);
-                tracing::warn!(at_least = ?at_least, links = ?down, "this VM was paused for as long as its address lifetime or longer: every LoadBalancer link set down at once");
-                for (link, e) in failed {
-                    tracing::warn!(%link, error = %e, "could not set the link down after the pause");
-                }
-            }),
-        };
-        if let Err(e) = crate::pause::spawn(clock, pause_tx, Some(on_long)) {
-            tracing::warn!(error = %e, "cannot start the pause watch: pauses of this VM (live migration, suspend) go unseen");
-        }
-    }
-    let writer = crate::loadbalancer::task::KubeStatus {
-        client,
-        namespace: cfg.namespace.clone(),
-        node: cfg.node_name.clone(),
-    };
-    tasks.spawn(crate::loadbalancer::task::run_loop(
-        engine,
-        writer,
-        settings,
-        node,
-        rx,
-        out,
-        ctx.liveness.register("loadbalancer"),
-        ctx.beat_every,
-        lan,
-        pauses,
-        relist,
-        ctx.shutdown.clone(),
-    ));
-}
-
-/// How often the default uplink's address is looked at for the membership.
-const UPLINK_ADDRESS_POLL: Duration = Duration::from_secs(1);
-
-/// The LAN membership (`crate::membership`), the watch of its key (the
-/// Secret, which this node's Role may read) and the poll of the address it
-/// listens on; returns the LoadBalancer task's side of it.
-fn spawn_membership(
-    tasks: &mut tokio::task::JoinSet<()>,
-    cfg: &Config,
-    client: watch::Receiver<Option<kube::Client>>,
-    shutdown: watch::Receiver<bool>,
-) -> crate::loadbalancer::task::LanLink {
-    use crate::membership::transport::{self, LanView, Want};
-    let want = Arc::new(
-        watch::channel(Want {
-            node: cfg.node_name.clone(),
-            port: cfg.lb_membership_port,
-            lifetime: cfg.lb_address_lifetime,
-            ..Want::default()
-        })
-        .0,
-    );
-    let (view_tx, view) = watch::channel(LanView::default());
-    let (stop, stop_rx) = watch::channel(None);
-    if cfg.lb_membership_port == 0 {
-        view_tx.send_replace(LanView {
-            why_not: Some("off (lb_membership_port = 0)".into()),
-            ..LanView::default()
-        });
-        return crate::loadbalancer::task::LanLink { want, view, stop };
-    }
-    tasks.spawn(transport::run(want.subscribe(), view_tx, stop_rx));
-    let mut stopping = shutdown.clone();
-    let key = follow_membership_key(client, cfg.namespace.clone(), want.clone());
-    tasks.spawn(async move {
-        tokio::select! {
-            _ = key => {}
-            _ = stopping.changed() => {}
-        }
-    });
-    let uplink = cfg.uplink.clone();
-    let poll = want.clone();
-    let mut stopping = shutdown;
-    tasks.spawn(async move {
-        let mut tick = tokio::time::interval(UPLINK_ADDRESS_POLL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // The uplink as the LoadBalancer task picks it (`current_uplink`:
-        // kept through a moment without a default route).
-        let mut last: Option<String> = None;
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stopping.changed() => return,
-            }
-            let interface = hna_dhcp::link::current_uplink(
-                uplink.as_deref(),
-                std::fs::read_to_string(hna_dhcp::link::ROUTE_TABLE)
-                    .ok()
-                    .as_deref()
-                    .and_then(hna_dhcp::link::default_route_interface),
-                last.as_deref(),
-                |name| std::path::Path::new("/sys/class/net").join(name).exists(),
-            );
-            last.clone_from(&interface);
-            let listen = interface
-                .as_deref()
-                .and_then(hna_dhcp::link::interface_ipv4);
-            poll.send_if_modified(|w| {
-                let changed = w.listen != listen;
-                w.listen = listen;
-                changed
-            });
-        }
-    });
-    crate::loadbalancer::task::LanLink { want, view, stop }
-}
-
-/// Keeps the membership's keys at what the Secret holds, with whichever
-/// client the daemon has.
-async fn follow_membership_key(
-    mut client: watch::Receiver<Option<kube::Client>>,
-    namespace: String,
-    want: Arc<watch::Sender<crate::membership::transport::Want>>,
-) {
-    use crate::membership::transport::KeyBytes;
-    use hna_contract::membership::{SECRET_KEY, SECRET_NAME};
-    use hna_edges::cluster::watch_one::{Update, watch_one};
-    use k8s_openapi::api::core::v1::Secret;
-    loop {
-        let current = client.borrow_and_update().clone();
-        let Some(c) = current else {
-            if client.changed().await.is_err() {
-                return;
-            }
-            continue;
-        };
-        let (tx, mut rx) = mpsc::channel(4);
-        let api: kube::Api<Secret> = kube::Api::namespaced(c, &namespace);
-        let task = tokio::spawn(watch_one(
-            api,
-            SECRET_NAME.to_string(),
-            hna_edges::cluster::credentials::WATCH_TIMEOUT_SECS,
-            tx,
-            |u| u,
-        ));
-        let mut logged = None::<String>;
-        loop {
-            tokio::select! {
-                changed = client.changed() => {
-                    task.abort();
-                    if changed.is_err() {
-                        return;
-                    }
-                    break;
-                }
-                u = rx.recv() => {
-                    let Some(u) = u else {
-                        task.abort();
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                        break;
-                    };
-                    let keys = match u {
-                        Update::Present(secret) => {
-                            let bytes = secret
-                                .data
-                                .as_ref()
-                                .and_then(|d| d.get(SECRET_KEY))
-                                .map(|b| b.0.clone())
-                                .unwrap_or_default();
-                            if bytes.len() < 32 {
-                                let why = format!("the Secret {namespace}/{SECRET_NAME} has no `{SECRET_KEY}` of at least 32 bytes; the controller makes it");
-                                if logged.as_deref() != Some(&why) {
-                                    tracing::warn!("{why}");
-                                    logged = Some(why);
-                                }
-                                continue;
-                            }
-                            vec![KeyBytes { id: 1, secret: bytes }]
-                        }
-                        Update::Absent => {
-                            let why = format!("the Secret {namespace}/{SECRET_NAME} does not exist yet (the controller makes it); the LAN membership waits for it");
-                            if logged.as_deref() != Some(&why) {
-                                tracing::info!("{why}");
-                                logged = Some(why);
-                            }
-                            continue;
-                        }
-                        // Unreadable: the key known stays.
-                        Update::Failed(_) => continue,
-                    };
-                    logged = None;
-                    want.send_if_modified(|w| {
-                        let changed = w.keys != keys;
-                        w.keys.clone_from(&keys);
-                        changed
-                    });
-                }
-            }
-        }
-    }
-}
-
 /// The DHCP engine that will hold this node's LoadBalancer addresses. The
 /// macvlans an earlier run left stay for now: the LoadBalancer task adopts
 /// the assigned ones and removes the rest once it has read the assignments
@@ -742,12 +504,11 @@ async fn start_dhcp(
     cfg: &Config,
     metrics: Option<&tokio::net::TcpListener>,
     observe: &metrics::AgentMetrics,
-) -> anyhow::Result<(Arc<hna_dhcp::engine::Engine>, daemon_state::DhcpStatus)> {
-    let store =
-        hna_dhcp::store::Store::open(&cfg.state_dir).context("opening the DHCP lease directory")?;
+) -> Result<(Arc<hna_dhcp::engine::Engine>, daemon_state::DhcpStatus), AgentError> {
+    let store = hna_dhcp::store::Store::open(&cfg.state_dir).map_err(AgentError::LeaseStore)?;
     let engine = Arc::new(
         hna_dhcp::engine::Engine::new(Some(store))
-            .context("connecting to rtnetlink for the DHCP engine")?
+            .map_err(AgentError::DhcpEngine)?
             .tuning_ipv4()
             .on_acquired(crate::loadbalancer::lease_metrics::observe_acquisitions(
                 observe.acquisitions.clone(),

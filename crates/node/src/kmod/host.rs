@@ -14,11 +14,11 @@ use rtnetlink::packet_route::link::{
 use rtnetlink::packet_route::route::{RouteAttribute, RouteHeader, RouteMessage};
 use rtnetlink::{LinkMacVlan, RouteMessageBuilder};
 
-use super::KernelHost;
 use super::detect::{self, Facts, SysModule};
 use super::modprobe_d;
 use super::probe::{self, LinkFacts, ProbeError};
 use super::remedy::OsRelease;
+use super::{KernelHost, LoadError};
 
 /// How long `modprobe` may take before the load counts as failed.
 const MODPROBE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -188,19 +188,18 @@ impl KernelHost for Host {
             .unwrap_or_default()
     }
 
-    fn load(&self, module: &str) -> Result<(), String> {
+    fn load(&self, module: &str) -> Result<(), LoadError> {
         if !may_load_modules() {
             // Without CAP_SYS_MODULE the kernel still loads it on request:
             // creating a macvlan link makes it run modprobe for the alias
             // `rtnl-link-macvlan`, which honours modprobe.d's blacklist.
-            return self
-                .probe()
-                .map_err(|e| format!("the kernel did not load it when asked for a {module} link ({e}); run `harvester-node-agent check {module} --fix` as root to load it with modprobe and see why"));
+            return self.probe().map_err(|probe| LoadError::NotLoadedOnRequest {
+                module: module.to_string(),
+                probe,
+            });
         }
         let Some(modprobe) = find_modprobe() else {
-            return Err(
-                "modprobe is not installed (package kmod); install it or load the module with insmod".into(),
-            );
+            return Err(LoadError::NoModprobe);
         };
         let mut child = Command::new(&modprobe)
             .arg("--quiet")
@@ -210,7 +209,10 @@ impl KernelHost for Host {
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", modprobe.display()))?;
+            .map_err(|e| LoadError::Spawn {
+                modprobe: modprobe.clone(),
+                error: std::sync::Arc::new(e),
+            })?;
         let deadline = std::time::Instant::now() + MODPROBE_TIMEOUT;
         loop {
             match child.try_wait() {
@@ -223,24 +225,25 @@ impl KernelHost for Host {
                     return if status.success() {
                         Ok(())
                     } else {
-                        Err(format!(
-                            "`{} {module}` failed ({status}): {}",
-                            modprobe.display(),
-                            stderr.trim()
-                        ))
+                        Err(LoadError::Failed {
+                            modprobe,
+                            module: module.to_string(),
+                            status,
+                            stderr: stderr.trim().to_string(),
+                        })
                     };
                 }
                 Ok(None) if std::time::Instant::now() > deadline => {
                     let _ = child.kill();
                     let _ = child.wait();
-                    return Err(format!(
-                        "`{} {module}` did not finish within {}s",
-                        modprobe.display(),
-                        MODPROBE_TIMEOUT.as_secs()
-                    ));
+                    return Err(LoadError::TimedOut {
+                        modprobe,
+                        module: module.to_string(),
+                        within: MODPROBE_TIMEOUT,
+                    });
                 }
                 Ok(None) => std::thread::sleep(Duration::from_millis(10)),
-                Err(e) => return Err(format!("waiting for modprobe: {e}")),
+                Err(e) => return Err(LoadError::Wait(std::sync::Arc::new(e))),
             }
         }
     }

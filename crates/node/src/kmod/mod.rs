@@ -35,9 +35,41 @@ pub trait KernelHost {
     fn boot_persistence(&self, module: &str) -> Option<PathBuf>;
     fn os_release(&self) -> OsRelease;
     /// Loads the module with its dependencies.
-    fn load(&self, module: &str) -> Result<(), String>;
+    fn load(&self, module: &str) -> Result<(), LoadError>;
     /// Creates a macvlan on the uplink, never up, and deletes it.
     fn probe(&self) -> Result<(), ProbeError>;
+}
+
+/// Why a module did not load.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LoadError {
+    #[error(
+        "the kernel did not load it when asked for a {module} link ({probe}); run `harvester-node-agent check {module} --fix` as root to load it with modprobe and see why"
+    )]
+    NotLoadedOnRequest { module: String, probe: ProbeError },
+    #[error("modprobe is not installed (package kmod); install it or load the module with insmod")]
+    NoModprobe,
+    #[error("cannot run {}: {error}", modprobe.display())]
+    Spawn {
+        modprobe: PathBuf,
+        error: std::sync::Arc<std::io::Error>,
+    },
+    #[error("`{} {module}` failed ({status}): {stderr}", modprobe.display())]
+    Failed {
+        modprobe: PathBuf,
+        module: String,
+        status: std::process::ExitStatus,
+        /// modprobe's own words, trimmed.
+        stderr: String,
+    },
+    #[error("`{} {module}` did not finish within {}s", modprobe.display(), within.as_secs())]
+    TimedOut {
+        modprobe: PathBuf,
+        module: String,
+        within: std::time::Duration,
+    },
+    #[error("waiting for modprobe: {0}")]
+    Wait(std::sync::Arc<std::io::Error>),
 }
 
 /// Stable reasons, as in `check`, `status` and the `MacvlanReady` condition.
@@ -332,7 +364,7 @@ mod tests {
 
     struct Fake {
         facts: RefCell<Facts>,
-        load_result: Result<(), String>,
+        load_result: Result<(), LoadError>,
         probe_result: Result<(), ProbeError>,
         loads: RefCell<u32>,
         probes: RefCell<u32>,
@@ -373,7 +405,7 @@ mod tests {
         fn os_release(&self) -> OsRelease {
             OsRelease::parse(self.os)
         }
-        fn load(&self, _: &str) -> Result<(), String> {
+        fn load(&self, _: &str) -> Result<(), LoadError> {
             *self.loads.borrow_mut() += 1;
             if self.load_result.is_ok() {
                 self.facts.borrow_mut().proc_modules = Some("macvlan 1 0 - Live 0x0\n".into());
@@ -471,8 +503,12 @@ mod tests {
     #[test]
     fn load_and_probe_failures_are_reported() {
         let mut host = Fake::new(Some(""), DEP);
-        host.load_result =
-            Err("modprobe: ERROR: could not insert 'macvlan': Exec format error".into());
+        host.load_result = Err(LoadError::Failed {
+            modprobe: "/sbin/modprobe".into(),
+            module: "macvlan".into(),
+            status: std::os::unix::process::ExitStatusExt::from_raw(1 << 8),
+            stderr: "modprobe: ERROR: could not insert 'macvlan': Exec format error".into(),
+        });
         let s = preflight(&host, true);
         assert_eq!((s.status, s.reason), (Status::Fail, Reason::LoadFailed));
         assert!(s.message.contains("Exec format error"));

@@ -13,6 +13,7 @@ pub mod delivery;
 mod fence;
 pub mod lease_metrics;
 pub mod lease_plan;
+pub mod spawn;
 pub mod status_writes;
 pub mod task;
 
