@@ -336,13 +336,11 @@ async fn reconcile_loop(
     reports: stats::Reports,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let stats::Reports { stats, failover } = reports;
     tokio::select! {
         ready = caches.ready() => if !ready { return },
         _ = shutdown.changed() => return,
     }
-    stats.lock().expect("stats lock").synced = true;
-    let alive = caches.alive.clone();
+    reports.stats.lock().expect("stats lock").synced = true;
     // The floor of supported servers (1.33) knows it; an older or
     // unreadable one gets no ipMode rather than a write every pass.
     let ip_mode = api.knows_ip_mode().await.unwrap_or_else(|| {
@@ -350,151 +348,137 @@ async fn reconcile_loop(
         false
     });
     tracing::info!(ip_mode, "watch caches loaded: reconciling");
-    let mut slow_warned: BTreeSet<String> = BTreeSet::new();
-    let mut let_go = lan_verdict::LetGo::default();
-    let mut memory = writer::Memory::default();
-    let mut deletions = deletions::Deletions::default();
-    let mut access_ensured: BTreeSet<String> = BTreeSet::new();
-    let mut key_ensured = false;
-    let mut health = service_health::ServiceHealth::new(
-        opts.service_failed_after,
-        opts.service_guarded_after,
-        opts.service_avoid_for,
-    );
-    let mut failovers = failover::FailoverClock::default();
-    let mut term = 0;
+    let mut reconciler = Reconciler::new(api, caches, leadership, opts, reports, ip_mode);
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut coalesce = COALESCE_MIN;
-    // The inputs of the last pass, if it left nothing to do.
-    let mut settled: Option<Inputs> = None;
-    let mut trimmer = heap::Trimmer::new(Instant::now());
-    loop {
+    while reconciler
+        .wait_for_news(&changed, &mut tick, &mut shutdown)
+        .await
+    {
+        reconciler.pass().await;
+    }
+}
+
+/// The reconcile loop of one session: what it reads and writes through,
+/// and what it keeps from one pass to the next.
+struct Reconciler {
+    api: kube_edge::KubeApi,
+    caches: kube_edge::Caches,
+    leadership: Arc<leadership::Leadership>,
+    opts: Options,
+    stats: Arc<Mutex<Stats>>,
+    failover: prometheus_client::metrics::histogram::Histogram,
+    ip_mode: bool,
+    slow_warned: BTreeSet<String>,
+    let_go: lan_verdict::LetGo,
+    memory: writer::Memory,
+    deletions: deletions::Deletions,
+    access_ensured: BTreeSet<String>,
+    key_ensured: bool,
+    health: service_health::ServiceHealth,
+    failovers: failover::FailoverClock,
+    /// The leader term the memories above belong to.
+    term: u64,
+    coalesce: Duration,
+    /// The inputs of the last pass, if it left nothing to do.
+    settled: Option<Inputs>,
+    trimmer: heap::Trimmer,
+}
+
+impl Reconciler {
+    fn new(
+        api: kube_edge::KubeApi,
+        caches: kube_edge::Caches,
+        leadership: Arc<leadership::Leadership>,
+        opts: Options,
+        reports: stats::Reports,
+        ip_mode: bool,
+    ) -> Reconciler {
+        let health = service_health::ServiceHealth::new(
+            opts.service_failed_after,
+            opts.service_guarded_after,
+            opts.service_avoid_for,
+        );
+        Reconciler {
+            api,
+            caches,
+            leadership,
+            opts,
+            stats: reports.stats,
+            failover: reports.failover,
+            ip_mode,
+            slow_warned: BTreeSet::new(),
+            let_go: lan_verdict::LetGo::default(),
+            memory: writer::Memory::default(),
+            deletions: deletions::Deletions::default(),
+            access_ensured: BTreeSet::new(),
+            key_ensured: false,
+            health,
+            failovers: failover::FailoverClock::default(),
+            term: 0,
+            coalesce: COALESCE_MIN,
+            settled: None,
+            trimmer: heap::Trimmer::new(Instant::now()),
+        }
+    }
+
+    /// Waits for something that may move a decision; false at shutdown.
+    async fn wait_for_news(
+        &self,
+        changed: &Notify,
+        tick: &mut tokio::time::Interval,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> bool {
         // A node turning stale is news without an event: wake for it; and
         // for the first write whose backoff is over. A failing write never
         // delays a pass: it waits out its own backoff
         // (`writer::WriteBackoff`) while the rest is decided and written.
-        let stale_at = alive
+        let stale_at = self
+            .caches
+            .alive
             .lock()
             .expect("liveness lock")
             .next_deadline(Instant::now());
-        let retry_at = memory.backoff.next_retry(Instant::now());
-        let health_at = health.next_deadline();
+        let retry_at = self.memory.backoff.next_retry(Instant::now());
+        let health_at = self.health.next_deadline();
         // A node dead on its LAN that never reported its addresses gone:
         // they move when its wait ends.
-        let let_go_at = let_go.next_deadline(Instant::now());
+        let let_go_at = self.let_go.next_deadline(Instant::now());
         tokio::select! {
-            _ = changed.notified() => tokio::time::sleep(coalesce).await,
+            _ = changed.notified() => tokio::time::sleep(self.coalesce).await,
             _ = tick.tick() => {}
             _ = hna_edges::duration::sleep_until(stale_at) => {}
             _ = hna_edges::duration::sleep_until(retry_at) => {}
             _ = hna_edges::duration::sleep_until(health_at) => {}
             _ = hna_edges::duration::sleep_until(let_go_at) => {}
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => return false,
         }
-        if trimmer.due(Instant::now()) {
+        true
+    }
+
+    /// One pass: decide from the caches and, as leader, write the plan.
+    async fn pass(&mut self) {
+        if self.trimmer.due(Instant::now()) {
             heap::trim();
         }
         let now = Instant::now();
-        let (objects, object_versions) = {
-            let mut alive = alive.lock().expect("liveness lock");
-            objects_from(&caches, &mut alive, &mut slow_warned, &mut let_go, now)
-        };
-        let avoid = health.observe(
-            objects.iter().map(|o| service_health::Report {
-                node: &o.name,
-                spec: &o.spec,
-                generation: o.generation,
-                status: &o.status,
-            }),
-            now,
-            caches.node_objects_generation.current(),
-        );
-        let leading = leadership.leading();
-        let wall = k8s_openapi::jiff::Timestamp::now().as_second();
-        let inputs = Inputs {
-            overdue: caches
-                .services
-                .state()
-                .iter()
-                .filter(|s| s.metadata.deletion_timestamp.is_some())
-                .filter_map(|s| {
-                    s.metadata
-                        .uid
-                        .as_deref()
-                        .map(|uid| deletions.waited(uid, now))
-                })
-                .filter(|w| w.as_secs() as i64 >= reconcile::RELEASE_TIMEOUT_SECS)
-                .count(),
-            services: caches.services_generation.get(),
-            nodes: caches.nodes_generation.get(),
-            endpoints: caches.endpoints.generation(),
-            objects,
-            avoid,
-            networks: caches.networks.lock().expect("network map lock").clone(),
-            leading,
-            term: leadership.term(),
-        };
+        let (inputs, object_versions) = self.inputs(now);
         // Most wake-ups at scale are heartbeats alone: they move no
         // decision, and a whole pass over every Service for each would
         // keep a core busy. Skipped only after a pass that had nothing to
         // write and nothing failed, so a skipped pass would have been the
         // same again.
-        if settled.as_ref() == Some(&inputs) {
-            let mut s = stats.lock().expect("stats lock");
+        if self.settled.as_ref() == Some(&inputs) {
+            let mut s = self.stats.lock().expect("stats lock");
             s.skipped += 1;
-            s.holder = leadership.holder();
-            continue;
+            s.holder = self.leadership.holder();
+            return;
         }
-        let (mut services, nodes, mut versions) = services_from(&caches);
-        for s in &mut services {
-            deletions.time(s, now, wall);
-        }
-        let deleting: BTreeSet<&str> = services
-            .iter()
-            .filter(|s| s.deleting)
-            .map(|s| s.uid.as_str())
-            .collect();
-        deletions.retain(|uid| deleting.contains(uid));
-        let node_networks = node_networks(&caches);
-        versions.extend(object_versions);
-        let plan = reconcile::reconcile(reconcile::World {
-            services: &services,
-            nodes: &nodes,
-            node_objects: &inputs.objects,
-            access_ensured: &access_ensured,
-            networks: &inputs.networks,
-            classes: &opts.classes,
-            ip_mode,
-            node_networks: &node_networks,
-            avoid: &inputs.avoid,
-            now: wall,
-        });
-        coalesce = coalesce_window(now.elapsed());
-        trimmer.worked();
-        tracing::debug!(
-            took = ?now.elapsed(),
-            services = services.len(),
-            writes = plan.writes.len(),
-            "pass decided"
-        );
-        {
-            let mut s = stats.lock().expect("stats lock");
-            s.reconciles += 1;
-            s.summary = plan.summary.clone();
-            s.leader = leading;
-            s.holder = leadership.holder();
-        }
+        let leading = inputs.leading;
+        let (plan, services, versions) = self.decide(&inputs, object_versions, now);
+        self.report_decision(&plan, leading);
         if leading {
-            // The leader alone: the replicas' histograms add up.
-            let alive = alive.lock().expect("liveness lock");
-            for took in failovers.observe(
-                &failover::serving(&inputs.objects),
-                |n| alive.last_change(n),
-                now,
-            ) {
-                failover.observe(took.as_secs_f64());
-            }
+            self.observe_failovers(&inputs.objects, now);
         }
         if !leading {
             // A follower writes nothing: the same inputs give the same
@@ -502,49 +486,215 @@ async fn reconcile_loop(
             // among them, which only a leader ensures: settled on an
             // empty plan, it ran a whole pass every second, 0.2 s of CPU a
             // second at 10,000 Services.)
-            settled = Some(inputs);
-            continue;
+            self.settled = Some(inputs);
+            return;
         }
-        if leadership.term() != term {
-            // A new term: what was sent or told before may have been
-            // undone by another leader since.
-            term = leadership.term();
-            memory.clear();
-            access_ensured.clear();
-            key_ensured = false;
+        self.forget_past_terms();
+        self.ensure_membership_key().await;
+        let out = self.write(&plan, &services, &versions).await;
+        self.report_outcome(&out);
+        let nothing_left = plan.writes.is_empty()
+            && out.errors.is_empty()
+            && out.conflicts == 0
+            && out.deferred == 0
+            && !out.stopped;
+        self.settled = nothing_left.then_some(inputs);
+    }
+
+    /// What this pass decides from, the node objects judged on our clock
+    /// at `now`; and each node object's resourceVersion.
+    fn inputs(&mut self, now: Instant) -> (Inputs, HashMap<String, String>) {
+        let (objects, object_versions) = {
+            let mut alive = self.caches.alive.lock().expect("liveness lock");
+            objects_from(
+                &self.caches,
+                &mut alive,
+                &mut self.slow_warned,
+                &mut self.let_go,
+                now,
+            )
+        };
+        let avoid = self.health.observe(
+            objects.iter().map(|o| service_health::Report {
+                node: &o.name,
+                spec: &o.spec,
+                generation: o.generation,
+                status: &o.status,
+            }),
+            now,
+            self.caches.node_objects_generation.current(),
+        );
+        let leading = self.leadership.leading();
+        let inputs = Inputs {
+            overdue: self.overdue_deletions(now),
+            services: self.caches.services_generation.get(),
+            nodes: self.caches.nodes_generation.get(),
+            endpoints: self.caches.endpoints.generation(),
+            objects,
+            avoid,
+            networks: self
+                .caches
+                .networks
+                .lock()
+                .expect("network map lock")
+                .clone(),
+            leading,
+            term: self.leadership.term(),
+        };
+        (inputs, object_versions)
+    }
+
+    /// How many Services being deleted have waited past the release
+    /// timeout.
+    fn overdue_deletions(&mut self, now: Instant) -> usize {
+        self.caches
+            .services
+            .state()
+            .iter()
+            .filter(|s| s.metadata.deletion_timestamp.is_some())
+            .filter_map(|s| {
+                s.metadata
+                    .uid
+                    .as_deref()
+                    .map(|uid| self.deletions.waited(uid, now))
+            })
+            .filter(|w| w.as_secs() as i64 >= reconcile::RELEASE_TIMEOUT_SECS)
+            .count()
+    }
+
+    /// The plan for `inputs`, the Services it was decided from, and the
+    /// resourceVersion of every object (for the [`writer::WriteMemo`]).
+    fn decide(
+        &mut self,
+        inputs: &Inputs,
+        object_versions: HashMap<String, String>,
+        now: Instant,
+    ) -> (
+        reconcile::Plan,
+        Vec<reconcile::ServiceIn>,
+        HashMap<String, String>,
+    ) {
+        let wall = k8s_openapi::jiff::Timestamp::now().as_second();
+        let (mut services, nodes, mut versions) = services_from(&self.caches);
+        for s in &mut services {
+            self.deletions.time(s, now, wall);
         }
-        if !key_ensured {
-            match api.ensure_membership_key(&opts.namespace).await {
-                Ok(made) => {
-                    key_ensured = true;
-                    if made {
-                        tracing::info!(
-                            secret = %format!("{}/{}", opts.namespace, hna_contract::membership::SECRET_NAME),
-                            "made the LAN membership's key"
-                        );
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot make the LAN membership's key (Secret {}); the agents' membership waits for it", hna_contract::membership::SECRET_NAME);
-                    stats.lock().expect("stats lock").write_errors += 1;
+        let deleting: BTreeSet<&str> = services
+            .iter()
+            .filter(|s| s.deleting)
+            .map(|s| s.uid.as_str())
+            .collect();
+        self.deletions.retain(|uid| deleting.contains(uid));
+        let node_networks = node_networks(&self.caches);
+        versions.extend(object_versions);
+        let plan = reconcile::reconcile(reconcile::World {
+            services: &services,
+            nodes: &nodes,
+            node_objects: &inputs.objects,
+            access_ensured: &self.access_ensured,
+            networks: &inputs.networks,
+            classes: &self.opts.classes,
+            ip_mode: self.ip_mode,
+            node_networks: &node_networks,
+            avoid: &inputs.avoid,
+            now: wall,
+        });
+        self.coalesce = coalesce_window(now.elapsed());
+        self.trimmer.worked();
+        tracing::debug!(
+            took = ?now.elapsed(),
+            services = services.len(),
+            writes = plan.writes.len(),
+            "pass decided"
+        );
+        (plan, services, versions)
+    }
+
+    fn report_decision(&self, plan: &reconcile::Plan, leading: bool) {
+        let mut s = self.stats.lock().expect("stats lock");
+        s.reconciles += 1;
+        s.summary = plan.summary.clone();
+        s.leader = leading;
+        s.holder = self.leadership.holder();
+    }
+
+    /// How long the addresses of dead nodes took to be served again. The
+    /// leader alone observes it, so that the replicas' histograms add up.
+    fn observe_failovers(&mut self, objects: &[reconcile::NodeIn], now: Instant) {
+        let alive = self.caches.alive.lock().expect("liveness lock");
+        for took in
+            self.failovers
+                .observe(&failover::serving(objects), |n| alive.last_change(n), now)
+        {
+            self.failover.observe(took.as_secs_f64());
+        }
+    }
+
+    /// A new term: what was sent or told before may have been undone by
+    /// another leader since.
+    fn forget_past_terms(&mut self) {
+        if self.leadership.term() != self.term {
+            self.term = self.leadership.term();
+            self.memory.clear();
+            self.access_ensured.clear();
+            self.key_ensured = false;
+        }
+    }
+
+    /// The LAN membership's key, once per term; a failure is tried again
+    /// next pass.
+    async fn ensure_membership_key(&mut self) {
+        if self.key_ensured {
+            return;
+        }
+        match self.api.ensure_membership_key(&self.opts.namespace).await {
+            Ok(made) => {
+                self.key_ensured = true;
+                if made {
+                    tracing::info!(
+                        secret = %format!("{}/{}", self.opts.namespace, hna_contract::membership::SECRET_NAME),
+                        "made the LAN membership's key"
+                    );
                 }
             }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot make the LAN membership's key (Secret {}); the agents' membership waits for it", hna_contract::membership::SECRET_NAME);
+                self.stats.lock().expect("stats lock").write_errors += 1;
+            }
         }
-        memory.writes.prune(|t| versions.get(t).cloned());
+    }
+
+    /// Carries out `plan`, first forgetting the writes and Events whose
+    /// objects changed or are gone.
+    async fn write(
+        &mut self,
+        plan: &reconcile::Plan,
+        services: &[reconcile::ServiceIn],
+        versions: &HashMap<String, String>,
+    ) -> writer::Outcome {
+        self.memory.writes.prune(|t| versions.get(t).cloned());
         let uids: HashMap<&hna_contract::ServiceKey, &str> =
             services.iter().map(|s| (&s.key, s.uid.as_str())).collect();
-        memory.events.retain(|k, uid| uids.get(k) == Some(&uid));
+        self.memory
+            .events
+            .retain(|k, uid| uids.get(k) == Some(&uid));
         let version_of = |t: &str| versions.get(t).cloned();
+        let leadership = &self.leadership;
         let out = writer::execute(
-            &opts.namespace,
-            &plan,
-            &api,
+            &self.opts.namespace,
+            plan,
+            &self.api,
             &|| leadership.leading(),
-            &mut memory,
+            &mut self.memory,
             &version_of,
         )
         .await;
-        access_ensured.extend(out.access_ensured.iter().cloned());
+        self.access_ensured
+            .extend(out.access_ensured.iter().cloned());
+        out
+    }
+
+    fn report_outcome(&self, out: &writer::Outcome) {
         for e in &out.errors {
             tracing::warn!("{e}");
         }
@@ -552,7 +702,7 @@ async fn reconcile_loop(
             tracing::debug!(kind, n, "writes");
         }
         {
-            let mut s = stats.lock().expect("stats lock");
+            let mut s = self.stats.lock().expect("stats lock");
             for (kind, n) in &out.writes {
                 *s.writes.entry(kind).or_default() += n;
             }
@@ -573,17 +723,9 @@ async fn reconcile_loop(
                 "writes refused: their objects changed since this plan; the next plan redoes them"
             );
         }
-        {
-            let mut s = stats.lock().expect("stats lock");
-            s.writes_deferred += out.deferred;
-            s.objects_backing_off = memory.backoff.waiting() as u64;
-        }
-        settled = (plan.writes.is_empty()
-            && out.errors.is_empty()
-            && out.conflicts == 0
-            && out.deferred == 0
-            && !out.stopped)
-            .then_some(inputs);
+        let mut s = self.stats.lock().expect("stats lock");
+        s.writes_deferred += out.deferred;
+        s.objects_backing_off = self.memory.backoff.waiting() as u64;
     }
 }
 
