@@ -189,32 +189,7 @@ async fn run_until_stopped(
         ));
     }
     if let Some(addr) = opts.metrics_listen {
-        let listener = hna_edges::metrics::bind(addr)
-            .await
-            .map_err(|source| ControllerError::Metrics { addr, source })?;
-        let h = stats.clone();
-        let registry = stats::registry(stats.clone(), failover.clone());
-        let alive = liveness.clone();
-        let pages = hna_edges::metrics::Pages {
-            metrics: Arc::new(move || hna_edges::metrics::exposition::encode(&registry)),
-            health: Arc::new(move || {
-                let s = h.lock().expect("stats lock");
-                if s.connected {
-                    Ok(())
-                } else {
-                    Err("not connected to the cluster".into())
-                }
-            }),
-            // Not the connection: a restart does not bring an API server
-            // back, and an outage would restart every replica at once.
-            live: Arc::new(move || {
-                match alive.stalled(tokio::time::Instant::now(), beat_every * 5) {
-                    stalled if stalled.is_empty() => Ok(()),
-                    stalled => Err(format!("loops stalled: {}", stalled.join(", "))),
-                }
-            }),
-        };
-        tasks.spawn(hna_edges::metrics::serve(listener, pages));
+        serve_metrics(addr, &stats, &failover, &liveness, beat_every, &mut tasks).await?;
     }
     notifier.ready();
 
@@ -223,20 +198,7 @@ async fn run_until_stopped(
     let mut last_status = String::new();
     let mut session: Option<Session> = None;
     loop {
-        let status = {
-            let mut s = stats.lock().expect("stats lock");
-            s.connected = matches!(*cluster_rx.borrow(), ClusterState::Connected { .. });
-            if s.connected {
-                s.status_line()
-            } else {
-                summary(&cluster_rx.borrow())
-            }
-        };
-        if status != last_status {
-            tracing::info!("{status}");
-            notifier.status(&status);
-            last_status = status;
-        }
+        tell_status(&stats, &cluster_rx, notifier.as_ref(), &mut last_status);
         tokio::select! {
             changed = cluster_rx.changed() => if changed.is_err() { break },
             changed = client_rx.changed() => {
@@ -261,6 +223,68 @@ async fn run_until_stopped(
     let _ = tokio::time::timeout(Duration::from_secs(10), drain).await;
     tracing::info!("controller stopped");
     Ok(())
+}
+
+/// `/metrics`, `/healthz` and `/livez` on `addr`, served among `tasks`.
+async fn serve_metrics(
+    addr: SocketAddr,
+    stats: &Arc<Mutex<Stats>>,
+    failover: &prometheus_client::metrics::histogram::Histogram,
+    liveness: &Liveness,
+    beat_every: Duration,
+    tasks: &mut tokio::task::JoinSet<()>,
+) -> Result<(), ControllerError> {
+    let listener = hna_edges::metrics::bind(addr)
+        .await
+        .map_err(|source| ControllerError::Metrics { addr, source })?;
+    let h = stats.clone();
+    let registry = stats::registry(stats.clone(), failover.clone());
+    let alive = liveness.clone();
+    let pages = hna_edges::metrics::Pages {
+        metrics: Arc::new(move || hna_edges::metrics::exposition::encode(&registry)),
+        health: Arc::new(move || {
+            let s = h.lock().expect("stats lock");
+            if s.connected {
+                Ok(())
+            } else {
+                Err("not connected to the cluster".into())
+            }
+        }),
+        // Not the connection: a restart does not bring an API server
+        // back, and an outage would restart every replica at once.
+        live: Arc::new(
+            move || match alive.stalled(tokio::time::Instant::now(), beat_every * 5) {
+                stalled if stalled.is_empty() => Ok(()),
+                stalled => Err(format!("loops stalled: {}", stalled.join(", "))),
+            },
+        ),
+    };
+    tasks.spawn(hna_edges::metrics::serve(listener, pages));
+    Ok(())
+}
+
+/// Logs the status line and tells it to systemd when it changed since
+/// `last_status`.
+fn tell_status(
+    stats: &Mutex<Stats>,
+    cluster_rx: &watch::Receiver<ClusterState>,
+    notifier: &dyn Notifier,
+    last_status: &mut String,
+) {
+    let status = {
+        let mut s = stats.lock().expect("stats lock");
+        s.connected = matches!(*cluster_rx.borrow(), ClusterState::Connected { .. });
+        if s.connected {
+            s.status_line()
+        } else {
+            summary(&cluster_rx.borrow())
+        }
+    };
+    if status != *last_status {
+        tracing::info!("{status}");
+        notifier.status(&status);
+        *last_status = status;
+    }
 }
 
 /// Everything that runs on one client: watches, election, reconcile.
