@@ -156,22 +156,10 @@ pub async fn run(
                 };
                 (Some(lease), hold)
             }
-            None => {
-                let current = match tokio::time::timeout(call, api.get_opt(&name)).await {
-                    Ok(Ok(l)) => l,
-                    Ok(Err(e)) => {
-                        tracing::warn!(lease = %name, "cannot read the controller Lease: {e}");
-                        continue;
-                    }
-                    Err(_) => {
-                        tracing::warn!(lease = %name, "reading the controller Lease timed out");
-                        continue;
-                    }
-                };
-                let record = current.as_ref().map(record_of);
-                let decision = elector.decide(record.as_ref(), Instant::now());
-                (current, decision)
-            }
+            None => match read_and_decide(&api, &name, call, &mut elector).await {
+                Some(read) => read,
+                None => continue,
+            },
         };
         let duration_secs = lease_duration_seconds(timing.lease_duration);
         let result = match decision {
@@ -185,37 +173,15 @@ pub async fn run(
                 continue;
             }
             Decision::Create => {
-                let lease = Lease {
-                    metadata: ObjectMeta {
-                        name: Some(name.clone()),
-                        ..Default::default()
-                    },
-                    spec: Some(LeaseSpec {
-                        holder_identity: Some(identity.clone()),
-                        lease_duration_seconds: Some(duration_secs),
-                        acquire_time: Some(now_micro()),
-                        renew_time: Some(now_micro()),
-                        lease_transitions: Some(0),
-                        ..Default::default()
-                    }),
-                };
+                let lease = new_lease(&name, &identity, duration_secs);
                 tokio::time::timeout(call, api.create(&PostParams::default(), &lease)).await
             }
             Decision::Hold {
                 transitions,
                 takeover,
             } => {
-                let mut lease = current.expect("Hold is decided on an existing Lease");
-                let spec = lease.spec.get_or_insert_with(Default::default);
-                spec.holder_identity = Some(identity.clone());
-                spec.lease_duration_seconds = Some(duration_secs);
-                spec.renew_time = Some(now_micro());
-                spec.lease_transitions = Some(transitions);
-                if takeover {
-                    spec.acquire_time = Some(now_micro());
-                }
-                // resourceVersion is kept: a concurrent writer makes this a
-                // conflict instead of two leaders.
+                let current = current.expect("Hold is decided on an existing Lease");
+                let lease = held(current, &identity, duration_secs, transitions, takeover);
                 tokio::time::timeout(
                     call,
                     hedged_replace(&api, &name, &lease, timing.retry_period),
@@ -248,6 +214,69 @@ pub async fn run(
         }
     }
     release(&api, &name, &identity, &leadership).await;
+}
+
+/// Reads the Lease and decides on it; `None` when the read failed (said
+/// in the log), for the round to be tried again.
+async fn read_and_decide(
+    api: &Api<Lease>,
+    name: &str,
+    call: Duration,
+    elector: &mut Elector,
+) -> Option<(Option<Lease>, Decision)> {
+    let current = match tokio::time::timeout(call, api.get_opt(name)).await {
+        Ok(Ok(l)) => l,
+        Ok(Err(e)) => {
+            tracing::warn!(lease = %name, "cannot read the controller Lease: {e}");
+            return None;
+        }
+        Err(_) => {
+            tracing::warn!(lease = %name, "reading the controller Lease timed out");
+            return None;
+        }
+    };
+    let record = current.as_ref().map(record_of);
+    let decision = elector.decide(record.as_ref(), Instant::now());
+    Some((current, decision))
+}
+
+/// The Lease to create, held by `identity`.
+fn new_lease(name: &str, identity: &str, duration_secs: i32) -> Lease {
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(identity.to_string()),
+            lease_duration_seconds: Some(duration_secs),
+            acquire_time: Some(now_micro()),
+            renew_time: Some(now_micro()),
+            lease_transitions: Some(0),
+            ..Default::default()
+        }),
+    }
+}
+
+/// `lease` renewed (or taken over) by `identity`. Its resourceVersion is
+/// kept: a concurrent writer makes the write a conflict instead of two
+/// leaders.
+fn held(
+    mut lease: Lease,
+    identity: &str,
+    duration_secs: i32,
+    transitions: i32,
+    takeover: bool,
+) -> Lease {
+    let spec = lease.spec.get_or_insert_with(Default::default);
+    spec.holder_identity = Some(identity.to_string());
+    spec.lease_duration_seconds = Some(duration_secs);
+    spec.renew_time = Some(now_micro());
+    spec.lease_transitions = Some(transitions);
+    if takeover {
+        spec.acquire_time = Some(now_micro());
+    }
+    lease
 }
 
 /// Clears the holder if it is us (a graceful handover: the next replica
