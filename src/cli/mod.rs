@@ -344,19 +344,19 @@ fn election_arg(v: &str) -> Result<Duration, String> {
 }
 
 fn stale_arg(v: &str) -> Result<Duration, String> {
-    config::duration_between(v, 1, 3600)
+    Ok(config::duration_between(v, 1, 3600)?)
 }
 
 fn log_level_arg(v: &str) -> Result<String, String> {
-    config::validate_log_level(v).map(|()| v.to_string())
+    Ok(config::validate_log_level(v).map(|()| v.to_string())?)
 }
 
 fn log_target_arg(v: &str) -> Result<config::LogTarget, String> {
-    config::parse_log_target(v)
+    Ok(config::parse_log_target(v)?)
 }
 
 fn credentials_retry_arg(v: &str) -> Result<Duration, String> {
-    config::duration_between(v, 1, 3600)
+    Ok(config::duration_between(v, 1, 3600)?)
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, Default, PartialEq, Eq)]

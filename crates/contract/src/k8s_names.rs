@@ -41,15 +41,28 @@ pub fn is_label_value(v: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
 }
 
+/// A label key Kubernetes would refuse, and which part of it is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{key}` is not a label key: {why}")]
+pub struct InvalidLabelKey {
+    key: String,
+    why: &'static str,
+}
+
 /// Kubernetes label keys: an optional DNS-subdomain prefix and `/`, then a
 /// name of at most 63 characters of `[A-Za-z0-9._-]` beginning and ending
 /// with an alphanumeric. The error says which part is wrong.
-pub fn validate_label_key(key: &str) -> Result<(), String> {
+pub fn validate_label_key(key: &str) -> Result<(), InvalidLabelKey> {
     let (prefix, name) = match key.split_once('/') {
         Some((p, n)) => (Some(p), n),
         None => (None, key),
     };
-    let bad = |why: &str| Err(format!("`{key}` is not a label key: {why}"));
+    let bad = |why: &'static str| {
+        Err(InvalidLabelKey {
+            key: key.to_string(),
+            why,
+        })
+    };
     if name.is_empty() || name.len() > 63 {
         return bad("the name part must be 1 to 63 characters");
     }
@@ -140,7 +153,7 @@ mod tests {
             ("/zone", "prefix must be a DNS subdomain"),
             ("Example.com/zone", "prefix must be a DNS subdomain"),
         ] {
-            let err = validate_label_key(bad).expect_err(bad);
+            let err = validate_label_key(bad).expect_err(bad).to_string();
             assert!(
                 err.starts_with(&format!("`{bad}` is not a label key")),
                 "{err}"

@@ -20,11 +20,32 @@ pub async fn sleep_until(at: Option<tokio::time::Instant>) {
 pub const FORMS: &str =
     "seconds as a bare number (\"3\", \"2.5\") or with units (\"10s\", \"1m30s\", \"500ms\")";
 
+/// A value that is not a duration: it names the value and the accepted
+/// forms.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{value}` is not a duration ({why}); write {FORMS}")]
+pub struct DurationError {
+    value: String,
+    why: String,
+}
+
+/// For the callers whose own errors are text (clap value parsers).
+impl From<DurationError> for String {
+    fn from(e: DurationError) -> String {
+        e.to_string()
+    }
+}
+
 /// Parses a duration; the error names the value and the accepted forms.
 /// Usable as a clap `value_parser`.
-pub fn parse_duration(v: &str) -> Result<Duration, String> {
+pub fn parse_duration(v: &str) -> Result<Duration, DurationError> {
     let t = v.trim();
-    let refuse = |why: &str| Err(format!("`{v}` is not a duration ({why}); write {FORMS}"));
+    let refuse = |why: &str| {
+        Err(DurationError {
+            value: v.to_string(),
+            why: why.to_string(),
+        })
+    };
     if t.is_empty() {
         return refuse("empty");
     }
@@ -115,19 +136,30 @@ mod tests {
             "3,5",
             "99999999999999999999",
         ] {
-            let err = parse_duration(text).expect_err(text);
+            let err = parse_duration(text).expect_err(text).to_string();
             assert!(err.contains(&format!("`{text}`")), "{err}");
             assert!(
                 err.contains("bare number") && err.contains("\"1m30s\""),
                 "{text}: {err}"
             );
         }
-        assert!(parse_duration("-3").unwrap_err().contains("negative"));
-        assert!(parse_duration("").unwrap_err().contains("empty"));
+        assert!(
+            parse_duration("-3")
+                .unwrap_err()
+                .to_string()
+                .contains("negative")
+        );
+        assert!(
+            parse_duration("")
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
+        );
         // humantime's own reason stays in the message.
         assert!(
             parse_duration("3 parsecs")
                 .unwrap_err()
+                .to_string()
                 .contains("unknown time unit")
         );
     }

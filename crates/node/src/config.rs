@@ -426,6 +426,35 @@ fn node_name_of_hostname(hostname: Option<String>) -> String {
         .unwrap_or_else(|| "localhost".to_string())
 }
 
+/// Why a value of a key is refused: the reason [`ConfigError::Key`]
+/// reports after the origin and the key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidValue(pub String);
+
+impl From<hna_edges::duration::DurationError> for InvalidValue {
+    fn from(e: hna_edges::duration::DurationError) -> InvalidValue {
+        InvalidValue(e.to_string())
+    }
+}
+
+impl From<hna_contract::k8s_names::InvalidLabelKey> for InvalidValue {
+    fn from(e: hna_contract::k8s_names::InvalidLabelKey) -> InvalidValue {
+        InvalidValue(e.to_string())
+    }
+}
+
+/// For the callers whose own errors are text (clap value parsers).
+impl From<InvalidValue> for String {
+    fn from(e: InvalidValue) -> String {
+        e.0
+    }
+}
+
+/// The value each key was given and where, the later layers (environment,
+/// then flags) over the earlier (the file).
+type Layered = BTreeMap<&'static str, (Raw, Origin)>;
+
 /// Pure resolution: file text, an environment lookup and flags in; a valid
 /// configuration or the first error (with origin and key) out.
 pub fn resolve(
@@ -434,31 +463,9 @@ pub fn resolve(
     flags: &FlagValues,
     hostname: &dyn Fn() -> String,
 ) -> Result<Config, ConfigError> {
-    let mut layered: BTreeMap<&'static str, (Raw, Origin)> = BTreeMap::new();
-
+    let mut layered = Layered::new();
     if let Some((path, text)) = file {
-        let origin = Origin::File(path.to_path_buf());
-        let table: toml::Table = text
-            .parse()
-            .map_err(|e: toml::de::Error| ConfigError::File {
-                path: path.to_path_buf(),
-                reason: format!("not valid TOML: {}", e.message()),
-            })?;
-        for (key, value) in table {
-            let Some(spec) = key_spec(&key) else {
-                return Err(ConfigError::Key {
-                    origin,
-                    reason: unknown_key_reason(&key),
-                    key,
-                });
-            };
-            let raw = raw_from_toml(spec, value).map_err(|reason| ConfigError::Key {
-                origin: origin.clone(),
-                key: key.clone(),
-                reason,
-            })?;
-            layered.insert(spec.name, (raw, origin.clone()));
-        }
+        layer_file(&mut layered, path, text)?;
     }
     for spec in KEYS {
         if let Some(v) = env(spec.env) {
@@ -473,8 +480,55 @@ pub fn resolve(
         );
     }
 
-    let mut cfg = Config {
-        file: file.map(|(p, _)| p.to_path_buf()),
+    let mut cfg = defaults(file.map(|(p, _)| p.to_path_buf()));
+    for (name, (raw, origin)) in layered {
+        set(&mut cfg, name, raw).map_err(|InvalidValue(reason)| ConfigError::Key {
+            origin,
+            key: name.to_string(),
+            reason,
+        })?;
+    }
+    if cfg.node_name.is_empty() {
+        cfg.node_name = hostname();
+    }
+    if cfg.vm_name.is_empty() {
+        cfg.vm_name = hostname();
+    }
+    Ok(cfg)
+}
+
+/// The file's keys into `layered`; an unknown key or a value of the wrong
+/// TOML type stops resolution.
+fn layer_file(layered: &mut Layered, path: &Path, text: &str) -> Result<(), ConfigError> {
+    let origin = Origin::File(path.to_path_buf());
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| ConfigError::File {
+            path: path.to_path_buf(),
+            reason: format!("not valid TOML: {}", e.message()),
+        })?;
+    for (key, value) in table {
+        let Some(spec) = key_spec(&key) else {
+            return Err(ConfigError::Key {
+                origin,
+                reason: unknown_key_reason(&key),
+                key,
+            });
+        };
+        let raw = raw_from_toml(spec, value).map_err(|InvalidValue(reason)| ConfigError::Key {
+            origin: origin.clone(),
+            key: key.clone(),
+            reason,
+        })?;
+        layered.insert(spec.name, (raw, origin.clone()));
+    }
+    Ok(())
+}
+
+/// The configuration when no key is given.
+fn defaults(file: Option<PathBuf>) -> Config {
+    Config {
+        file,
         log_level: "info".into(),
         log_target: LogTarget::Auto,
         state_dir: PathBuf::from("/var/lib/harvester-node-agent"),
@@ -506,194 +560,174 @@ pub fn resolve(
         lb_address_lifetime: Duration::from_secs(1),
         lb_restart_grace: Duration::from_secs(15),
         lb_keep_on_stop: KeepOnStop::Restart,
-    };
-    for (name, (raw, origin)) in layered {
-        let fail = |reason: String| ConfigError::Key {
-            origin: origin.clone(),
-            key: name.to_string(),
-            reason,
-        };
-        match name {
-            "log_level" => {
-                let v = text(raw);
-                validate_log_level(&v).map_err(fail)?;
-                cfg.log_level = v;
-            }
-            "log_target" => cfg.log_target = parse_log_target(&text(raw)).map_err(fail)?,
-            "state_dir" => cfg.state_dir = absolute_path(text(raw)).map_err(fail)?,
-            "socket" => {
-                let p = absolute_path(text(raw)).map_err(fail)?;
-                // sun_path holds 108 bytes including the terminating NUL.
-                if p.as_os_str().len() > 107 {
-                    return Err(fail(format!(
-                        "socket path is {} bytes long; Unix sockets allow at most 107",
-                        p.as_os_str().len()
-                    )));
-                }
-                cfg.socket = p;
-            }
-            "node_name" => {
-                let v = text(raw);
-                validate_node_name(&v).map_err(fail)?;
-                cfg.node_name = v;
-            }
-            "kubeconfig" => {
-                let v = text(raw);
-                cfg.kubeconfig = if v.is_empty() {
-                    None
-                } else {
-                    Some(absolute_path(v).map_err(fail)?)
-                };
-            }
-            "kubeconfig_search" => {
-                let items = match raw {
-                    Raw::List(items) => items,
-                    Raw::Text(t) => t
-                        .split(':')
-                        .filter(|s| !s.is_empty())
-                        .map(str::to_string)
-                        .collect(),
-                };
-                cfg.kubeconfig_search = items
-                    .into_iter()
-                    .map(absolute_path)
-                    .collect::<Result<_, _>>()
-                    .map_err(fail)?;
-            }
-            "credentials_retry" => {
-                cfg.credentials_retry = duration_between(&text(raw), 1, 3600).map_err(fail)?;
-            }
-            "macvlan_recheck" => {
-                cfg.macvlan_recheck = duration_between(&text(raw), 10, 86400).map_err(fail)?;
-            }
-            "cloud_config" => {
-                let v = text(raw);
-                cfg.cloud_config = if v.is_empty() {
-                    None
-                } else {
-                    Some(absolute_path(v).map_err(fail)?)
-                };
-            }
-            "vm_name" => {
-                let v = text(raw);
-                validate_node_name(&v).map_err(|e| fail(e.replace("Node name", "VM name")))?;
-                cfg.vm_name = v;
-            }
-            "topology_labels" => {
-                let items = match raw {
-                    Raw::List(items) => items,
-                    Raw::Text(t) => split_list(&t),
-                };
-                for k in &items {
-                    validate_label_key(k).map_err(fail)?;
-                }
-                cfg.topology_labels = items;
-            }
-            "metrics_listen" => cfg.metrics_listen = listen_address(&text(raw)).map_err(fail)?,
-            "namespace" => {
-                let v = text(raw).trim().to_string();
-                validate_namespace(&v).map_err(fail)?;
-                cfg.namespace = v;
-            }
-            "lb_arp_probe" => cfg.lb_arp_probe = boolean(&text(raw)).map_err(fail)?,
-            "lb_membership_port" => {
-                cfg.lb_membership_port = text(raw).trim().parse::<u16>().map_err(|_| {
-                    fail(
-                        "is not a port number; use 1-65535, or 0 to turn the membership off".into(),
-                    )
-                })?
-            }
-            "lb_fence_after" => {
-                cfg.lb_fence_after = match duration_up_to(&text(raw), Duration::from_secs(3600)) {
-                    Ok(d) if d.is_zero() || d >= Duration::from_secs(10) => Ok(d),
-                    Ok(d) => Err(format!(
-                        "{} is out of range; use 0s (never) or a value between 10s and 1h",
-                        humantime::format_duration(d)
-                    )),
-                    Err(e) => Err(e),
-                }
-                .map_err(fail)?
-            }
-            "lb_restart_grace" => cfg.lb_restart_grace = match duration_up_to(
-                &text(raw),
-                Duration::from_secs(300),
-            ) {
-                Ok(d) if d.is_zero() || d >= Duration::from_secs(1) => Ok(d),
-                Ok(d) => Err(format!(
-                    "{} is out of range; use 0s (always hand over) or a value between 1s and 5m",
-                    humantime::format_duration(d)
-                )),
-                Err(e) => Err(e),
-            }
-            .map_err(fail)?,
-            "lb_keep_on_stop" => {
-                cfg.lb_keep_on_stop = match text(raw).as_str() {
-                    "restart" => KeepOnStop::Restart,
-                    "always" => KeepOnStop::Always,
-                    other => {
-                        return Err(fail(format!("`{other}` is not one of restart, always")));
-                    }
-                }
-            }
-            "lb_address_lifetime" => {
-                cfg.lb_address_lifetime = address_lifetime(&text(raw)).map_err(fail)?
-            }
-            "lb_takeover_guard" => {
-                cfg.lb_takeover_guard =
-                    duration_up_to(&text(raw), Duration::from_secs(5)).map_err(fail)?
-            }
-            "lb_heartbeat" => {
-                cfg.lb_heartbeat = duration_between_ms(&text(raw), 200, 10_000).map_err(fail)?
-            }
-            "lb_pause_clock" => {
-                let v = text(raw).trim().to_string();
-                cfg.lb_pause_clock = if v.is_empty() {
-                    None
-                } else {
-                    Some(absolute_path(v).map_err(fail)?)
-                };
-            }
-            "lb_presence" => cfg.lb_presence = presence(&text(raw)).map_err(fail)?,
-            "uplink" => {
-                let v = text(raw).trim().to_string();
-                cfg.uplink = if v.is_empty() {
-                    None
-                } else {
-                    validate_interface_name(&v).map_err(fail)?;
-                    Some(v)
-                };
-            }
-            _ => unreachable!("every key in KEYS is handled"),
-        }
     }
-    if cfg.node_name.is_empty() {
-        cfg.node_name = hostname();
-    }
-    if cfg.vm_name.is_empty() {
-        cfg.vm_name = hostname();
-    }
-    Ok(cfg)
 }
 
-fn presence(v: &str) -> Result<hna_dhcp::Presence, String> {
+/// Sets one key from its value. One arm per key of [`KEYS`]; an arm that
+/// is more than a parse calls a helper, so this stays a table to read.
+fn set(cfg: &mut Config, name: &str, raw: Raw) -> Result<(), InvalidValue> {
+    match name {
+        "log_level" => {
+            let v = text(raw);
+            validate_log_level(&v)?;
+            cfg.log_level = v;
+        }
+        "log_target" => cfg.log_target = parse_log_target(&text(raw))?,
+        "state_dir" => cfg.state_dir = absolute_path(text(raw))?,
+        "socket" => cfg.socket = socket_path(text(raw))?,
+        "node_name" => {
+            let v = text(raw);
+            validate_node_name(&v)?;
+            cfg.node_name = v;
+        }
+        "kubeconfig" => cfg.kubeconfig = optional_path(text(raw))?,
+        "kubeconfig_search" => cfg.kubeconfig_search = path_list(raw)?,
+        "credentials_retry" => cfg.credentials_retry = duration_between(&text(raw), 1, 3600)?,
+        "macvlan_recheck" => cfg.macvlan_recheck = duration_between(&text(raw), 10, 86400)?,
+        "cloud_config" => cfg.cloud_config = optional_path(text(raw))?,
+        "vm_name" => {
+            let v = text(raw);
+            validate_node_name(&v)
+                .map_err(|e| InvalidValue(e.0.replace("Node name", "VM name")))?;
+            cfg.vm_name = v;
+        }
+        "topology_labels" => cfg.topology_labels = label_keys(raw)?,
+        "metrics_listen" => cfg.metrics_listen = listen_address(&text(raw))?,
+        "namespace" => {
+            let v = text(raw).trim().to_string();
+            validate_namespace(&v)?;
+            cfg.namespace = v;
+        }
+        "lb_arp_probe" => cfg.lb_arp_probe = boolean(&text(raw))?,
+        "lb_membership_port" => cfg.lb_membership_port = membership_port(&text(raw))?,
+        "lb_fence_after" => cfg.lb_fence_after = fence_after(&text(raw))?,
+        "lb_restart_grace" => cfg.lb_restart_grace = restart_grace(&text(raw))?,
+        "lb_keep_on_stop" => cfg.lb_keep_on_stop = keep_on_stop(&text(raw))?,
+        "lb_address_lifetime" => cfg.lb_address_lifetime = address_lifetime(&text(raw))?,
+        "lb_takeover_guard" => {
+            cfg.lb_takeover_guard = duration_up_to(&text(raw), Duration::from_secs(5))?
+        }
+        "lb_heartbeat" => cfg.lb_heartbeat = duration_between_ms(&text(raw), 200, 10_000)?,
+        "lb_pause_clock" => cfg.lb_pause_clock = optional_path(text(raw).trim().to_string())?,
+        "lb_presence" => cfg.lb_presence = presence(&text(raw))?,
+        "uplink" => {
+            let v = text(raw).trim().to_string();
+            cfg.uplink = if v.is_empty() {
+                None
+            } else {
+                validate_interface_name(&v)?;
+                Some(v)
+            };
+        }
+        _ => unreachable!("every key in KEYS is handled"),
+    }
+    Ok(())
+}
+
+/// An absolute path that fits a Unix socket's address.
+fn socket_path(v: String) -> Result<PathBuf, InvalidValue> {
+    let p = absolute_path(v)?;
+    // sun_path holds 108 bytes including the terminating NUL.
+    if p.as_os_str().len() > 107 {
+        return Err(InvalidValue(format!(
+            "socket path is {} bytes long; Unix sockets allow at most 107",
+            p.as_os_str().len()
+        )));
+    }
+    Ok(p)
+}
+
+/// Empty means none; anything else must be an absolute path.
+fn optional_path(v: String) -> Result<Option<PathBuf>, InvalidValue> {
+    if v.is_empty() {
+        Ok(None)
+    } else {
+        absolute_path(v).map(Some)
+    }
+}
+
+/// Absolute paths, from a TOML list or `:`-separated text.
+fn path_list(raw: Raw) -> Result<Vec<PathBuf>, InvalidValue> {
+    let items = match raw {
+        Raw::List(items) => items,
+        Raw::Text(t) => t
+            .split(':')
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect(),
+    };
+    items.into_iter().map(absolute_path).collect()
+}
+
+/// Label keys, from a TOML list or comma-separated text.
+fn label_keys(raw: Raw) -> Result<Vec<String>, InvalidValue> {
+    let items = match raw {
+        Raw::List(items) => items,
+        Raw::Text(t) => split_list(&t),
+    };
+    for k in &items {
+        validate_label_key(k)?;
+    }
+    Ok(items)
+}
+
+fn membership_port(v: &str) -> Result<u16, InvalidValue> {
+    v.trim().parse::<u16>().map_err(|_| {
+        InvalidValue("is not a port number; use 1-65535, or 0 to turn the membership off".into())
+    })
+}
+
+/// `lb_fence_after`: 0s (never), or 10s to 1h.
+fn fence_after(v: &str) -> Result<Duration, InvalidValue> {
+    match duration_up_to(v, Duration::from_secs(3600))? {
+        d if d.is_zero() || d >= Duration::from_secs(10) => Ok(d),
+        d => Err(InvalidValue(format!(
+            "{} is out of range; use 0s (never) or a value between 10s and 1h",
+            humantime::format_duration(d)
+        ))),
+    }
+}
+
+/// `lb_restart_grace`: 0s (always hand over), or 1s to 5m.
+fn restart_grace(v: &str) -> Result<Duration, InvalidValue> {
+    match duration_up_to(v, Duration::from_secs(300))? {
+        d if d.is_zero() || d >= Duration::from_secs(1) => Ok(d),
+        d => Err(InvalidValue(format!(
+            "{} is out of range; use 0s (always hand over) or a value between 1s and 5m",
+            humantime::format_duration(d)
+        ))),
+    }
+}
+
+fn keep_on_stop(v: &str) -> Result<KeepOnStop, InvalidValue> {
+    match v {
+        "restart" => Ok(KeepOnStop::Restart),
+        "always" => Ok(KeepOnStop::Always),
+        other => Err(InvalidValue(format!(
+            "`{other}` is not one of restart, always"
+        ))),
+    }
+}
+
+fn presence(v: &str) -> Result<hna_dhcp::Presence, InvalidValue> {
     use hna_dhcp::Presence;
     match v.trim() {
         "auto" => Ok(Presence::WhereTheNicIsSilent(
             hna_dhcp::driver::PRESENCE_EVERY,
         )),
         "off" => Ok(Presence::Off),
-        other if hna_edges::duration::parse_duration(other).is_err() => Err(format!(
+        other if hna_edges::duration::parse_duration(other).is_err() => Err(InvalidValue(format!(
             "`{other}` is not auto, off or a duration (such as 500ms)"
-        )),
+        ))),
         other => duration_between_ms(other, 100, 10_000).map(Presence::Every),
     }
 }
 
-fn boolean(v: &str) -> Result<bool, String> {
+fn boolean(v: &str) -> Result<bool, InvalidValue> {
     match v.trim().to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" => Ok(true),
         "false" | "0" | "no" => Ok(false),
-        other => Err(format!("`{other}` is not true or false")),
+        other => Err(InvalidValue(format!("`{other}` is not true or false"))),
     }
 }
 
@@ -726,53 +760,65 @@ fn split_list(v: &str) -> Vec<String> {
         .collect()
 }
 
-fn raw_from_toml(spec: &KeySpec, value: toml::Value) -> Result<Raw, String> {
+fn raw_from_toml(spec: &KeySpec, value: toml::Value) -> Result<Raw, InvalidValue> {
     let found = |v: &toml::Value| format!("found {} `{}`", v.type_str(), v);
     match (spec.kind, value) {
         (Kind::PathList, toml::Value::Array(items)) => items
             .into_iter()
             .map(|item| match item {
                 toml::Value::String(s) => Ok(s),
-                other => Err(format!(
+                other => Err(InvalidValue(format!(
                     "expected a list of path strings, but an item is {}",
                     found(&other)
-                )),
+                ))),
             })
             .collect::<Result<Vec<_>, _>>()
             .map(Raw::List),
-        (Kind::PathList, other) => Err(format!(
+        (Kind::PathList, other) => Err(InvalidValue(format!(
             "expected a list of path strings such as [\"/etc/kubernetes/kubelet.conf\"], {}",
             found(&other)
-        )),
+        ))),
         (Kind::TextList, toml::Value::Array(items)) => items
             .into_iter()
             .map(|item| match item {
                 toml::Value::String(s) => Ok(s),
-                other => Err(format!(
+                other => Err(InvalidValue(format!(
                     "expected a list of strings, but an item is {}",
                     found(&other)
-                )),
+                ))),
             })
             .collect::<Result<Vec<_>, _>>()
             .map(Raw::List),
-        (Kind::TextList, other) => Err(format!(
+        (Kind::TextList, other) => Err(InvalidValue(format!(
             "expected a list of strings such as [\"topology.kubernetes.io/zone\"], {}",
             found(&other)
-        )),
+        ))),
         (_, toml::Value::String(s)) => Ok(Raw::Text(s)),
         // A bare number is seconds, in the file as in flags and environment.
         (Kind::Bool, toml::Value::Boolean(b)) => Ok(Raw::Text(b.to_string())),
-        (Kind::Bool, other) => Err(format!("expected true or false, {}", found(&other))),
+        (Kind::Bool, other) => Err(InvalidValue(format!(
+            "expected true or false, {}",
+            found(&other)
+        ))),
         (Kind::Port, toml::Value::Integer(i)) => Ok(Raw::Text(i.to_string())),
-        (Kind::Port, other) => Err(format!("expected a port number, {}", found(&other))),
+        (Kind::Port, other) => Err(InvalidValue(format!(
+            "expected a port number, {}",
+            found(&other)
+        ))),
         (Kind::Duration, toml::Value::Integer(i)) => Ok(Raw::Text(i.to_string())),
         (Kind::Duration, toml::Value::Float(f)) => Ok(Raw::Text(f.to_string())),
-        (Kind::Duration, other) => Err(format!(
+        (Kind::Duration, other) => Err(InvalidValue(format!(
             "expected a duration such as 10 (seconds), \"10s\" or \"2m\", {}",
             found(&other)
-        )),
-        (Kind::Path, other) => Err(format!("expected a path string, {}", found(&other))),
-        (Kind::Text, other) => Err(format!("expected a string, {}", found(&other))),
+        ))),
+        (Kind::Path, other) => Err(InvalidValue(format!(
+            "expected a path string, {}",
+            found(&other)
+        ))),
+        (Kind::Text, other) => Err(InvalidValue(format!(
+            "expected a string, {}",
+            found(&other)
+        ))),
     }
 }
 
@@ -804,108 +850,110 @@ fn edit_distance(a: &str, b: &str) -> usize {
 }
 
 /// `ADDR:PORT` (`[v6]:PORT` for IPv6); empty or `off` means off.
-fn listen_address(v: &str) -> Result<Option<std::net::SocketAddr>, String> {
+fn listen_address(v: &str) -> Result<Option<std::net::SocketAddr>, InvalidValue> {
     let v = v.trim();
     if v.is_empty() || v == "off" {
         return Ok(None);
     }
     let addr: std::net::SocketAddr = v.parse().map_err(|_| {
-        format!(
+        InvalidValue(format!(
             "`{v}` is not an address and port such as \"127.0.0.1:9477\" or \"[::1]:9477\" (leave it empty to turn the endpoint off)"
-        )
+        ))
     })?;
     if addr.port() == 0 {
-        return Err(format!(
+        return Err(InvalidValue(format!(
             "`{v}` has port 0; name a fixed port so Prometheus can find it"
-        ));
+        )));
     }
     Ok(Some(addr))
 }
 
-fn absolute_path(v: String) -> Result<PathBuf, String> {
+fn absolute_path(v: String) -> Result<PathBuf, InvalidValue> {
     let p = PathBuf::from(&v);
     if v.is_empty() {
-        Err("must not be empty".into())
+        Err(InvalidValue("must not be empty".into()))
     } else if !p.is_absolute() {
-        Err(format!("`{v}` is not an absolute path"))
+        Err(InvalidValue(format!("`{v}` is not an absolute path")))
     } else {
         Ok(p)
     }
 }
 
 /// A duration between `min_ms` and `max_ms` milliseconds.
-pub fn duration_between_ms(v: &str, min_ms: u64, max_ms: u64) -> Result<Duration, String> {
+pub fn duration_between_ms(v: &str, min_ms: u64, max_ms: u64) -> Result<Duration, InvalidValue> {
     let d = hna_edges::duration::parse_duration(v)?;
     let (min, max) = (Duration::from_millis(min_ms), Duration::from_millis(max_ms));
     if d < min || d > max {
-        return Err(format!(
+        return Err(InvalidValue(format!(
             "{} is out of range; use a value between {} and {}",
             humantime::format_duration(d),
             humantime::format_duration(min),
             humantime::format_duration(max)
-        ));
+        )));
     }
     Ok(d)
 }
 
 /// `lb_address_lifetime`: `0s`, or whole seconds from 1 to 60 (the
 /// kernel counts address lifetimes in seconds).
-pub fn address_lifetime(v: &str) -> Result<Duration, String> {
+pub fn address_lifetime(v: &str) -> Result<Duration, InvalidValue> {
     let d = duration_up_to(v, Duration::from_secs(60))?;
     if d.subsec_nanos() != 0 {
-        return Err(format!(
+        return Err(InvalidValue(format!(
             "{} is not a whole number of seconds (the kernel counts address lifetimes in seconds); use for example 2s",
             humantime::format_duration(d)
-        ));
+        )));
     }
     Ok(d)
 }
 
 /// A duration from zero up to `max`.
-pub fn duration_up_to(v: &str, max: Duration) -> Result<Duration, String> {
+pub fn duration_up_to(v: &str, max: Duration) -> Result<Duration, InvalidValue> {
     duration_between_ms(v, 0, max.as_millis() as u64)
 }
 
-pub fn duration_between(v: &str, min_secs: u64, max_secs: u64) -> Result<Duration, String> {
+pub fn duration_between(v: &str, min_secs: u64, max_secs: u64) -> Result<Duration, InvalidValue> {
     duration_between_ms(v, min_secs * 1000, max_secs * 1000)
 }
 
 /// `auto`, `journald` or `stderr`.
-pub fn parse_log_target(v: &str) -> Result<LogTarget, String> {
+pub fn parse_log_target(v: &str) -> Result<LogTarget, InvalidValue> {
     match v {
         "auto" => Ok(LogTarget::Auto),
         "journald" => Ok(LogTarget::Journald),
         "stderr" => Ok(LogTarget::Stderr),
-        other => Err(format!(
+        other => Err(InvalidValue(format!(
             "`{other}` is not a log target; use one of auto, journald, stderr"
-        )),
+        ))),
     }
 }
 
 /// A level or tracing directives, as `EnvFilter` parses them.
-pub fn validate_log_level(v: &str) -> Result<(), String> {
+pub fn validate_log_level(v: &str) -> Result<(), InvalidValue> {
     tracing_subscriber::EnvFilter::builder()
         .parse(v)
         .map(|_| ())
         .map_err(|e| {
-            format!("`{v}` is not a log filter ({e}); use error, warn, info, debug or trace")
+            InvalidValue(format!(
+                "`{v}` is not a log filter ({e}); use error, warn, info, debug or trace"
+            ))
         })
 }
 
 /// Node names are DNS-1123 subdomains.
 /// A namespace name is a DNS-1123 label.
-fn validate_namespace(v: &str) -> Result<(), String> {
+fn validate_namespace(v: &str) -> Result<(), InvalidValue> {
     if is_dns_subdomain(v) && v.len() <= 63 && !v.contains('.') {
         Ok(())
     } else {
-        Err(format!(
+        Err(InvalidValue(format!(
             "`{v}` is not a namespace name (at most 63 of a-z, 0-9 and '-', starting and ending with a letter or digit)"
-        ))
+        )))
     }
 }
 
 /// What the kernel accepts as an interface name (`dev_valid_name`).
-fn validate_interface_name(v: &str) -> Result<(), String> {
+fn validate_interface_name(v: &str) -> Result<(), InvalidValue> {
     let ok = v.len() < 16
         && v != "."
         && v != ".."
@@ -915,21 +963,21 @@ fn validate_interface_name(v: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
+        Err(InvalidValue(format!(
             "`{v}` is not an interface name (1 to 15 bytes, no '/', ':' or spaces)"
-        ))
+        )))
     }
 }
 
-fn validate_node_name(v: &str) -> Result<(), String> {
+fn validate_node_name(v: &str) -> Result<(), InvalidValue> {
     if v.is_empty() {
         // Empty means "use the hostname".
         return Ok(());
     }
     if !is_dns_subdomain(v) {
-        return Err(format!(
+        return Err(InvalidValue(format!(
             "`{v}` is not a valid Node name (lowercase letters, digits, '-' and '.', at most 253 characters)"
-        ));
+        )));
     }
     Ok(())
 }
