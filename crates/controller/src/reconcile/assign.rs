@@ -10,16 +10,46 @@
 use std::collections::BTreeMap;
 
 use crate::placement::{self, ServiceNeed};
-use hna_contract::ServiceKey;
+use hna_contract::{AddressIdentity, ServiceKey};
 
 use super::annotations::record;
 use super::events::{EventType, reason};
 use super::identity::assignment_of;
 use super::pass::Pass;
 use super::status::{implausible, status_write};
+use super::world::ServiceIn;
 
 /// Holders: keep a healthy one, else place.
 pub(super) fn hold(pass: &mut Pass<'_>) {
+    let (current, placement) = place(pass);
+    // Taken out while the loop adds to the rest of the pass.
+    let needs = std::mem::take(&mut pass.needs);
+    for (s, id, uplink) in &needs {
+        let was = current.get(&s.key);
+        let holder = match placement.get(&s.key).cloned().flatten() {
+            Some(h) => {
+                if !give(pass, s, id, uplink, was, &h) {
+                    pending(pass, s);
+                    continue;
+                }
+                Some(h)
+            }
+            None => {
+                tell_no_eligible_node(pass, s);
+                was.cloned()
+            }
+        };
+        match reported_address(pass, s, id, holder.as_deref()) {
+            Some((holder, ip)) => publish(pass, s, id, holder, ip),
+            None => pending(pass, s),
+        }
+    }
+    pass.needs = needs;
+}
+
+/// Each primary's current holder (one that is not releasing it), and
+/// where the placement puts it.
+fn place(pass: &Pass<'_>) -> (BTreeMap<ServiceKey, String>, placement::Placement) {
     let current: BTreeMap<ServiceKey, String> = pass
         .needs
         .iter()
@@ -53,142 +83,167 @@ pub(super) fn hold(pass: &mut Pass<'_>) {
         &pass.nodes.unproven,
         &current,
     );
-    for (s, id, uplink) in &pass.needs {
-        let was = current.get(&s.key);
-        let holder = match placement.get(&s.key).cloned().flatten() {
-            Some(h) => {
-                for (node, _) in pass.specs.holders_of(&s.uid) {
-                    if node != h {
-                        pass.specs.remove(&node, &s.uid, &s.key);
-                    }
-                }
-                let letting_go = pass
-                    .world
-                    .node_objects
-                    .iter()
-                    .find(|o| {
-                        o.name != h
-                            && o.lets_go_first
-                            && o.bound_address(&s.key.to_string(), &id.interface).is_some()
-                    })
-                    .map(|o| o.name.as_str());
-                if let Some(old) = letting_go {
-                    if was.is_some_and(|w| w == old) {
-                        pass.events.tell(
-                            s,
-                            EventType::Normal,
-                            reason::MOVED,
-                            format!(
-                                "holder moving from {old} (dead on its LAN by its witnesses' word, yet in touch with the API server): {h} gets the address once {old} reports it let go"
-                            ),
-                        );
-                    }
-                    pass.summary.pending += 1;
-                    if let Some(ip) = s.first_ip() {
-                        pass.primary_ip.insert(s.key.clone(), ip.to_string());
-                    }
-                    continue;
-                }
-                pass.specs
-                    .put(&h, assignment_of(s, id, uplink.clone()), &s.key);
-                match was {
-                    None => pass.events.tell(
-                        s,
-                        EventType::Normal,
-                        reason::HOLDER_CHOSEN,
-                        format!("{h} holds the address"),
-                    ),
-                    Some(old) if *old != h => pass.events.tell(
-                        s,
-                        EventType::Normal,
-                        reason::MOVED,
-                        if pass
-                            .world
-                            .avoid
-                            .get(&s.key.to_string())
-                            .is_some_and(|a| a.contains(old))
-                            && pass.nodes.eligible.contains(old)
-                        {
-                            format!(
-                                "holder moved from {old} (it did not read the assignment within 3 s, or its lease stayed FAILED or GUARDED: it could not serve this Service) to {h}"
-                            )
-                        } else if s.local_endpoints.as_ref().is_some_and(|l| !l.contains(old)) {
-                            format!(
-                                "holder moved from {old} (no ready endpoint there; externalTrafficPolicy: Local) to {h}"
-                            )
-                        } else {
-                            format!("holder moved from {old} (not eligible) to {h}")
-                        },
-                    ),
-                    Some(_) => {}
-                }
-                Some(h)
-            }
-            None => {
-                pass.events.tell(
-                    s,
-                    EventType::Warning,
-                    reason::NO_ELIGIBLE_NODE,
-                    match &s.local_endpoints {
-                        Some(local) => format!(
-                            "no node can hold the address now: externalTrafficPolicy: Local and no eligible node has a ready endpoint ({} with one, {} of {} eligible)",
-                            local.len(),
-                            pass.nodes.eligible.len(),
-                            pass.nodes.names.len()
-                        ),
-                        None => format!(
-                            "no node can hold the address now ({} of {} eligible)",
-                            pass.nodes.eligible.len(),
-                            pass.nodes.names.len()
-                        ),
-                    },
-                );
-                was.cloned()
-            }
-        };
-        let address = holder.as_deref().and_then(|h| {
-            pass.nodes
-                .live
-                .get(h)
-                .and_then(|o| o.bound_address(&s.key.to_string(), &id.interface))
-                .map(|ip| (h, ip))
-        });
-        // An address no DHCP server of the VM network would give: not
-        // published, and the Service waits.
-        let address = match address {
-            Some((holder, ip)) => match implausible(ip, s, &pass.world, &pass.taken) {
-                Some(why) => {
-                    pass.events.tell(
-                        s,
-                        EventType::Warning,
-                        reason::ADDRESS_IMPLAUSIBLE,
-                        format!("{holder} reported {why}: not published"),
-                    );
-                    None
-                }
-                None => Some((holder, ip)),
-            },
-            None => None,
-        };
-        let Some((holder, ip)) = address else {
-            pass.summary.pending += 1;
-            if let Some(ip) = s.first_ip() {
-                pass.primary_ip.insert(s.key.clone(), ip.to_string());
-            }
-            continue;
-        };
-        pass.summary.served += 1;
-        pass.primary_ip.insert(s.key.clone(), ip.to_string());
-        if let Some(w) = status_write(s, ip, pass.world.ip_mode, pass.world.now) {
-            pass.statuses.push(w);
+    (current, placement)
+}
+
+/// Gives `s`'s address to `h` (`was` held it before), taking it from its
+/// other holders. False while a node that must let go first still holds
+/// it: `h` gets it once that node reports it gone.
+fn give(
+    pass: &mut Pass<'_>,
+    s: &ServiceIn,
+    id: &AddressIdentity,
+    uplink: &Option<String>,
+    was: Option<&String>,
+    h: &str,
+) -> bool {
+    for (node, _) in pass.specs.holders_of(&s.uid) {
+        if node != h {
+            pass.specs.remove(&node, &s.uid, &s.key);
+        }
+    }
+    if let Some(old) = letting_go(pass, s, id, h) {
+        if was.is_some_and(|w| w == old) {
             pass.events.tell(
                 s,
                 EventType::Normal,
-                reason::ADDRESS_ASSIGNED,
-                format!("{ip} held by {holder}"),
+                reason::MOVED,
+                format!(
+                    "holder moving from {old} (dead on its LAN by its witnesses' word, yet in touch with the API server): {h} gets the address once {old} reports it let go"
+                ),
             );
         }
-        pass.annotations.extend(record(s, id, ip, holder));
+        return false;
+    }
+    pass.specs
+        .put(h, assignment_of(s, id, uplink.clone()), &s.key);
+    match was {
+        None => pass.events.tell(
+            s,
+            EventType::Normal,
+            reason::HOLDER_CHOSEN,
+            format!("{h} holds the address"),
+        ),
+        Some(old) if *old != h => {
+            let message = moved(pass, s, old, h);
+            pass.events
+                .tell(s, EventType::Normal, reason::MOVED, message);
+        }
+        Some(_) => {}
+    }
+    true
+}
+
+/// A node other than `h` that still holds `s`'s address and must let go
+/// of it first.
+fn letting_go<'a>(
+    pass: &Pass<'a>,
+    s: &ServiceIn,
+    id: &AddressIdentity,
+    h: &str,
+) -> Option<&'a str> {
+    pass.world
+        .node_objects
+        .iter()
+        .find(|o| {
+            o.name != h
+                && o.lets_go_first
+                && o.bound_address(&s.key.to_string(), &id.interface).is_some()
+        })
+        .map(|o| o.name.as_str())
+}
+
+/// The MOVED Event's message: why `old` no longer holds `s`'s address.
+fn moved(pass: &Pass<'_>, s: &ServiceIn, old: &str, h: &str) -> String {
+    if pass
+        .world
+        .avoid
+        .get(&s.key.to_string())
+        .is_some_and(|a| a.contains(old))
+        && pass.nodes.eligible.iter().any(|n| n == old)
+    {
+        format!(
+            "holder moved from {old} (it did not read the assignment within 3 s, or its lease stayed FAILED or GUARDED: it could not serve this Service) to {h}"
+        )
+    } else if s.local_endpoints.as_ref().is_some_and(|l| !l.contains(old)) {
+        format!(
+            "holder moved from {old} (no ready endpoint there; externalTrafficPolicy: Local) to {h}"
+        )
+    } else {
+        format!("holder moved from {old} (not eligible) to {h}")
+    }
+}
+
+fn tell_no_eligible_node(pass: &mut Pass<'_>, s: &ServiceIn) {
+    let message = match &s.local_endpoints {
+        Some(local) => format!(
+            "no node can hold the address now: externalTrafficPolicy: Local and no eligible node has a ready endpoint ({} with one, {} of {} eligible)",
+            local.len(),
+            pass.nodes.eligible.len(),
+            pass.nodes.names.len()
+        ),
+        None => format!(
+            "no node can hold the address now ({} of {} eligible)",
+            pass.nodes.eligible.len(),
+            pass.nodes.names.len()
+        ),
+    };
+    pass.events
+        .tell(s, EventType::Warning, reason::NO_ELIGIBLE_NODE, message);
+}
+
+/// The address `holder` reports for `s`, if it is one to publish: an
+/// address no DHCP server of the VM network would give is not published
+/// (said in an Event), and the Service waits.
+fn reported_address<'a, 'h>(
+    pass: &mut Pass<'a>,
+    s: &ServiceIn,
+    id: &AddressIdentity,
+    holder: Option<&'h str>,
+) -> Option<(&'h str, &'a str)> {
+    let holder = holder?;
+    let ip = pass
+        .nodes
+        .live
+        .get(holder)
+        .copied()
+        .and_then(|o| o.bound_address(&s.key.to_string(), &id.interface))?;
+    match implausible(ip, s, &pass.world, &pass.taken) {
+        Some(why) => {
+            pass.events.tell(
+                s,
+                EventType::Warning,
+                reason::ADDRESS_IMPLAUSIBLE,
+                format!("{holder} reported {why}: not published"),
+            );
+            None
+        }
+        None => Some((holder, ip)),
+    }
+}
+
+/// `s` served at `ip` by `holder`: its status and kube-vip's record.
+fn publish(pass: &mut Pass<'_>, s: &ServiceIn, id: &AddressIdentity, holder: &str, ip: &str) {
+    pass.summary.served += 1;
+    pass.primary_ip.insert(s.key.clone(), ip.to_string());
+    if let Some(w) = status_write(s, ip, pass.world.ip_mode, pass.world.now) {
+        pass.statuses.push(w);
+        pass.events.tell(
+            s,
+            EventType::Normal,
+            reason::ADDRESS_ASSIGNED,
+            format!("{ip} held by {holder}"),
+        );
+    }
+    pass.annotations.extend(record(s, id, ip, holder));
+}
+
+/// `s` waits for its address; its secondaries go on standing for the one
+/// its status publishes, if any.
+fn pending(pass: &mut Pass<'_>, s: &ServiceIn) {
+    pass.summary.pending += 1;
+    if let Some(ip) = s.first_ip() {
+        pass.primary_ip.insert(s.key.clone(), ip.to_string());
     }
 }
 
