@@ -566,57 +566,87 @@ pub async fn execute<R: Requests>(
     memory: &mut Memory,
     version_of: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Outcome {
-    use futures::StreamExt as _;
-    let Memory {
-        writes: memo,
-        events,
-        backoff,
-    } = memory;
-    let mut out = Outcome::default();
-    let mut failed: BTreeSet<ServiceKey> = BTreeSet::new();
-    // Each object's resourceVersion as this plan knows it: the one it was
-    // decided on, then the one each of our writes left. Every PATCH of a
-    // Service or a node object carries it as a precondition, so a write
-    // that a deposed leader sent (and the server handled late) cannot land
-    // over what the new leader wrote since: it fails with a conflict.
-    let mut versions: BTreeMap<String, String> = BTreeMap::new();
-    let mut retries = 0;
+    let mut progress = Progress::default();
     let mut next = 0;
     while next < plan.writes.len() {
-        let kind = plan.writes[next].kind();
-        let mut objects = HashSet::new();
-        let wave_end = plan.writes[next..]
-            .iter()
-            .position(|w| w.kind() != kind || !objects.insert(target(w)))
-            .map_or(plan.writes.len(), |p| next + p);
-        let wave = &plan.writes[next..wave_end];
-        next = wave_end;
-        // Which of the wave go, decided in order.
-        let mut go: Vec<(Cow<'_, Write>, String, String)> = Vec::new();
+        let wave = wave_at(&plan.writes[next..]);
+        next += wave.len();
+        let kind = wave[0].kind();
+        let go = progress.choose(wave, memory, version_of);
+        let results = send_wave(namespace, kind, &go, &progress.versions, api, leading).await;
+        progress.record(go, results, memory);
+        if progress.out.stopped {
+            return progress.out;
+        }
+    }
+    tell_events(
+        &plan.events,
+        &mut memory.events,
+        api,
+        leading,
+        &mut progress.out,
+    )
+    .await;
+    progress.out
+}
+
+/// A write that goes: the write (without the changes of Services whose
+/// earlier writes failed), its target, and the version it was decided on.
+type Going<'w> = (Cow<'w, Write>, String, String);
+
+/// What [`execute`] keeps from one wave to the next.
+#[derive(Default)]
+struct Progress {
+    out: Outcome,
+    /// Services whose later writes are skipped: one of theirs failed or
+    /// was held back.
+    failed: BTreeSet<ServiceKey>,
+    /// Each object's resourceVersion as this plan knows it: the one it was
+    /// decided on, then the one each of our writes left. Every PATCH of a
+    /// Service or a node object carries it as a precondition, so a write
+    /// that a deposed leader sent (and the server handled late) cannot land
+    /// over what the new leader wrote since: it fails with a conflict.
+    versions: BTreeMap<String, String>,
+    /// Writes that failed before and are tried again in this pass.
+    retries: usize,
+}
+
+impl Progress {
+    /// Which of `wave` go, decided in order: not those of a Service whose
+    /// earlier write failed, those whose object waits out its backoff, or
+    /// those sent at this version before.
+    fn choose<'w>(
+        &mut self,
+        wave: &'w [Write],
+        memory: &Memory,
+        version_of: &(dyn Fn(&str) -> Option<String> + Sync),
+    ) -> Vec<Going<'w>> {
+        let mut go = Vec::new();
         for w in wave {
-            let Some(w) = w.without(&failed) else {
-                out.skipped += 1;
+            let kind = w.kind();
+            let Some(w) = w.without(&self.failed) else {
+                self.out.skipped += 1;
                 continue;
             };
             let object = target(&w);
-            let retry = backoff.is_retry(&object);
-            if !backoff.ready(&object, tokio::time::Instant::now())
-                || (retry && retries >= WriteBackoff::RETRIES_PER_PASS)
+            let retry = memory.backoff.is_retry(&object);
+            if !memory.backoff.ready(&object, tokio::time::Instant::now())
+                || (retry && self.retries >= WriteBackoff::RETRIES_PER_PASS)
             {
                 tracing::debug!(
                     kind,
                     object,
                     "write held back: its object waits out a failure"
                 );
-                out.deferred += 1;
-                failed.extend(w.services().into_iter().cloned());
+                self.out.deferred += 1;
+                self.failed.extend(w.services().into_iter().cloned());
                 continue;
             }
             if retry {
-                retries += 1;
+                self.retries += 1;
             }
             let version = version_of(&object).unwrap_or_default();
-            if memo.already_sent(&w, &version) {
+            if memory.writes.already_sent(&w, &version) {
                 tracing::debug!(
                     kind,
                     object,
@@ -627,72 +657,106 @@ pub async fn execute<R: Requests>(
             }
             go.push((w, object, version));
         }
-        // Futures made up front, not in a stream's closure: a borrowing
-        // closure's future is not `Send` for every lifetime.
-        let sending: Vec<_> = go
-            .iter()
-            .map(|(w, object, version)| {
-                let known = versions
-                    .get(object)
-                    .cloned()
-                    .unwrap_or_else(|| version.clone());
-                send_write(namespace, w, known, api, leading)
-            })
-            .collect();
-        let began = tokio::time::Instant::now();
-        let results: Vec<Sent> = futures::stream::iter(sending)
-            .buffered(WRITES_IN_FLIGHT)
-            .collect()
-            .await;
-        tracing::debug!(
-            kind,
-            n = results.len(),
-            to = ?go.iter().map(|(_, o, _)| o.as_str()).collect::<Vec<_>>(),
-            took = ?began.elapsed(),
-            "writes sent"
-        );
-        let sent = go.into_iter().zip(results);
-        for ((w, object, version), result) in sent {
+        go
+    }
+
+    /// How each write of a wave went, into the outcome and the memory.
+    fn record(&mut self, go: Vec<Going<'_>>, results: Vec<Sent>, memory: &mut Memory) {
+        for ((w, object, version), result) in go.into_iter().zip(results) {
             match result {
                 Sent::Done(after) => {
                     if let Some(v) = after {
-                        versions.insert(object.clone(), v);
+                        self.versions.insert(object.clone(), v);
                     }
-                    backoff.succeeded(&object);
-                    memo.record(&w, &version);
-                    *out.writes.entry(w.kind()).or_default() += 1;
+                    memory.backoff.succeeded(&object);
+                    memory.writes.record(&w, &version);
+                    *self.out.writes.entry(w.kind()).or_default() += 1;
                     if let Write::EnsureNodeAccess(n) = &*w {
-                        out.access_ensured.insert(n.clone());
+                        self.out.access_ensured.insert(n.clone());
                     }
                 }
                 Sent::Failed(what, e) => {
                     if e.conflict {
-                        out.conflicts += 1;
+                        self.out.conflicts += 1;
                     } else {
-                        backoff.failed(&object, tokio::time::Instant::now());
-                        out.errors.push(format!("{} {what}: {e}", w.kind()));
+                        memory.backoff.failed(&object, tokio::time::Instant::now());
+                        self.out.errors.push(format!("{} {what}: {e}", w.kind()));
                     }
-                    failed.extend(w.services().into_iter().cloned());
+                    self.failed.extend(w.services().into_iter().cloned());
                 }
-                Sent::Stopped => out.stopped = true,
+                Sent::Stopped => self.out.stopped = true,
             }
         }
-        if out.stopped {
-            return out;
-        }
     }
-    let to_tell: Vec<&EventOut> = plan
-        .events
+}
+
+/// The writes at the start of `writes` that go out together: of one kind,
+/// each to an object of its own.
+fn wave_at(writes: &[Write]) -> &[Write] {
+    let kind = writes[0].kind();
+    let mut objects = HashSet::new();
+    let end = writes
         .iter()
-        .filter(|e| events.first_time(e))
+        .position(|w| w.kind() != kind || !objects.insert(target(w)))
+        .unwrap_or(writes.len());
+    &writes[..end]
+}
+
+/// Sends the writes of a wave of `kind`, [`WRITES_IN_FLIGHT`] at a time;
+/// their results in their order.
+async fn send_wave<R: Requests>(
+    namespace: &str,
+    kind: &'static str,
+    go: &[Going<'_>],
+    versions: &BTreeMap<String, String>,
+    api: &R,
+    leading: &(dyn Fn() -> bool + Sync),
+) -> Vec<Sent> {
+    use futures::StreamExt as _;
+    // Futures made up front, not in a stream's closure: a borrowing
+    // closure's future is not `Send` for every lifetime.
+    let sending: Vec<_> = go
+        .iter()
+        .map(|(w, object, version)| {
+            let known = versions
+                .get(object)
+                .cloned()
+                .unwrap_or_else(|| version.clone());
+            send_write(namespace, w, known, api, leading)
+        })
         .collect();
+    let began = tokio::time::Instant::now();
+    let results: Vec<Sent> = futures::stream::iter(sending)
+        .buffered(WRITES_IN_FLIGHT)
+        .collect()
+        .await;
+    tracing::debug!(
+        kind,
+        n = results.len(),
+        to = ?go.iter().map(|(_, o, _)| o.as_str()).collect::<Vec<_>>(),
+        took = ?began.elapsed(),
+        "writes sent"
+    );
+    results
+}
+
+/// The Events not told before in this term, [`WRITES_IN_FLIGHT`] at a
+/// time, into `out`.
+async fn tell_events<R: Requests>(
+    planned: &[EventOut],
+    memo: &mut EventMemo,
+    api: &R,
+    leading: &(dyn Fn() -> bool + Sync),
+    out: &mut Outcome,
+) {
+    use futures::StreamExt as _;
+    let to_tell: Vec<&EventOut> = planned.iter().filter(|e| memo.first_time(e)).collect();
     let telling: Vec<_> = to_tell.iter().map(|e| tell(e, api, leading)).collect();
     let results: Vec<Option<Result<(), EventError>>> = futures::stream::iter(telling)
         .buffered(WRITES_IN_FLIGHT)
         .collect()
         .await;
-    let told = to_tell.into_iter().zip(results);
-    for (e, result) in told {
+    for (e, result) in to_tell.into_iter().zip(results) {
         match result {
             None => out.stopped = true,
             Some(Ok(())) => out.published.push(e.clone()),
@@ -701,7 +765,6 @@ pub async fn execute<R: Requests>(
                 .push(format!("event {} on {}: {err}", e.reason, e.service)),
         }
     }
-    out
 }
 
 #[cfg(test)]
