@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Node, ObjectReference, Service, ServicePort, ServiceSpec,
+    ConfigMap, Node, ObjectReference, Service, ServicePort, ServiceSpec, ServiceStatus,
 };
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
@@ -56,18 +56,7 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
             .filter(|(k, _)| k.as_str() != LAST_APPLIED)
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect(),
-        ports: spec
-            .and_then(|s| s.ports.as_ref())
-            .map(|ports| {
-                ports
-                    .iter()
-                    .map(|p| Port {
-                        port: p.port,
-                        protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
+        ports: spec.map(ports_in).unwrap_or_default(),
         created: meta
             .creation_timestamp
             .as_ref()
@@ -83,34 +72,7 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
             })
             .filter(|c| c.status == "True")
             .map(|c| c.observed_generation.unwrap_or(0)),
-        ingress: s
-            .status
-            .as_ref()
-            .and_then(|st| st.load_balancer.as_ref())
-            .and_then(|lb| lb.ingress.as_ref())
-            .map(|list| {
-                list.iter()
-                    .filter_map(|i| {
-                        Some(Ingress {
-                            ip: i.ip.clone()?,
-                            ip_mode: i.ip_mode.clone(),
-                            ports: i
-                                .ports
-                                .as_ref()
-                                .map(|ps| {
-                                    ps.iter()
-                                        .map(|p| Port {
-                                            port: p.port,
-                                            protocol: p.protocol.clone(),
-                                        })
-                                        .collect()
-                                })
-                                .unwrap_or_default(),
-                        })
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
+        ingress: s.status.as_ref().map(ingress_in).unwrap_or_default(),
         finalizers: meta.finalizers.clone().unwrap_or_default(),
         deleting: meta.deletion_timestamp.is_some(),
         deleting_since: meta
@@ -118,6 +80,46 @@ pub fn service_in(s: &Service) -> Option<ServiceIn> {
             .as_ref()
             .map_or(0, |t| t.0.as_second()),
     })
+}
+
+/// A Service's ports as the decision reads them (TCP when unsaid).
+fn ports_in(spec: &ServiceSpec) -> Vec<Port> {
+    spec.ports
+        .iter()
+        .flatten()
+        .map(|p| Port {
+            port: p.port,
+            protocol: p.protocol.clone().unwrap_or_else(|| "TCP".into()),
+        })
+        .collect()
+}
+
+/// A Service's published load-balancer ingress, the entries with an IP.
+fn ingress_in(status: &ServiceStatus) -> Vec<Ingress> {
+    let Some(list) = status
+        .load_balancer
+        .as_ref()
+        .and_then(|lb| lb.ingress.as_ref())
+    else {
+        return Vec::new();
+    };
+    list.iter()
+        .filter_map(|i| {
+            Some(Ingress {
+                ip: i.ip.clone()?,
+                ip_mode: i.ip_mode.clone(),
+                ports: i
+                    .ports
+                    .iter()
+                    .flatten()
+                    .map(|p| Port {
+                        port: p.port,
+                        protocol: p.protocol.clone(),
+                    })
+                    .collect(),
+            })
+        })
+        .collect()
 }
 
 /// What of a Service the watch cache keeps: what [`service_in`] and the

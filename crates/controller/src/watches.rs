@@ -58,6 +58,19 @@ pub struct Changed {
     pub wake: Arc<Notify>,
 }
 
+impl Changed {
+    /// The cache changed by `event`; any event but the start of a
+    /// relisting says the watch is no longer behind.
+    fn arrived<K>(&self, event: &watcher::Event<K>) {
+        match event {
+            watcher::Event::Init | watcher::Event::InitApply(_) => {}
+            _ => self.generation.behind.store(false, Ordering::Release),
+        }
+        self.generation.bump();
+        self.wake.notify_one();
+    }
+}
+
 pub fn spawn_watch<K>(
     tasks: &mut tokio::task::JoinSet<()>,
     what: &'static str,
@@ -90,14 +103,7 @@ pub fn spawn_watch<K>(
         let mut stream = std::pin::pin!(stream);
         while let Some(item) = stream.next().await {
             match item {
-                Ok(event) => {
-                    match event {
-                        watcher::Event::Init | watcher::Event::InitApply(_) => {}
-                        _ => changed.generation.behind.store(false, Ordering::Release),
-                    }
-                    changed.generation.bump();
-                    changed.wake.notify_one();
-                }
+                Ok(event) => changed.arrived(&event),
                 // The cache is as it was: no pass to run for it.
                 Err(e) => {
                     changed.generation.behind.store(true, Ordering::Release);
