@@ -146,7 +146,6 @@ impl MacvlanState {
 /// must not do.
 pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
     let facts = host.facts(MACVLAN);
-    let kernel = facts.release.clone();
     let boot = host.boot_persistence(MACVLAN);
     let boot_note = match &boot {
         Some(f) => format!("; loaded at boot by {}", f.display()),
@@ -154,62 +153,17 @@ pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
             "; not set to load at boot (no modules-load.d entry; the package installs {MODULES_LOAD_CONF})"
         ),
     };
-    let state = |status, reason, message: String, remediation: &str| MacvlanState {
-        status,
-        reason,
-        ready: status == Status::Ok,
-        message,
-        remediation: remediation.to_string(),
-        kernel: kernel.clone(),
-        loaded_at_boot: boot.clone(),
+    let v = Verdict {
+        host,
+        kernel: facts.release.clone(),
+        boot,
+        boot_note,
     };
-    let probed = |reason: Reason, what: &str| match host.probe() {
-        Ok(()) => state(
-            Status::Ok,
-            reason,
-            format!(
-                "{what} in kernel {kernel}; a test macvlan link was created and removed{boot_note}"
-            ),
-            "",
-        ),
-        Err(e) => state(
-            Status::Fail,
-            Reason::ProbeFailed,
-            format!("{what} in kernel {kernel}, but creating a macvlan link failed: {e}"),
-            probe_remedy(&e),
-        ),
-    };
-
     match detect::detect(&facts, MACVLAN) {
-        Detection::Loaded => probed(Reason::Loaded, "macvlan is loaded"),
-        Detection::BuiltIn => probed(Reason::BuiltIn, "macvlan is built into the kernel"),
-        Detection::NoModuleSupport => match host.probe() {
-            Ok(()) => state(
-                Status::Ok,
-                Reason::BuiltIn,
-                format!(
-                    "kernel {kernel} has no loadable-module support and macvlan is built in; a test macvlan link was created and removed"
-                ),
-                "",
-            ),
-            Err(e @ ProbeError::Unsupported(_)) => state(
-                Status::Fail,
-                Reason::ModuleNotFound,
-                format!(
-                    "kernel {kernel} has no loadable-module support and no built-in macvlan ({e})"
-                ),
-                "boot a kernel built with CONFIG_MACVLAN=y or =m",
-            ),
-            Err(e) => state(
-                Status::Fail,
-                Reason::ProbeFailed,
-                format!(
-                    "kernel {kernel} has no loadable-module support, and whether macvlan is built in is unknown: creating a macvlan link failed: {e}"
-                ),
-                probe_remedy(&e),
-            ),
-        },
-        Detection::Hidden { blacklisted_by } if !blacklisted_by.is_empty() => state(
+        Detection::Loaded => v.probed(Reason::Loaded, "macvlan is loaded"),
+        Detection::BuiltIn => v.probed(Reason::BuiltIn, "macvlan is built into the kernel"),
+        Detection::NoModuleSupport => v.without_module_support(),
+        Detection::Hidden { blacklisted_by } if !blacklisted_by.is_empty() => v.state(
             Status::Fail,
             Reason::Blacklisted,
             format!(
@@ -218,60 +172,17 @@ pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
             ),
             "remove that line if DHCP-mode LoadBalancers are wanted on this node, then `systemctl reload harvester-node-agent`",
         ),
-        Detection::Hidden { .. } if !fix => state(
+        Detection::Hidden { .. } if !fix => v.state(
             Status::Warn,
             Reason::NotLoaded,
             format!(
-                "macvlan is not loaded, and this process cannot see kernel {kernel}'s module files{boot_note}"
+                "macvlan is not loaded, and this process cannot see kernel {}'s module files{}",
+                v.kernel, v.boot_note
             ),
             "run `harvester-node-agent check macvlan` as root to see whether it is on disk",
         ),
-        Detection::Hidden { .. } => {
-            // The sandboxed daemon: the probe's macvlan link makes the kernel
-            // load the module itself (modprobe of `rtnl-link-macvlan`), which
-            // needs no CAP_SYS_MODULE here.
-            match host.probe() {
-                Ok(()) => {
-                    let (reason, what) = match host.facts(MACVLAN).sys_module {
-                        detect::SysModule::BuiltIn => {
-                            (Reason::BuiltIn, "macvlan is built into the kernel")
-                        }
-                        _ => (
-                            Reason::LoadedByAgent,
-                            "the kernel loaded macvlan for the agent's test link",
-                        ),
-                    };
-                    state(
-                        Status::Ok,
-                        reason,
-                        format!(
-                            "{what} in kernel {kernel}; a test macvlan link was created and removed{boot_note}"
-                        ),
-                        "",
-                    )
-                }
-                Err(e @ ProbeError::Unsupported(_)) => {
-                    let os = host.os_release();
-                    let r = remedy::module_not_found(&os, &kernel);
-                    state(
-                        Status::Fail,
-                        Reason::ModuleNotFound,
-                        format!(
-                            "the kernel could not load macvlan when asked for a macvlan link ({e}): it is not installed for kernel {kernel} (package {}) or the kernel refused it; `harvester-node-agent check macvlan` run as root says which",
-                            r.package
-                        ),
-                        &r.remediation,
-                    )
-                }
-                Err(e) => state(
-                    Status::Fail,
-                    Reason::ProbeFailed,
-                    format!("macvlan was not loaded and creating a macvlan link failed: {e}"),
-                    probe_remedy(&e),
-                ),
-            }
-        }
-        Detection::Blacklisted { path, by } => state(
+        Detection::Hidden { .. } => v.load_through_probe(),
+        Detection::Blacklisted { path, by } => v.state(
             Status::Fail,
             Reason::Blacklisted,
             format!(
@@ -281,66 +192,207 @@ pub fn preflight(host: &dyn KernelHost, fix: bool) -> MacvlanState {
             ),
             "remove that line if DHCP-mode LoadBalancers are wanted on this node, then `systemctl reload harvester-node-agent`",
         ),
-        Detection::ModuleNotFound { detail } => {
-            let os = host.os_release();
-            let r = remedy::module_not_found(&os, &kernel);
-            state(
+        Detection::ModuleNotFound { detail } => v.module_not_found(&detail),
+        Detection::NotLoaded { path, deps } if !fix => v.would_load(&path, &deps),
+        Detection::NotLoaded { path, .. } => v.load(&path),
+    }
+}
+
+/// What every outcome of one preflight says besides its own verdict.
+struct Verdict<'a> {
+    host: &'a dyn KernelHost,
+    kernel: String,
+    boot: Option<PathBuf>,
+    boot_note: String,
+}
+
+impl Verdict<'_> {
+    fn state(
+        &self,
+        status: Status,
+        reason: Reason,
+        message: String,
+        remediation: &str,
+    ) -> MacvlanState {
+        MacvlanState {
+            status,
+            reason,
+            ready: status == Status::Ok,
+            message,
+            remediation: remediation.to_string(),
+            kernel: self.kernel.clone(),
+            loaded_at_boot: self.boot.clone(),
+        }
+    }
+
+    /// The module is in the kernel: a test link proves it works.
+    fn probed(&self, reason: Reason, what: &str) -> MacvlanState {
+        let kernel = &self.kernel;
+        match self.host.probe() {
+            Ok(()) => self.state(
+                Status::Ok,
+                reason,
+                format!(
+                    "{what} in kernel {kernel}; a test macvlan link was created and removed{}",
+                    self.boot_note
+                ),
+                "",
+            ),
+            Err(e) => self.state(
+                Status::Fail,
+                Reason::ProbeFailed,
+                format!("{what} in kernel {kernel}, but creating a macvlan link failed: {e}"),
+                probe_remedy(&e),
+            ),
+        }
+    }
+
+    /// No loadable modules: only a test link tells whether macvlan is
+    /// built in.
+    fn without_module_support(&self) -> MacvlanState {
+        let kernel = &self.kernel;
+        match self.host.probe() {
+            Ok(()) => self.state(
+                Status::Ok,
+                Reason::BuiltIn,
+                format!(
+                    "kernel {kernel} has no loadable-module support and macvlan is built in; a test macvlan link was created and removed"
+                ),
+                "",
+            ),
+            Err(e @ ProbeError::Unsupported(_)) => self.state(
                 Status::Fail,
                 Reason::ModuleNotFound,
                 format!(
-                    "{detail}; the package that should carry it is {} ({}). DHCP-mode LoadBalancer Services would stay <pending> with \"operation not supported\"",
-                    r.package,
-                    if os.pretty_name.is_empty() {
-                        "unknown distribution"
-                    } else {
-                        &os.pretty_name
+                    "kernel {kernel} has no loadable-module support and no built-in macvlan ({e})"
+                ),
+                "boot a kernel built with CONFIG_MACVLAN=y or =m",
+            ),
+            Err(e) => self.state(
+                Status::Fail,
+                Reason::ProbeFailed,
+                format!(
+                    "kernel {kernel} has no loadable-module support, and whether macvlan is built in is unknown: creating a macvlan link failed: {e}"
+                ),
+                probe_remedy(&e),
+            ),
+        }
+    }
+
+    /// The sandboxed daemon: the probe's macvlan link makes the kernel load
+    /// the module itself (modprobe of `rtnl-link-macvlan`), which needs no
+    /// CAP_SYS_MODULE here.
+    fn load_through_probe(&self) -> MacvlanState {
+        let kernel = &self.kernel;
+        match self.host.probe() {
+            Ok(()) => {
+                let (reason, what) = match self.host.facts(MACVLAN).sys_module {
+                    detect::SysModule::BuiltIn => {
+                        (Reason::BuiltIn, "macvlan is built into the kernel")
                     }
-                ),
-                &r.remediation,
-            )
-        }
-        Detection::NotLoaded { path, deps } if !fix => {
-            let with = if deps.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    " with {}",
-                    deps.iter()
-                        .map(|d| detect::module_name_of(&d.to_string_lossy()))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            };
-            state(
-                Status::Warn,
-                Reason::NotLoaded,
-                format!(
-                    "{} is on disk but not loaded; the daemon loads it{with} at start{boot_note}",
-                    path.display()
-                ),
-                "start the daemon, or run `harvester-node-agent check --fix` to load it now",
-            )
-        }
-        Detection::NotLoaded { path, .. } => {
-            if let Err(e) = host.load(MACVLAN) {
-                return state(
-                    Status::Fail,
-                    Reason::LoadFailed,
-                    format!("loading {} failed: {e}", path.display()),
-                    "see `dmesg` for why the kernel refused it (signature, version magic, missing symbols)",
-                );
-            }
-            match detect::detect(&host.facts(MACVLAN), MACVLAN) {
-                Detection::Loaded => probed(Reason::LoadedByAgent, "the agent loaded macvlan"),
-                other => state(
-                    Status::Fail,
-                    Reason::LoadFailed,
-                    format!(
-                        "modprobe reported success but macvlan is not in /proc/modules ({other:?})"
+                    _ => (
+                        Reason::LoadedByAgent,
+                        "the kernel loaded macvlan for the agent's test link",
                     ),
-                    "check the modprobe.d `install` rules for macvlan",
-                ),
+                };
+                self.state(
+                    Status::Ok,
+                    reason,
+                    format!(
+                        "{what} in kernel {kernel}; a test macvlan link was created and removed{}",
+                        self.boot_note
+                    ),
+                    "",
+                )
             }
+            Err(e @ ProbeError::Unsupported(_)) => {
+                let os = self.host.os_release();
+                let r = remedy::module_not_found(&os, kernel);
+                self.state(
+                    Status::Fail,
+                    Reason::ModuleNotFound,
+                    format!(
+                        "the kernel could not load macvlan when asked for a macvlan link ({e}): it is not installed for kernel {kernel} (package {}) or the kernel refused it; `harvester-node-agent check macvlan` run as root says which",
+                        r.package
+                    ),
+                    &r.remediation,
+                )
+            }
+            Err(e) => self.state(
+                Status::Fail,
+                Reason::ProbeFailed,
+                format!("macvlan was not loaded and creating a macvlan link failed: {e}"),
+                probe_remedy(&e),
+            ),
+        }
+    }
+
+    fn module_not_found(&self, detail: &str) -> MacvlanState {
+        let os = self.host.os_release();
+        let r = remedy::module_not_found(&os, &self.kernel);
+        self.state(
+            Status::Fail,
+            Reason::ModuleNotFound,
+            format!(
+                "{detail}; the package that should carry it is {} ({}). DHCP-mode LoadBalancer Services would stay <pending> with \"operation not supported\"",
+                r.package,
+                if os.pretty_name.is_empty() {
+                    "unknown distribution"
+                } else {
+                    &os.pretty_name
+                }
+            ),
+            &r.remediation,
+        )
+    }
+
+    /// On disk, not loaded, and this run may not change the host: what the
+    /// daemon would load.
+    fn would_load(&self, path: &std::path::Path, deps: &[PathBuf]) -> MacvlanState {
+        let with = if deps.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " with {}",
+                deps.iter()
+                    .map(|d| detect::module_name_of(&d.to_string_lossy()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        self.state(
+            Status::Warn,
+            Reason::NotLoaded,
+            format!(
+                "{} is on disk but not loaded; the daemon loads it{with} at start{}",
+                path.display(),
+                self.boot_note
+            ),
+            "start the daemon, or run `harvester-node-agent check --fix` to load it now",
+        )
+    }
+
+    /// Loads the module, then believes /proc/modules rather than modprobe's
+    /// exit status (an `install` rule may do anything).
+    fn load(&self, path: &std::path::Path) -> MacvlanState {
+        if let Err(e) = self.host.load(MACVLAN) {
+            return self.state(
+                Status::Fail,
+                Reason::LoadFailed,
+                format!("loading {} failed: {e}", path.display()),
+                "see `dmesg` for why the kernel refused it (signature, version magic, missing symbols)",
+            );
+        }
+        match detect::detect(&self.host.facts(MACVLAN), MACVLAN) {
+            Detection::Loaded => self.probed(Reason::LoadedByAgent, "the agent loaded macvlan"),
+            other => self.state(
+                Status::Fail,
+                Reason::LoadFailed,
+                format!(
+                    "modprobe reported success but macvlan is not in /proc/modules ({other:?})"
+                ),
+                "check the modprobe.d `install` rules for macvlan",
+            ),
         }
     }
 }

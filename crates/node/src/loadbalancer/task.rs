@@ -308,6 +308,8 @@ struct Lb<E: LeaseEngine> {
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
+// Long on purpose: one `select!` over every event the task hears, each arm
+// a call or two into `Lb`; split, the arms would lose their shared timers.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     engine: Arc<E>,
@@ -331,44 +333,16 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     let writes = StatusWrites::start(writer, settings.heartbeat);
     let mut written = writes.watch();
     let (gateway_answers, mut gateway_answered) = mpsc::channel(1);
-    let mut lb = Lb {
+    let mut lb = Lb::new(
         engine,
         writes,
         settings,
-        node: Box::new(node),
+        Box::new(node),
         out,
-        assignments: None,
-        read: "waiting for the cluster connection".into(),
-        swept: None,
-        failures: BTreeMap::new(),
-        guarded: BTreeMap::new(),
-        guarded_since: BTreeMap::new(),
-        logged_invalid: BTreeSet::new(),
-        retry_at: None,
-        backoff: RETRY_MIN,
-        guard_backoff: GUARD_RETRY_MIN,
-        stopping: false,
-        no_carrier: BTreeSet::new(),
-        uplink: None,
-        fence: None,
-        ready_condition: None,
-        fence_again: None,
-        touched: None,
-        out_of_touch: false,
-        spec_stale: false,
-        read_generation: None,
-        write_error_logged: false,
-        started: BTreeMap::new(),
         lan,
-        gateway: None,
-        gateway_asking: false,
         gateway_answers,
-        ran: (Instant::now(), SystemTime::now()),
-        awake_within: Duration::ZERO,
         relist,
-        unserved_since: None,
-        stand_down_at: None,
-    };
+    );
     lb.awake_within = beat_every + lb.lan_wait();
     let mut carrier = tokio::time::interval(CARRIER_POLL);
     carrier.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -378,8 +352,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         tokio::select! {
             u = updates.recv(), if updates_open => match u {
                 Some(u) => {
-                    let changed = lb.observe(u);
-                    if changed {
+                    if lb.observe(u) {
                         systemd::beating(&hb, beat_every, lb.reconcile()).await;
                     }
                     lb.report();
@@ -427,19 +400,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 Err(_) => lan_open = false,
             },
             Some(check) = gateway_answered.recv() => {
-                lb.gateway_asking = false;
-                // Asked every lifetime while the LAN is silent: told when
-                // the answer changes, not each time.
-                match (lb.gateway.map(|g| g.answered), check.answered) {
-                    (Some(false), true) => {
-                        tracing::info!("the default gateway answers ARP on the uplink again")
-                    }
-                    (Some(true) | None, false) => {
-                        tracing::warn!("the default gateway does not answer ARP on the uplink")
-                    }
-                    _ => {}
-                }
-                lb.gateway = Some(check);
+                lb.gateway_answered(check);
                 lb.judge_fence().await;
                 lb.report();
             }
@@ -463,17 +424,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 next_settle = Instant::now() + lb.settle_period();
             }
             _ = carrier.tick() => {
-                let node = (lb.node)();
-                if node.no_carrier != lb.no_carrier || node.default_uplink != lb.uplink {
-                    // Since the last round (which recorded the uplink).
-                    let was_down = lb.uplink.as_ref().is_none_or(|u| lb.no_carrier.contains(u));
-                    let is_up = node
-                        .default_uplink
-                        .as_ref()
-                        .is_some_and(|u| !node.no_carrier.contains(u));
-                    if lb.assignments.is_some() && was_down && is_up {
-                        lb.read_again("its uplink carries again");
-                    }
+                if lb.links_changed() {
                     systemd::beating(&hb, beat_every, lb.reconcile()).await;
                     lb.report();
                     next_settle = Instant::now() + lb.settle_period();
@@ -484,16 +435,7 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 lb.note_running();
             }
             _ = shutdown.changed() => {
-                let keep = !lb.settings.restart_grace.is_zero()
-                    && match lb.settings.keep_on_stop {
-                        crate::config::KeepOnStop::Always => true,
-                        crate::config::KeepOnStop::Restart => systemd::restart_pending().await,
-                    };
-                if keep {
-                    lb.leave_for_restart().await;
-                } else {
-                    lb.hand_over_all().await;
-                }
+                lb.stop().await;
                 return;
             }
         }
@@ -501,6 +443,111 @@ pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
 }
 
 impl<E: LeaseEngine> Lb<E> {
+    /// A loop that has read nothing yet.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        engine: Arc<E>,
+        writes: StatusWrites,
+        settings: LbSettings,
+        node: Box<dyn Fn() -> NodeView + Send>,
+        out: watch::Sender<LbStatus>,
+        lan: LanLink,
+        gateway_answers: mpsc::Sender<super::fence::GatewayCheck>,
+        relist: watch::Sender<u64>,
+    ) -> Lb<E> {
+        Lb {
+            engine,
+            writes,
+            settings,
+            node,
+            out,
+            assignments: None,
+            read: "waiting for the cluster connection".into(),
+            swept: None,
+            failures: BTreeMap::new(),
+            guarded: BTreeMap::new(),
+            guarded_since: BTreeMap::new(),
+            logged_invalid: BTreeSet::new(),
+            retry_at: None,
+            backoff: RETRY_MIN,
+            guard_backoff: GUARD_RETRY_MIN,
+            stopping: false,
+            no_carrier: BTreeSet::new(),
+            uplink: None,
+            fence: None,
+            ready_condition: None,
+            fence_again: None,
+            touched: None,
+            out_of_touch: false,
+            spec_stale: false,
+            read_generation: None,
+            write_error_logged: false,
+            started: BTreeMap::new(),
+            lan,
+            gateway: None,
+            gateway_asking: false,
+            gateway_answers,
+            ran: (Instant::now(), SystemTime::now()),
+            awake_within: Duration::ZERO,
+            relist,
+            unserved_since: None,
+            stand_down_at: None,
+        }
+    }
+
+    /// Takes in the gateway's answer to ARP. Asked every lifetime while the
+    /// LAN is silent: told when the answer changes, not each time.
+    fn gateway_answered(&mut self, check: super::fence::GatewayCheck) {
+        self.gateway_asking = false;
+        match (self.gateway.map(|g| g.answered), check.answered) {
+            (Some(false), true) => {
+                tracing::info!("the default gateway answers ARP on the uplink again")
+            }
+            (Some(true) | None, false) => {
+                tracing::warn!("the default gateway does not answer ARP on the uplink")
+            }
+            _ => {}
+        }
+        self.gateway = Some(check);
+    }
+
+    /// Whether the carrier or the default uplink changed since the last
+    /// round (which recorded them); an uplink that carries again first
+    /// asks for the assignments to be read again.
+    fn links_changed(&mut self) -> bool {
+        let node = (self.node)();
+        if node.no_carrier == self.no_carrier && node.default_uplink == self.uplink {
+            return false;
+        }
+        let was_down = self
+            .uplink
+            .as_ref()
+            .is_none_or(|u| self.no_carrier.contains(u));
+        let is_up = node
+            .default_uplink
+            .as_ref()
+            .is_some_and(|u| !node.no_carrier.contains(u));
+        if self.assignments.is_some() && was_down && is_up {
+            self.read_again("its uplink carries again");
+        }
+        true
+    }
+
+    /// The daemon stops: the addresses stay for a restart if configured
+    /// so, else they are handed over.
+    async fn stop(&mut self) {
+        let keep = !self.settings.restart_grace.is_zero()
+            && match self.settings.keep_on_stop {
+                crate::config::KeepOnStop::Always => true,
+                crate::config::KeepOnStop::Restart => systemd::restart_pending().await,
+            };
+        if keep {
+            self.leave_for_restart().await;
+        } else {
+            self.hand_over_all().await;
+        }
+    }
+
     /// How soon to look at the leases again: at once (every
     /// [`FAST_SETTLE`]) while one is on its way to an address, so the
     /// controller hears of a new lease within milliseconds; else every
@@ -698,6 +745,9 @@ impl<E: LeaseEngine> Lb<E> {
         }
     }
 
+    /// One round: sort the assignments into what to hold and what not,
+    /// plan over them and the running leases, act, and note when to try
+    /// again.
     async fn reconcile_round(&mut self) {
         let Some(assignments) = self.assignments.clone() else {
             return;
@@ -708,111 +758,111 @@ impl<E: LeaseEngine> Lb<E> {
         let node = (self.node)();
         self.no_carrier = node.no_carrier.clone();
         self.uplink = node.default_uplink.clone();
-        let mut wants = Vec::new();
-        let mut untouched = BTreeSet::new();
-        let mut cut_off = BTreeMap::new();
-        let out_of_touch = self.out_of_touch_reason();
         // One look at the leases serves the whole round.
         let leases = self.engine.snapshot();
+        let sorted = self.sort_assignments(&assignments, &node, &leases);
+        let mut failures = BTreeMap::new();
+        let actions = self.actions(&sorted, &node, &leases, &mut failures);
+        let settings = Settings {
+            default_uplink: node.default_uplink.clone(),
+            witness: node.gateway_address,
+            ..self.settings.leases.clone()
+        };
+        let guarded = self.apply(actions, &settings, &mut failures).await;
+        for i in self.guarded.keys().filter(|i| !guarded.contains_key(*i)) {
+            tracing::info!(interface = %i, "the address no longer answers elsewhere");
+        }
+        self.guarded = guarded;
+        // A start no longer wanted, or failed otherwise, waits no more.
+        let guarded = &self.guarded;
+        self.guarded_since.retain(|i, _| guarded.contains_key(i));
+        self.failures = failures;
+        self.schedule_retry(sorted.cut_off);
+    }
+
+    /// Which assignments this round may act on, and why the others wait.
+    fn sort_assignments(
+        &mut self,
+        assignments: &[Assignment],
+        node: &NodeView,
+        leases: &[LeaseStatus],
+    ) -> Sorted {
+        let mut sorted = Sorted::default();
+        let out_of_touch = self.out_of_touch_reason();
         let holding: BTreeSet<&str> = leases
             .iter()
             .filter(|l| l.state.holds_address())
             .map(|l| l.name.as_str())
             .collect();
-        for a in &assignments {
-            match lease_plan::want(a) {
-                Ok(mut w) => {
-                    // Resolved here, so a moved default uplink shows in the
-                    // plan as a changed parent (`apply` resolves the same).
-                    // A running lease stays on the card it was started on
-                    // while that card is there with carrier: which of two
-                    // DHCP NICs' default routes wins (a metric change, a
-                    // renewal re-adding a route) must not move a Service to
-                    // another network and another address (issue #29).
-                    if w.uplink.is_none() {
-                        let kept = self
-                            .started
-                            .get(&w.interface)
-                            .and_then(|s| s.parent.clone())
-                            .filter(|p| node.nics.contains(p) && !node.no_carrier.contains(p));
-                        w.uplink = kept.or_else(|| node.default_uplink.clone());
-                    }
-                    let mac = hna_contract::mac::format(&w.mac);
-                    // The controller refuses the MACs the nodes report; the
-                    // node checks again, as root, against what its LAN
-                    // shows it now.
-                    // A Service's MAC on a link of this node would steal
-                    // the node's own traffic, and another host's that
-                    // host's.
-                    let mac_refused = (!w.release)
-                        .then(|| {
-                            node.own_macs.get(&mac).map(|own| format!(
-                                "MAC {mac} is already this node's interface {own}'s (kube-vip's vip-* link left behind, or the node's own): no macvlan is made with it"
-                            ))
-                            .or_else(|| node.mac_taken_on_lan(&mac, w.requested_ip))
-                        })
-                        .flatten();
-                    let parent = w.uplink.as_ref();
-                    match parent {
-                        _ if self.fence.is_some() && !w.release => {
-                            cut_off.insert(
-                                w.interface.clone(),
-                                self.fence.clone().unwrap_or_default(),
-                            );
-                        }
-                        // Out of touch, this node cannot know that an
-                        // assignment is still its own: it keeps serving the
-                        // addresses it holds, and takes none over (see
-                        // `out_of_touch_reason`).
-                        _ if out_of_touch.is_some()
-                            && !w.release
-                            && !holding.contains(w.interface.as_str()) =>
-                        {
-                            cut_off.insert(
-                                w.interface.clone(),
-                                out_of_touch.clone().unwrap_or_default(),
-                            );
-                        }
-                        _ if mac_refused.is_some() => {
-                            let why = mac_refused.unwrap_or_default();
-                            refuse_mac(
-                                &mut cut_off,
-                                &mut untouched,
-                                &leases,
-                                &w.interface,
-                                &mac,
-                                why,
-                            );
-                        }
-                        // The controller allows only uplinks; the node
-                        // checks again, as root, against its own cards.
-                        Some(p)
-                            if !w.release
-                                && Some(p) != node.default_uplink.as_ref()
-                                && !node.nics.contains(p) =>
-                        {
-                            cut_off.insert(
-                                w.interface.clone(),
-                                format!("{p} is neither this node's uplink nor a network card of its own (a bridge, a veth, a tunnel or an enslaved port): no macvlan is made on it"),
-                            );
-                        }
-                        Some(p) if !w.release && node.no_carrier.contains(p) => {
-                            cut_off.insert(
-                                w.interface.clone(),
-                                format!("uplink {p} carries nothing (no carrier, set down or deleted): handed over, not held until it is back"),
-                            );
-                        }
-                        _ => wants.push(w),
-                    }
-                }
+        for a in assignments {
+            let mut w = match lease_plan::want(a) {
+                Ok(w) => w,
                 Err(e) => {
                     if self.logged_invalid.insert(e.clone()) {
                         tracing::warn!(error = %e, "invalid assignment: left as it is");
                     }
-                    untouched.insert(a.interface.clone());
+                    sorted.untouched.insert(a.interface.clone());
+                    continue;
                 }
+            };
+            if w.uplink.is_none() {
+                w.uplink = self.parent_for(&w, node);
+            }
+            let mac = hna_contract::mac::format(&w.mac);
+            if let Some(why) = self.fence.as_ref().filter(|_| !w.release) {
+                sorted.cut_off.insert(w.interface.clone(), why.clone());
+            } else if let Some(why) = out_of_touch
+                .as_ref()
+                .filter(|_| !w.release && !holding.contains(w.interface.as_str()))
+            {
+                // Out of touch, this node cannot know that an assignment is
+                // still its own: it keeps serving the addresses it holds,
+                // and takes none over (see `out_of_touch_reason`).
+                sorted.cut_off.insert(w.interface.clone(), why.clone());
+            } else if let Some(why) = mac_refusal(&w, &mac, node) {
+                refuse_mac(
+                    &mut sorted.cut_off,
+                    &mut sorted.untouched,
+                    leases,
+                    &w.interface,
+                    &mac,
+                    why,
+                );
+            } else if let Some(why) = parent_refusal(&w, node) {
+                sorted.cut_off.insert(w.interface.clone(), why);
+            } else {
+                sorted.wants.push(w);
             }
         }
+        sorted
+    }
+
+    /// The parent of an assignment that names none. Resolved here, so a
+    /// moved default uplink shows in the plan as a changed parent (`apply`
+    /// resolves the same). A running lease stays on the card it was
+    /// started on while that card is there with carrier: which of two DHCP
+    /// NICs' default routes wins (a metric change, a renewal re-adding a
+    /// route) must not move a Service to another network and another
+    /// address (issue #29).
+    fn parent_for(&self, w: &lease_plan::Want, node: &NodeView) -> Option<String> {
+        let kept = self
+            .started
+            .get(&w.interface)
+            .and_then(|s| s.parent.clone())
+            .filter(|p| node.nics.contains(p) && !node.no_carrier.contains(p));
+        kept.or_else(|| node.default_uplink.clone())
+    }
+
+    /// The plan over the wanted and the running leases, less what this
+    /// round leaves alone; a start that cannot work yet (no macvlan) is a
+    /// failure instead.
+    fn actions(
+        &self,
+        sorted: &Sorted,
+        node: &NodeView,
+        leases: &[LeaseStatus],
+        failures: &mut BTreeMap<String, String>,
+    ) -> Vec<Action> {
         let running: Vec<Running> = leases
             .iter()
             .cloned()
@@ -825,11 +875,9 @@ impl<E: LeaseEngine> Lb<E> {
                 })
             })
             .collect();
-        let mut failures = BTreeMap::new();
-        let mut guarded = BTreeMap::new();
-        let actions: Vec<Action> = lease_plan::plan(&wants, &running)
+        lease_plan::plan(&sorted.wants, &running)
             .into_iter()
-            .filter(|a| !untouched.contains(action_interface(a)))
+            .filter(|a| !sorted.untouched.contains(action_interface(a)))
             .filter(|a| match a {
                 Action::Start(w) if !node.macvlan_ready => {
                     failures.insert(
@@ -840,16 +888,22 @@ impl<E: LeaseEngine> Lb<E> {
                 }
                 _ => true,
             })
-            .collect();
-        let settings = Settings {
-            default_uplink: node.default_uplink.clone(),
-            witness: node.gateway_address,
-            ..self.settings.leases.clone()
-        };
+            .collect()
+    }
+
+    /// Carries the actions out and records each outcome; returns the starts
+    /// the takeover guard held back (the address answers elsewhere).
+    async fn apply(
+        &mut self,
+        actions: Vec<Action>,
+        settings: &Settings,
+        failures: &mut BTreeMap<String, String>,
+    ) -> BTreeMap<String, String> {
+        let mut guarded = BTreeMap::new();
         let round_began = Instant::now();
         for (action, o) in actions
             .iter()
-            .zip(apply::apply(&*self.engine, actions.clone(), &settings).await)
+            .zip(apply::apply(&*self.engine, actions.clone(), settings).await)
         {
             let a = describe(action);
             match o.result {
@@ -885,14 +939,12 @@ impl<E: LeaseEngine> Lb<E> {
                 }
             }
         }
-        for i in self.guarded.keys().filter(|i| !guarded.contains_key(*i)) {
-            tracing::info!(interface = %i, "the address no longer answers elsewhere");
-        }
-        self.guarded = guarded;
-        // A start no longer wanted, or failed otherwise, waits no more.
-        let guarded = &self.guarded;
-        self.guarded_since.retain(|i, _| guarded.contains_key(i));
-        self.failures = failures;
+        guarded
+    }
+
+    /// When the next round comes: failures back off, guarded starts look
+    /// again soon; what was held back waits for what it waits on.
+    fn schedule_retry(&mut self, cut_off: BTreeMap<String, String>) {
         // Not failures to retry: the carrier's return starts a round.
         let retry_for_failures = !self.failures.is_empty();
         if !cut_off.is_empty() {
@@ -1240,6 +1292,54 @@ async fn hand_over_every_lease<E: LeaseEngine>(engine: &E) {
                 tracing::warn!(interface = %name, error = %e, "could not hand the lease over cleanly")
             }
         }
+    }
+}
+
+/// One round's assignments, sorted.
+#[derive(Default)]
+struct Sorted {
+    /// To hold.
+    wants: Vec<lease_plan::Want>,
+    /// Left as they are, running or not.
+    untouched: BTreeSet<String>,
+    /// Not taken over this round, and why.
+    cut_off: BTreeMap<String, String>,
+}
+
+/// Why this node makes no link with the assignment's MAC, if it does not.
+/// The controller refuses the MACs the nodes report; the node checks
+/// again, as root, against what its LAN shows it now. A Service's MAC on a
+/// link of this node would steal the node's own traffic, and another
+/// host's that host's.
+fn mac_refusal(w: &lease_plan::Want, mac: &str, node: &NodeView) -> Option<String> {
+    if w.release {
+        return None;
+    }
+    node.own_macs
+        .get(mac)
+        .map(|own| format!(
+            "MAC {mac} is already this node's interface {own}'s (kube-vip's vip-* link left behind, or the node's own): no macvlan is made with it"
+        ))
+        .or_else(|| node.mac_taken_on_lan(mac, w.requested_ip))
+}
+
+/// Why the assignment's parent will not carry it, if it will not. The
+/// controller allows only uplinks; the node checks again, as root, against
+/// its own cards.
+fn parent_refusal(w: &lease_plan::Want, node: &NodeView) -> Option<String> {
+    let p = w.uplink.as_ref()?;
+    if w.release {
+        None
+    } else if Some(p) != node.default_uplink.as_ref() && !node.nics.contains(p) {
+        Some(format!(
+            "{p} is neither this node's uplink nor a network card of its own (a bridge, a veth, a tunnel or an enslaved port): no macvlan is made on it"
+        ))
+    } else if node.no_carrier.contains(p) {
+        Some(format!(
+            "uplink {p} carries nothing (no carrier, set down or deleted): handed over, not held until it is back"
+        ))
+    } else {
+        None
     }
 }
 
