@@ -463,7 +463,7 @@ pub fn main() -> ExitCode {
                 classes,
             };
             serve(&args.log_level, args.log_target, |n| {
-                Box::pin(hna_controller::run(opts, n))
+                Box::pin(async move { Ok(hna_controller::run(opts, n).await?) })
             })
         }
         Command::Check(args) => check(args),

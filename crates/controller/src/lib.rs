@@ -126,19 +126,7 @@ pub enum ControllerError {
 }
 
 /// The controller until SIGTERM or SIGINT.
-///
-/// Still `anyhow` because the root binary boxes this future as one that
-/// ends in `anyhow::Result` (`src/cli`); once it maps the error itself
-/// (`async move { Ok(hna_controller::run(opts, n).await?) }`), this can
-/// return [`ControllerError`] and the crate can drop `anyhow`.
-pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> anyhow::Result<()> {
-    Ok(run_until_stopped(opts, notifier).await?)
-}
-
-async fn run_until_stopped(
-    opts: Options,
-    notifier: Arc<dyn Notifier>,
-) -> Result<(), ControllerError> {
+pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> Result<(), ControllerError> {
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         identity = %opts.identity,
