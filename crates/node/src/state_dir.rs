@@ -27,41 +27,43 @@ pub fn inspect(dir: &Path) -> Inspection {
         Ok(md) if !md.is_dir() => Inspection::NotADirectory {
             path: dir.to_path_buf(),
         },
-        Ok(_) => match access(dir, AccessFlags::W_OK | AccessFlags::X_OK) {
-            Ok(()) => Inspection::Writable,
-            Err(e) => Inspection::NotWritable {
-                path: dir.to_path_buf(),
-                reason: e.desc().to_string(),
-            },
+        Ok(_) => writable(dir, Inspection::Writable),
+        Err(_) => inspect_missing(dir),
+    }
+}
+
+/// `then` if this process may add entries to `dir`, else why not.
+fn writable(dir: &Path, then: Inspection) -> Inspection {
+    match access(dir, AccessFlags::W_OK | AccessFlags::X_OK) {
+        Ok(()) => then,
+        Err(e) => Inspection::NotWritable {
+            path: dir.to_path_buf(),
+            reason: e.desc().to_string(),
         },
-        Err(_) => {
-            let mut ancestor = dir.parent();
-            while let Some(a) = ancestor {
-                match std::fs::metadata(a) {
-                    Ok(md) if md.is_dir() => {
-                        return match access(a, AccessFlags::W_OK | AccessFlags::X_OK) {
-                            Ok(()) => Inspection::WillBeCreated {
-                                ancestor: a.to_path_buf(),
-                            },
-                            Err(e) => Inspection::NotWritable {
-                                path: a.to_path_buf(),
-                                reason: e.desc().to_string(),
-                            },
-                        };
-                    }
-                    Ok(_) => {
-                        return Inspection::NotADirectory {
-                            path: a.to_path_buf(),
-                        };
-                    }
-                    Err(_) => ancestor = a.parent(),
-                }
-            }
-            Inspection::NotWritable {
-                path: dir.to_path_buf(),
-                reason: "no existing ancestor directory".into(),
-            }
-        }
+    }
+}
+
+/// A directory that is not there: `run` creates it if its nearest existing
+/// ancestor is a directory it may write to.
+fn inspect_missing(dir: &Path) -> Inspection {
+    let nearest = dir
+        .ancestors()
+        .skip(1)
+        .find_map(|a| std::fs::metadata(a).ok().map(|md| (a, md)));
+    match nearest {
+        Some((a, md)) if md.is_dir() => writable(
+            a,
+            Inspection::WillBeCreated {
+                ancestor: a.to_path_buf(),
+            },
+        ),
+        Some((a, _)) => Inspection::NotADirectory {
+            path: a.to_path_buf(),
+        },
+        None => Inspection::NotWritable {
+            path: dir.to_path_buf(),
+            reason: "no existing ancestor directory".into(),
+        },
     }
 }
 

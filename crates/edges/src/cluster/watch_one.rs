@@ -105,88 +105,134 @@ pub async fn watch_one<K, E>(
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
 {
-    let selector = format!("metadata.name={name}");
-    let mut backoff = Backoff(BACKOFF_MIN);
-    'relist: loop {
-        let list = match api.list(&ListParams::default().fields(&selector)).await {
+    let mut watch = Watch {
+        selector: format!("metadata.name={name}"),
+        api,
+        name,
+        timeout_secs,
+        tx,
+        wrap,
+        backoff: Backoff(BACKOFF_MIN),
+    };
+    while let Next::Relist = watch.list_and_watch().await {}
+}
+
+/// One object's watch, between its requests.
+struct Watch<K, E, F> {
+    api: Api<K>,
+    name: String,
+    selector: String,
+    timeout_secs: u32,
+    tx: mpsc::Sender<E>,
+    wrap: F,
+    backoff: Backoff,
+}
+
+/// What comes after a list and its watches.
+enum Next {
+    /// List afresh: an error, or a resourceVersion too old to resume from.
+    Relist,
+    /// Nobody listens any more.
+    Stop,
+}
+
+impl<K, E, F> Watch<K, E, F>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    F: Fn(Update<K>) -> E,
+{
+    /// Lists the object, then watches from the list's resourceVersion,
+    /// resuming each ended watch, until it must list again or stop.
+    async fn list_and_watch(&mut self) -> Next {
+        let list = match self
+            .api
+            .list(&ListParams::default().fields(&self.selector))
+            .await
+        {
             Ok(list) => list,
-            Err(e) => {
-                if !report(&tx, &wrap, &name, &e).await {
-                    return;
-                }
-                backoff.wait().await;
-                continue 'relist;
-            }
+            Err(e) => return self.failed(&e).await,
         };
         let mut rv = list.metadata.resource_version.clone().unwrap_or_default();
         let first = match list.items.into_iter().next() {
             Some(obj) => Update::Present(obj),
             None => Update::Absent,
         };
-        if tx.send(wrap(first)).await.is_err() {
-            return;
+        if self.tx.send((self.wrap)(first)).await.is_err() {
+            return Next::Stop;
         }
         loop {
-            let wp = WatchParams::default()
-                .fields(&selector)
-                .timeout(timeout_secs);
-            let stream = match api.watch(&wp, &rv).await {
-                Ok(s) => s,
-                Err(e) => {
-                    if !report(&tx, &wrap, &name, &e).await {
-                        return;
-                    }
-                    backoff.wait().await;
-                    continue 'relist;
-                }
-            };
-            let started = Instant::now();
-            let mut stream = std::pin::pin!(stream);
-            while let Some(event) = stream.next().await {
-                let update = match event {
-                    Ok(WatchEvent::Added(obj)) | Ok(WatchEvent::Modified(obj)) => {
-                        rv = obj.resource_version().unwrap_or(rv);
-                        Update::Present(obj)
-                    }
-                    Ok(WatchEvent::Deleted(obj)) => {
-                        rv = obj.resource_version().unwrap_or(rv);
-                        Update::Absent
-                    }
-                    Ok(WatchEvent::Bookmark(b)) => {
-                        rv = b.metadata.resource_version;
-                        continue;
-                    }
-                    Ok(WatchEvent::Error(s)) if s.code == 410 => {
-                        // Our resourceVersion is too old: list afresh.
-                        tracing::debug!(object = %name, "watch expired (410); listing again");
-                        continue 'relist;
-                    }
-                    Ok(WatchEvent::Error(s)) => {
-                        let e = kube::Error::Api(s);
-                        if !report(&tx, &wrap, &name, &e).await {
-                            return;
-                        }
-                        backoff.wait().await;
-                        continue 'relist;
-                    }
-                    Err(e) => {
-                        // The stream broke (idle read timeout, connection
-                        // reset): resume from the last resourceVersion.
-                        tracing::debug!(object = %name, error = %e, "watch stream ended");
-                        break;
-                    }
-                };
-                if tx.send(wrap(update)).await.is_err() {
-                    return;
-                }
-            }
-            if started.elapsed() < Duration::from_secs(1) {
-                // A watch that ends at once: do not spin.
-                backoff.wait().await;
-            } else {
-                backoff.reset();
+            if let Some(next) = self.watch_from(&mut rv).await {
+                return next;
             }
         }
+    }
+
+    /// Sends the failure and waits out the backoff before the next list.
+    async fn failed(&mut self, e: &kube::Error) -> Next {
+        if !report(&self.tx, &self.wrap, &self.name, e).await {
+            return Next::Stop;
+        }
+        self.backoff.wait().await;
+        Next::Relist
+    }
+
+    /// One watch request from `rv`, which follows the events; `None` when
+    /// the stream ended and the watch may resume from there.
+    async fn watch_from(&mut self, rv: &mut String) -> Option<Next> {
+        let wp = WatchParams::default()
+            .fields(&self.selector)
+            .timeout(self.timeout_secs);
+        let stream = match self.api.watch(&wp, rv).await {
+            Ok(s) => s,
+            Err(e) => return Some(self.failed(&e).await),
+        };
+        let started = Instant::now();
+        let mut stream = std::pin::pin!(stream);
+        while let Some(event) = stream.next().await {
+            let update = match event {
+                Ok(WatchEvent::Added(obj)) | Ok(WatchEvent::Modified(obj)) => {
+                    *rv = obj.resource_version().unwrap_or(std::mem::take(rv));
+                    Update::Present(obj)
+                }
+                Ok(WatchEvent::Deleted(obj)) => {
+                    *rv = obj.resource_version().unwrap_or(std::mem::take(rv));
+                    Update::Absent
+                }
+                Ok(WatchEvent::Bookmark(b)) => {
+                    *rv = b.metadata.resource_version;
+                    continue;
+                }
+                Ok(WatchEvent::Error(s)) if s.code == 410 => {
+                    // Our resourceVersion is too old: list afresh.
+                    tracing::debug!(object = %self.name, "watch expired (410); listing again");
+                    return Some(Next::Relist);
+                }
+                Ok(WatchEvent::Error(s)) => {
+                    let e = kube::Error::Api(s);
+                    if !report(&self.tx, &self.wrap, &self.name, &e).await {
+                        return Some(Next::Stop);
+                    }
+                    self.backoff.wait().await;
+                    return Some(Next::Relist);
+                }
+                Err(e) => {
+                    // The stream broke (idle read timeout, connection
+                    // reset): resume from the last resourceVersion.
+                    tracing::debug!(object = %self.name, error = %e, "watch stream ended");
+                    break;
+                }
+            };
+            if self.tx.send((self.wrap)(update)).await.is_err() {
+                return Some(Next::Stop);
+            }
+        }
+        if started.elapsed() < Duration::from_secs(1) {
+            // A watch that ends at once: do not spin.
+            self.backoff.wait().await;
+        } else {
+            self.backoff.reset();
+        }
+        None
     }
 }
 
