@@ -121,7 +121,7 @@ mod tests {
 
     struct NoUnits;
     impl ServiceManager for NoUnits {
-        async fn unit(&self, _: &str) -> Result<Option<units::UnitState>, String> {
+        async fn unit(&self, _: &str) -> Result<Option<units::UnitState>, units::UnitError> {
             Ok(None)
         }
         async fn changed(&self, _: &[&str]) {}

@@ -305,7 +305,7 @@ mod tests {
         )>,
     );
     impl units::ServiceManager for FakeSystemd {
-        async fn unit(&self, name: &str) -> Result<Option<UnitState>, String> {
+        async fn unit(&self, name: &str) -> Result<Option<UnitState>, units::UnitError> {
             Ok(self.0.iter().find(|u| u.0 == name).and_then(|u| {
                 (u.1 != "not-found").then(|| UnitState {
                     load_state: u.1.into(),

@@ -30,10 +30,28 @@ impl UnitState {
     }
 }
 
+/// Why the service manager did not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum UnitError {
+    #[error("no system D-Bus: {0}")]
+    NoBus(#[source] zbus::Error),
+    #[error("systemd manager: {0}")]
+    Manager(#[source] zbus::Error),
+    #[error("systemd Subscribe: {0}")]
+    Subscribe(#[source] zbus::Error),
+    #[error("reading {unit} from systemd: {error}")]
+    Read {
+        unit: String,
+        #[source]
+        error: zbus::Error,
+    },
+}
+
 /// What the health check needs from the service manager.
 pub trait ServiceManager: Send + Sync {
     /// The unit's state; `Ok(None)` when the unit does not exist.
-    fn unit(&self, name: &str) -> impl Future<Output = Result<Option<UnitState>, String>> + Send;
+    fn unit(&self, name: &str)
+    -> impl Future<Output = Result<Option<UnitState>, UnitError>> + Send;
     /// Resolves when any of `names` changes state (or at once if the
     /// manager cannot signal).
     fn changed(&self, names: &[&str]) -> impl Future<Output = ()> + Send;
@@ -43,7 +61,7 @@ pub trait ServiceManager: Send + Sync {
 pub async fn first_known<S: ServiceManager>(
     sm: &S,
     names: &[&str],
-) -> Result<Option<(String, UnitState)>, String> {
+) -> Result<Option<(String, UnitState)>, UnitError> {
     for name in names {
         if let Some(u) = sm.unit(name).await? {
             return Ok(Some((name.to_string(), u)));
@@ -86,17 +104,10 @@ pub struct Systemd {
 impl Systemd {
     /// Connects to the system bus and subscribes to unit signals (systemd
     /// sends PropertiesChanged for units only while someone subscribed).
-    pub async fn connect() -> Result<Self, String> {
-        let conn = zbus::Connection::system()
-            .await
-            .map_err(|e| format!("no system D-Bus: {e}"))?;
-        let manager = ManagerProxy::new(&conn)
-            .await
-            .map_err(|e| format!("systemd manager: {e}"))?;
-        manager
-            .subscribe()
-            .await
-            .map_err(|e| format!("systemd Subscribe: {e}"))?;
+    pub async fn connect() -> Result<Self, UnitError> {
+        let conn = zbus::Connection::system().await.map_err(UnitError::NoBus)?;
+        let manager = ManagerProxy::new(&conn).await.map_err(UnitError::Manager)?;
+        manager.subscribe().await.map_err(UnitError::Subscribe)?;
         Ok(Systemd { conn })
     }
 
@@ -108,8 +119,11 @@ impl Systemd {
 }
 
 impl ServiceManager for Systemd {
-    async fn unit(&self, name: &str) -> Result<Option<UnitState>, String> {
-        let err = |e: zbus::Error| format!("reading {name} from systemd: {e}");
+    async fn unit(&self, name: &str) -> Result<Option<UnitState>, UnitError> {
+        let err = |error: zbus::Error| UnitError::Read {
+            unit: name.to_string(),
+            error,
+        };
         let unit = self.unit_proxy(name).await.map_err(err)?;
         let state = UnitState {
             load_state: unit.load_state().await.map_err(err)?,

@@ -11,6 +11,8 @@
 //! address expired starts again through here: this is what keeps a second
 //! node from answering too.
 
+use std::net::Ipv4Addr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use hna_dhcp::io::ProbeConfig;
@@ -39,11 +41,46 @@ pub struct Settings {
     pub presence: Presence,
 }
 
+/// Why an action did not happen (it is planned again on the next round).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ActionError {
+    #[error(
+        "{service}: no uplink: the Service names none (kube-vip.io/serviceInterface) and this node has no default route; set `uplink` in the configuration"
+    )]
+    NoUplink { service: String },
+    #[error(
+        "{addr} still answers on {parent}'s LAN (another node holds it): waiting until it stops before taking it over"
+    )]
+    StillAnswers { addr: Ipv4Addr, parent: String },
+    #[error("takeover guard for {addr}: {error}; waiting until this node hears its LAN again")]
+    Deaf {
+        addr: Ipv4Addr,
+        error: Arc<hna_dhcp::EngineError>,
+    },
+    #[error("takeover guard for {addr}: {error}")]
+    Guard {
+        addr: Ipv4Addr,
+        error: Arc<hna_dhcp::EngineError>,
+    },
+    #[error(transparent)]
+    Engine(Arc<hna_dhcp::EngineError>),
+}
+
+/// The same when it says the same: the engine's errors compare no other
+/// way, and the outcomes are compared as what they report.
+impl PartialEq for ActionError {
+    fn eq(&self, other: &ActionError) -> bool {
+        self.to_string() == other.to_string()
+    }
+}
+
+impl Eq for ActionError {}
+
 /// One action's result, by interface.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
     pub interface: String,
-    pub result: Result<(), String>,
+    pub result: Result<(), ActionError>,
     /// Not started because another host answers for the address.
     pub guarded: bool,
     /// Started after the takeover guard heard nobody answer for the
@@ -62,16 +99,13 @@ fn guard_probe(listen: Duration) -> ProbeConfig {
     }
 }
 
-pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, String> {
+pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, ActionError> {
     let parent = w
         .uplink
         .clone()
         .or_else(|| settings.default_uplink.clone())
-        .ok_or_else(|| {
-            format!(
-                "{}: no uplink: the Service names none (kube-vip.io/serviceInterface) and this node has no default route; set `uplink` in the configuration",
-                w.service
-            )
+        .ok_or_else(|| ActionError::NoUplink {
+            service: w.service.clone(),
         })?;
     let witness = settings
         .witness
@@ -121,7 +155,7 @@ pub async fn apply<E: LeaseEngine>(
                 let result = engine
                     .stop(&interface, mode)
                     .await
-                    .map_err(|e| e.to_string());
+                    .map_err(|e| ActionError::Engine(Arc::new(e)));
                 out[i] = Some(Outcome {
                     interface,
                     result,
@@ -173,7 +207,7 @@ async fn start<E: LeaseEngine>(
     engine: &E,
     w: &Want,
     settings: &Settings,
-) -> (Result<(), String>, Guard) {
+) -> (Result<(), ActionError>, Guard) {
     let mut cfg = match lease_config(w, settings) {
         Ok(cfg) => cfg,
         Err(e) => return (Err(e), Guard::NotAsked),
@@ -197,10 +231,10 @@ async fn start<E: LeaseEngine>(
             Ok(false) => guard = Guard::Passed,
             Ok(true) => {
                 return (
-                    Err(format!(
-                        "{addr} still answers on {}'s LAN (another node holds it): waiting until it stops before taking it over",
-                        cfg.parent
-                    )),
+                    Err(ActionError::StillAnswers {
+                        addr,
+                        parent: cfg.parent,
+                    }),
                     Guard::HeldBack,
                 );
             }
@@ -208,15 +242,19 @@ async fn start<E: LeaseEngine>(
             // that still answers.
             Err(e @ hna_dhcp::EngineError::Deaf { .. }) => {
                 return (
-                    Err(format!(
-                        "takeover guard for {addr}: {e}; waiting until this node hears its LAN again"
-                    )),
+                    Err(ActionError::Deaf {
+                        addr,
+                        error: Arc::new(e),
+                    }),
                     Guard::HeldBack,
                 );
             }
             Err(e) => {
                 return (
-                    Err(format!("takeover guard for {addr}: {e}")),
+                    Err(ActionError::Guard {
+                        addr,
+                        error: Arc::new(e),
+                    }),
                     Guard::NotAsked,
                 );
             }
@@ -226,7 +264,7 @@ async fn start<E: LeaseEngine>(
         .start(cfg)
         .await
         .map(|_| ())
-        .map_err(|e| e.to_string());
+        .map_err(|e| ActionError::Engine(Arc::new(e)));
     (result, guard)
 }
 
@@ -347,7 +385,7 @@ mod tests {
             &Settings::default(),
         )
         .await;
-        let e = out[0].result.clone().unwrap_err();
+        let e = out[0].result.clone().unwrap_err().to_string();
         assert!(e.contains("no uplink"), "{e}");
         assert!(engine.calls().is_empty(), "nothing was tried");
     }
@@ -380,7 +418,7 @@ mod tests {
         let actions = plan(std::slice::from_ref(&w), &running(&engine));
         let held = apply(&engine, actions, &s).await;
         assert!(held[0].guarded, "{held:?}");
-        let message = held[0].result.clone().unwrap_err();
+        let message = held[0].result.clone().unwrap_err().to_string();
         assert!(
             message.contains("10.77.0.1") && message.contains("eth0"),
             "{message}"
@@ -414,7 +452,7 @@ mod tests {
         let held = run(w.clone(), settings_guarded()).await;
         assert_eq!(held.len(), 1);
         assert!(held[0].guarded, "{held:?}");
-        let message = held[0].result.clone().unwrap_err();
+        let message = held[0].result.clone().unwrap_err().to_string();
         assert!(
             message.contains("10.77.0.150") && message.contains("eth1"),
             "{message}"

@@ -23,11 +23,23 @@ pub struct Want {
     pub release: bool,
 }
 
+/// An assignment with a field this node cannot use.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, thiserror::Error)]
+#[error("assignment for {service}: {field} `{value}` is not valid")]
+pub struct InvalidAssignment {
+    service: String,
+    field: &'static str,
+    value: String,
+}
+
 /// Checks an assignment; an unusable one is reported and left alone (the
 /// running state is not touched because of it).
-pub fn want(a: &Assignment) -> Result<Want, String> {
-    let what =
-        |field: &str, v: &str| format!("assignment for {}: {field} `{v}` is not valid", a.service);
+pub fn want(a: &Assignment) -> Result<Want, InvalidAssignment> {
+    let what = |field: &'static str, v: &str| InvalidAssignment {
+        service: a.service.clone(),
+        field,
+        value: v.to_string(),
+    };
     let suffix = a
         .interface
         .strip_prefix(INTERFACE_PREFIX)
@@ -271,7 +283,7 @@ mod tests {
                 ..assignment("3f2a9c1e")
             },
         ] {
-            let e = want(&broken).unwrap_err();
+            let e = want(&broken).unwrap_err().to_string();
             assert!(e.starts_with("assignment for default/svc-3f2a9c1e"), "{e}");
         }
     }

@@ -250,7 +250,7 @@ struct Lb<E: LeaseEngine> {
     /// Per start held back by the takeover guard: when it first was.
     guarded_since: BTreeMap<String, Instant>,
     /// Invalid assignments already logged (their message).
-    logged_invalid: BTreeSet<String>,
+    logged_invalid: BTreeSet<lease_plan::InvalidAssignment>,
     retry_at: Option<Instant>,
     backoff: Duration,
     /// Until the next round with a guarded start.
@@ -931,11 +931,11 @@ impl<E: LeaseEngine> Lb<E> {
                     if !self.guarded.contains_key(&o.interface) {
                         tracing::warn!(interface = %o.interface, "{e}");
                     }
-                    guarded.insert(o.interface, e);
+                    guarded.insert(o.interface, e.to_string());
                 }
                 Err(e) => {
                     tracing::warn!(interface = %o.interface, error = %e, "could not {a}; trying again");
-                    failures.insert(o.interface, e);
+                    failures.insert(o.interface, e.to_string());
                 }
             }
         }
@@ -1422,6 +1422,7 @@ pub fn report(
         let running = leases.iter().find(|l| l.name == a.interface);
         let problem = lease_plan::want(a)
             .err()
+            .map(|e| e.to_string())
             .or_else(|| failures.get(&a.interface).cloned());
         let report = match running {
             Some(l) => LeaseReport {

@@ -87,12 +87,12 @@ struct Running {
 }
 
 impl Running {
-    async fn start(want: &Want, listen: (Ipv4Addr, u8)) -> Result<Running, String> {
+    async fn start(want: &Want, listen: (Ipv4Addr, u8)) -> Result<Running, NotRunning> {
         let keys = keys_of(want)?;
         let addr = SocketAddrV4::new(listen.0, want.port);
         let socket = UdpSocket::bind(addr)
             .await
-            .map_err(|e| format!("cannot listen on {addr} (udp): {e}"))?;
+            .map_err(|error| NotRunning::Bind { addr, error })?;
         grow_buffers(&socket);
         let run = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
@@ -109,7 +109,7 @@ impl Running {
             run ^ u64::from(std::process::id()),
             Instant::now(),
         )
-        .ok_or("no key")?;
+        .ok_or(NotRunning::MemberKey)?;
         let mut r = Running {
             socket,
             member,
@@ -251,16 +251,34 @@ fn prefix_mask(prefix: u8) -> u32 {
     }
 }
 
-fn keys_of(want: &Want) -> Result<Vec<Key>, String> {
+/// Why the membership does not run.
+#[derive(Debug, thiserror::Error)]
+enum NotRunning {
+    #[error(
+        "no key yet (Secret {} not read)",
+        hna_contract::membership::SECRET_NAME
+    )]
+    NoKey,
+    #[error(transparent)]
+    Key(#[from] super::wire::WireError),
+    /// The member refused the keys.
+    #[error("no key")]
+    MemberKey,
+    #[error("cannot listen on {addr} (udp): {error}")]
+    Bind {
+        addr: SocketAddrV4,
+        #[source]
+        error: std::io::Error,
+    },
+}
+
+fn keys_of(want: &Want) -> Result<Vec<Key>, NotRunning> {
     if want.keys.is_empty() {
-        return Err(format!(
-            "no key yet (Secret {} not read)",
-            hna_contract::membership::SECRET_NAME
-        ));
+        return Err(NotRunning::NoKey);
     }
     want.keys
         .iter()
-        .map(|k| Key::new(k.id, &k.secret).map_err(|e| e.to_string()))
+        .map(|k| Ok(Key::new(k.id, &k.secret)?))
         .collect()
 }
 
@@ -308,6 +326,7 @@ pub async fn run(
                         running = Some(r);
                     }
                     Err(why) => {
+                        let why = why.to_string();
                         if logged.as_deref() != Some(why.as_str()) {
                             tracing::warn!("LAN membership not running: {why}");
                             logged = Some(why.clone());

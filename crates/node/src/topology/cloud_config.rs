@@ -63,13 +63,26 @@ pub struct Harvester {
     pub server: String,
 }
 
+/// Why a cloud-config gives no client.
+#[derive(Debug, thiserror::Error)]
+pub enum CloudConfigError {
+    #[error("not UTF-8 text")]
+    NotText,
+    #[error("not a kubeconfig: {0}")]
+    NotKubeconfig(#[source] kube::config::KubeconfigError),
+    #[error("not usable: {0}")]
+    NotUsable(#[source] kube::config::KubeconfigError),
+    #[error("cannot build a client: {0}")]
+    Client(#[source] kube::Error),
+}
+
 /// Client configuration from kubeconfig text (its current context).
-pub async fn client_config(content: &[u8]) -> Result<kube::Config, String> {
-    let text = std::str::from_utf8(content).map_err(|_| "not UTF-8 text".to_string())?;
-    let kc = Kubeconfig::from_yaml(text).map_err(|e| format!("not a kubeconfig: {e}"))?;
+pub async fn client_config(content: &[u8]) -> Result<kube::Config, CloudConfigError> {
+    let text = std::str::from_utf8(content).map_err(|_| CloudConfigError::NotText)?;
+    let kc = Kubeconfig::from_yaml(text).map_err(CloudConfigError::NotKubeconfig)?;
     let mut cfg = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
-        .map_err(|e| format!("not usable: {e}"))?;
+        .map_err(CloudConfigError::NotUsable)?;
     cfg.connect_timeout = Some(Duration::from_secs(5));
     cfg.read_timeout = Some(READ_TIMEOUT);
     cfg.reset_reader_on_write = true;
@@ -77,11 +90,11 @@ pub async fn client_config(content: &[u8]) -> Result<kube::Config, String> {
 }
 
 /// Builds a client from the kubeconfig text read from `path`.
-pub async fn connect(path: &Path, content: &[u8]) -> Result<Harvester, String> {
+pub async fn connect(path: &Path, content: &[u8]) -> Result<Harvester, CloudConfigError> {
     let cfg = client_config(content).await?;
     let namespace = cfg.default_namespace.clone();
     let server = cfg.cluster_url.to_string();
-    let client = kube::Client::try_from(cfg).map_err(|e| format!("cannot build a client: {e}"))?;
+    let client = kube::Client::try_from(cfg).map_err(CloudConfigError::Client)?;
     Ok(Harvester {
         path: path.to_path_buf(),
         client,

@@ -236,7 +236,7 @@ async fn load(found: &Found) -> (Cloud, Option<kube::Client>) {
                 },
                 Some(client),
             ),
-            Err(e) => (Cloud::Invalid(path.clone(), e), None),
+            Err(e) => (Cloud::Invalid(path.clone(), e.to_string()), None),
         },
     }
 }
