@@ -440,11 +440,40 @@ pub struct AddressIdentity {
     pub requested_ip: Option<Ipv4Addr>,
 }
 
-/// The identity of the Service with `uid`: kube-vip's `hwaddr`,
-/// `requestedIP` and `loadbalancerHostname` when present (a Service that
-/// kube-vip served keeps its address and its client), otherwise a locally
-/// administered unicast MAC and a client identifier derived from the UID.
+/// Why a Service has no usable identity: its UID, or one of kube-vip's
+/// annotations on it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidIdentity {
+    #[error("Service UID `{0}` has fewer than 8 hex digits")]
+    ShortUid(String),
+    #[error("{key}: `{value}` is not a unicast MAC like 00:00:6c:12:34:56", key = kube_vip::HWADDR, value = .0)]
+    Mac(String),
+    #[error("{key}: `{value}` is not an IPv4 address", key = kube_vip::REQUESTED_IP, value = .0)]
+    RequestedIp(String),
+    #[error("{key}: `{value}` is not a valid hostname", key = kube_vip::LOADBALANCER_HOSTNAME, value = .0)]
+    Hostname(String),
+}
+
+/// [`AddressIdentity::of`], its error as text.
+// why: the controller's Warning path takes this as `(reason, String)`
+// (`reconcile::identity::checked_identity`) and is outside this change; it
+// moves to `AddressIdentity::of`, then this goes.
 pub fn address_identity(uid: &str, annotations: &Annotations) -> Result<AddressIdentity, String> {
+    AddressIdentity::of(uid, annotations).map_err(|e| e.to_string())
+}
+
+impl AddressIdentity {
+    /// The identity of the Service with `uid`: kube-vip's `hwaddr`,
+    /// `requestedIP` and `loadbalancerHostname` when present (a Service
+    /// that kube-vip served keeps its address and its client), otherwise a
+    /// locally administered unicast MAC and a client identifier derived
+    /// from the UID.
+    pub fn of(uid: &str, annotations: &Annotations) -> Result<AddressIdentity, InvalidIdentity> {
+        identity(uid, annotations)
+    }
+}
+
+fn identity(uid: &str, annotations: &Annotations) -> Result<AddressIdentity, InvalidIdentity> {
     let hex: String = uid
         .chars()
         .filter(char::is_ascii_hexdigit)
@@ -452,32 +481,26 @@ pub fn address_identity(uid: &str, annotations: &Annotations) -> Result<AddressI
         .collect::<String>()
         .to_ascii_lowercase();
     if hex.len() < 8 {
-        return Err(format!("Service UID `{uid}` has fewer than 8 hex digits"));
+        return Err(InvalidIdentity::ShortUid(uid.to_string()));
     }
     let mac = match annotations.get(kube_vip::HWADDR) {
-        Some(v) => crate::mac::parse_unicast(v).ok_or_else(|| {
-            format!(
-                "{}: `{v}` is not a unicast MAC like 00:00:6c:12:34:56",
-                kube_vip::HWADDR
-            )
-        })?,
+        Some(v) => {
+            crate::mac::parse_unicast(v).ok_or_else(|| InvalidIdentity::Mac(v.to_string()))?
+        }
         None => derived_mac(uid),
     };
     let requested_ip = match annotations.get(kube_vip::REQUESTED_IP) {
         Some(v) if !v.trim().is_empty() => Some(
             v.trim()
                 .parse::<Ipv4Addr>()
-                .map_err(|_| format!("{}: `{v}` is not an IPv4 address", kube_vip::REQUESTED_IP))?,
+                .map_err(|_| InvalidIdentity::RequestedIp(v.to_string()))?,
         ),
         _ => None,
     };
     let hostname = match annotations.get(kube_vip::LOADBALANCER_HOSTNAME) {
         Some(h) if crate::k8s_names::is_dns_subdomain(h.trim()) => Some(h.trim().to_string()),
         Some(h) => {
-            return Err(format!(
-                "{}: `{h}` is not a valid hostname",
-                kube_vip::LOADBALANCER_HOSTNAME
-            ));
+            return Err(InvalidIdentity::Hostname(h.to_string()));
         }
         None => None,
     };

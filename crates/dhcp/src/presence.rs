@@ -209,14 +209,22 @@ impl Drop for Registration {
     }
 }
 
+/// Why this process sends no presence frames.
+#[derive(Debug, thiserror::Error)]
+enum Unavailable {
+    #[error("presence frames: packet socket: {0}")]
+    Socket(#[source] io::Error),
+    #[error("presence frames: thread: {0}")]
+    Thread(#[source] io::Error),
+}
+
 /// The process's sender, started on first use; an error when its socket
 /// cannot be opened (no `CAP_NET_RAW`), said again to every caller.
-fn process() -> Result<&'static Process, &'static str> {
-    static PROCESS: OnceLock<Result<Process, String>> = OnceLock::new();
+fn process() -> Result<&'static Process, &'static Unavailable> {
+    static PROCESS: OnceLock<Result<Process, Unavailable>> = OnceLock::new();
     PROCESS
         .get_or_init(|| {
-            let socket =
-                open_socket(0).map_err(|e| format!("presence frames: packet socket: {e}"))?;
+            let socket = open_socket(0).map_err(Unavailable::Socket)?;
             let sender = Arc::new(Sender::new());
             let theirs = sender.clone();
             std::thread::Builder::new()
@@ -226,11 +234,10 @@ fn process() -> Result<&'static Process, &'static str> {
                         send_to(&socket, e.ifindex, ETH_P_ARP, e.to, &e.arp)
                     })
                 })
-                .map_err(|e| format!("presence frames: thread: {e}"))?;
+                .map_err(Unavailable::Thread)?;
             Ok(Process { sender })
         })
         .as_ref()
-        .map_err(String::as_str)
 }
 
 /// A blocking `SOCK_DGRAM` packet socket for `protocol` (0: receives
@@ -255,7 +262,7 @@ pub fn register(
     arp: Vec<u8>,
     every: Duration,
 ) -> io::Result<Registration> {
-    let process = process().map_err(io::Error::other)?;
+    let process = process().map_err(|e| io::Error::other(e.to_string()))?;
     let sender = &process.sender;
     let id = sender.ids.fetch_add(1, Ordering::Relaxed);
     sender.table().entries.insert(
@@ -277,7 +284,7 @@ pub fn register(
 /// whose MAC is `mac`), until the registration is dropped ([module
 /// docs](self)).
 pub fn watch(uplink: u32, mac: [u8; 6], ifindex: u32, arp: Vec<u8>) -> io::Result<Registration> {
-    let process = process().map_err(io::Error::other)?;
+    let process = process().map_err(|e| io::Error::other(e.to_string()))?;
     let sender = &process.sender;
     let id = sender.ids.fetch_add(1, Ordering::Relaxed);
     let uplink = (current_netns(), uplink);

@@ -153,11 +153,12 @@ pub fn kubeconfig_of(found: &Discovery) -> Option<PathBuf> {
     }
 }
 
-/// The state after a health probe of an existing session.
-pub fn after_probe(
+/// The state after a health probe of an existing session: the server's
+/// version, why it did not answer, or how long it was waited for.
+pub fn after_probe<E: std::fmt::Display>(
     found: &Discovery,
     server: &str,
-    answer: Result<Result<String, String>, Duration>,
+    answer: Result<Result<String, E>, Duration>,
 ) -> ClusterState {
     let kubeconfig = kubeconfig_of(found);
     match answer {
@@ -166,7 +167,10 @@ pub fn after_probe(
             server: server.to_string(),
             server_version,
         },
-        Ok(Err(error)) => ClusterState::Unreachable { kubeconfig, error },
+        Ok(Err(error)) => ClusterState::Unreachable {
+            kubeconfig,
+            error: error.to_string(),
+        },
         Err(waited) => ClusterState::Unreachable {
             kubeconfig,
             error: format!(
@@ -255,7 +259,7 @@ pub async fn watch(
                     tokio::time::timeout(opts.api_timeout, s.client.apiserver_version()),
                 )
                 .await
-                .map(|r| r.map(|info| info.git_version).map_err(|e| e.to_string()))
+                .map(|r| r.map(|info| info.git_version))
                 .map_err(|_| opts.api_timeout);
                 after_probe(&now.found, &s.server, answer)
             }
@@ -345,7 +349,7 @@ mod tests {
 
     #[test]
     fn a_failed_probe_keeps_the_client_a_failed_connect_does_not() {
-        let unreachable = after_probe(&file("/a"), "https://x", Ok(Err("429".into())));
+        let unreachable = after_probe(&file("/a"), "https://x", Ok(Err("429")));
         assert!(matches!(unreachable, ClusterState::Unreachable { .. }));
         assert!(
             keep_client(&unreachable, true),
@@ -355,9 +359,13 @@ mod tests {
             !keep_client(&unreachable, false),
             "no session could be built"
         );
-        let timed_out = after_probe(&file("/a"), "https://x", Err(Duration::from_secs(5)));
+        let timed_out = after_probe::<&str>(&file("/a"), "https://x", Err(Duration::from_secs(5)));
         assert!(keep_client(&timed_out, true));
-        let connected = after_probe(&file("/a"), "https://x", Ok(Ok("v1.37.2".into())));
+        let connected = after_probe(
+            &file("/a"),
+            "https://x",
+            Ok(Ok::<_, &str>("v1.37.2".into())),
+        );
         assert!(keep_client(&connected, false));
     }
 
@@ -401,7 +409,7 @@ mod tests {
     fn probe_outcomes_become_states() {
         let f = file("/etc/kc");
         assert_eq!(
-            after_probe(&f, "https://s", Ok(Ok("v1.20.2".into()))),
+            after_probe(&f, "https://s", Ok(Ok::<_, &str>("v1.20.2".into()))),
             ClusterState::Connected {
                 kubeconfig: Some("/etc/kc".into()),
                 server: "https://s".into(),
@@ -409,7 +417,7 @@ mod tests {
             }
         );
         assert_eq!(
-            after_probe(&f, "https://s", Err(Duration::from_secs(10))),
+            after_probe::<&str>(&f, "https://s", Err(Duration::from_secs(10))),
             ClusterState::Unreachable {
                 kubeconfig: Some("/etc/kc".into()),
                 error: "API server did not answer within 10s".into()

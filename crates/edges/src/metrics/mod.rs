@@ -35,6 +35,8 @@ pub struct Pages {
     /// The OpenMetrics text exposition ([`exposition::encode`]).
     pub metrics: Arc<dyn Fn() -> String + Send + Sync>,
     /// `/healthz` (readiness): `Ok` for `200 ok`, `Err(why)` for `503`.
+    // why String: `why` is the 503's body, text made for a reader and
+    // never handled as an error; the daemon and the controller build it.
     pub health: Arc<dyn Fn() -> Result<(), String> + Send + Sync>,
     /// `/livez` (liveness): whether the process's own loops run, whatever
     /// the API server does; the same answers as `health`.

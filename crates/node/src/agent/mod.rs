@@ -582,6 +582,7 @@ async fn serve_control(ctx: Context, listener: tokio::net::UnixListener, snapsho
 async fn serve_metrics(ctx: Context, listener: tokio::net::TcpListener, snapshot: Snapshot) {
     let (liveness, every) = (ctx.liveness.clone(), ctx.beat_every);
     // The watchdog's rule: every main loop beat within a few periods.
+    // why String: the `/healthz` page's body (`hna_edges::metrics::Pages`).
     let health: Arc<dyn Fn() -> Result<(), String> + Send + Sync> = Arc::new(
         move || match liveness.stalled(tokio::time::Instant::now(), every * 5) {
             stalled if stalled.is_empty() => Ok(()),
