@@ -307,61 +307,9 @@ pub async fn run(
     let mut buf = vec![0u8; 2048];
     let mut logged: Option<String> = None;
     loop {
-        // Bring the running member in line with what is wanted.
         let w = want.borrow_and_update().clone();
         let target = w.listen.filter(|_| w.port != 0);
-        let restart = match (&running, target) {
-            (Some(r), Some(l)) => r.listen != l || r.port != w.port,
-            (Some(_), None) => true,
-            (None, Some(_)) => true,
-            (None, None) => false,
-        };
-        if restart {
-            running = None;
-            if let Some(l) = target {
-                match Running::start(&w, l).await {
-                    Ok(r) => {
-                        tracing::info!(address = %SocketAddrV4::new(l.0, w.port), peers = w.peers.len(), "LAN membership listening");
-                        logged = None;
-                        running = Some(r);
-                    }
-                    Err(why) => {
-                        let why = why.to_string();
-                        if logged.as_deref() != Some(why.as_str()) {
-                            tracing::warn!("LAN membership not running: {why}");
-                            logged = Some(why.clone());
-                        }
-                        view.send_replace(LanView {
-                            why_not: Some(why),
-                            ..LanView::default()
-                        });
-                    }
-                }
-            }
-        }
-        match &mut running {
-            Some(r) => {
-                if let Ok(keys) = keys_of(&w) {
-                    r.member.set_keys(keys);
-                }
-                r.set_peers(&w);
-                r.member.set_stood_down(w.stood_down);
-                r.flush().await;
-            }
-            None if w.port == 0 => {
-                view.send_replace(LanView {
-                    why_not: Some("off (lb_membership_port = 0)".into()),
-                    ..LanView::default()
-                });
-            }
-            None if target.is_none() => {
-                view.send_replace(LanView {
-                    why_not: Some("the default uplink has no IPv4 address".into()),
-                    ..LanView::default()
-                });
-            }
-            None => {}
-        }
+        align(&mut running, &w, target, &view, &mut logged).await;
         // Events until the wanted state changes.
         loop {
             let next = running.as_ref().and_then(Running::next_timer);
@@ -400,27 +348,109 @@ pub async fn run(
                 _ = tokio::time::sleep(Duration::from_secs(5)), if running.is_none() && target.is_some() => break,
             }
             if let Some(r) = &running {
-                let new = r.view();
-                let down = |v: &LanView| {
-                    v.report
-                        .as_ref()
-                        .map(|r| r.down.clone())
-                        .unwrap_or_default()
-                };
-                let (was, now) = (down(&view.borrow()), down(&new));
-                if was != now {
-                    tracing::warn!(down = ?now, was = ?was, "witnessed peers found dead on the LAN (their probes unanswered for longer than their address lifetime, or they stood down)");
-                }
-                view.send_if_modified(|old| {
-                    let tell = worth_telling(old, &new);
-                    if tell {
-                        *old = new;
-                    }
-                    tell
-                });
+                publish_view(r, &view);
             }
         }
     }
+}
+
+/// Brings the running member in line with what is wanted: (re)started on
+/// a new address or port, its keys, peers and standing set; or, when it
+/// cannot run, says why.
+async fn align(
+    running: &mut Option<Running>,
+    w: &Want,
+    target: Option<(Ipv4Addr, u8)>,
+    view: &watch::Sender<LanView>,
+    logged: &mut Option<String>,
+) {
+    let restart = match (&*running, target) {
+        (Some(r), Some(l)) => r.listen != l || r.port != w.port,
+        (Some(_), None) => true,
+        (None, Some(_)) => true,
+        (None, None) => false,
+    };
+    if restart {
+        *running = None;
+        if let Some(l) = target {
+            *running = start_or_say_why(w, l, view, logged).await;
+        }
+    }
+    match running {
+        Some(r) => {
+            if let Ok(keys) = keys_of(w) {
+                r.member.set_keys(keys);
+            }
+            r.set_peers(w);
+            r.member.set_stood_down(w.stood_down);
+            r.flush().await;
+        }
+        None if w.port == 0 => {
+            view.send_replace(LanView {
+                why_not: Some("off (lb_membership_port = 0)".into()),
+                ..LanView::default()
+            });
+        }
+        None if target.is_none() => {
+            view.send_replace(LanView {
+                why_not: Some("the default uplink has no IPv4 address".into()),
+                ..LanView::default()
+            });
+        }
+        None => {}
+    }
+}
+
+/// The member listening on `l`, or `None` with the reason in the view
+/// (logged once while it stays the same).
+async fn start_or_say_why(
+    w: &Want,
+    l: (Ipv4Addr, u8),
+    view: &watch::Sender<LanView>,
+    logged: &mut Option<String>,
+) -> Option<Running> {
+    match Running::start(w, l).await {
+        Ok(r) => {
+            tracing::info!(address = %SocketAddrV4::new(l.0, w.port), peers = w.peers.len(), "LAN membership listening");
+            *logged = None;
+            Some(r)
+        }
+        Err(why) => {
+            let why = why.to_string();
+            if logged.as_deref() != Some(why.as_str()) {
+                tracing::warn!("LAN membership not running: {why}");
+                *logged = Some(why.clone());
+            }
+            view.send_replace(LanView {
+                why_not: Some(why),
+                ..LanView::default()
+            });
+            None
+        }
+    }
+}
+
+/// Tells the readers the member's view when it moved enough, and warns
+/// when the peers found dead change.
+fn publish_view(r: &Running, view: &watch::Sender<LanView>) {
+    let new = r.view();
+    let down = |v: &LanView| {
+        v.report
+            .as_ref()
+            .map(|r| r.down.clone())
+            .unwrap_or_default()
+    };
+    let (was, now) = (down(&view.borrow()), down(&new));
+    if was != now {
+        tracing::warn!(down = ?now, was = ?was, "witnessed peers found dead on the LAN (their probes unanswered for longer than their address lifetime, or they stood down)");
+    }
+    view.send_if_modified(|old| {
+        let tell = worth_telling(old, &new);
+        if tell {
+            *old = new;
+        }
+        tell
+    });
 }
 
 async fn recv(r: Option<&Running>, buf: &mut [u8]) -> Option<(usize, SocketAddr)> {
