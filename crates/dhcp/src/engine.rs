@@ -494,19 +494,7 @@ async fn bring_up<L: Links>(
     // Read before the kernel is touched: an unreadable lease file fails
     // the start with nothing to undo.
     let stored = match &store {
-        Some(s) => match s.load(&name) {
-            Ok(r) => r
-                .filter(|r| r.identity.mac == cfg.identity.mac)
-                .map(|r| r.to_lease()),
-            // Half-written by a crash or edited by hand: failing every
-            // start would block the Service forever; it starts afresh.
-            Err(StoreError::Corrupt { path, source }) => {
-                let aside = s.set_aside(&name)?;
-                tracing::warn!(lease = %name, file = %path.display(), error = %source, kept = %aside.display(), "the lease file cannot be read; set aside, the lease starts afresh");
-                None
-            }
-            Err(e) => return Err(e.into()),
-        },
+        Some(s) => stored_lease(s, &name, cfg.identity.mac)?,
         None => None,
     };
     // The uplink first and the macvlan before it goes up: a link that is
@@ -549,13 +537,7 @@ async fn bring_up<L: Links>(
         Machine::new(cfg.identity, cfg.timing, fastrand::u64(..)).requesting(cfg.requested_ip);
     let addrs = links.addrs(&name, link.index());
     let (driver, status) = Driver::new(&name, machine, transport, addrs, store);
-    let presence = match cfg.presence {
-        Presence::Off => None,
-        Presence::Every(every) => Some(every),
-        Presence::WhereTheNicIsSilent(every) => {
-            links.silent_after_migration(&cfg.parent).then_some(every)
-        }
-    };
+    let presence = presence_every(&links, cfg.presence, &cfg.parent);
     if let Some(every) = presence {
         tracing::debug!(lease = %name, parent = %cfg.parent, every = ?every, "presence frames on");
     }
@@ -566,17 +548,67 @@ async fn bring_up<L: Links>(
     // The uplink as it is now: a late first binding asks the LAN from it
     // (`GUARD_FRESH`); an uplink replaced meanwhile cannot be asked, and
     // then nothing is configured.
-    let driver = match uplink_now {
+    let driver = driver.with_uplink_check(uplink_check(&links, uplink_now, cfg.probe, cfg.witness));
+    let (tx, rx) = mpsc::channel(4);
+    let task = tokio::spawn(driver.run(begin, rx));
+    claim.commit(Running {
+        cmds: tx,
+        status: status.clone(),
+        task,
+    });
+    Ok(status)
+}
+
+/// The lease stored for `name` under `mac`, if any; a file that cannot be
+/// read (half-written by a crash or edited by hand) is set aside, since
+/// failing every start would block the Service forever: it starts afresh.
+fn stored_lease(
+    s: &Store,
+    name: &str,
+    mac: [u8; 6],
+) -> Result<Option<super::machine::Lease>, EngineError> {
+    match s.load(name) {
+        Ok(r) => Ok(r.filter(|r| r.identity.mac == mac).map(|r| r.to_lease())),
+        Err(StoreError::Corrupt { path, source }) => {
+            let aside = s.set_aside(name)?;
+            tracing::warn!(lease = %name, file = %path.display(), error = %source, kept = %aside.display(), "the lease file cannot be read; set aside, the lease starts afresh");
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// How often the lease sends presence frames, if at all.
+fn presence_every<L: Links>(links: &L, presence: Presence, parent: &str) -> Option<Duration> {
+    match presence {
+        Presence::Off => None,
+        Presence::Every(every) => Some(every),
+        Presence::WhereTheNicIsSilent(every) => {
+            links.silent_after_migration(parent).then_some(every)
+        }
+    }
+}
+
+/// How a late first binding asks the LAN, from the uplink as it is now
+/// (`GUARD_FRESH`): through a witness when there is one, so a deaf node
+/// is told from a free address; an uplink replaced meanwhile cannot be
+/// asked, and then nothing is configured.
+fn uplink_check<L: Links>(
+    links: &L,
+    uplink_now: Result<Option<LinkInfo>, LinkError>,
+    probe: ProbeConfig,
+    witness: Option<Ipv4Addr>,
+) -> super::driver::UplinkProbe {
+    match uplink_now {
         Ok(Some(LinkInfo {
             index,
             mac: Some(mac),
             ..
         })) => {
-            let (links, probe) = (links.clone(), cfg.probe);
-            match cfg.witness {
-                None => driver
-                    .with_uplink_check(probe_through(move || links.open(index, None, mac, probe))),
-                Some(witness) => driver.with_uplink_check(Box::new(move |addr| {
+            let links = links.clone();
+            match witness {
+                None => probe_through(move || links.open(index, None, mac, probe)),
+                Some(witness) => Box::new(move |addr| {
                     let links = links.clone();
                     Box::pin(async move {
                         let transport = links.open(index, None, mac, probe)?;
@@ -601,25 +633,17 @@ async fn bring_up<L: Links>(
                             )))
                         }
                     })
-                })),
+                }),
             }
         }
-        _ => driver.with_uplink_check(Box::new(|_| {
+        _ => Box::new(|_| {
             Box::pin(async {
                 Err(std::io::Error::other(
                     "the uplink was not found at the start",
                 ))
             })
-        })),
-    };
-    let (tx, rx) = mpsc::channel(4);
-    let task = tokio::spawn(driver.run(begin, rx));
-    claim.commit(Running {
-        cmds: tx,
-        status: status.clone(),
-        task,
-    });
-    Ok(status)
+        }),
+    }
 }
 
 /// A stored lease can be resumed without a DHCP exchange when the link was

@@ -240,8 +240,7 @@ pub async fn watch(
         // A new session (first connection, or changed credentials) is
         // published even when a client already was: holders of the old
         // client must move to the new one.
-        let mut new_session = false;
-        let mut kept_old = false;
+        let (mut new_session, mut kept_old) = (false, false);
         let step = plan(&now, session.as_ref().map(|s| &s.basis));
         let probed = matches!(step, Step::Probe);
         let next = match step {
@@ -253,57 +252,13 @@ pub async fn watch(
                 let s = session
                     .as_ref()
                     .expect("Probe is planned only with a session");
-                let answer = beating(
-                    &hb,
-                    opts.beat_every,
-                    tokio::time::timeout(opts.api_timeout, s.client.apiserver_version()),
-                )
-                .await
-                .map(|r| r.map(|info| info.git_version))
-                .map_err(|_| opts.api_timeout);
-                after_probe(&now.found, &s.server, answer)
+                probe(&opts, &hb, &now, s).await
             }
             Step::Connect => {
-                let kubeconfig = kubeconfig_of(&now.found);
-                match beating(
-                    &hb,
-                    opts.beat_every,
-                    credentials::connect(&now.found, opts.api_timeout),
-                )
-                .await
-                {
-                    Ok(conn) => {
-                        tracing::info!(server = %conn.server, version = %conn.server_version, kubeconfig = ?kubeconfig, "connected to the guest cluster");
-                        let state = ClusterState::Connected {
-                            kubeconfig,
-                            server: conn.server.clone(),
-                            server_version: conn.server_version,
-                        };
-                        session = Some(Session {
-                            basis: now,
-                            client: conn.client,
-                            server: conn.server,
-                        });
-                        new_session = true;
-                        state
-                    }
-                    Err(e) => {
-                        // Changed credentials that do not work yet (a
-                        // rotation half done, the server briefly away):
-                        // the session that works goes on and the new ones
-                        // are tried again next round. Dropping it would
-                        // stop the node's heartbeat and move its Services
-                        // (issue #29).
-                        kept_old = session.is_some();
-                        if kept_old {
-                            tracing::warn!(error = %format!("{e:#}"), "the changed credentials do not connect: going on with the previous session, retrying");
-                        }
-                        ClusterState::Unreachable {
-                            kubeconfig,
-                            error: format!("{e:#}"),
-                        }
-                    }
-                }
+                let (state, made) = connect(&opts, &hb, now, &mut session).await;
+                new_session = made == Connected::New;
+                kept_old = made == Connected::KeptOld;
+                state
             }
         };
         let usable = keep_client(&next, probed || kept_old)
@@ -322,6 +277,84 @@ pub async fn watch(
                 false
             }
         });
+    }
+}
+
+/// How a connect round left the session.
+#[derive(Debug, PartialEq, Eq)]
+enum Connected {
+    New,
+    /// The new credentials failed; the previous session goes on.
+    KeptOld,
+    /// No session.
+    None,
+}
+
+/// Asks the session's server for its version, within the API timeout.
+async fn probe(opts: &WatchOptions, hb: &Heartbeat, now: &Basis, s: &Session) -> ClusterState {
+    let answer = beating(
+        hb,
+        opts.beat_every,
+        tokio::time::timeout(opts.api_timeout, s.client.apiserver_version()),
+    )
+    .await
+    .map(|r| r.map(|info| info.git_version))
+    .map_err(|_| opts.api_timeout);
+    after_probe(&now.found, &s.server, answer)
+}
+
+/// Connects with the credentials found; a success replaces the session.
+async fn connect(
+    opts: &WatchOptions,
+    hb: &Heartbeat,
+    now: Basis,
+    session: &mut Option<Session>,
+) -> (ClusterState, Connected) {
+    let kubeconfig = kubeconfig_of(&now.found);
+    match beating(
+        hb,
+        opts.beat_every,
+        credentials::connect(&now.found, opts.api_timeout),
+    )
+    .await
+    {
+        Ok(conn) => {
+            tracing::info!(server = %conn.server, version = %conn.server_version, kubeconfig = ?kubeconfig, "connected to the guest cluster");
+            let state = ClusterState::Connected {
+                kubeconfig,
+                server: conn.server.clone(),
+                server_version: conn.server_version,
+            };
+            *session = Some(Session {
+                basis: now,
+                client: conn.client,
+                server: conn.server,
+            });
+            (state, Connected::New)
+        }
+        Err(e) => {
+            // Changed credentials that do not work yet (a rotation half
+            // done, the server briefly away): the session that works goes
+            // on and the new ones are tried again next round. Dropping it
+            // would stop the node's heartbeat and move its Services (issue
+            // #29).
+            let kept_old = session.is_some();
+            if kept_old {
+                tracing::warn!(error = %format!("{e:#}"), "the changed credentials do not connect: going on with the previous session, retrying");
+            }
+            let state = ClusterState::Unreachable {
+                kubeconfig,
+                error: format!("{e:#}"),
+            };
+            (
+                state,
+                if kept_old {
+                    Connected::KeptOld
+                } else {
+                    Connected::None
+                },
+            )
+        }
     }
 }
 
