@@ -515,6 +515,11 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
         self.publish();
     }
 
+    /// Carries out what the state machine decided for `event`, in order.
+    // Long on purpose: one arm per `Action` of the machine, run against the
+    // same queue (an address answered elsewhere drops the queued
+    // announcements and feeds the machine's answer back in); split, each
+    // arm would need the queue and the machine handed around.
     async fn step(&mut self, event: Event<'_>) {
         let actions = self.machine.handle(Instant::now(), event);
         self.note_transitions(&actions);

@@ -593,6 +593,7 @@ fn presence_every<L: Links>(links: &L, presence: Presence, parent: &str) -> Opti
 /// (`GUARD_FRESH`): through a witness when there is one, so a deaf node
 /// is told from a free address; an uplink replaced meanwhile cannot be
 /// asked, and then nothing is configured.
+// Nested deep only by its shape: a boxed closure returning a boxed future.
 fn uplink_check<L: Links>(
     links: &L,
     uplink_now: Result<Option<LinkInfo>, LinkError>,

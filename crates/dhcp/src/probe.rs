@@ -168,24 +168,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
             return report;
         }
     };
-    let cfg = LeaseConfig {
-        interface: interface.clone(),
-        parent,
-        identity: Identity {
-            mac,
-            client_id: opts.client_id.clone(),
-            hostname: opts.hostname.clone(),
-        },
-        requested_ip: opts.requested_ip,
-        timing: Timing {
-            arp_probe: opts.arp_probe,
-            ..Timing::default()
-        },
-        probe: ProbeConfig::default(),
-        guarded_at: None,
-        witness: None,
-        presence: crate::lease_engine::Presence::Off,
-    };
+    let cfg = probe_lease(&opts, interface.clone(), parent, mac);
     let mut status = match engine.start(cfg).await {
         Ok(s) => s,
         Err(e @ EngineError::Link { .. }) => {
@@ -202,6 +185,61 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
         }
     };
 
+    let outcome = bound_or_interrupted(&mut status, opts.timeout, &mut sigint, &mut sigterm).await;
+    let st = status.borrow().clone();
+    record(&mut report, &st, outcome, opts.timeout);
+
+    let t = tokio::time::Instant::now();
+    let mode = if opts.release {
+        StopMode::Release
+    } else {
+        StopMode::Handover
+    };
+    report.released = opts.release && st.state.holds_address();
+    if let Err(e) = engine.stop(&interface, mode).await {
+        report.ok = false;
+        report.reason = "Error".into();
+        report.message = format!("{}; cleanup failed: {e}", report.message);
+    }
+    report.timings.cleanup_ms = Some(t.elapsed().as_secs_f64() * 1000.0);
+    report
+}
+
+/// The probe's lease: no guard, no witness, no presence frames.
+fn probe_lease(
+    opts: &ProbeOptions,
+    interface: String,
+    parent: String,
+    mac: [u8; 6],
+) -> LeaseConfig {
+    LeaseConfig {
+        interface,
+        parent,
+        identity: Identity {
+            mac,
+            client_id: opts.client_id.clone(),
+            hostname: opts.hostname.clone(),
+        },
+        requested_ip: opts.requested_ip,
+        timing: Timing {
+            arp_probe: opts.arp_probe,
+            ..Timing::default()
+        },
+        probe: ProbeConfig::default(),
+        guarded_at: None,
+        witness: None,
+        presence: crate::lease_engine::Presence::Off,
+    }
+}
+
+/// Waits for the lease to bind, at most `timeout`: `Err(None)` when it
+/// did not, `Err(Some(signal))` when the user stopped it first.
+async fn bound_or_interrupted(
+    status: &mut tokio::sync::watch::Receiver<crate::driver::LeaseStatus>,
+    timeout: Duration,
+    sigint: &mut Option<tokio::signal::unix::Signal>,
+    sigterm: &mut Option<tokio::signal::unix::Signal>,
+) -> Result<(), Option<&'static str>> {
     async fn received(s: &mut Option<tokio::signal::unix::Signal>) {
         match s.as_mut() {
             Some(s) => {
@@ -210,17 +248,25 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
             None => std::future::pending().await,
         }
     }
-    let outcome = tokio::select! {
-        r = tokio::time::timeout(opts.timeout, status.wait_for(|s| s.state == State::Bound)) => match r {
+    tokio::select! {
+        r = tokio::time::timeout(timeout, status.wait_for(|s| s.state == State::Bound)) => match r {
             Ok(Ok(_)) => Ok(()),
             _ => Err(None),
         },
-        _ = received(&mut sigint) => Err(Some("interrupted (SIGINT)")),
-        _ = received(&mut sigterm) => Err(Some("interrupted (SIGTERM)")),
-    };
-    let st = status.borrow().clone();
+        _ = received(sigint) => Err(Some("interrupted (SIGINT)")),
+        _ = received(sigterm) => Err(Some("interrupted (SIGTERM)")),
+    }
+}
+
+/// What the lease came to, into the report.
+fn record(
+    report: &mut ProbeReport,
+    st: &crate::driver::LeaseStatus,
+    outcome: Result<(), Option<&'static str>>,
+    timeout: Duration,
+) {
     report.counters = st.counters;
-    report.timings = step_timings(&st);
+    report.timings = step_timings(st);
     match outcome {
         Ok(()) => {
             report.ok = true;
@@ -237,7 +283,7 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
             report.message = why.into();
         }
         Err(None) => {
-            let (reason, message) = failure(&st, opts.timeout);
+            let (reason, message) = failure(st, timeout);
             report.reason = reason;
             report.message = message;
         }
@@ -248,21 +294,6 @@ pub async fn run(opts: ProbeOptions) -> ProbeReport {
     report.t1_secs = st.t1_secs;
     report.t2_secs = st.t2_secs;
     report.routers = st.routers.clone();
-
-    let t = tokio::time::Instant::now();
-    let mode = if opts.release {
-        StopMode::Release
-    } else {
-        StopMode::Handover
-    };
-    report.released = opts.release && st.state.holds_address();
-    if let Err(e) = engine.stop(&interface, mode).await {
-        report.ok = false;
-        report.reason = "Error".into();
-        report.message = format!("{}; cleanup failed: {e}", report.message);
-    }
-    report.timings.cleanup_ms = Some(t.elapsed().as_secs_f64() * 1000.0);
-    report
 }
 
 impl ProbeReport {

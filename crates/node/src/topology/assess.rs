@@ -212,72 +212,21 @@ pub fn assess(scope: Scope<'_>, seen: &Seen) -> (TopologyState, Option<Value>) {
     } = scope;
     let mut st = TopologyState::new(Reason::Starting, "starting", keys);
     st.last_patch = seen.last_patch.clone();
-    let (path, namespace, server) = match &seen.cloud {
-        Cloud::Unread => return (st, None),
-        Cloud::Missing(searched) => {
-            st.reason = Reason::NoCloudConfig;
-            st.message = format!(
-                "no Harvester cloud-provider kubeconfig (looked for {})",
-                searched
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            return (st, None);
-        }
-        Cloud::Invalid(path, e) => {
-            st.reason = Reason::InvalidCloudConfig;
-            st.message = format!("cloud-provider kubeconfig {}: {e}", path.display());
-            st.cloud_config = Some(path.clone());
-            return (st, None);
-        }
-        Cloud::Ready {
-            path,
-            namespace,
-            server,
-        } => (path, namespace, server),
+    // Each gate below either yields what the next one needs or has said in
+    // `st` why the relay waits.
+    let Some((path, namespace, server)) = cloud_config(&mut st, &seen.cloud) else {
+        return (st, None);
     };
     st.cloud_config = Some(path.clone());
     let vmi_ref = format!("{namespace}/{vm_name}");
     st.vmi = Some(vmi_ref.clone());
     let harvester = format!("Harvester ({server})");
-    let vmi = match &seen.vmi {
-        View::Pending => {
-            st.message = format!("reading VirtualMachineInstance {vmi_ref} at {server}");
-            return (st, None);
-        }
-        View::Absent => {
-            st.reason = Reason::VmiNotFound;
-            st.message = format!(
-                "no VirtualMachineInstance {vmi_ref} on Harvester ({server}); labels left as they are"
-            );
-            return (st, None);
-        }
-        View::Failed(f) => {
-            let what = format!("reading VirtualMachineInstance {vmi_ref}");
-            failed(&mut st, &harvester, &what, f);
-            return (st, None);
-        }
-        View::Present(v) => v,
+    let Some(vmi) = vmi_read(&mut st, &seen.vmi, &vmi_ref, server, &harvester) else {
+        return (st, None);
     };
     st.host = vmi.node_name.clone();
-    let host_name = seen.host_name.as_deref().unwrap_or("");
-    let host_labels = match &seen.host {
-        View::Present(l) if seen.host_name.is_some() => Some(l),
-        View::Pending if !seen.host_forbidden && seen.host_name.is_some() => {
-            st.message = format!("reading Harvester Node {host_name}");
-            return (st, None);
-        }
-        // A readable host that cannot be reached right now: hold rather
-        // than fall back to possibly older annotations.
-        View::Failed(f) if f.kind == FailureKind::Unreachable => {
-            let what = format!("reading Harvester Node {host_name}");
-            failed(&mut st, &harvester, &what, f);
-            return (st, None);
-        }
-        // Not readable (Forbidden), not found, or no host: annotations.
-        _ => None,
+    let Some(host_labels) = host_labels(&mut st, seen, &harvester) else {
+        return (st, None);
     };
     let desired = labels::desired(&vmi.annotations, host_labels, keys);
     st.source = Some(desired.source);
@@ -308,22 +257,8 @@ pub fn assess(scope: Scope<'_>, seen: &Seen) -> (TopologyState, Option<Value>) {
         );
         return (st, None);
     }
-    let guest = match &seen.guest {
-        View::Pending => {
-            st.message = format!("reading Node {node_name}");
-            return (st, None);
-        }
-        View::Absent => {
-            st.reason = Reason::NodeNotFound;
-            st.message = format!("Node {node_name} is not registered in the guest cluster yet");
-            return (st, None);
-        }
-        View::Failed(f) => {
-            let what = format!("reading Node {node_name}");
-            failed(&mut st, "guest cluster", &what, f);
-            return (st, None);
-        }
-        View::Present(l) => l,
+    let Some(guest) = guest_node(&mut st, &seen.guest, node_name) else {
+        return (st, None);
     };
     let patch = labels::patch(&desired, guest, keys);
     st.reason = Reason::Relayed;
@@ -339,6 +274,119 @@ pub fn assess(scope: Scope<'_>, seen: &Seen) -> (TopologyState, Option<Value>) {
         )
     };
     (st, patch)
+}
+
+/// The usable cloud-config's path, namespace and server.
+fn cloud_config<'a>(
+    st: &mut TopologyState,
+    cloud: &'a Cloud,
+) -> Option<(&'a PathBuf, &'a String, &'a String)> {
+    match cloud {
+        Cloud::Unread => None,
+        Cloud::Missing(searched) => {
+            st.reason = Reason::NoCloudConfig;
+            st.message = format!(
+                "no Harvester cloud-provider kubeconfig (looked for {})",
+                searched
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            None
+        }
+        Cloud::Invalid(path, e) => {
+            st.reason = Reason::InvalidCloudConfig;
+            st.message = format!("cloud-provider kubeconfig {}: {e}", path.display());
+            st.cloud_config = Some(path.clone());
+            None
+        }
+        Cloud::Ready {
+            path,
+            namespace,
+            server,
+        } => Some((path, namespace, server)),
+    }
+}
+
+/// This VM's VirtualMachineInstance, once read.
+fn vmi_read<'a>(
+    st: &mut TopologyState,
+    vmi: &'a View<Vmi>,
+    vmi_ref: &str,
+    server: &str,
+    harvester: &str,
+) -> Option<&'a Vmi> {
+    match vmi {
+        View::Pending => {
+            st.message = format!("reading VirtualMachineInstance {vmi_ref} at {server}");
+            None
+        }
+        View::Absent => {
+            st.reason = Reason::VmiNotFound;
+            st.message = format!(
+                "no VirtualMachineInstance {vmi_ref} on Harvester ({server}); labels left as they are"
+            );
+            None
+        }
+        View::Failed(f) => {
+            let what = format!("reading VirtualMachineInstance {vmi_ref}");
+            failed(st, harvester, &what, f);
+            None
+        }
+        View::Present(v) => Some(v),
+    }
+}
+
+/// The Harvester Node's labels to relay: `Some(None)` when the VMI's
+/// annotations are the source instead, `None` while the relay waits.
+fn host_labels<'a>(
+    st: &mut TopologyState,
+    seen: &'a Seen,
+    harvester: &str,
+) -> Option<Option<&'a Labels>> {
+    let host_name = seen.host_name.as_deref().unwrap_or("");
+    match &seen.host {
+        View::Present(l) if seen.host_name.is_some() => Some(Some(l)),
+        View::Pending if !seen.host_forbidden && seen.host_name.is_some() => {
+            st.message = format!("reading Harvester Node {host_name}");
+            None
+        }
+        // A readable host that cannot be reached right now: hold rather
+        // than fall back to possibly older annotations.
+        View::Failed(f) if f.kind == FailureKind::Unreachable => {
+            let what = format!("reading Harvester Node {host_name}");
+            failed(st, harvester, &what, f);
+            None
+        }
+        // Not readable (Forbidden), not found, or no host: annotations.
+        _ => Some(None),
+    }
+}
+
+/// The guest Node's labels, once read.
+fn guest_node<'a>(
+    st: &mut TopologyState,
+    guest: &'a View<Labels>,
+    node_name: &str,
+) -> Option<&'a Labels> {
+    match guest {
+        View::Pending => {
+            st.message = format!("reading Node {node_name}");
+            None
+        }
+        View::Absent => {
+            st.reason = Reason::NodeNotFound;
+            st.message = format!("Node {node_name} is not registered in the guest cluster yet");
+            None
+        }
+        View::Failed(f) => {
+            let what = format!("reading Node {node_name}");
+            failed(st, "guest cluster", &what, f);
+            None
+        }
+        View::Present(l) => Some(l),
+    }
 }
 
 /// What `check` reports: [`assess`], except that a Node still needing a
