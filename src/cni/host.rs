@@ -34,7 +34,7 @@ pub async fn gather(
     let conf_files = conf_files(conf_dirs);
     let (links, mut bpf_error) = match our_links().await {
         Ok(links) => (links, None),
-        Err(e) => (Vec::new(), Some(e)),
+        Err(e) => (Vec::new(), Some(e.to_string())),
     };
     let (bpf, read_error) = bpf_attachments(&links).await;
     bpf_error = bpf_error.or(read_error);
@@ -94,14 +94,14 @@ pub fn plugin_types(text: &str) -> Vec<String> {
     }
 }
 
-async fn our_links() -> Result<Vec<OurLink>, String> {
-    let nl = hna_dhcp::link::Netlink::connect().map_err(|e| e.to_string())?;
+async fn our_links() -> Result<Vec<OurLink>, hna_dhcp::link::LinkError> {
+    let nl = hna_dhcp::link::Netlink::connect()?;
     let mut out = Vec::new();
-    for link in nl.links().await.map_err(|e| e.to_string())? {
+    for link in nl.links().await? {
         if !link.name.starts_with(INTERFACE_PREFIX) {
             continue;
         }
-        let addresses = nl.addresses(link.index).await.map_err(|e| e.to_string())?;
+        let addresses = nl.addresses(link.index).await?;
         out.push(OurLink {
             name: link.name,
             index: link.index,
