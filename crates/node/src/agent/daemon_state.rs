@@ -34,7 +34,7 @@ pub struct DhcpStatus {
 }
 
 /// The LoadBalancer task's part of the daemon: the node's object as read,
-/// and the status as last reported (see `agent::lb`).
+/// and the status as last reported (see `crate::loadbalancer::task`).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct LbStatus {
     /// `namespace/node` of this node's `LoadBalancerNode`.

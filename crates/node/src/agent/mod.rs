@@ -11,7 +11,7 @@
 //! - the credentials watcher ([`hna_edges::cluster::connection`]);
 //! - the topology relay ([`crate::topology`]);
 //! - `conditions`: this node's Node conditions;
-//! - [`lb`]: the LoadBalancer addresses this node's `LoadBalancerNode`
+//! - [`crate::loadbalancer::spawn`]: the LoadBalancer addresses this node's `LoadBalancerNode`
 //!   assigns, held through the DHCP engine, and that object's status;
 //! - `publish`: the `STATUS=` line;
 //! - the control socket and the optional metrics endpoint.
@@ -499,7 +499,7 @@ async fn within<T>(
 /// The DHCP engine that will hold this node's LoadBalancer addresses. The
 /// macvlans an earlier run left stay for now: the LoadBalancer task adopts
 /// the assigned ones and removes the rest once it has read the assignments
-/// (see `agent::lb`).
+/// (see `crate::loadbalancer::task`).
 async fn start_dhcp(
     cfg: &Config,
     metrics: Option<&tokio::net::TcpListener>,
