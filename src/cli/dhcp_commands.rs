@@ -26,9 +26,10 @@ use hna_dhcp::packet::Identity;
 use hna_dhcp::probe::{self, ProbeOptions};
 use hna_dhcp::store::Store;
 
-fn parse_mac_arg(s: &str) -> Result<[u8; 6], String> {
+// The value parsers are the binary's edge (clap shows the text): anyhow.
+fn parse_mac_arg(s: &str) -> anyhow::Result<[u8; 6]> {
     hna_contract::mac::parse(s)
-        .ok_or_else(|| format!("`{s}` is not a MAC address like 00:00:6c:12:34:56"))
+        .ok_or_else(|| anyhow::anyhow!("`{s}` is not a MAC address like 00:00:6c:12:34:56"))
 }
 
 /// Option 61 as given on the command line. A newtype, because clap reads
@@ -36,12 +37,12 @@ fn parse_mac_arg(s: &str) -> Result<[u8; 6], String> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientIdArg(pub Vec<u8>);
 
-fn parse_client_id_arg(s: &str) -> Result<ClientIdArg, String> {
+fn parse_client_id_arg(s: &str) -> anyhow::Result<ClientIdArg> {
     parse_client_id(s).map(ClientIdArg)
 }
 
 /// `01:02:0a` (hex bytes), plain text, or `none` (no option 61: empty).
-fn parse_client_id(s: &str) -> Result<Vec<u8>, String> {
+fn parse_client_id(s: &str) -> anyhow::Result<Vec<u8>> {
     if s == "none" {
         return Ok(Vec::new());
     }
@@ -55,7 +56,7 @@ fn parse_client_id(s: &str) -> Result<Vec<u8>, String> {
         .collect();
     match hex {
         Some(bytes) if s.contains(':') => Ok(bytes),
-        _ if s.is_empty() => Err("client id must not be empty".into()),
+        _ if s.is_empty() => anyhow::bail!("client id must not be empty"),
         _ => Ok(s.as_bytes().to_vec()),
     }
 }

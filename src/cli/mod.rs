@@ -323,11 +323,15 @@ impl ControllerArgs {
     }
 }
 
-fn class_arg(v: &str) -> Result<String, String> {
+// The value parsers are the binary's edge: clap shows their error's text
+// beside the flag, so they speak anyhow like the rest of the edge.
+fn class_arg(v: &str) -> anyhow::Result<String> {
     hna_contract::k8s_names::validate_label_key(v)
         .map(|()| v.to_string())
         .map_err(|e| {
-            format!("{e} (spec.loadBalancerClass is a label-style name, e.g. example.com/dhcp)")
+            anyhow::anyhow!(
+                "{e} (spec.loadBalancerClass is a label-style name, e.g. example.com/dhcp)"
+            )
         })
 }
 
@@ -335,27 +339,28 @@ fn class_arg(v: &str) -> Result<String, String> {
 /// period (10s).
 const DEFAULT_WATCH_QUIET_AFTER: Duration = Duration::from_secs(15);
 
-fn election_arg(v: &str) -> Result<Duration, String> {
+fn election_arg(v: &str) -> anyhow::Result<Duration> {
     let d = hna_edges::duration::parse_duration(v)?;
     if d < Duration::from_millis(100) || d > Duration::from_secs(3600) {
-        return Err(format!("`{v}` must be between 100ms and 1h"));
+        anyhow::bail!("`{v}` must be between 100ms and 1h");
     }
     Ok(d)
 }
 
-fn stale_arg(v: &str) -> Result<Duration, String> {
+fn stale_arg(v: &str) -> anyhow::Result<Duration> {
     Ok(config::duration_between(v, 1, 3600)?)
 }
 
-fn log_level_arg(v: &str) -> Result<String, String> {
-    Ok(config::validate_log_level(v).map(|()| v.to_string())?)
+fn log_level_arg(v: &str) -> anyhow::Result<String> {
+    config::validate_log_level(v)?;
+    Ok(v.to_string())
 }
 
-fn log_target_arg(v: &str) -> Result<config::LogTarget, String> {
+fn log_target_arg(v: &str) -> anyhow::Result<config::LogTarget> {
     Ok(config::parse_log_target(v)?)
 }
 
-fn credentials_retry_arg(v: &str) -> Result<Duration, String> {
+fn credentials_retry_arg(v: &str) -> anyhow::Result<Duration> {
     Ok(config::duration_between(v, 1, 3600)?)
 }
 

@@ -346,7 +346,7 @@ async fn scenario(api: &rig::ApiServer, nodes: &[String], log: &Path) -> Result<
             .contains(&hna_contract::FINALIZER.to_string()),
         "finalizer before the assignment"
     );
-    let id = hna_contract::address_identity(&uid, &Default::default()).unwrap();
+    let id = hna_contract::AddressIdentity::of(&uid, &Default::default()).unwrap();
     assert_eq!(assignment["interface"], id.interface.as_str());
     assert_eq!(
         assignment["mac"],

@@ -454,14 +454,6 @@ pub enum InvalidIdentity {
     Hostname(String),
 }
 
-/// [`AddressIdentity::of`], its error as text.
-// why: the controller's Warning path takes this as `(reason, String)`
-// (`reconcile::identity::checked_identity`) and is outside this change; it
-// moves to `AddressIdentity::of`, then this goes.
-pub fn address_identity(uid: &str, annotations: &Annotations) -> Result<AddressIdentity, String> {
-    AddressIdentity::of(uid, annotations).map_err(|e| e.to_string())
-}
-
 impl AddressIdentity {
     /// The identity of the Service with `uid`: kube-vip's `hwaddr`,
     /// `requestedIP` and `loadbalancerHostname` when present (a Service
@@ -855,8 +847,8 @@ mod tests {
 
     #[test]
     fn every_node_derives_the_same_identity() {
-        let id = address_identity(UID, &Annotations::new()).unwrap();
-        assert_eq!(id, address_identity(UID, &Annotations::new()).unwrap());
+        let id = AddressIdentity::of(UID, &Annotations::new()).unwrap();
+        assert_eq!(id, AddressIdentity::of(UID, &Annotations::new()).unwrap());
         assert_eq!(id.interface, "hlb-3f2a9c1e");
         assert!(id.interface.len() <= 15, "IFNAMSIZ");
         assert_eq!(id.mac[0] & 0x03, 0x02, "locally administered unicast");
@@ -864,7 +856,8 @@ mod tests {
         assert!(id.client_id.ends_with(UID.as_bytes()));
         assert_eq!((id.hostname, id.requested_ip), (None, None));
         let other =
-            address_identity("9f2a9c1e-0000-4000-8000-000000000000", &Annotations::new()).unwrap();
+            AddressIdentity::of("9f2a9c1e-0000-4000-8000-000000000000", &Annotations::new())
+                .unwrap();
         assert_ne!(other.mac, id.mac);
     }
 
@@ -878,7 +871,7 @@ mod tests {
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-        let id = address_identity(UID, &a).unwrap();
+        let id = AddressIdentity::of(UID, &a).unwrap();
         assert_eq!(id.mac, [0x00, 0x00, 0x6c, 0xab, 0xcd, 0xef]);
         assert_eq!(
             crate::mac::format(&id.mac),
@@ -896,10 +889,10 @@ mod tests {
     #[test]
     fn kube_vips_mac_without_a_hostname_means_no_client_identifier() {
         let with = |mac: String| -> Annotations { [(kube_vip::HWADDR.to_string(), mac)].into() };
-        let theirs = address_identity(UID, &with("00:00:6c:ab:cd:ef".into())).unwrap();
+        let theirs = AddressIdentity::of(UID, &with("00:00:6c:ab:cd:ef".into())).unwrap();
         assert!(theirs.client_id.is_empty());
-        let ours = address_identity(UID, &with(crate::mac::format(&derived_mac(UID)))).unwrap();
-        assert_eq!(ours, address_identity(UID, &Annotations::new()).unwrap());
+        let ours = AddressIdentity::of(UID, &with(crate::mac::format(&derived_mac(UID)))).unwrap();
+        assert_eq!(ours, AddressIdentity::of(UID, &Annotations::new()).unwrap());
     }
 
     #[test]
@@ -912,10 +905,10 @@ mod tests {
             (kube_vip::LOADBALANCER_HOSTNAME, "Not A Host"),
         ] {
             let a: Annotations = [(k.to_string(), v.to_string())].into();
-            let e = address_identity(UID, &a).unwrap_err();
+            let e = AddressIdentity::of(UID, &a).unwrap_err().to_string();
             assert!(e.starts_with(k), "{e}");
         }
-        assert!(address_identity("short", &Annotations::new()).is_err());
+        assert!(AddressIdentity::of("short", &Annotations::new()).is_err());
     }
 
     #[test]

@@ -29,13 +29,6 @@ pub struct DurationError {
     why: String,
 }
 
-/// For the callers whose own errors are text (clap value parsers).
-impl From<DurationError> for String {
-    fn from(e: DurationError) -> String {
-        e.to_string()
-    }
-}
-
 /// Parses a duration; the error names the value and the accepted forms.
 /// Usable as a clap `value_parser`.
 pub fn parse_duration(v: &str) -> Result<Duration, DurationError> {

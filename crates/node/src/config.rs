@@ -444,13 +444,6 @@ impl From<hna_contract::k8s_names::InvalidLabelKey> for InvalidValue {
     }
 }
 
-/// For the callers whose own errors are text (clap value parsers).
-impl From<InvalidValue> for String {
-    fn from(e: InvalidValue) -> String {
-        e.0
-    }
-}
-
 /// The value each key was given and where, the later layers (environment,
 /// then flags) over the earlier (the file).
 type Layered = BTreeMap<&'static str, (Raw, Origin)>;

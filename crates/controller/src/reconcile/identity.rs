@@ -140,8 +140,8 @@ pub(super) fn checked_identity(
     pass: &Pass<'_>,
     s: &ServiceIn,
 ) -> Result<AddressIdentity, (&'static str, String)> {
-    let id =
-        hna_contract::address_identity(&s.uid, &s.annotations).map_err(|e| (reason::INVALID, e))?;
+    let id = hna_contract::AddressIdentity::of(&s.uid, &s.annotations)
+        .map_err(|e| (reason::INVALID, e.to_string()))?;
     match lan_mac_refusal(pass, &id) {
         Some(why) => Err((reason::MAC_REFUSED, why)),
         None => Ok(id),

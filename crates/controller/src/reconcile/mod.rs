@@ -114,7 +114,7 @@ mod tests {
         let holders = sim.holders("web");
         assert_eq!(holders.len(), 1, "one holder");
         let (holder, a) = &holders[0];
-        let id = hna_contract::address_identity(&uid("web"), &Annotations::new()).unwrap();
+        let id = hna_contract::AddressIdentity::of(&uid("web"), &Annotations::new()).unwrap();
         assert_eq!(a.interface, id.interface);
         assert_eq!(a.mac, hna_contract::mac::format(&id.mac));
         assert_eq!(a.client_id, hex(&id.client_id));
