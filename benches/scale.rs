@@ -8,7 +8,7 @@
 //! Fairness, the Node authorizer and the controller's per-node RBAC apply),
 //! the agent's three watches (its own `LoadBalancerNode` through the
 //! agent's `follow`, its Node, the membership Secret), its status written
-//! by the agent's own writer (`agent::status_writes` with `KubeStatus`:
+//! by the agent's own writer (`loadbalancer::status_writes` with `KubeStatus`:
 //! written when it changes, else every `lb_heartbeat`, 10 s; a renewal's
 //! new expiry rides along with the next one) and its Node conditions
 //! (`node_conditions::reconcile`: read every 5 minutes, written when they differ). What is simulated
@@ -706,7 +706,7 @@ async fn sim_node(
     }
 }
 
-/// The status as the agent drafts it (`agent::lb::report`'s shape).
+/// The status as the agent drafts it (`loadbalancer::task::report`'s shape).
 fn status(
     leases: &BTreeMap<String, SimLease>,
     mac: &str,

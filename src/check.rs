@@ -15,30 +15,30 @@ use hna_node::state_dir::{self, Inspection};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Report {
-    pub checks: Vec<Check>,
+pub(crate) struct Report {
+    pub(crate) checks: Vec<Check>,
     /// What the `cni` check advises applying, printed after the checks.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub helm_chart_configs: Vec<Advice>,
+    pub(crate) helm_chart_configs: Vec<Advice>,
 }
 
 /// A manifest to apply, and what it is for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Advice {
-    pub title: String,
-    pub text: String,
+pub(crate) struct Advice {
+    pub(crate) title: String,
+    pub(crate) text: String,
 }
 
 impl Report {
-    pub fn failed(&self) -> bool {
+    pub(crate) fn failed(&self) -> bool {
         self.checks.iter().any(|c| c.status == Status::Fail)
     }
 
-    pub fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("report serializes")
     }
 
-    pub fn to_human(&self) -> String {
+    pub(crate) fn to_human(&self) -> String {
         let width = self.checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
         let mut out = String::new();
         for c in &self.checks {
@@ -90,7 +90,7 @@ impl Report {
 }
 
 /// The configuration check, from the outcome of loading it.
-pub fn config_check(loaded: &Result<Config, ConfigError>) -> Check {
+pub(crate) fn config_check(loaded: &Result<Config, ConfigError>) -> Check {
     match loaded {
         Ok(cfg) => match &cfg.file {
             Some(path) => Check::new(
@@ -121,7 +121,7 @@ pub fn config_check(loaded: &Result<Config, ConfigError>) -> Check {
     }
 }
 
-pub fn state_dir_check(cfg: &Config) -> Check {
+pub(crate) fn state_dir_check(cfg: &Config) -> Check {
     let path = cfg.state_dir.display();
     match state_dir::inspect(&cfg.state_dir) {
         Inspection::Writable => Check::new(
@@ -164,7 +164,7 @@ pub fn state_dir_check(cfg: &Config) -> Check {
 /// Looks for credentials and, when found, asks the API server for its
 /// version. Finding nothing is a warning: a node that has not joined yet is
 /// normal, and the daemon picks the credentials up when they appear.
-pub async fn kubeconfig_checks(
+pub(crate) async fn kubeconfig_checks(
     cfg: &Config,
     env: &dyn DiscoveryEnv,
     timeout: Duration,
@@ -237,7 +237,7 @@ pub async fn kubeconfig_checks(
 
 /// Someone who asked for `api-server` by name gets an entry of that name,
 /// also when there were no credentials to connect with.
-pub fn name_api_server(checks: &mut Vec<Check>) {
+pub(crate) fn name_api_server(checks: &mut Vec<Check>) {
     if checks.iter().any(|c| c.name == "api-server") {
         return;
     }
@@ -258,7 +258,7 @@ pub fn name_api_server(checks: &mut Vec<Check>) {
 }
 
 /// The `macvlan` check, from a preflight result.
-pub fn macvlan_check(state: &hna_node::kmod::MacvlanState) -> Check {
+pub(crate) fn macvlan_check(state: &hna_node::kmod::MacvlanState) -> Check {
     Check::new(
         "macvlan",
         state.status,
@@ -269,7 +269,7 @@ pub fn macvlan_check(state: &hna_node::kmod::MacvlanState) -> Check {
 }
 
 /// The `qemu-guest-agent` check.
-pub fn guest_agent_check(state: &hna_node::guest::GuestAgentState) -> Check {
+pub(crate) fn guest_agent_check(state: &hna_node::guest::GuestAgentState) -> Check {
     Check::new(
         "qemu-guest-agent",
         state.status,

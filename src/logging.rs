@@ -15,7 +15,7 @@ const JOURNALD_SOCKET: &str = "/run/systemd/journal/socket";
 /// Installs the global subscriber. `RUST_LOG`, when set, wins over the
 /// configured level so a one-off debug run needs no config change.
 /// Returns where logs go, for the start-up line.
-pub fn init(level: &str, target: LogTarget) -> &'static str {
+pub(crate) fn init(level: &str, target: LogTarget) -> &'static str {
     let filter = std::env::var("RUST_LOG")
         .ok()
         .filter(|v| !v.is_empty())

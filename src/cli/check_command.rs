@@ -14,7 +14,7 @@ use super::*;
 /// Checks `check` can be limited to. `kubeconfig` includes `api-server`,
 /// and `api-server` needs `kubeconfig` (no server without credentials), so
 /// naming either runs both.
-pub const CHECK_NAMES: &[&str] = &[
+pub(crate) const CHECK_NAMES: &[&str] = &[
     "config",
     "kubeconfig",
     "api-server",

@@ -35,7 +35,7 @@ fn parse_mac_arg(s: &str) -> anyhow::Result<[u8; 6]> {
 /// Option 61 as given on the command line. A newtype, because clap reads
 /// a field of type `Option<Vec<u8>>` as a list of bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClientIdArg(pub Vec<u8>);
+pub(crate) struct ClientIdArg(pub Vec<u8>);
 
 fn parse_client_id_arg(s: &str) -> anyhow::Result<ClientIdArg> {
     parse_client_id(s).map(ClientIdArg)
@@ -62,37 +62,37 @@ fn parse_client_id(s: &str) -> anyhow::Result<Vec<u8>> {
 }
 
 #[derive(Debug, Args)]
-pub struct ProbeArgs {
+pub(crate) struct ProbeArgs {
     /// Uplink to put the temporary macvlan on [default: the interface of the default route]
     #[arg(long, value_name = "IFACE")]
-    pub parent: Option<String>,
+    pub(crate) parent: Option<String>,
     /// MAC of the temporary macvlan [default: random 00:00:6c:xx:xx:xx]
     #[arg(long, value_name = "MAC", value_parser = parse_mac_arg)]
-    pub mac: Option<[u8; 6]>,
+    pub(crate) mac: Option<[u8; 6]>,
     /// Client identifier (option 61): hex bytes `01:00:00:6c:..`, text, or `none` to send no option 61 (as kube-vip without a hostname) [default: 01 + MAC]
     #[arg(long, value_name = "ID", value_parser = parse_client_id_arg)]
-    pub client_id: Option<ClientIdArg>,
+    pub(crate) client_id: Option<ClientIdArg>,
     /// Hostname to send (option 12)
     #[arg(long)]
-    pub hostname: Option<String>,
+    pub(crate) hostname: Option<String>,
     /// Ask for this address first (INIT-REBOOT, then option 50 in DISCOVER), as an agent or kube-vip does with `kube-vip.io/requestedIP`
     #[arg(long, value_name = "IPV4")]
-    pub requested_ip: Option<std::net::Ipv4Addr>,
+    pub(crate) requested_ip: Option<std::net::Ipv4Addr>,
     /// Release the lease at the end (`--release=false` keeps it on the server)
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
-    pub release: bool,
+    pub(crate) release: bool,
     /// How long to wait for a lease (seconds, or with a unit: 500ms, 1m)
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = hna_edges::duration::parse_duration)]
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Skip the ARP probe (RFC 5227) of the offered address
     #[arg(long)]
-    pub no_arp_probe: bool,
+    pub(crate) no_arp_probe: bool,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Output::Human)]
-    pub output: Output,
+    pub(crate) output: Output,
 }
 
-pub fn probe_main(args: ProbeArgs) -> ExitCode {
+pub(crate) fn probe_main(args: ProbeArgs) -> ExitCode {
     let rt = match super::runtime(super::Threads::Current) {
         Ok(rt) => rt,
         Err(code) => return code,
@@ -122,36 +122,36 @@ pub fn probe_main(args: ProbeArgs) -> ExitCode {
 }
 
 #[derive(Debug, Args)]
-pub struct HoldArgs {
+pub(crate) struct HoldArgs {
     /// Uplink for the macvlans [default: the interface of the default route]
     #[arg(long, value_name = "IFACE")]
-    pub parent: Option<String>,
+    pub(crate) parent: Option<String>,
     /// Number of leases
     #[arg(long, default_value_t = 1)]
-    pub count: u32,
+    pub(crate) count: u32,
     /// Distinguishes sets of leases: lease i is `vip-<set><i as 6 hex>` with
     /// MAC 00:00:6c:<set>:<i>
     #[arg(long, default_value_t = 1)]
-    pub set: u8,
+    pub(crate) set: u8,
     /// State directory (lease files go to <DIR>/leases)
     #[arg(long, value_name = "DIR")]
-    pub state_dir: PathBuf,
+    pub(crate) state_dir: PathBuf,
     /// Smallest retransmission interval while renewing/rebinding (RFC: 60s; seconds, or with a unit)
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = hna_edges::duration::parse_duration)]
-    pub renew_floor: Duration,
+    pub(crate) renew_floor: Duration,
     /// Skip the ARP probe (RFC 5227) of offered addresses
     #[arg(long)]
-    pub no_arp_probe: bool,
+    pub(crate) no_arp_probe: bool,
     /// Write the lease table (JSON) here, atomically, every 100 ms
     #[arg(long, value_name = "PATH")]
-    pub status_file: Option<PathBuf>,
+    pub(crate) status_file: Option<PathBuf>,
     /// On SIGTERM/SIGINT send DHCPRELEASE (default: hand over, keeping the
     /// leases on the server and the lease files on disk)
     #[arg(long)]
-    pub release_on_exit: bool,
+    pub(crate) release_on_exit: bool,
     /// Serve /metrics and /healthz here
     #[arg(long, value_name = "ADDR:PORT")]
-    pub metrics_listen: Option<SocketAddr>,
+    pub(crate) metrics_listen: Option<SocketAddr>,
 }
 
 fn write_status(path: &PathBuf, leases: &[LeaseStatus]) -> std::io::Result<()> {
@@ -162,7 +162,7 @@ fn write_status(path: &PathBuf, leases: &[LeaseStatus]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-pub fn hold_main(args: HoldArgs) -> ExitCode {
+pub(crate) fn hold_main(args: HoldArgs) -> ExitCode {
     let rt = match super::runtime(super::Threads::Two) {
         Ok(rt) => rt,
         Err(code) => return code,

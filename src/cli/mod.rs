@@ -19,15 +19,13 @@ mod check_command;
 mod dhcp_commands;
 mod status_view;
 
-pub use args::*;
-pub use check_command::CHECK_NAMES;
+pub(crate) use args::*;
 use check_command::check;
 use status_view::status;
-pub use status_view::status_socket;
 
 /// sysexits.h EX_CONFIG: systemd's `RestartPreventExitStatus=78` keeps the
 /// unit from restarting into the same configuration error.
-pub const EXIT_CONFIG: u8 = 78;
+pub(crate) const EXIT_CONFIG: u8 = 78;
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();

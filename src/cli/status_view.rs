@@ -13,7 +13,7 @@ use super::*;
 
 /// The socket `status` asks: resolved exactly as `run` resolves its own
 /// (flag, `HNA_SOCKET`, the configuration file's `socket`, the default).
-pub fn status_socket(
+pub(crate) fn status_socket(
     args: &StatusArgs,
     load: impl FnOnce(&FlagValues) -> Result<Config, ConfigError>,
 ) -> Result<PathBuf, ConfigError> {

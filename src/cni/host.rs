@@ -25,7 +25,7 @@ const NETWORKD_LINKS: &str = "systemd/netif/links";
 
 /// Everything about this node, read-only. `run_dir` is `/run` outside
 /// tests.
-pub async fn gather(
+pub(crate) async fn gather(
     conf_dirs: &[PathBuf],
     run_dir: &Path,
     uplink: Option<String>,
@@ -53,7 +53,7 @@ pub async fn gather(
 
 /// The CNI configuration files in `dirs` (`*.conf`, `*.conflist`,
 /// `*.json`, as the container runtime reads them), by name.
-pub fn conf_files(dirs: &[PathBuf]) -> Vec<ConfFile> {
+pub(crate) fn conf_files(dirs: &[PathBuf]) -> Vec<ConfFile> {
     let mut out = Vec::new();
     for dir in dirs {
         let Ok(entries) = std::fs::read_dir(dir) else {
@@ -83,7 +83,7 @@ pub fn conf_files(dirs: &[PathBuf]) -> Vec<ConfFile> {
 
 /// The plugin types a CNI configuration names: a `.conflist`'s `plugins`,
 /// or a single `.conf`'s `type`. Unparsable text names none.
-pub fn plugin_types(text: &str) -> Vec<String> {
+pub(crate) fn plugin_types(text: &str) -> Vec<String> {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(text) else {
         return Vec::new();
     };
@@ -224,7 +224,7 @@ fn tcx_programs(index: u32, attach_type: u32) -> Result<u32, nix::errno::Errno> 
 
 /// Who besides us manages `links`, from the managers' own state files
 /// under `run_dir`.
-pub fn managed(run_dir: &Path, links: &[OurLink]) -> Vec<Managed> {
+pub(crate) fn managed(run_dir: &Path, links: &[OurLink]) -> Vec<Managed> {
     let mut out = Vec::new();
     for link in links {
         let nm = run_dir.join(NM_DEVICES).join(link.index.to_string());
@@ -252,7 +252,7 @@ pub fn managed(run_dir: &Path, links: &[OurLink]) -> Vec<Managed> {
 }
 
 /// NetworkManager's device state keyfile: `[device]` `managed=true`.
-pub fn nm_manages(keyfile: &str) -> bool {
+pub(crate) fn nm_manages(keyfile: &str) -> bool {
     let mut in_device = false;
     for line in keyfile.lines().map(str::trim) {
         if line.starts_with('[') {
@@ -267,7 +267,7 @@ pub fn nm_manages(keyfile: &str) -> bool {
 /// systemd-networkd's link state: a `.network` file matched it
 /// (`NETWORK_FILE=`) or it is being configured (`ADMIN_STATE=`). Returns
 /// the line that says so.
-pub fn networkd_manages(state: &str) -> Option<String> {
+pub(crate) fn networkd_manages(state: &str) -> Option<String> {
     let value = |key: &str| {
         state
             .lines()
@@ -283,7 +283,7 @@ pub fn networkd_manages(state: &str) -> Option<String> {
 }
 
 /// The Node's annotations and every LoadBalancer Service's address.
-pub async fn node_facts(client: kube::Client, node: &str, timeout: Duration) -> NodeFacts {
+pub(crate) async fn node_facts(client: kube::Client, node: &str, timeout: Duration) -> NodeFacts {
     let read = async {
         let n = Api::<Node>::all(client.clone())
             .get(node)

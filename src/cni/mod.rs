@@ -6,10 +6,10 @@
 //! that attaches BPF programs to our links (Cilium's device detection), or
 //! a network manager that configures them breaks the node's pod network or
 //! our addresses, quietly. The facts are gathered read-only at the edge
-//! ([`host`]); [`assess`] turns them into checks, and
-//! [`helm_chart_configs`] says what keeps RKE2's CNIs off our links.
+//! (`host`); `assess` turns them into checks, and
+//! `helm_chart_configs` says what keeps RKE2's CNIs off our links.
 
-pub mod host;
+pub(crate) mod host;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -22,31 +22,31 @@ use hna_contract::INTERFACE_PREFIX;
 use hna_node::health::{Check, Status};
 
 /// Where CNI configurations live: RKE2 and kubeadm, then K3s.
-pub const DEFAULT_CONF_DIRS: &[&str] =
+pub(crate) const DEFAULT_CONF_DIRS: &[&str] =
     &["/etc/cni/net.d", "/var/lib/rancher/k3s/agent/etc/cni/net.d"];
 
 /// The Node annotations in which CNIs publish the address they took for the
 /// node: (annotation, whose).
-pub const NODE_ADDRESS_ANNOTATIONS: &[(&str, &str)] = &[
+pub(crate) const NODE_ADDRESS_ANNOTATIONS: &[(&str, &str)] = &[
     ("projectcalico.org/IPv4Address", "Calico"),
     ("flannel.alpha.coreos.com/public-ip", "flannel"),
     ("flannel.alpha.coreos.com/public-ip-overwrite", "flannel"),
 ];
 
 /// The NetworkManager drop-in the packages ship.
-pub const NM_DROP_IN: &str = "/usr/lib/NetworkManager/conf.d/90-harvester-node-agent.conf";
+pub(crate) const NM_DROP_IN: &str = "/usr/lib/NetworkManager/conf.d/90-harvester-node-agent.conf";
 
 /// One CNI configuration file and the plugin types it chains.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConfFile {
-    pub path: PathBuf,
-    pub plugins: Vec<String>,
+pub(crate) struct ConfFile {
+    pub(crate) path: PathBuf,
+    pub(crate) plugins: Vec<String>,
 }
 
 /// The primary CNIs RKE2 ships, as their configuration shows them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Cni {
+pub(crate) enum Cni {
     /// Calico for policy, flannel for the overlay (RKE2's default).
     Canal,
     Calico,
@@ -55,7 +55,7 @@ pub enum Cni {
 }
 
 impl Cni {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Cni::Canal => "canal",
             Cni::Calico => "calico",
@@ -68,7 +68,7 @@ impl Cni {
 /// Which CNIs the configurations name. Canal chains the `calico` plugin
 /// like Calico does (flannel only carries the overlay): RKE2's file is
 /// `10-canal.conflist`.
-pub fn detect(files: &[ConfFile]) -> Vec<Cni> {
+pub(crate) fn detect(files: &[ConfFile]) -> Vec<Cni> {
     let mut found = Vec::new();
     for f in files {
         let has = |t: &str| f.plugins.iter().any(|p| p == t);
@@ -96,15 +96,15 @@ pub fn detect(files: &[ConfFile]) -> Vec<Cni> {
 
 /// One of our links as the kernel has it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct OurLink {
-    pub name: String,
-    pub index: u32,
-    pub addresses: Vec<Ipv4Addr>,
+pub(crate) struct OurLink {
+    pub(crate) name: String,
+    pub(crate) index: u32,
+    pub(crate) addresses: Vec<Ipv4Addr>,
 }
 
 /// What the API server told about this node, or why it could not.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum NodeFacts {
+pub(crate) enum NodeFacts {
     Read {
         node: String,
         annotations: BTreeMap<String, String>,
@@ -116,37 +116,37 @@ pub enum NodeFacts {
 
 /// Who manages a link besides us.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Managed {
-    pub link: String,
-    pub manager: Manager,
+pub(crate) struct Managed {
+    pub(crate) link: String,
+    pub(crate) manager: Manager,
     /// What says so (the state file and its line).
-    pub evidence: String,
+    pub(crate) evidence: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Manager {
+pub(crate) enum Manager {
     NetworkManager,
     SystemdNetworkd,
 }
 
 /// Everything [`assess`] judges, gathered by [`host::gather`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Facts {
-    pub conf_dirs: Vec<PathBuf>,
-    pub conf_files: Vec<ConfFile>,
+pub(crate) struct Facts {
+    pub(crate) conf_dirs: Vec<PathBuf>,
+    pub(crate) conf_files: Vec<ConfFile>,
     /// The uplink our links sit on (the one Cilium's `devices` should name).
-    pub uplink: Option<String>,
-    pub links: Vec<OurLink>,
-    pub node: NodeFacts,
+    pub(crate) uplink: Option<String>,
+    pub(crate) links: Vec<OurLink>,
+    pub(crate) node: NodeFacts,
     /// BPF programs on our links, one line each (`hlb-…: tc ingress bpf …`).
-    pub bpf: Vec<String>,
+    pub(crate) bpf: Vec<String>,
     /// Why the BPF attachments could not all be read.
-    pub bpf_error: Option<String>,
-    pub managed: Vec<Managed>,
+    pub(crate) bpf_error: Option<String>,
+    pub(crate) managed: Vec<Managed>,
 }
 
 /// The node's CNI checks, in the order they are printed.
-pub fn assess(f: &Facts) -> Vec<Check> {
+pub(crate) fn assess(f: &Facts) -> Vec<Check> {
     let cnis = detect(&f.conf_files);
     vec![
         cni_check(f, &cnis),
@@ -388,7 +388,7 @@ fn managers_check(f: &Facts) -> Check {
 /// The HelmChartConfig that keeps `cni` off our links on RKE2, or nothing
 /// for a CNI RKE2 does not configure that way. `uplink` is what Cilium's
 /// `devices` names (the node's uplink; `eth0` when unknown).
-pub fn helm_chart_config(cni: Cni, uplink: Option<&str>) -> Option<String> {
+pub(crate) fn helm_chart_config(cni: Cni, uplink: Option<&str>) -> Option<String> {
     let values = match cni {
         // Calico's autodetection skips our links and kube-vip's; flannel
         // follows the default route, never one of ours.
@@ -424,7 +424,7 @@ pub fn helm_chart_config(cni: Cni, uplink: Option<&str>) -> Option<String> {
 
 /// The HelmChartConfigs to print: the detected CNIs', or all three RKE2
 /// ones when none is detected.
-pub fn helm_chart_configs(f: &Facts) -> Vec<(Cni, String)> {
+pub(crate) fn helm_chart_configs(f: &Facts) -> Vec<(Cni, String)> {
     let detected = detect(&f.conf_files);
     let cnis = if detected.is_empty() {
         vec![Cni::Canal, Cni::Calico, Cni::Cilium]

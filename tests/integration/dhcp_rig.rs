@@ -604,7 +604,7 @@ fn daemon_sweeps_only_its_own_left_links_and_never_releases() -> Result<()> {
         .env("HNA_LOG_TARGET", "stderr")
         .spawn()?;
     let result = (|| -> Result<()> {
-        // The adoption wait is 30 s (`agent::lb::ADOPTION_WAIT`).
+        // The adoption wait is 30 s (`loadbalancer::task::ADOPTION_WAIT`).
         let deadline = Instant::now() + Duration::from_secs(45);
         let mut seen_before = false;
         // When the link was first seen gone while the status still said

@@ -178,7 +178,7 @@ fn cut_off_from_the_api_server_a_late_node_is_given_nothing_new() -> Result<()> 
 /// again (they may have moved meanwhile), and its witnesses hear it, so
 /// the controller took it for a node cut off from the API server that
 /// serves on: the soak saw 49 s without an answer. Now it stands down on
-/// the LAN (`agent::lb`'s `judge_stand_down`): its witnesses report it
+/// the LAN (`loadbalancer::task`'s `judge_stand_down`): its witnesses report it
 /// though they hear it, and once the API server is back its Service moves
 /// to another guest, never beside it.
 fn fenced_in_an_api_outage_then_cut_off_a_holder_stands_down_and_its_service_moves() -> Result<()> {

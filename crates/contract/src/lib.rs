@@ -17,7 +17,7 @@ pub mod mac;
 
 /// `spec.loadBalancerClass` that selects this agent on clusters without the
 /// Harvester cloud provider (Kubernetes 1.24+; the field is immutable).
-pub const LOAD_BALANCER_CLASS: &str = "harvester-node-agent.io/dhcp";
+pub(crate) const LOAD_BALANCER_CLASS: &str = "harvester-node-agent.io/dhcp";
 /// On a primary: the other namespaces whose Services may share its address
 /// (`cloudprovider.harvesterhci.io/primary-service` naming it), comma- or
 /// space-separated, or `*` for every namespace. Services of the primary's
@@ -64,7 +64,6 @@ pub mod kube_vip {
     pub const REQUESTED_IP: &str = "kube-vip.io/requestedIP";
     pub const VIP_HOST: &str = "kube-vip.io/vipHost";
     pub const LOADBALANCER_HOSTNAME: &str = "kube-vip.io/loadbalancerHostname";
-    pub const IGNORE: &str = "kube-vip.io/ignore";
     /// The address the cloud provider writes for "ask DHCP".
     pub const ASK_DHCP: &str = "0.0.0.0";
 }
@@ -350,7 +349,7 @@ pub struct ClassPolicy {
 }
 
 impl Default for ClassPolicy {
-    /// [`LOAD_BALANCER_CLASS`] and class-less DHCP Services: what a
+    /// `LOAD_BALANCER_CLASS` and class-less DHCP Services: what a
     /// Harvester guest cluster wants.
     fn default() -> ClassPolicy {
         ClassPolicy {
@@ -520,7 +519,7 @@ fn identity(uid: &str, annotations: &Annotations) -> Result<AddressIdentity, Inv
 
 /// A locally administered unicast MAC from the UID (FNV-1a, 64 bits): the
 /// same on every node, unlikely to meet another Service's (46 free bits).
-pub fn derived_mac(uid: &str) -> [u8; 6] {
+pub(crate) fn derived_mac(uid: &str) -> [u8; 6] {
     let b = fnv1a(&[uid.as_bytes()]).to_be_bytes();
     [(b[0] & 0xfc) | 0x02, b[1], b[2], b[3], b[4], b[5]]
 }
@@ -544,7 +543,7 @@ pub mod membership {
     /// The UDP port the agents' membership listens on (`lb_membership_port`).
     pub const DEFAULT_PORT: u16 = 7947;
     /// How many witnesses each node has: the nodes after it on the ring.
-    pub const WITNESSES: usize = 3;
+    pub(crate) const WITNESSES: usize = 3;
 
     /// Another member of a node's LAN.
     #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -608,7 +607,7 @@ pub mod membership {
     }
 
     /// The witnesses of `node` among `members` (which may or may not
-    /// include it): the [`WITNESSES`] members after it on the ring, fewer
+    /// include it): the `WITNESSES` members after it on the ring, fewer
     /// when the LAN has fewer other members.
     pub fn witnesses_of<'a>(members: impl IntoIterator<Item = &'a str>, node: &str) -> Vec<String> {
         let ring = sorted_ring(members.into_iter().filter(|m| *m != node));
@@ -638,7 +637,7 @@ pub mod membership {
 
     /// How many members on each side of a node on the ring are its peers
     /// (its `spec.peers`, the only members its membership talks to). Its
-    /// witnesses and those it witnesses ([`WITNESSES`] each way) come out
+    /// witnesses and those it witnesses (`WITNESSES` each way) come out
     /// the same among its peers as on the whole ring, with room for SWIM's
     /// indirect probes; a node's spec stays small and a join rewrites
     /// `2 × PEERS_EACH_SIDE` specs, not every one (with every member a
@@ -789,7 +788,7 @@ mod tests {
                 &svc(
                     lb,
                     None,
-                    &[(harvester::IPAM, "dhcp"), (kube_vip::IGNORE, "true")]
+                    &[(harvester::IPAM, "dhcp"), ("kube-vip.io/ignore", "true")]
                 ),
                 &default
             ),

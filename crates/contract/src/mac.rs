@@ -2,7 +2,7 @@
 //! kube-vip's `hwaddr` annotation) writes them: `00:00:6c:ab:cd:ef`: the
 //! form in the contract's annotations and status, read and written by the
 //! node daemon, the controller and the command line. (`hna-dhcp` writes the
-//! same form in its lease records with a private copy of [`format`], so it
+//! same form in its lease records with a private copy of [`format()`], so it
 //! stays free of Kubernetes; a test of the root package holds them equal.)
 
 /// `aa:bb:cc:dd:ee:ff`, lowercase.

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::reconcile::ServiceIn;
 
 #[derive(Debug, Default)]
-pub struct Deletions {
+pub(crate) struct Deletions {
     /// UID → when this process first saw the Service deleting.
     seen: HashMap<String, Instant>,
 }
@@ -21,7 +21,7 @@ pub struct Deletions {
 impl Deletions {
     /// How long, on our clock, the Service with `uid` has been deleting
     /// (timed from now when first asked).
-    pub fn waited(&mut self, uid: &str, now: Instant) -> std::time::Duration {
+    pub(crate) fn waited(&mut self, uid: &str, now: Instant) -> std::time::Duration {
         let first = *self.seen.entry(uid.to_string()).or_insert(now);
         now.saturating_duration_since(first)
     }
@@ -29,14 +29,14 @@ impl Deletions {
     /// Sets `s.deleting_since` to `wall` minus how long, on our clock, the
     /// Service has been deleting (the pure decision compares it with
     /// `wall`, so only our own clock's elapsed time counts).
-    pub fn time(&mut self, s: &mut ServiceIn, now: Instant, wall: i64) {
+    pub(crate) fn time(&mut self, s: &mut ServiceIn, now: Instant, wall: i64) {
         if s.deleting {
             s.deleting_since = wall - self.waited(&s.uid, now).as_secs() as i64;
         }
     }
 
     /// Forgets the Services not in `keep` (gone, or no longer deleting).
-    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+    pub(crate) fn retain(&mut self, keep: impl Fn(&str) -> bool) {
         self.seen.retain(|uid, _| keep(uid));
     }
 }

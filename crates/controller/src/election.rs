@@ -1,6 +1,6 @@
 //! Leader election on a `coordination.k8s.io/v1` Lease, as a pure decision
 //! (kube-rs has none built in). The I/O loop around it reads the Lease,
-//! calls [`Elector::decide`] and writes what it says.
+//! calls `Elector::decide` and writes what it says.
 //!
 //! Staleness is judged on this replica's own clock: a Lease held by another
 //! replica counts as expired only when its record has not changed for a
@@ -45,15 +45,15 @@ impl Timing {
 /// The parts of a Lease's spec the decision reads. `renew_time` is opaque:
 /// only whether it changed matters, never its value against our clock.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Record {
-    pub holder: Option<String>,
-    pub renew_time: Option<String>,
-    pub transitions: i32,
+pub(crate) struct Record {
+    pub(crate) holder: Option<String>,
+    pub(crate) renew_time: Option<String>,
+    pub(crate) transitions: i32,
 }
 
 /// What to do now.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// No Lease yet: create it holding it.
     Create,
     /// Write the Lease with us as holder (`transitions` is the value to
@@ -65,7 +65,7 @@ pub enum Decision {
 
 /// One replica's view across rounds.
 #[derive(Debug, Clone)]
-pub struct Elector {
+pub(crate) struct Elector {
     identity: String,
     timing: Timing,
     /// The last record seen and when (our clock) it was first seen.
@@ -75,7 +75,7 @@ pub struct Elector {
 }
 
 impl Elector {
-    pub fn new(identity: impl Into<String>, timing: Timing) -> Elector {
+    pub(crate) fn new(identity: impl Into<String>, timing: Timing) -> Elector {
         Elector {
             identity: identity.into(),
             timing,
@@ -84,12 +84,8 @@ impl Elector {
         }
     }
 
-    pub fn identity(&self) -> &str {
-        &self.identity
-    }
-
     /// Decides from the Lease as just read (`None`: it does not exist).
-    pub fn decide(&mut self, lease: Option<&Record>, now: Instant) -> Decision {
+    pub(crate) fn decide(&mut self, lease: Option<&Record>, now: Instant) -> Decision {
         let Some(record) = lease else {
             self.observed = None;
             return Decision::Create;
@@ -118,27 +114,28 @@ impl Elector {
     }
 
     /// After a successful write as holder.
-    pub fn renewed(&mut self, now: Instant) {
+    pub(crate) fn renewed(&mut self, now: Instant) {
         self.last_renewal = Some(now);
     }
 
     /// Whether this replica may act as leader now: it renewed within the
     /// renew deadline. A leader cut off from the API server stops acting
     /// before another replica can have taken over.
-    pub fn leading(&self, now: Instant) -> bool {
+    #[cfg(test)]
+    pub(crate) fn leading(&self, now: Instant) -> bool {
         self.last_renewal
             .is_some_and(|at| now < at + self.timing.renew_deadline)
     }
 
     /// Forget leadership (a write failed with a conflict: someone else won).
-    pub fn lost(&mut self) {
+    pub(crate) fn lost(&mut self) {
         self.last_renewal = None;
     }
 
     /// How long to wait before the next round: the retry period for a
     /// leader (renewing) and a follower alike (so that a released Lease is
     /// taken at once).
-    pub fn next_round(&self) -> Duration {
+    pub(crate) fn next_round(&self) -> Duration {
         self.timing.retry_period
     }
 }

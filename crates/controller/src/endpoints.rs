@@ -3,7 +3,7 @@
 //! them, from Endpoints where it does not (Kubernetes 1.20 and older).
 //!
 //! The choice is a pure function of the setting and of what the API's
-//! discovery says it serves ([`choose`]); the cached objects are cut down to
+//! discovery says it serves (`choose`); the cached objects are cut down to
 //! what the decision reads (`strip_endpoints`, `strip_slice`); the
 //! readers of both forms are plain functions over one object.
 
@@ -33,13 +33,13 @@ pub enum EndpointSetting {
     EndpointSlices,
 }
 
-/// `--endpoint-source` named none of [`EndpointSetting::NAMES`].
+/// `--endpoint-source` named none of `EndpointSetting::NAMES`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("`{0}` is not an endpoint source; use one of: {names}", names = EndpointSetting::NAMES.join(", "))]
 pub struct UnknownEndpointSource(pub String);
 
 impl EndpointSetting {
-    pub const NAMES: &[&str] = &["auto", "endpoints", "endpointslices"];
+    pub(crate) const NAMES: &[&str] = &["auto", "endpoints", "endpointslices"];
 
     pub fn parse(v: &str) -> Result<EndpointSetting, UnknownEndpointSource> {
         match v {
@@ -63,14 +63,14 @@ pub enum EndpointSource {
 
 /// What the API's discovery said about `discovery.k8s.io`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct SlicesServed {
-    pub v1: bool,
-    pub v1beta1: bool,
+pub(crate) struct SlicesServed {
+    pub(crate) v1: bool,
+    pub(crate) v1beta1: bool,
 }
 
 /// The source for `setting` on an API that serves `served`, and a warning
 /// when the setting cannot be met.
-pub fn choose(
+pub(crate) fn choose(
     setting: EndpointSetting,
     served: SlicesServed,
 ) -> (EndpointSource, Option<&'static str>) {
@@ -101,14 +101,14 @@ enum Chosen {
 /// The endpoints cache; which source it reads is known once the API's
 /// discovery has answered.
 #[derive(Clone)]
-pub struct EndpointCache {
+pub(crate) struct EndpointCache {
     chosen: tokio::sync::watch::Receiver<Option<Chosen>>,
     generation: super::watches::Generation,
 }
 
 impl EndpointCache {
     /// Waits for the source to be chosen and its first complete list.
-    pub async fn ready(&self) -> bool {
+    pub(crate) async fn ready(&self) -> bool {
         let mut chosen = self.chosen.clone();
         let Ok(store) = chosen.wait_for(Option::is_some).await.map(|c| c.clone()) else {
             return false;
@@ -122,12 +122,12 @@ impl EndpointCache {
 
     /// Changes whenever what [`EndpointCache::ready_nodes`] says may
     /// change.
-    pub fn generation(&self) -> u64 {
+    pub(crate) fn generation(&self) -> u64 {
         self.generation.get()
     }
 
     /// Every Service's nodes with a ready endpoint.
-    pub fn ready_nodes(&self) -> HashMap<ServiceKey, BTreeSet<String>> {
+    pub(crate) fn ready_nodes(&self) -> HashMap<ServiceKey, BTreeSet<String>> {
         let mut by_service: HashMap<ServiceKey, BTreeSet<String>> = HashMap::new();
         match &*self.chosen.borrow() {
             // A Service's endpoints may be spread over several slices.
@@ -160,7 +160,7 @@ fn key_of(meta: &kube::api::ObjectMeta) -> Option<ServiceKey> {
 
 /// Asks the API's discovery what it serves (retrying with backoff while it
 /// cannot answer), chooses, then watches the chosen source.
-pub fn watch(
+pub(crate) fn watch(
     tasks: &mut tokio::task::JoinSet<()>,
     client: &kube::Client,
     setting: EndpointSetting,
@@ -280,7 +280,7 @@ fn strip_endpoints(e: &mut Endpoints) {
 }
 
 /// The nodes with a ready endpoint in `e`.
-pub fn endpoint_nodes(e: &Endpoints) -> BTreeSet<String> {
+pub(crate) fn endpoint_nodes(e: &Endpoints) -> BTreeSet<String> {
     e.subsets
         .iter()
         .flatten()
@@ -358,7 +358,7 @@ fn strip_slice(s: &mut DynamicObject) {
 
 /// The Service an EndpointSlice belongs to and its nodes with a ready
 /// endpoint.
-pub fn slice_nodes(s: &DynamicObject) -> Option<(ServiceKey, BTreeSet<String>)> {
+pub(crate) fn slice_nodes(s: &DynamicObject) -> Option<(ServiceKey, BTreeSet<String>)> {
     let key = ServiceKey {
         namespace: s.metadata.namespace.clone()?,
         name: s.metadata.labels.as_ref()?.get(SERVICE_NAME_LABEL)?.clone(),

@@ -13,7 +13,7 @@ use super::reconcile::NodeIn;
 /// Per Service (`namespace/name`), the eligible node that reports its
 /// address BOUND, or `None` when a node is assigned it but none eligible
 /// serves it.
-pub fn serving(objects: &[NodeIn]) -> BTreeMap<String, Option<String>> {
+pub(crate) fn serving(objects: &[NodeIn]) -> BTreeMap<String, Option<String>> {
     let mut out: BTreeMap<String, Option<String>> = BTreeMap::new();
     for o in objects {
         for a in o.spec.assignments.iter().filter(|a| !a.release) {
@@ -28,7 +28,7 @@ pub fn serving(objects: &[NodeIn]) -> BTreeMap<String, Option<String>> {
 }
 
 #[derive(Debug, Default)]
-pub struct FailoverClock {
+pub(crate) struct FailoverClock {
     /// The node last seen serving each Service.
     held_by: BTreeMap<String, String>,
     /// Services whose holder was lost: since when (its last heartbeat
@@ -39,7 +39,7 @@ pub struct FailoverClock {
 impl FailoverClock {
     /// Takes one pass's [`serving`] map; returns the failovers that ended
     /// in it. `last_heard`: when a node's heartbeat last changed.
-    pub fn observe(
+    pub(crate) fn observe(
         &mut self,
         serving: &BTreeMap<String, Option<String>>,
         last_heard: impl Fn(&str) -> Option<Instant>,

@@ -14,17 +14,17 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// At most this often.
-pub const EVERY: Duration = Duration::from_secs(10);
+pub(crate) const EVERY: Duration = Duration::from_secs(10);
 
 /// When to trim: after work, not more often than [`EVERY`].
 #[derive(Debug)]
-pub struct Trimmer {
+pub(crate) struct Trimmer {
     last: Instant,
     worked: bool,
 }
 
 impl Trimmer {
-    pub fn new(now: Instant) -> Trimmer {
+    pub(crate) fn new(now: Instant) -> Trimmer {
         Trimmer {
             last: now,
             worked: false,
@@ -32,12 +32,12 @@ impl Trimmer {
     }
 
     /// A pass ran: its garbage is freed by now.
-    pub fn worked(&mut self) {
+    pub(crate) fn worked(&mut self) {
         self.worked = true;
     }
 
     /// Whether to trim now; if so, the next one waits [`EVERY`].
-    pub fn due(&mut self, now: Instant) -> bool {
+    pub(crate) fn due(&mut self, now: Instant) -> bool {
         if self.worked && now.saturating_duration_since(self.last) >= EVERY {
             self.last = now;
             self.worked = false;
@@ -49,7 +49,7 @@ impl Trimmer {
 }
 
 /// Hands the allocator's free pages back to the kernel.
-pub fn trim() {
+pub(crate) fn trim() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only reorganizes the allocator's own free
     // lists; it takes no pointer and is thread-safe (it locks each arena).

@@ -31,7 +31,7 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// `kubectl apply`'s copy of the whole object: never read.
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
-pub fn service_in(s: &Service) -> Option<ServiceIn> {
+pub(crate) fn service_in(s: &Service) -> Option<ServiceIn> {
     let meta = &s.metadata;
     let spec = s.spec.as_ref();
     Some(ServiceIn {
@@ -126,7 +126,7 @@ fn ingress_in(status: &ServiceStatus) -> Vec<Ingress> {
 /// deletion clock read, nothing else. Every Service of the cluster is
 /// cached, most of them not ours; selectors, labels, node ports and
 /// `kubectl apply`'s copy of the whole object are never read.
-pub fn strip_service(s: &mut Service) {
+pub(crate) fn strip_service(s: &mut Service) {
     let m = &mut s.metadata;
     m.labels = None;
     m.owner_references = None;
@@ -168,7 +168,7 @@ pub fn strip_service(s: &mut Service) {
     }
 }
 
-pub fn node_in(o: &LoadBalancerNode, eligible: bool) -> Option<NodeIn> {
+pub(crate) fn node_in(o: &LoadBalancerNode, eligible: bool) -> Option<NodeIn> {
     Some(NodeIn {
         name: o.metadata.name.clone()?,
         spec: o.spec.clone(),
@@ -200,7 +200,7 @@ impl KubeApi {
     /// `hna_contract::membership::SECRET_NAME`: 32 random bytes) unless it
     /// exists; `true` when this call made it. Never rewrites one: a new key
     /// would cut every node off the others until each has read it.
-    pub async fn ensure_membership_key(&self, namespace: &str) -> Result<bool, kube::Error> {
+    pub(crate) async fn ensure_membership_key(&self, namespace: &str) -> Result<bool, kube::Error> {
         use hna_contract::membership::{SECRET_KEY, SECRET_NAME};
         use k8s_openapi::api::core::v1::Secret;
         use ring::rand::SecureRandom;
@@ -247,7 +247,7 @@ impl KubeApi {
     /// on from 1.30, GA in 1.32). An older server drops the field, and
     /// writing it there would make every pass see a difference. `None`
     /// when `/version` cannot be read.
-    pub async fn knows_ip_mode(&self) -> Option<bool> {
+    pub(crate) async fn knows_ip_mode(&self) -> Option<bool> {
         let info = self.client.apiserver_version().await.ok()?;
         let minor: u32 = info
             .minor
@@ -343,7 +343,7 @@ impl KubeApi {
 }
 
 /// A node object's version for the writer: `g<generation>` (see
-/// [`generation_guarded`]).
+/// `generation_guarded`).
 pub fn generation_token(generation: i64) -> String {
     format!("g{generation}")
 }
@@ -357,7 +357,7 @@ fn generation_of(token: &str) -> Option<i64> {
 /// decided on, whatever the status did meanwhile. Each key of `spec` is
 /// replaced whole (`add` replaces a member that is there), as the merge
 /// patch of a list did.
-pub fn generation_guarded(merge: &serde_json::Value, generation: i64) -> serde_json::Value {
+pub(crate) fn generation_guarded(merge: &serde_json::Value, generation: i64) -> serde_json::Value {
     let mut ops = vec![serde_json::json!({
         "op": "test", "path": "/metadata/generation", "value": generation,
     })];
@@ -438,31 +438,31 @@ impl Requests for KubeApi {
 
 /// The watch caches the controller decides from.
 #[derive(Clone)]
-pub struct Caches {
-    pub services: Store<Service>,
-    pub services_generation: Generation,
-    pub nodes: Store<Node>,
-    pub nodes_generation: Generation,
-    pub node_objects: Store<LoadBalancerNode>,
+pub(crate) struct Caches {
+    pub(crate) services: Store<Service>,
+    pub(crate) services_generation: Generation,
+    pub(crate) nodes: Store<Node>,
+    pub(crate) nodes_generation: Generation,
+    pub(crate) node_objects: Store<LoadBalancerNode>,
     /// Whether the node objects' cache is current (see
     /// [`Generation::current`]): service health does not age a view that
     /// stopped moving.
-    pub node_objects_generation: Generation,
+    pub(crate) node_objects_generation: Generation,
     /// The node agents' liveness, fed by the node objects' watch as each
     /// heartbeat arrives.
-    pub alive: Arc<std::sync::Mutex<super::liveness::Liveness>>,
+    pub(crate) alive: Arc<std::sync::Mutex<super::liveness::Liveness>>,
     /// For `externalTrafficPolicy: Local`: which nodes have a ready
     /// endpoint of a Service.
-    pub endpoints: EndpointCache,
+    pub(crate) endpoints: EndpointCache,
     /// Not part of [`Caches::ready`]: a cluster without the ConfigMap, or
     /// manifests without the right to read it, must not stop the rest.
-    pub networks: Arc<std::sync::Mutex<NetworkMap>>,
+    pub(crate) networks: Arc<std::sync::Mutex<NetworkMap>>,
 }
 
 impl Caches {
     /// Waits until every cache holds a complete first list: deciding from a
     /// partial view would take addresses from Services not yet seen.
-    pub async fn ready(&self) -> bool {
+    pub(crate) async fn ready(&self) -> bool {
         self.services.wait_until_ready().await.is_ok()
             && self.nodes.wait_until_ready().await.is_ok()
             && self.node_objects.wait_until_ready().await.is_ok()
@@ -476,7 +476,7 @@ impl Caches {
 /// delivers it, so liveness is judged on when heartbeats arrive, not on
 /// when a reconcile pass happens to run (a pass may wait behind slow or
 /// failing writes).
-pub fn watch_all(
+pub(crate) fn watch_all(
     client: &kube::Client,
     namespace: &str,
     endpoint_setting: EndpointSetting,

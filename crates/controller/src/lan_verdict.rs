@@ -12,7 +12,7 @@
 //!   from the API server after it accused cannot take the accusation back
 //!   when the accused comes back, so its word stops counting within
 //!   seconds, not at the 40 s staleness bound. An accusing agent beats
-//!   every 2 s (`agent::status_writes::ACCUSING_PERIOD`) to stay on time;
+//!   every 2 s (`loadbalancer::status_writes::ACCUSING_PERIOD`) to stay on time;
 //! - a witness the accused lists in turn, unless more witnesses accuse the
 //!   accused than accuse it: two nodes that cannot hear each other do not
 //!   tell which of them is cut off, but a node whose port went silent
@@ -38,7 +38,7 @@ use hna_contract::membership::{LanReport, witnesses_all};
 /// How long after its verdict a node dead on its LAN that said it hears
 /// its LAN no more is waited for to report its addresses gone before they
 /// move all the same ([`LetGo`]).
-pub const LET_GO_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const LET_GO_WAIT: Duration = Duration::from_secs(5);
 /// How long before its verdict a node's `status.lan.unheard` may have
 /// turned up for it to count: its witnesses report it a lifetime and a
 /// margin (1.25 s by default) after its LAN went quiet, and it says so
@@ -46,7 +46,7 @@ pub const LET_GO_WAIT: Duration = Duration::from_secs(5);
 /// witness that went away and came back before): the soak saw a node that
 /// had lost its carrier, which no write could leave, waited for on such a
 /// flag for 5 s.
-pub const UNHEARD_LEAD: Duration = Duration::from_secs(5);
+pub(crate) const UNHEARD_LEAD: Duration = Duration::from_secs(5);
 
 /// Which nodes dead on their LAN must let go of their addresses before
 /// these go to other nodes (`reconcile::NodeIn::lets_go_first`).
@@ -66,7 +66,7 @@ pub const UNHEARD_LEAD: Duration = Duration::from_secs(5);
 /// assignments). A node whose uplink died could not say so, and is moved
 /// from at once.
 #[derive(Debug, Default)]
-pub struct LetGo {
+pub(crate) struct LetGo {
     dead_since: BTreeMap<String, Instant>,
     unheard_since: BTreeMap<String, Instant>,
 }
@@ -74,7 +74,7 @@ pub struct LetGo {
 impl LetGo {
     /// Takes in one pass's view: the nodes dead on the LAN, and those
     /// whose status says `unheard`, at `now`. Returns the nodes newly dead.
-    pub fn observe(
+    pub(crate) fn observe(
         &mut self,
         dead: &BTreeSet<String>,
         unheard: &BTreeSet<String>,
@@ -97,7 +97,7 @@ impl LetGo {
     }
 
     /// Whether `node` is one to wait for now (its heartbeat `on_time`).
-    pub fn lets_go_first(&self, node: &str, on_time: bool, now: Instant) -> bool {
+    pub(crate) fn lets_go_first(&self, node: &str, on_time: bool, now: Instant) -> bool {
         let (Some(dead), Some(unheard)) = (self.dead_since.get(node), self.unheard_since.get(node))
         else {
             return false;
@@ -106,7 +106,7 @@ impl LetGo {
     }
 
     /// When the next wait ends.
-    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self, now: Instant) -> Option<Instant> {
         self.dead_since
             .values()
             .map(|d| *d + LET_GO_WAIT)
@@ -115,41 +115,36 @@ impl LetGo {
     }
 
     /// The nodes dead on the LAN as last observed.
-    pub fn dead(&self) -> impl Iterator<Item = &str> {
+    pub(crate) fn dead(&self) -> impl Iterator<Item = &str> {
         self.dead_since.keys().map(String::as_str)
     }
 }
 
 /// One node's membership report, as the decision needs it.
 #[derive(Debug, Clone, Copy)]
-pub struct Reporter<'a> {
-    pub name: &'a str,
-    pub lan: &'a LanReport,
+pub(crate) struct Reporter<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) lan: &'a LanReport,
     /// Its status is fresh (not stale): what it hears counts.
-    pub fresh: bool,
+    pub(crate) fresh: bool,
     /// Its heartbeat is on time by its stated period: what it accuses
     /// counts.
-    pub on_time: bool,
+    pub(crate) on_time: bool,
     /// Restarting within its grace: not judged on the LAN.
-    pub restarting: bool,
+    pub(crate) restarting: bool,
 }
 
 /// What the LAN says of its nodes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct LanVerdict {
+pub(crate) struct LanVerdict {
     /// Dead on the LAN, by their witnesses' agreement.
-    pub dead: BTreeSet<String>,
+    pub(crate) dead: BTreeSet<String>,
     /// Heard by a live witness with a fresh status.
-    pub vouched: BTreeSet<String>,
-}
-
-/// The nodes dead on their LAN.
-pub fn dead_on_lan(reporters: &[Reporter<'_>]) -> BTreeSet<String> {
-    judge(reporters).dead
+    pub(crate) vouched: BTreeSet<String>,
 }
 
 /// What the LAN says of every node that reports on it.
-pub fn judge(reporters: &[Reporter<'_>]) -> LanVerdict {
+pub(crate) fn judge(reporters: &[Reporter<'_>]) -> LanVerdict {
     let mut networks: BTreeMap<&str, Vec<&Reporter<'_>>> = BTreeMap::new();
     for r in reporters {
         networks.entry(r.lan.network.as_str()).or_default().push(r);

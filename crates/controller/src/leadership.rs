@@ -20,7 +20,7 @@ use crate::election::{Decision, Elector, Record, Timing};
 /// ends by itself at the renew deadline: nothing needs to run for a
 /// leader cut off from the API server to stop writing.
 #[derive(Debug, Default)]
-pub struct Leadership {
+pub(crate) struct Leadership {
     state: Mutex<State>,
 }
 
@@ -34,11 +34,11 @@ struct State {
 }
 
 impl Leadership {
-    pub fn leading(&self) -> bool {
+    pub(crate) fn leading(&self) -> bool {
         self.leading_at(Instant::now())
     }
 
-    pub fn leading_at(&self, now: Instant) -> bool {
+    pub(crate) fn leading_at(&self, now: Instant) -> bool {
         self.state
             .lock()
             .expect("leadership lock")
@@ -47,17 +47,17 @@ impl Leadership {
     }
 
     /// This replica's current (or last) term.
-    pub fn term(&self) -> u64 {
+    pub(crate) fn term(&self) -> u64 {
         self.state.lock().expect("leadership lock").term
     }
 
     /// Who holds the Lease, as last read.
-    pub fn holder(&self) -> Option<String> {
+    pub(crate) fn holder(&self) -> Option<String> {
         self.state.lock().expect("leadership lock").holder.clone()
     }
 
     /// A successful renewal started at `at`: leading until the deadline.
-    pub fn renewed(&self, at: Instant, renew_deadline: Duration, identity: &str) {
+    pub(crate) fn renewed(&self, at: Instant, renew_deadline: Duration, identity: &str) {
         let mut s = self.state.lock().expect("leadership lock");
         if s.until.is_none_or(|u| at >= u) {
             s.term += 1;
@@ -66,7 +66,7 @@ impl Leadership {
         s.holder = Some(identity.to_string());
     }
 
-    pub fn follow(&self, holder: Option<String>) {
+    pub(crate) fn follow(&self, holder: Option<String>) {
         let mut s = self.state.lock().expect("leadership lock");
         s.until = None;
         s.holder = holder;
@@ -121,7 +121,7 @@ const AFTER_FAILED_ROUND: Duration = Duration::from_millis(100);
 /// the time it asked: a read held up for 2 s shows a renewal up to 2 s
 /// younger than the asking time says, and counting from the asking time
 /// took a live leader's Lease.
-pub async fn run(
+pub(crate) async fn run(
     api: Api<Lease>,
     name: String,
     identity: String,

@@ -2,28 +2,28 @@
 //! DHCP-mode LoadBalancer Services an address through the node agents
 //! (issue #9; `docs/loadbalancer-design.md`).
 //!
-//! Layers: [`reconcile`] decides (pure), [`liveness`] judges node agents on
+//! Layers: [`reconcile`] decides (pure), `liveness` judges node agents on
 //! our clock (pure), [`election`] decides leadership (pure) and
-//! [`leadership`] runs it, [`writer`] turns decisions into PATCHes and carries them out,
+//! `leadership` runs it, [`writer`] turns decisions into PATCHes and carries them out,
 //! [`kube_edge`] is the API (watch caches, requests, Events), [`endpoints`]
 //! says which nodes have a ready endpoint of a Service. Every replica
 //! watches and decides; only the leader writes.
 
-pub mod deletions;
+pub(crate) mod deletions;
 pub mod election;
 pub mod endpoints;
-pub mod failover;
+pub(crate) mod failover;
 mod heap;
 pub mod kube_edge;
-pub mod lan_verdict;
-pub mod leadership;
-pub mod liveness;
-pub mod networks;
-pub mod placement;
+pub(crate) mod lan_verdict;
+pub(crate) mod leadership;
+pub(crate) mod liveness;
+pub(crate) mod networks;
+pub(crate) mod placement;
 pub mod reconcile;
-pub mod service_health;
-pub mod stats;
-pub mod watches;
+pub(crate) mod service_health;
+pub(crate) mod stats;
+pub(crate) mod watches;
 pub mod writer;
 
 use std::collections::{BTreeSet, HashMap};
@@ -80,11 +80,11 @@ pub struct Options {
     /// holds no address.
     pub node_stale_after: Duration,
     /// No heartbeat change from any node for this long: the watch, not the
-    /// nodes, is suspect ([`liveness`]).
+    /// nodes, is suspect (`liveness`).
     pub watch_quiet_after: Duration,
     /// A lease reported FAILED, or GUARDED, for this long makes its node
     /// one to avoid for that Service for `service_avoid_for`
-    /// ([`service_health`]).
+    /// (`service_health`).
     pub service_failed_after: Duration,
     pub service_guarded_after: Duration,
     pub service_avoid_for: Duration,
@@ -150,7 +150,6 @@ pub async fn run(opts: Options, notifier: Arc<dyn Notifier>) -> Result<(), Contr
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let liveness = Liveness::default();
     let stats = Arc::new(Mutex::new(Stats {
-        identity: opts.identity.clone(),
         ..Default::default()
     }));
     let failover = stats::failover_histogram();
@@ -928,7 +927,7 @@ fn objects_from(
 }
 
 /// The controller's `STATUS=` line before it is connected.
-pub fn summary(cluster: &ClusterState) -> String {
+pub(crate) fn summary(cluster: &ClusterState) -> String {
     match cluster {
         ClusterState::Connected {
             server,

@@ -35,7 +35,7 @@ use tokio::time::Instant;
 
 /// How late past two of its stated periods a heartbeat may come and still
 /// be on time: a write's way through a loaded API server.
-pub const ON_TIME_SLACK: Duration = Duration::from_secs(1);
+pub(crate) const ON_TIME_SLACK: Duration = Duration::from_secs(1);
 
 /// One node's last heartbeat as seen.
 #[derive(Debug, Clone)]
@@ -55,15 +55,15 @@ struct Seen {
 
 /// What a node's status says of its heartbeat, besides its value.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Beat {
+pub(crate) struct Beat {
     /// The restart grace it carries (`restartGraceMs`).
-    pub grace: Option<Duration>,
+    pub(crate) grace: Option<Duration>,
     /// How often it says it writes (`heartbeatPeriodMs`).
-    pub period: Option<Duration>,
+    pub(crate) period: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
-pub struct Liveness {
+pub(crate) struct Liveness {
     stale_after: Duration,
     quiet_after: Duration,
     seen: BTreeMap<String, Seen>,
@@ -77,7 +77,7 @@ pub struct Liveness {
 
 impl Liveness {
     /// `quiet_after` is clamped to at most `stale_after`.
-    pub fn new(stale_after: Duration, quiet_after: Duration) -> Liveness {
+    pub(crate) fn new(stale_after: Duration, quiet_after: Duration) -> Liveness {
         Liveness {
             stale_after,
             quiet_after: quiet_after.min(stale_after),
@@ -88,13 +88,14 @@ impl Liveness {
     }
 
     /// Records the heartbeat `node` reports now (`None`: it reports none).
-    pub fn observe(&mut self, node: &str, heartbeat: Option<&str>, now: Instant) {
+    #[cfg(test)]
+    pub(crate) fn observe(&mut self, node: &str, heartbeat: Option<&str>, now: Instant) {
         self.observe_status(node, heartbeat, Beat::default(), now)
     }
 
     /// [`observe`](Self::observe), with what else the node's status says of
     /// its heartbeat.
-    pub fn observe_status(
+    pub(crate) fn observe_status(
         &mut self,
         node: &str,
         heartbeat: Option<&str>,
@@ -158,13 +159,13 @@ impl Liveness {
 
     /// When `node`'s heartbeat last changed (first seen with its value),
     /// on this controller's clock.
-    pub fn last_change(&self, node: &str) -> Option<Instant> {
+    pub(crate) fn last_change(&self, node: &str) -> Option<Instant> {
         self.seen.get(node).map(|s| s.at)
     }
 
     /// Whether `node`'s heartbeat changed within the staleness bound (or
     /// the watch is too quiet to tell).
-    pub fn fresh(&self, node: &str, now: Instant) -> bool {
+    pub(crate) fn fresh(&self, node: &str, now: Instant) -> bool {
         self.seen
             .get(node)
             .is_some_and(|s| now.saturating_duration_since(s.at) < s.bound || self.quiet(now))
@@ -174,7 +175,7 @@ impl Liveness {
     /// and [`ON_TIME_SLACK`] (or the watch is too quiet to tell): what it
     /// reports of other nodes is its present view. A node that states no
     /// period is on time while it is fresh.
-    pub fn on_time(&self, node: &str, now: Instant) -> bool {
+    pub(crate) fn on_time(&self, node: &str, now: Instant) -> bool {
         self.seen
             .get(node)
             .is_some_and(|s| now.saturating_duration_since(s.at) < s.on_time || self.quiet(now))
@@ -187,14 +188,14 @@ impl Liveness {
     /// off from the API server for long is fresh and on time to it for a
     /// while; the fault soak saw a new leader give such a node a Service it
     /// could not read. Placement prefers the nodes that have written.
-    pub fn written(&self, node: &str) -> bool {
+    pub(crate) fn written(&self, node: &str) -> bool {
         self.seen.get(node).is_some_and(|s| s.written)
     }
 
     /// Whether `node`'s agent said it is restarting and that grace has not
     /// run out, whether or not its next run has written since: its LAN
     /// membership is down on purpose until the next run's is heard.
-    pub fn restarting(&self, node: &str, now: Instant) -> bool {
+    pub(crate) fn restarting(&self, node: &str, now: Instant) -> bool {
         self.restart_until
             .get(node)
             .is_some_and(|until| now < *until)
@@ -202,7 +203,8 @@ impl Liveness {
 
     /// Eligible to hold addresses: the agent says it is ready, and its
     /// heartbeat is fresh.
-    pub fn eligible(&self, node: &str, ready: bool, now: Instant) -> bool {
+    #[cfg(test)]
+    pub(crate) fn eligible(&self, node: &str, ready: bool, now: Instant) -> bool {
         ready && self.fresh(node, now)
     }
 
@@ -210,17 +212,17 @@ impl Liveness {
     /// slow for the staleness bound: less than two heartbeats fit in it, so
     /// one late write would make a live node look dead. `None` (an agent
     /// that does not say) is taken as fitting.
-    pub fn too_slow(&self, period: Option<Duration>) -> bool {
+    pub(crate) fn too_slow(&self, period: Option<Duration>) -> bool {
         period.is_some_and(|p| p.saturating_mul(2) > self.stale_after)
     }
 
-    pub fn stale_after(&self) -> Duration {
+    pub(crate) fn stale_after(&self) -> Duration {
         self.stale_after
     }
 
     /// The next moment a node now fresh turns stale, or one now on time
     /// turns late, if nothing changes: when to decide again without news.
-    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self, now: Instant) -> Option<Instant> {
         self.seen
             .values()
             .flat_map(|s| [s.at + s.on_time, s.at + s.bound])
@@ -229,7 +231,7 @@ impl Liveness {
     }
 
     /// Forgets the nodes not in `keep` (their objects are gone).
-    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+    pub(crate) fn retain(&mut self, keep: impl Fn(&str) -> bool) {
         self.seen.retain(|n, _| keep(n));
         self.restart_until.retain(|n, _| keep(n));
     }

@@ -21,13 +21,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use hna_contract::{Annotations, harvester, kube_vip};
 
 /// Where the map lives.
-pub const CONFIG_MAP_NAMESPACE: &str = "kube-system";
-pub const CONFIG_MAP_NAME: &str = "harvester-nad-mapping";
-pub const CONFIG_MAP_KEY: &str = "interface-nad-mapping";
+pub(crate) const CONFIG_MAP_NAMESPACE: &str = "kube-system";
+pub(crate) const CONFIG_MAP_NAME: &str = "harvester-nad-mapping";
+pub(crate) const CONFIG_MAP_KEY: &str = "interface-nad-mapping";
 
 /// What the controller knows of the map.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum NetworkMap {
+pub(crate) enum NetworkMap {
     /// Not listed yet: Services naming a network wait, unrefused.
     #[default]
     Unknown,
@@ -41,7 +41,7 @@ pub enum NetworkMap {
 
 impl NetworkMap {
     /// The map from the ConfigMap's data value (`None`: the key is absent).
-    pub fn parse(value: Option<&str>) -> NetworkMap {
+    pub(crate) fn parse(value: Option<&str>) -> NetworkMap {
         let Some(text) = value.map(str::trim).filter(|t| !t.is_empty()) else {
             return NetworkMap::Known(BTreeMap::new());
         };
@@ -61,7 +61,7 @@ impl NetworkMap {
 
 /// Why a Service has no uplink yet.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NoUplink {
+pub(crate) enum NoUplink {
     /// The map has not been read yet.
     Wait,
     /// Refused; the message says what to fix.
@@ -75,7 +75,7 @@ pub enum NoUplink {
 /// the nodes report, their configured or default-route interface). Any
 /// other (a CNI bridge, a Pod's veth, a storage NIC) is refused: it is a
 /// tenant's annotation, and the agent runs as root.
-pub fn uplink_of(
+pub(crate) fn uplink_of(
     annotations: &Annotations,
     map: &NetworkMap,
     node_uplinks: &BTreeSet<String>,

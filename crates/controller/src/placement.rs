@@ -14,25 +14,26 @@ use hna_contract::ServiceKey;
 
 /// A Service that needs a holder.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ServiceNeed {
-    pub key: ServiceKey,
-    pub uid: String,
+pub(crate) struct ServiceNeed {
+    pub(crate) key: ServiceKey,
+    pub(crate) uid: String,
     /// Only these nodes may hold it (`externalTrafficPolicy: Local`: those
     /// with a ready endpoint); `None`: any eligible node.
-    pub only: Option<BTreeSet<String>>,
+    pub(crate) only: Option<BTreeSet<String>>,
     /// Nodes that could not serve it lately (`controller::service_health`):
     /// left for another node while there is one, never chosen before one.
-    pub avoid: BTreeSet<String>,
+    pub(crate) avoid: BTreeSet<String>,
 }
 
 /// Services to holders (`None`: no eligible node).
-pub type Placement = BTreeMap<ServiceKey, Option<String>>;
+pub(crate) type Placement = BTreeMap<ServiceKey, Option<String>>;
 
 /// `eligible`: the nodes that may hold addresses now (agent alive,
 /// macvlan ready); of those, `keep_only` keep what they hold and are given
 /// nothing new (cut off from the API server, they would not read it).
 /// `current`: the holders recorded so far.
-pub fn place(
+#[cfg(test)]
+pub(crate) fn place(
     services: &[ServiceNeed],
     eligible: &[String],
     keep_only: &BTreeSet<String>,
@@ -44,7 +45,7 @@ pub fn place(
 /// [`place`], where the nodes in `unproven` (not yet seen writing by this
 /// controller: `NodeIn::unproven`) are given a new Service only when no
 /// other node can take it, as if they held more than any other.
-pub fn place_with(
+pub(crate) fn place_with(
     services: &[ServiceNeed],
     eligible: &[String],
     keep_only: &BTreeSet<String>,

@@ -48,19 +48,19 @@ const UNREAD: &str = "UNREAD";
 /// it: a node cut off from the API server looks fresh for up to the
 /// staleness bound (its heartbeat is a 10 s backstop), and a Service given
 /// to it meanwhile would wait unserved (the fault soak: 24 s and 48 s).
-pub const UNREAD_AFTER: Duration = Duration::from_secs(3);
+pub(crate) const UNREAD_AFTER: Duration = Duration::from_secs(3);
 
 /// The nodes to avoid per Service (`namespace/name`).
-pub type Avoid = BTreeMap<String, BTreeSet<String>>;
+pub(crate) type Avoid = BTreeMap<String, BTreeSet<String>>;
 
 /// One node object as [`ServiceHealth::observe`] reads it.
 #[derive(Debug, Clone, Copy)]
-pub struct Report<'a> {
-    pub node: &'a str,
-    pub spec: &'a Spec,
+pub(crate) struct Report<'a> {
+    pub(crate) node: &'a str,
+    pub(crate) spec: &'a Spec,
     /// The object's `metadata.generation` (its spec's version).
-    pub generation: Option<i64>,
-    pub status: &'a Status,
+    pub(crate) generation: Option<i64>,
+    pub(crate) status: &'a Status,
 }
 
 /// Without a generation: the listing rule alone. For the tests, which
@@ -78,7 +78,7 @@ impl<'a> From<(&'a str, &'a Spec, &'a Status)> for Report<'a> {
 }
 
 #[derive(Debug, Clone)]
-pub struct ServiceHealth {
+pub(crate) struct ServiceHealth {
     failed_after: Duration,
     guarded_after: Duration,
     avoid_for: Duration,
@@ -98,7 +98,11 @@ pub struct ServiceHealth {
 }
 
 impl ServiceHealth {
-    pub fn new(failed_after: Duration, guarded_after: Duration, avoid_for: Duration) -> Self {
+    pub(crate) fn new(
+        failed_after: Duration,
+        guarded_after: Duration,
+        avoid_for: Duration,
+    ) -> Self {
         ServiceHealth {
             failed_after,
             guarded_after,
@@ -118,7 +122,7 @@ impl ServiceHealth {
     /// the view moves again. The fault soak saw Services moved off nodes
     /// that served them, on a view 16 s old whose unlisted assignments and
     /// guarded leases had aged through an outage.
-    pub fn observe<'a, R: Into<Report<'a>>>(
+    pub(crate) fn observe<'a, R: Into<Report<'a>>>(
         &mut self,
         reports: impl IntoIterator<Item = R>,
         now: Instant,
@@ -202,7 +206,7 @@ impl ServiceHealth {
 
     /// The next time the verdict changes by time alone: a report turning
     /// unhealthy, or an avoidance running out.
-    pub fn next_deadline(&self) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
         let turning = self.since.iter().map(|(k, (state, at))| {
             if self.avoided.contains_key(k) {
                 return None;

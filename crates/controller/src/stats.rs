@@ -14,32 +14,31 @@ use hna_edges::metrics::exposition::{Labels, counter, counters, flag, gauge, gau
 use crate::reconcile::{EventOut, EventType, Summary};
 
 #[derive(Debug, Default, Clone)]
-pub struct Stats {
-    pub leader: bool,
-    pub identity: String,
+pub(crate) struct Stats {
+    pub(crate) leader: bool,
     /// The Lease holder as last read (when following).
-    pub holder: Option<String>,
-    pub connected: bool,
+    pub(crate) holder: Option<String>,
+    pub(crate) connected: bool,
     /// The watch caches hold a first complete list.
-    pub synced: bool,
-    pub summary: Summary,
-    pub writes: BTreeMap<&'static str, u64>,
-    pub write_errors: u64,
+    pub(crate) synced: bool,
+    pub(crate) summary: Summary,
+    pub(crate) writes: BTreeMap<&'static str, u64>,
+    pub(crate) write_errors: u64,
     /// Writes held back while their object waits out its backoff.
-    pub writes_deferred: u64,
+    pub(crate) writes_deferred: u64,
     /// Objects whose writes wait out a backoff now.
-    pub objects_backing_off: u64,
-    pub watch_errors: u64,
+    pub(crate) objects_backing_off: u64,
+    pub(crate) watch_errors: u64,
     /// Warning Events published, by reason.
-    pub refusals: BTreeMap<&'static str, u64>,
-    pub reconciles: u64,
+    pub(crate) refusals: BTreeMap<&'static str, u64>,
+    pub(crate) reconciles: u64,
     /// Wake-ups that found the inputs of the last settled pass unchanged.
-    pub skipped: u64,
-    pub last_error: Option<String>,
+    pub(crate) skipped: u64,
+    pub(crate) last_error: Option<String>,
 }
 
 impl Stats {
-    pub fn count_events<'a>(&mut self, published: impl IntoIterator<Item = &'a EventOut>) {
+    pub(crate) fn count_events<'a>(&mut self, published: impl IntoIterator<Item = &'a EventOut>) {
         for e in published {
             if e.type_ == EventType::Warning {
                 *self.refusals.entry(e.reason).or_default() += 1;
@@ -48,7 +47,7 @@ impl Stats {
     }
 
     /// The `STATUS=` line.
-    pub fn status_line(&self) -> String {
+    pub(crate) fn status_line(&self) -> String {
         if !self.connected {
             return "controller: not connected to the cluster".into();
         }
@@ -76,7 +75,7 @@ impl Stats {
 
     /// The controller's families (`hna_controller_*`), written at each
     /// scrape from the stats as they are.
-    pub fn encode(&self, e: &mut DescriptorEncoder) -> fmt::Result {
+    pub(crate) fn encode(&self, e: &mut DescriptorEncoder) -> fmt::Result {
         gauge(
             e,
             "hna_controller_leader",
@@ -172,14 +171,14 @@ impl Stats {
 /// Where the reconcile loop reports: the stats, and the failover
 /// histogram (observed by the leader).
 #[derive(Debug, Clone)]
-pub struct Reports {
-    pub stats: Arc<Mutex<Stats>>,
-    pub failover: Histogram,
+pub(crate) struct Reports {
+    pub(crate) stats: Arc<Mutex<Stats>>,
+    pub(crate) failover: Histogram,
 }
 
 /// The stats, read at each scrape.
 #[derive(Debug)]
-pub struct StatsCollector(pub Arc<Mutex<Stats>>);
+pub(crate) struct StatsCollector(pub Arc<Mutex<Stats>>);
 
 impl Collector for StatsCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
@@ -190,7 +189,7 @@ impl Collector for StatsCollector {
 
 /// The controller's `/metrics`: its stats, the failover histogram, the API
 /// latency and the `process_*` metrics.
-pub fn registry(stats: Arc<Mutex<Stats>>, failover: Histogram) -> Registry {
+pub(crate) fn registry(stats: Arc<Mutex<Stats>>, failover: Histogram) -> Registry {
     let mut r = Registry::default();
     r.register_collector(Box::new(StatsCollector(stats)));
     r.register_with_unit(
@@ -206,7 +205,7 @@ pub fn registry(stats: Arc<Mutex<Stats>>, failover: Histogram) -> Registry {
 /// Buckets for [`registry`]'s failover histogram: the detection (the
 /// node's staleness bound, 10 s by default, or its LAN witnesses' word,
 /// about 2 s) plus the takeover guard and DHCP.
-pub fn failover_histogram() -> Histogram {
+pub(crate) fn failover_histogram() -> Histogram {
     Histogram::new([
         1.0, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
     ])

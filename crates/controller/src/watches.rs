@@ -20,7 +20,7 @@ use tokio::sync::Notify;
 /// wake-up, where a sorted `(uid, resourceVersion)` list of 10,000 Services
 /// cost milliseconds each time.
 #[derive(Debug, Clone, Default)]
-pub struct Generation {
+pub(crate) struct Generation {
     count: Arc<AtomicU64>,
     /// Set by an error of the watch, cleared once it is current again (a
     /// new list complete, or an event of a running watch).
@@ -28,7 +28,7 @@ pub struct Generation {
 }
 
 impl Generation {
-    pub fn get(&self) -> u64 {
+    pub(crate) fn get(&self) -> u64 {
         self.count.load(Ordering::Acquire)
     }
 
@@ -40,22 +40,22 @@ impl Generation {
     /// last complete list. A failed watch leaves the cache as it was, and
     /// it stays so until a new list is complete (after an API server
     /// outage, for as long as the outage and the list take).
-    pub fn current(&self) -> bool {
+    pub(crate) fn current(&self) -> bool {
         !self.behind.load(Ordering::Acquire)
     }
 }
 
 /// Every watch ends server-side before the client's read timeout: a quiet
 /// Service or Node watch is normal, not an error.
-pub fn watch_config() -> watcher::Config {
+pub(crate) fn watch_config() -> watcher::Config {
     watcher::Config::default().timeout(hna_edges::cluster::credentials::WATCH_TIMEOUT_SECS)
 }
 
 /// How a watch tells that its cache changed: its generation moves, then
 /// the reconcile loop wakes.
-pub struct Changed {
-    pub generation: Generation,
-    pub wake: Arc<Notify>,
+pub(crate) struct Changed {
+    pub(crate) generation: Generation,
+    pub(crate) wake: Arc<Notify>,
 }
 
 impl Changed {
@@ -71,7 +71,7 @@ impl Changed {
     }
 }
 
-pub fn spawn_watch<K>(
+pub(crate) fn spawn_watch<K>(
     tasks: &mut tokio::task::JoinSet<()>,
     what: &'static str,
     writer: reflector::store::Writer<K>,

@@ -1,6 +1,6 @@
 //! From a plan's writes to API requests, and carrying them out in order.
 //!
-//! [`requests`] is pure: which object, which subresource and which kind of
+//! `requests` is pure: which object, which subresource and which kind of
 //! PATCH each write is (Services are only ever PATCHed, never replaced;
 //! finalizers are appended and removed by strategic merge, so other
 //! controllers' finalizers stay). [`execute`] sends them through
@@ -8,7 +8,7 @@
 //! the moment leadership lapses, and skips a Service's later writes when
 //! an earlier one for it failed (its status before its annotations, its
 //! release before its finalizer); a node's spec write then goes without
-//! that Service's changes ([`Write::without`]).
+//! that Service's changes (`Write::without`).
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -21,7 +21,7 @@ use hna_contract::{self, FINALIZER, ServiceKey};
 
 /// The kinds of object the controller writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Kind {
+pub(crate) enum Kind {
     Service,
     LoadBalancerNode,
     Role,
@@ -29,7 +29,7 @@ pub enum Kind {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PatchKind {
+pub(crate) enum PatchKind {
     /// `application/merge-patch+json`
     Merge,
     /// `application/strategic-merge-patch+json`
@@ -39,7 +39,7 @@ pub enum PatchKind {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum Verb {
+pub(crate) enum Verb {
     /// 409 AlreadyExists counts as done.
     Create(Value),
     Patch(PatchKind, Value),
@@ -49,22 +49,22 @@ pub enum Verb {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Request {
-    pub kind: Kind,
-    pub namespace: String,
-    pub name: String,
-    pub subresource: Option<&'static str>,
-    pub verb: Verb,
+    pub(crate) kind: Kind,
+    pub(crate) namespace: String,
+    pub(crate) name: String,
+    pub(crate) subresource: Option<&'static str>,
+    pub(crate) verb: Verb,
 }
 
 /// Why a request failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct SendError {
-    pub message: String,
+    pub(crate) message: String,
     /// The precondition did not hold (409): the object changed since the
     /// plan was decided; the watch brings the change and a new plan. Not a
     /// reason to back off.
-    pub conflict: bool,
+    pub(crate) conflict: bool,
 }
 
 impl From<&str> for SendError {
@@ -153,7 +153,7 @@ fn service(key: &ServiceKey, subresource: Option<&'static str>, verb: Verb) -> R
 /// The Role that lets `system:node:<node>` read its own object and write
 /// its status, and read the LAN membership's key, and nothing else; and
 /// the RoleBinding granting it.
-pub fn node_access(namespace: &str, node: &str) -> [Request; 2] {
+pub(crate) fn node_access(namespace: &str, node: &str) -> [Request; 2] {
     let name = node_object::role_name(node);
     let labels = json!({"app.kubernetes.io/managed-by": FIELD_MANAGER});
     let role = json!({
@@ -216,7 +216,7 @@ fn node_object_body(namespace: &str, node: &str, spec: &Spec) -> Value {
 }
 
 /// The requests that carry out `w`, in order.
-pub fn requests(namespace: &str, w: &Write) -> Vec<Request> {
+pub(crate) fn requests(namespace: &str, w: &Write) -> Vec<Request> {
     let node_req = |kind, name: &str, subresource, verb| Request {
         kind,
         namespace: namespace.to_string(),
@@ -297,7 +297,7 @@ pub fn requests(namespace: &str, w: &Write) -> Vec<Request> {
 }
 
 /// Identifies what a write changes, for [`WriteMemo`].
-pub fn target(w: &Write) -> String {
+pub(crate) fn target(w: &Write) -> String {
     match w {
         Write::AddFinalizer(k) | Write::RemoveFinalizer(k) => format!("service/{k}"),
         Write::ServiceAnnotations { service, .. } => format!("service/{service}"),
@@ -316,7 +316,7 @@ pub fn target(w: &Write) -> String {
 /// resourceVersion is the one the write was decided on; any change to the
 /// object (ours arriving, or someone else's) makes the write count again.
 #[derive(Debug, Default)]
-pub struct WriteMemo {
+pub(crate) struct WriteMemo {
     sent: BTreeMap<String, (String, String)>,
 }
 
@@ -326,26 +326,26 @@ impl WriteMemo {
     }
 
     /// Whether `w` was sent while the target was at `version`.
-    pub fn already_sent(&self, w: &Write, version: &str) -> bool {
+    pub(crate) fn already_sent(&self, w: &Write, version: &str) -> bool {
         let (t, payload) = Self::key(w);
         self.sent
             .get(&format!("{t}#{payload}"))
             .is_some_and(|(v, _)| v == version)
     }
 
-    pub fn record(&mut self, w: &Write, version: &str) {
+    pub(crate) fn record(&mut self, w: &Write, version: &str) {
         let (t, payload) = Self::key(w);
         self.sent
             .insert(format!("{t}#{payload}"), (version.to_string(), t));
     }
 
     /// Forgets entries whose target is at another version now.
-    pub fn prune(&mut self, version_of: impl Fn(&str) -> Option<String>) {
+    pub(crate) fn prune(&mut self, version_of: impl Fn(&str) -> Option<String>) {
         self.sent
             .retain(|_, (v, t)| version_of(t).as_deref() == Some(v.as_str()));
     }
 
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.sent.clear();
     }
 }
@@ -358,35 +358,35 @@ impl WriteMemo {
 /// `failurePolicy: Fail`, or a policy that refuses one node's Role, stops
 /// the writes it refuses and nothing else (issue #29).
 #[derive(Debug, Default)]
-pub struct WriteBackoff {
+pub(crate) struct WriteBackoff {
     /// Target (as [`target`] names it): failures in a row, and when the
     /// next write to it may go.
     failing: BTreeMap<String, (u32, tokio::time::Instant)>,
 }
 
 impl WriteBackoff {
-    pub const FIRST: std::time::Duration = std::time::Duration::from_secs(1);
-    pub const MAX: std::time::Duration = std::time::Duration::from_secs(30);
+    pub(crate) const FIRST: std::time::Duration = std::time::Duration::from_secs(1);
+    pub(crate) const MAX: std::time::Duration = std::time::Duration::from_secs(30);
 
     /// At most this many writes that failed before are tried again in one
     /// pass: with a webhook refusing every Service write, thousands of
     /// waiting objects must not become hundreds of refused requests a
     /// second. Writes that never failed (a failover's) are not counted.
-    pub const RETRIES_PER_PASS: usize = 16;
+    pub(crate) const RETRIES_PER_PASS: usize = 16;
 
     /// Whether a write to `target` may go at `now`.
-    pub fn ready(&self, target: &str, now: tokio::time::Instant) -> bool {
+    pub(crate) fn ready(&self, target: &str, now: tokio::time::Instant) -> bool {
         self.failing.get(target).is_none_or(|(_, at)| *at <= now)
     }
 
     /// Whether a write to `target` failed before (and has not gone
     /// through since).
-    pub fn is_retry(&self, target: &str) -> bool {
+    pub(crate) fn is_retry(&self, target: &str) -> bool {
         self.failing.contains_key(target)
     }
 
     /// A write to `target` failed at `now`: the wait doubles, jittered.
-    pub fn failed(&mut self, target: &str, now: tokio::time::Instant) {
+    pub(crate) fn failed(&mut self, target: &str, now: tokio::time::Instant) {
         let n = self.failing.get(target).map_or(0, |(n, _)| *n);
         let base = Self::FIRST.saturating_mul(1u32 << n.min(16)).min(Self::MAX);
         let jitter = base.mul_f64(0.75 + fastrand::f64() * 0.5);
@@ -395,12 +395,12 @@ impl WriteBackoff {
     }
 
     /// A write to `target` went through: no more waiting.
-    pub fn succeeded(&mut self, target: &str) {
+    pub(crate) fn succeeded(&mut self, target: &str) {
         self.failing.remove(target);
     }
 
     /// When the earliest waiting write may go: when to decide again.
-    pub fn next_retry(&self, now: tokio::time::Instant) -> Option<tokio::time::Instant> {
+    pub(crate) fn next_retry(&self, now: tokio::time::Instant) -> Option<tokio::time::Instant> {
         self.failing
             .values()
             .map(|(_, at)| *at)
@@ -409,11 +409,11 @@ impl WriteBackoff {
     }
 
     /// How many objects wait.
-    pub fn waiting(&self) -> usize {
+    pub(crate) fn waiting(&self) -> usize {
         self.failing.len()
     }
 
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.failing.clear();
     }
 }
@@ -421,13 +421,13 @@ impl WriteBackoff {
 /// Events already published in this leader term: an Event says what
 /// changed, so the same (object, reason, message) is told once.
 #[derive(Debug, Default)]
-pub struct EventMemo {
+pub(crate) struct EventMemo {
     seen: HashSet<(ServiceKey, String, &'static str, String)>,
 }
 
 impl EventMemo {
     /// True the first time (and records it).
-    pub fn first_time(&mut self, e: &EventOut) -> bool {
+    pub(crate) fn first_time(&mut self, e: &EventOut) -> bool {
         self.seen.insert((
             e.service.clone(),
             e.uid.clone(),
@@ -437,11 +437,11 @@ impl EventMemo {
     }
 
     /// Forgets the Services that are gone.
-    pub fn retain(&mut self, exists: impl Fn(&ServiceKey, &str) -> bool) {
+    pub(crate) fn retain(&mut self, exists: impl Fn(&ServiceKey, &str) -> bool) {
         self.seen.retain(|(k, uid, _, _)| exists(k, uid));
     }
 
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.seen.clear();
     }
 }
@@ -450,36 +450,36 @@ impl EventMemo {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Outcome {
     /// Successful writes by [`Write::kind`].
-    pub writes: BTreeMap<&'static str, u64>,
+    pub(crate) writes: BTreeMap<&'static str, u64>,
     /// Events published.
-    pub published: Vec<EventOut>,
+    pub(crate) published: Vec<EventOut>,
     /// Failures, in words.
     pub errors: Vec<String>,
     /// Writes skipped: an earlier write for the same Service failed.
-    pub skipped: u64,
+    pub(crate) skipped: u64,
     /// Writes held back: their object waits out its [`WriteBackoff`].
-    pub deferred: u64,
+    pub(crate) deferred: u64,
     /// Leadership lapsed before everything was written.
-    pub stopped: bool,
+    pub(crate) stopped: bool,
     /// Writes refused because their object changed since the plan (a
     /// precondition); the next plan redoes them. Not in `errors`.
     pub conflicts: u64,
     /// The nodes whose Role and RoleBinding were applied.
-    pub access_ensured: BTreeSet<String>,
+    pub(crate) access_ensured: BTreeSet<String>,
 }
 
 /// What [`execute`] keeps between passes.
 #[derive(Debug, Default)]
 pub struct Memory {
-    pub writes: WriteMemo,
-    pub events: EventMemo,
-    pub backoff: WriteBackoff,
+    pub(crate) writes: WriteMemo,
+    pub(crate) events: EventMemo,
+    pub(crate) backoff: WriteBackoff,
 }
 
 impl Memory {
     /// A new leader term: what was sent or told before may have been
     /// undone by another leader since.
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.writes.clear();
         self.events.clear();
         self.backoff.clear();
@@ -491,7 +491,7 @@ impl Memory {
 /// record annotations and Events, during which no other pass ran (issue
 /// #30); all at once, it would be a burst the API server's fairness queues
 /// shed.
-pub const WRITES_IN_FLIGHT: usize = 8;
+pub(crate) const WRITES_IN_FLIGHT: usize = 8;
 
 /// How one write went.
 enum Sent {
@@ -549,14 +549,14 @@ async fn tell<R: Requests>(
 
 /// Carries out `plan` in order. `leading` is asked before every request:
 /// a leader that lost its Lease stops. `version_of(target)` is the
-/// resourceVersion the plan was decided on (for the [`WriteMemo`]). A write
-/// whose object waits out its [`WriteBackoff`] is held back (with the
+/// resourceVersion the plan was decided on (for the `WriteMemo`). A write
+/// whose object waits out its `WriteBackoff` is held back (with the
 /// later writes of its Services), the others go.
 ///
 /// The plan's order is kept between kinds of write (a finalizer before an
 /// assignment, a status before its annotations): the writes of one kind
 /// that follow each other, each to an object of its own, go out together,
-/// [`WRITES_IN_FLIGHT`] at a time, and the next kind waits for them all.
+/// `WRITES_IN_FLIGHT` at a time, and the next kind waits for them all.
 /// The Events go out the same way, last.
 pub async fn execute<R: Requests>(
     namespace: &str,

@@ -55,8 +55,8 @@ pub struct LeaseStatus {
     pub state: State,
     pub address: Option<Ipv4Addr>,
     pub server: Option<Ipv4Addr>,
-    pub routers: Vec<Ipv4Addr>,
-    pub lease_secs: Option<f64>,
+    pub(crate) routers: Vec<Ipv4Addr>,
+    pub(crate) lease_secs: Option<f64>,
     pub t1_secs: Option<f64>,
     pub t2_secs: Option<f64>,
     /// Wall-clock times (Unix milliseconds) of T1, T2 and expiry.
@@ -64,12 +64,12 @@ pub struct LeaseStatus {
     pub t2_at_unix_ms: Option<u64>,
     pub expires_at_unix_ms: Option<u64>,
     pub counters: Counters,
-    pub last_drop: Option<String>,
+    pub(crate) last_drop: Option<String>,
     /// The last failure of the edge (send, address, lease file).
     pub last_error: Option<String>,
     /// The first 32 state changes.
     pub transitions: Vec<Transition>,
-    /// The period of the presence frames ([`Driver::presence`]); `None`:
+    /// The period of the presence frames (`Driver::presence`); `None`:
     /// none are sent.
     #[serde(default)]
     pub presence_every_ms: Option<u64>,
@@ -101,7 +101,7 @@ impl LeaseStatus {
 
 /// How a lease begins.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Begin {
+pub(crate) enum Begin {
     /// No lease to go on: discovery, or INIT-REBOOT for a requested
     /// address (see [`Machine::requesting`]).
     Fresh,
@@ -120,7 +120,7 @@ impl From<Option<Lease>> for Begin {
 
 /// Requests to a running lease.
 #[derive(Debug)]
-pub enum Command {
+pub(crate) enum Command {
     /// Stop; the sender is told when the address is gone (and, for
     /// `Release`, the DHCPRELEASE is sent).
     Stop(StopMode, oneshot::Sender<()>),
@@ -163,7 +163,7 @@ fn to_unix_ms(at: Instant) -> u64 {
 /// whether another host answers for an address: the holder of a Service's
 /// address answers with the Service's MAC, which is this lease's own, so a
 /// probe from the lease's link cannot tell it apart.
-pub type UplinkProbe = Box<
+pub(crate) type UplinkProbe = Box<
     dyn Fn(Ipv4Addr) -> std::pin::Pin<Box<dyn Future<Output = std::io::Result<bool>> + Send>>
         + Send
         + Sync,
@@ -171,7 +171,7 @@ pub type UplinkProbe = Box<
 
 /// An [`UplinkProbe`] that opens `open()` for each probe (a packet socket
 /// only while it is needed: late bindings are rare).
-pub fn probe_through<T: Transport>(
+pub(crate) fn probe_through<T: Transport>(
     open: impl Fn() -> std::io::Result<T> + Send + Sync + 'static,
 ) -> UplinkProbe {
     let open = std::sync::Arc::new(open);
@@ -190,12 +190,12 @@ pub fn probe_through<T: Transport>(
 /// Service's traffic there; each announcement brings it back within this
 /// period (issue #31). One frame each: two a second per address taken,
 /// for half a minute.
-pub const REANNOUNCE_EVERY: Duration = Duration::from_millis(500);
+pub(crate) const REANNOUNCE_EVERY: Duration = Duration::from_millis(500);
 /// See [`REANNOUNCE_EVERY`].
-pub const REANNOUNCE_FOR: Duration = Duration::from_secs(30);
+pub(crate) const REANNOUNCE_FOR: Duration = Duration::from_secs(30);
 
 /// The presence frames' period where a lease asks for them and gives none
-/// ([`Driver::presence`]): with the switch's learning within this of a
+/// (`Driver::presence`): with the switch's learning within this of a
 /// live migration's switchover, the Service's traffic follows within the
 /// issue's 1 s (#31) with room for a late wake-up. Two frames a second
 /// per address, each 60 bytes, to one host.
@@ -205,9 +205,9 @@ pub const PRESENCE_EVERY: Duration = Duration::from_millis(500);
 /// the address on the link: a guard and exchange that took longer (a
 /// process frozen during the guard or between its request and the answer,
 /// a DHCP server slow or down) asks the LAN again first.
-pub const GUARD_FRESH: Duration = Duration::from_secs(1);
+pub(crate) const GUARD_FRESH: Duration = Duration::from_secs(1);
 
-pub struct Driver<T: Transport, A: AddressConfig> {
+pub(crate) struct Driver<T: Transport, A: AddressConfig> {
     name: String,
     machine: Machine,
     transport: T,
@@ -243,7 +243,7 @@ pub struct Driver<T: Transport, A: AddressConfig> {
 }
 
 impl<T: Transport, A: AddressConfig> Driver<T, A> {
-    pub fn new(
+    pub(crate) fn new(
         name: &str,
         machine: Machine,
         transport: T,
@@ -281,7 +281,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
     }
 
     /// See [`AcquiredHook`].
-    pub fn on_acquired(mut self, hook: Option<AcquiredHook>) -> Self {
+    pub(crate) fn on_acquired(mut self, hook: Option<AcquiredHook>) -> Self {
         self.on_acquired = hook;
         self
     }
@@ -296,7 +296,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
     /// guest announce (e1000-family) the switches would otherwise send the
     /// Service's traffic to the old port until the host sends from its MAC
     /// (issue #31). `None`: no presence frames.
-    pub fn presence(mut self, every: Option<Duration>) -> Self {
+    pub(crate) fn presence(mut self, every: Option<Duration>) -> Self {
         self.presence_every = every.filter(|d| !d.is_zero());
         let ms = self.presence_every.map(|d| d.as_millis() as u64);
         self.status.send_modify(|s| s.presence_every_ms = ms);
@@ -309,14 +309,14 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
     /// uplink cannot be asked), the address is not configured and the
     /// lease ends `EXPIRED`, to be started again through the takeover
     /// guard. Without it every binding is configured at once.
-    pub fn with_uplink_check(mut self, probe: UplinkProbe) -> Self {
+    pub(crate) fn with_uplink_check(mut self, probe: UplinkProbe) -> Self {
         self.uplink = Some(probe);
         self
     }
 
     /// When the caller's takeover guard began asking (see
     /// [`LeaseConfig::guarded_at`](super::lease_engine::LeaseConfig::guarded_at)).
-    pub fn guarded_at(mut self, at: Option<Instant>) -> Self {
+    pub(crate) fn guarded_at(mut self, at: Option<Instant>) -> Self {
         self.guarded_at = at;
         self
     }
@@ -344,7 +344,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
 
     /// Runs until stopped. A dropped command channel counts as a handover
     /// stop: without an explicit "no longer wanted", nothing is released.
-    pub async fn run(mut self, begin: Begin, mut cmds: mpsc::Receiver<Command>) {
+    pub(crate) async fn run(mut self, begin: Begin, mut cmds: mpsc::Receiver<Command>) {
         self.started = Instant::now();
         self.files = self
             .store

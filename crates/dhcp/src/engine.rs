@@ -144,13 +144,13 @@ impl Engine<Netlink> {
         Ok(Engine::with_links(nl, store))
     }
 
-    pub fn netlink(&self) -> &Netlink {
+    pub(crate) fn netlink(&self) -> &Netlink {
         &self.links
     }
 }
 
 impl<L: Links> Engine<L> {
-    pub fn with_links(links: L, store: Option<Store>) -> Engine<L> {
+    pub(crate) fn with_links(links: L, store: Option<Store>) -> Engine<L> {
         Engine {
             links,
             store,
@@ -166,8 +166,8 @@ impl<L: Links> Engine<L> {
         self
     }
 
-    /// Every start also applies [`Ipv4Conf::VIP_LINK`] to the lease's
-    /// macvlan and [`Ipv4Conf::UPLINK`] to its uplink (only to those: no
+    /// Every start also applies `Ipv4Conf::VIP_LINK` to the lease's
+    /// macvlan and `Ipv4Conf::UPLINK` to its uplink (only to those: no
     /// other interface is touched). The daemon's engine does; `dhcp-probe`,
     /// a throwaway lease, leaves the node's settings alone.
     pub fn tuning_ipv4(mut self) -> Self {
@@ -175,7 +175,7 @@ impl<L: Links> Engine<L> {
         self
     }
 
-    /// Makes (or reuses, see [`Netlink::ensure_macvlan`]) the macvlan,
+    /// Makes (or reuses, see `Netlink::ensure_macvlan`) the macvlan,
     /// opens its packet socket and starts the lease: adopted (BOUND, no
     /// message sent) when a lease file for the same MAC holds a lease that
     /// is still valid and the reused link still carries its address (a
@@ -284,7 +284,7 @@ impl<L: Links> Engine<L> {
     /// one), nothing is sent, lease files are kept, the links stay. For a
     /// daemon that restarts: its next run adopts them. Starts under way
     /// are waited for.
-    pub async fn detach_all(&self, keep_for: Duration) -> Vec<EngineError> {
+    pub(crate) async fn detach_all(&self, keep_for: Duration) -> Vec<EngineError> {
         let names: Vec<String> = lock(&self.table).keys().cloned().collect();
         let mut errors = Vec::new();
         for name in names {
@@ -335,7 +335,7 @@ impl<L: Links> Engine<L> {
     /// See [`LeaseEngine::answered`]: an RFC 5227 probe on the uplink
     /// itself. Any ARP naming `addr` as its sender from another MAC (a
     /// reply, an announcement) or another host's probe for it counts.
-    pub async fn answered(
+    pub(crate) async fn answered(
         &self,
         parent: &str,
         addr: Ipv4Addr,
@@ -366,7 +366,7 @@ impl<L: Links> Engine<L> {
     }
 
     /// See [`LeaseEngine::hears`].
-    pub async fn hears(
+    pub(crate) async fn hears(
         &self,
         parent: &str,
         witness: Ipv4Addr,
@@ -413,7 +413,7 @@ impl<L: Links> Engine<L> {
     }
 
     /// Gratuitous ARP for a lease now (takeover).
-    pub async fn announce(&self, name: &str) -> Result<(), EngineError> {
+    pub(crate) async fn announce(&self, name: &str) -> Result<(), EngineError> {
         let tx = match lock(&self.table).get(name) {
             Some(Slot::Running(r)) => r.cmds.clone(),
             _ => return Err(EngineError::Unknown(name.into())),
@@ -435,7 +435,7 @@ impl<L: Links> Engine<L> {
     /// Deletes every macvlan named `prefix...` that is not in `keep` and
     /// not held by a lease of this engine, without DHCPRELEASE (lease files
     /// stay). Links of other kinds are never touched, whatever their name.
-    pub async fn sweep(&self, prefix: &str, keep: &BTreeSet<String>) -> SweepReport {
+    pub(crate) async fn sweep(&self, prefix: &str, keep: &BTreeSet<String>) -> SweepReport {
         let mut report = SweepReport::default();
         let links = match self.links.links().await {
             Ok(l) => l,

@@ -56,8 +56,8 @@ pub enum Call {
 /// A macvlan as the fake sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FakeLink {
-    pub parent: String,
-    pub mac: [u8; 6],
+    pub(crate) parent: String,
+    pub(crate) mac: [u8; 6],
 }
 
 struct FakeLease {

@@ -11,11 +11,12 @@
 use std::net::Ipv4Addr;
 
 /// IPv4 header without options + UDP header.
-pub const IP_UDP_LEN: usize = 28;
-pub const CLIENT_PORT: u16 = 68;
-pub const SERVER_PORT: u16 = 67;
+#[cfg(test)]
+pub(crate) const IP_UDP_LEN: usize = 28;
+pub(crate) const CLIENT_PORT: u16 = 68;
+pub(crate) const SERVER_PORT: u16 = 67;
 /// ARP body for Ethernet/IPv4.
-pub const ARP_LEN: usize = 28;
+pub(crate) const ARP_LEN: usize = 28;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
@@ -69,7 +70,7 @@ fn pseudo(src: Ipv4Addr, dst: Ipv4Addr, udp_len: usize) -> u32 {
 }
 
 /// IPv4 + UDP (68 → 67) around `payload`.
-pub fn build_udp(src: Ipv4Addr, dst: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
+pub(crate) fn build_udp(src: Ipv4Addr, dst: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
     let udp_len = 8 + payload.len();
     let total = 20 + udp_len;
     let mut p = Vec::with_capacity(total);
@@ -98,7 +99,7 @@ pub fn build_udp(src: Ipv4Addr, dst: Ipv4Addr, payload: &[u8]) -> Vec<u8> {
 /// from port 67 to port 68. `csum_ready`: false when the kernel says the
 /// UDP checksum was not computed yet (offload on a local path: veth,
 /// macvlan), in which case it cannot be verified.
-pub fn parse_udp(p: &[u8], csum_ready: bool) -> Result<&[u8], FrameError> {
+pub(crate) fn parse_udp(p: &[u8], csum_ready: bool) -> Result<&[u8], FrameError> {
     if p.len() < 20 {
         return Err(FrameError::Truncated(p.len()));
     }
@@ -151,7 +152,7 @@ pub fn parse_udp(p: &[u8], csum_ready: bool) -> Result<&[u8], FrameError> {
 
 /// An ARP request body. Probe (RFC 5227 §2.1.1): `sender_ip` 0.0.0.0.
 /// Announcement (§2.3): `sender_ip` = `target_ip` = the address.
-pub fn build_arp(mac: [u8; 6], sender_ip: Ipv4Addr, target_ip: Ipv4Addr) -> Vec<u8> {
+pub(crate) fn build_arp(mac: [u8; 6], sender_ip: Ipv4Addr, target_ip: Ipv4Addr) -> Vec<u8> {
     let mut a = Vec::with_capacity(ARP_LEN);
     a.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
     a.extend_from_slice(&mac);
@@ -163,14 +164,14 @@ pub fn build_arp(mac: [u8; 6], sender_ip: Ipv4Addr, target_ip: Ipv4Addr) -> Vec<
 
 /// Parsed Ethernet/IPv4 ARP body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Arp {
-    pub op: u16,
-    pub sender_mac: [u8; 6],
-    pub sender_ip: Ipv4Addr,
-    pub target_ip: Ipv4Addr,
+pub(crate) struct Arp {
+    pub(crate) op: u16,
+    pub(crate) sender_mac: [u8; 6],
+    pub(crate) sender_ip: Ipv4Addr,
+    pub(crate) target_ip: Ipv4Addr,
 }
 
-pub fn parse_arp(a: &[u8]) -> Option<Arp> {
+pub(crate) fn parse_arp(a: &[u8]) -> Option<Arp> {
     if a.len() < ARP_LEN || a[..6] != [0, 1, 8, 0, 6, 4] {
         return None;
     }
@@ -184,7 +185,7 @@ pub fn parse_arp(a: &[u8]) -> Option<Arp> {
 
 /// RFC 5227 §2.1.1: a conflict is any ARP from another host that claims
 /// `addr` as its sender address, or another host's probe for `addr`.
-pub fn arp_conflicts(arp: &Arp, addr: Ipv4Addr, our_mac: [u8; 6]) -> bool {
+pub(crate) fn arp_conflicts(arp: &Arp, addr: Ipv4Addr, our_mac: [u8; 6]) -> bool {
     arp.sender_mac != our_mac
         && (arp.sender_ip == addr
             || (arp.op == 1 && arp.sender_ip.is_unspecified() && arp.target_ip == addr))

@@ -27,8 +27,8 @@ use super::raw::{BROADCAST_MAC, ETH_P_ARP, ETH_P_IP, cvt, ll_addr, recv_datagram
 /// frame (the server or the relay toward it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Inbound {
-    pub payload: Vec<u8>,
-    pub src_mac: [u8; 6],
+    pub(crate) payload: Vec<u8>,
+    pub(crate) src_mac: [u8; 6],
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -103,7 +103,7 @@ pub trait Transport: Send + Sync + 'static {
     }
     /// Tells the transport the address the lease holds on the link now
     /// (`None`: none), and so what keeps the lease's MAC in place on the
-    /// LAN meanwhile ([`crate::presence`], threads of their own): its
+    /// LAN meanwhile (`crate::presence`, threads of their own): its
     /// presence frames, when asked for, and the LAN watch, which answers
     /// another port's frames from the lease's MAC. Fakes do neither.
     fn set_held(&self, held: Option<HeldAddress>) -> io::Result<()> {
@@ -116,15 +116,15 @@ pub trait Transport: Send + Sync + 'static {
 /// told it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeldAddress {
-    pub address: Ipv4Addr,
+    pub(crate) address: Ipv4Addr,
     /// The MAC its DHCP server (or relay) answered from.
-    pub server_mac: [u8; 6],
+    pub(crate) server_mac: [u8; 6],
     /// How often a presence frame goes from the lease's MAC to
     /// `server_mac`: an ARP announcement of `address`, which crosses the
     /// LAN's switches toward a host beyond them, so that they keep the
     /// MAC's port current, and which nobody answers (`Driver::presence`
     /// says why). `None`: no presence frames.
-    pub presence_every: Option<Duration>,
+    pub(crate) presence_every: Option<Duration>,
 }
 
 /// Packet sockets on one interface.
@@ -290,7 +290,7 @@ impl AfPacket {
     /// Opens the DHCP socket on `ifindex` (the lease's macvlan, whose MAC
     /// is `mac`), whose lower device is `uplink` (`None` for a socket on
     /// the uplink itself). Needs CAP_NET_RAW.
-    pub fn open(
+    pub(crate) fn open(
         ifindex: u32,
         uplink: Option<u32>,
         mac: [u8; 6],

@@ -29,13 +29,13 @@ pub struct LeaseConfig {
     pub parent: String,
     pub identity: Identity,
     /// Asked for in INIT-REBOOT when there is no lease file (kube-vip's
-    /// `requestedIP`, see [`Machine::requesting`](super::machine::Machine::requesting)).
+    /// `requestedIP`, see `Machine::requesting`).
     pub requested_ip: Option<Ipv4Addr>,
     pub timing: Timing,
     pub probe: ProbeConfig,
     /// When the caller's takeover guard began asking the LAN whether
     /// another host answers for the address (`None`: no guard ran). A first
-    /// binding later than [`GUARD_FRESH`](super::driver::GUARD_FRESH) after
+    /// binding later than `GUARD_FRESH` after
     /// it (or after the start, without one) asks again before the address
     /// goes on the link.
     pub guarded_at: Option<tokio::time::Instant>,
@@ -45,7 +45,7 @@ pub struct LeaseConfig {
     /// gone silent) does not take its silence for a free address.
     pub witness: Option<Ipv4Addr>,
     /// Whether the lease sends presence frames while it holds its address
-    /// ([`Driver::presence`](super::driver::Driver::presence)).
+    /// (`Driver::presence`).
     pub presence: Presence,
 }
 
@@ -57,7 +57,7 @@ pub enum Presence {
     Every(std::time::Duration),
     /// Every this long where the parent is a hypervisor's NIC that cannot
     /// have its guest announce a live migration
-    /// ([`silent_after_migration`](super::link::silent_after_migration)),
+    /// (`silent_after_migration`),
     /// never elsewhere.
     WhereTheNicIsSilent(std::time::Duration),
 }

@@ -7,7 +7,7 @@
 //! - [`machine`]: the RFC 2131 state machine as plain data (events in,
 //!   actions out), tested with paused tokio time;
 //! - [`store`]: one lease file per lease, written atomically;
-//! - [`frame`]: Ethernet-less IPv4/UDP and ARP framing for packet sockets;
+//! - `frame`: Ethernet-less IPv4/UDP and ARP framing for packet sockets;
 //! - [`io`]: the [`io::Transport`] trait and its AF_PACKET implementation
 //!   (nothing binds UDP port 68, so the node's own DHCP client keeps working);
 //! - [`link`]: macvlan and address management over rtnetlink;
@@ -18,7 +18,7 @@
 //!   lives with the others in `cli`);
 //! - [`fuzzing`]: the receive path as one function of untrusted bytes
 //!   (cargo-fuzz target in `fuzz/`, bounded harness in the unit tests);
-//! - [`lease_engine`]: the engine as the LoadBalancer layer sees it, a
+//! - `lease_engine`: the engine as the LoadBalancer layer sees it, a
 //!   trait (`fake::FakeEngine`, in unit tests, records calls and injects
 //!   failures).
 //!
@@ -65,15 +65,15 @@ mod engine_tests;
 /// layers above (feature `fake`).
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
-pub mod frame;
+pub(crate) mod frame;
 pub mod fuzzing;
 pub mod io;
-pub mod lease_engine;
+pub(crate) mod lease_engine;
 pub mod link;
 mod mac;
 pub mod machine;
 pub mod packet;
-pub mod presence;
+pub(crate) mod presence;
 pub mod probe;
 mod raw;
 pub mod store;

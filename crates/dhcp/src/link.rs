@@ -19,7 +19,7 @@ use super::io::{AfPacket, ProbeConfig, Transport};
 /// route through the `vip-*` interface, so node traffic to the subnet keeps
 /// using the node's own uplink, and CNIs that pick "the interface with a
 /// route to X" (Calico's VTEP, harvester #10784) are not misled.
-pub const VIP_PREFIX_LEN: u8 = 32;
+pub(crate) const VIP_PREFIX_LEN: u8 = 32;
 
 /// Per-interface IPv4 settings (`net.ipv4.conf.<if>.*`), set over
 /// rtnetlink (`RTM_SETLINK`, `IFLA_AF_SPEC`/`AF_INET`/`IFLA_INET_CONF`)
@@ -29,9 +29,9 @@ pub const VIP_PREFIX_LEN: u8 = 32;
 /// none of ours is 0.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Ipv4Conf {
-    pub rp_filter: Option<u32>,
-    pub arp_ignore: Option<u32>,
-    pub arp_announce: Option<u32>,
+    pub(crate) rp_filter: Option<u32>,
+    pub(crate) arp_ignore: Option<u32>,
+    pub(crate) arp_announce: Option<u32>,
 }
 
 impl Ipv4Conf {
@@ -41,7 +41,7 @@ impl Ipv4Conf {
     /// own MAC (Linux is a weak host and otherwise would), and use the
     /// outgoing interface's own address as the ARP source
     /// (`arp_announce=2`), never a VIP.
-    pub const UPLINK: Ipv4Conf = Ipv4Conf {
+    pub(crate) const UPLINK: Ipv4Conf = Ipv4Conf {
         rp_filter: None,
         arp_ignore: Some(1),
         arp_announce: Some(2),
@@ -54,7 +54,7 @@ impl Ipv4Conf {
     /// to any client leaves through the uplink, and strict filtering
     /// (`rp_filter=1`, the default of many distributions) would drop every
     /// packet that arrives for the VIP on the macvlan.
-    pub const VIP_LINK: Ipv4Conf = Ipv4Conf {
+    pub(crate) const VIP_LINK: Ipv4Conf = Ipv4Conf {
         rp_filter: Some(2),
         arp_ignore: Some(1),
         arp_announce: Some(2),
@@ -136,7 +136,7 @@ pub trait Links: Clone + Send + Sync + 'static {
     fn link(&self, name: &str) -> impl Future<Output = Result<Option<LinkInfo>, LinkError>> + Send;
     /// Every link in the namespace.
     fn links(&self) -> impl Future<Output = Result<Vec<LinkInfo>, LinkError>> + Send;
-    /// See [`Netlink::ensure_macvlan`].
+    /// See `Netlink::ensure_macvlan`.
     fn ensure_macvlan(
         &self,
         name: &str,
@@ -151,7 +151,7 @@ pub trait Links: Clone + Send + Sync + 'static {
         &self,
         index: u32,
     ) -> impl Future<Output = Result<Vec<Ipv4Addr>, LinkError>> + Send;
-    /// See [`Netlink::set_ipv4_conf`].
+    /// See `Netlink::set_ipv4_conf`.
     fn set_ipv4_conf(
         &self,
         name: &str,
@@ -168,14 +168,14 @@ pub trait Links: Clone + Send + Sync + 'static {
     ) -> std::io::Result<Self::Transport>;
     /// The lease's address configuration on interface `name`/`index`.
     fn addrs(&self, name: &str, index: u32) -> Self::Addrs;
-    /// See [`silent_after_migration`]; fakes have no such NIC.
+    /// See `silent_after_migration`; fakes have no such NIC.
     fn silent_after_migration(&self, parent: &str) -> bool {
         let _ = parent;
         false
     }
 }
 
-/// How [`Netlink::ensure_macvlan`] came by the link.
+/// How `Netlink::ensure_macvlan` came by the link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ensured {
     /// Made by this call (possibly replacing a link that did not fit):
@@ -187,13 +187,13 @@ pub enum Ensured {
 }
 
 impl Ensured {
-    pub fn index(self) -> u32 {
+    pub(crate) fn index(self) -> u32 {
         match self {
             Ensured::Created { index } | Ensured::Reused { index } => index,
         }
     }
 
-    pub fn created(self) -> bool {
+    pub(crate) fn created(self) -> bool {
         matches!(self, Ensured::Created { .. })
     }
 }
@@ -242,10 +242,10 @@ impl Connection {
 pub struct LinkInfo {
     pub name: String,
     pub index: u32,
-    pub mac: Option<[u8; 6]>,
+    pub(crate) mac: Option<[u8; 6]>,
     /// The lower device's index (a macvlan's parent).
-    pub parent: Option<u32>,
-    pub macvlan: bool,
+    pub(crate) parent: Option<u32>,
+    pub(crate) macvlan: bool,
 }
 
 impl LinkInfo {
@@ -299,7 +299,7 @@ impl Netlink {
         self.conn.lock().unwrap().task.abort();
     }
 
-    pub async fn link(&self, name: &str) -> Result<Option<LinkInfo>, LinkError> {
+    pub(crate) async fn link(&self, name: &str) -> Result<Option<LinkInfo>, LinkError> {
         let _one = self.reads.lock().await;
         let mut s = self
             .handle()?
@@ -350,7 +350,7 @@ impl Netlink {
     /// the link keeps it. Any other link of that name (another MAC, another
     /// parent, another kind) is deleted and replaced, which is
     /// [`Ensured::Created`].
-    pub async fn ensure_macvlan(
+    pub(crate) async fn ensure_macvlan(
         &self,
         name: &str,
         parent: &str,
@@ -426,7 +426,7 @@ impl Netlink {
 
     /// Applies `conf` to interface `name` (`RTM_SETLINK` with
     /// `IFLA_AF_SPEC`); the kernel validates every value.
-    pub async fn set_ipv4_conf(&self, name: &str, conf: Ipv4Conf) -> Result<(), LinkError> {
+    pub(crate) async fn set_ipv4_conf(&self, name: &str, conf: Ipv4Conf) -> Result<(), LinkError> {
         let info = self
             .link(name)
             .await?
@@ -449,7 +449,7 @@ impl Netlink {
     }
 
     /// Deletes link `name`; a missing link is not an error.
-    pub async fn delete(&self, name: &str) -> Result<(), LinkError> {
+    pub(crate) async fn delete(&self, name: &str) -> Result<(), LinkError> {
         let Some(info) = self.link(name).await? else {
             return Ok(());
         };
@@ -499,7 +499,7 @@ impl Netlink {
     }
 
     /// Binds this connection to one interface for [`AddressConfig`].
-    pub fn on(&self, name: &str, index: u32) -> IfAddrs {
+    pub(crate) fn on(&self, name: &str, index: u32) -> IfAddrs {
         IfAddrs {
             nl: self.clone(),
             name: name.to_string(),
@@ -606,7 +606,7 @@ impl IfAddrs {
     /// a different one means the write created the address anew (a process
     /// frozen in the microseconds between the last look and the write),
     /// and it is removed at once and reported as gone.
-    pub async fn refresh_pausing(
+    pub(crate) async fn refresh_pausing(
         &self,
         addr: Ipv4Addr,
         lifetime: u32,
@@ -838,7 +838,7 @@ const VIRTIO_NET_F_GUEST_ANNOUNCE: usize = 21;
 /// every address of every macvlan on the NIC after a migration; with an
 /// e1000-family NIC nothing does but QEMU's RARP for the NIC's own MAC.
 /// A link without a device (veth, bridge, bond, VLAN) is not such a NIC.
-pub fn silent_after_migration(sys_class_net: &std::path::Path, parent: &str) -> bool {
+pub(crate) fn silent_after_migration(sys_class_net: &std::path::Path, parent: &str) -> bool {
     let device = sys_class_net.join(parent).join("device");
     if !device.exists() {
         return false;
@@ -983,7 +983,8 @@ pub fn arp_neighbours(
 
 /// `vip-<first 8 hex digits of key>`: the kube-vip naming the field knows
 /// (key is the Service UID). Non-hex characters are skipped.
-pub fn vip_name(key: &str) -> String {
+#[cfg(test)]
+pub(crate) fn vip_name(key: &str) -> String {
     let hex: String = key
         .chars()
         .filter(|c| c.is_ascii_hexdigit())
@@ -996,7 +997,7 @@ pub fn vip_name(key: &str) -> String {
 /// A random `00:00:6C:xx:xx:xx` MAC (the prefix the field uses for LB
 /// macvlans; universally administered, so DHCP servers that refuse
 /// locally administered MACs still answer).
-pub fn random_vip_mac() -> [u8; 6] {
+pub(crate) fn random_vip_mac() -> [u8; 6] {
     [
         0x00,
         0x00,

@@ -1,4 +1,4 @@
-//! The RFC 2131 client state machine, as plain data: [`Machine::handle`]
+//! The RFC 2131 client state machine, as plain data: `Machine::handle`
 //! takes an [`Event`] and the current time and returns [`Action`]s. It never
 //! sleeps, reads a clock or touches a socket, so every path (retransmission
 //! timing, NAKs, expiry, declines) is tested with paused tokio time and
@@ -129,29 +129,29 @@ impl Default for Timing {
 /// them to wall-clock time for the lease file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Lease {
-    pub address: Ipv4Addr,
-    pub prefix_len: u8,
-    pub server_id: Ipv4Addr,
+    pub(crate) address: Ipv4Addr,
+    pub(crate) prefix_len: u8,
+    pub(crate) server_id: Ipv4Addr,
     /// Source MAC of the frame that carried the ACK: the server, or the
     /// relay/router toward it. Unicast renew and release go there.
-    pub server_mac: [u8; 6],
-    pub routers: Vec<Ipv4Addr>,
-    pub lease_time: Duration,
-    pub t1: Duration,
-    pub t2: Duration,
+    pub(crate) server_mac: [u8; 6],
+    pub(crate) routers: Vec<Ipv4Addr>,
+    pub(crate) lease_time: Duration,
+    pub(crate) t1: Duration,
+    pub(crate) t2: Duration,
     /// When the REQUEST that this ACK answered was sent; the lease runs
     /// from then (RFC 2131 §4.4.1).
-    pub acquired: Instant,
+    pub(crate) acquired: Instant,
 }
 
 impl Lease {
-    pub fn t1_at(&self) -> Instant {
+    pub(crate) fn t1_at(&self) -> Instant {
         self.acquired + self.t1
     }
-    pub fn t2_at(&self) -> Instant {
+    pub(crate) fn t2_at(&self) -> Instant {
         self.acquired + self.t2
     }
-    pub fn expires_at(&self) -> Instant {
+    pub(crate) fn expires_at(&self) -> Instant {
         self.acquired + self.lease_time
     }
 }
@@ -208,7 +208,7 @@ pub enum StopMode {
 #[derive(Debug, Clone)]
 pub enum Event<'a> {
     /// Begin; with the persisted lease, in INIT-REBOOT. Without one, in
-    /// INIT-REBOOT for the address of [`Machine::requesting`] when set,
+    /// INIT-REBOOT for the address of `Machine::requesting` when set,
     /// else in SELECTING.
     Start {
         stored: Option<Lease>,
@@ -291,7 +291,7 @@ pub struct Machine {
 
 impl Machine {
     /// `seed` drives xids and jitter (fixed in tests, random in the driver).
-    pub fn new(id: Identity, timing: Timing, seed: u64) -> Self {
+    pub(crate) fn new(id: Identity, timing: Timing, seed: u64) -> Self {
         let now = Instant::now();
         Machine {
             id,
@@ -324,47 +324,48 @@ impl Machine {
     /// a server that knows the binding ACKs it, one that does not stays
     /// silent (then discovery asks for it with option 50) or NAKs (then
     /// discovery asks for nothing in particular).
-    pub fn requesting(mut self, address: Option<Ipv4Addr>) -> Self {
+    pub(crate) fn requesting(mut self, address: Option<Ipv4Addr>) -> Self {
         self.requested = address;
         self
     }
 
-    pub fn state(&self) -> State {
+    pub(crate) fn state(&self) -> State {
         self.state
     }
-    pub fn lease(&self) -> Option<&Lease> {
+    pub(crate) fn lease(&self) -> Option<&Lease> {
         self.lease.as_ref()
     }
-    pub fn counters(&self) -> Counters {
+    pub(crate) fn counters(&self) -> Counters {
         self.counters
     }
-    pub fn identity(&self) -> &Identity {
+    pub(crate) fn identity(&self) -> &Identity {
         &self.id
     }
-    pub fn xid(&self) -> u32 {
+    pub(crate) fn xid(&self) -> u32 {
         self.xid
     }
     /// See [`Timing::address_lifetime`].
-    pub fn address_lifetime(&self) -> Option<Duration> {
+    pub(crate) fn address_lifetime(&self) -> Option<Duration> {
         self.timing.address_lifetime
     }
     /// The current timer, if any.
-    pub fn deadline(&self) -> Option<Instant> {
+    #[cfg(test)]
+    pub(crate) fn deadline(&self) -> Option<Instant> {
         self.deadline
     }
     /// Why the last packet was dropped.
-    pub fn last_drop(&self) -> Option<&str> {
+    pub(crate) fn last_drop(&self) -> Option<&str> {
         self.last_drop.as_deref()
     }
     /// Counts a frame that never reached the DHCP layer (bad IP/UDP).
-    pub fn count_malformed_frame(&mut self, reason: String) {
+    pub(crate) fn count_malformed_frame(&mut self, reason: String) {
         self.counters.received += 1;
         self.counters.dropped += 1;
         self.counters.malformed += 1;
         self.last_drop = Some(reason);
     }
 
-    pub fn handle(&mut self, now: Instant, event: Event<'_>) -> Vec<Action> {
+    pub(crate) fn handle(&mut self, now: Instant, event: Event<'_>) -> Vec<Action> {
         let mut out = Vec::new();
         let before = self.state;
         match event {
@@ -973,9 +974,9 @@ impl Machine {
 /// a hostile server) would otherwise have every lease renewed in a tight
 /// loop and the address expire between two packets. dhcpcd floors it at 20 s
 /// too; a server that means a shorter lease NAKs the next renewal.
-pub const MIN_LEASE_SECS: u32 = 20;
+pub(crate) const MIN_LEASE_SECS: u32 = 20;
 
-pub fn timers(lease: Duration, t1: Option<u32>, t2: Option<u32>) -> (Duration, Duration) {
+pub(crate) fn timers(lease: Duration, t1: Option<u32>, t2: Option<u32>) -> (Duration, Duration) {
     let secs = |s: u32| Duration::from_secs(u64::from(s));
     let t2 = t2
         .map(secs)

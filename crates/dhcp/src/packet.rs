@@ -4,11 +4,11 @@
 //! `dhcproto` decodes leniently (it stops at the first bad option, does not
 //! check the magic cookie, and reads fixed-size options without checking
 //! their length byte). A client that acts on what it reads must not guess, so
-//! [`parse_reply`] first walks the option TLVs itself (lengths, `END`, option
+//! `parse_reply` first walks the option TLVs itself (lengths, `END`, option
 //! overload into `file`/`sname` per RFC 2131 §4.1, RFC 3396 concatenation of
 //! repeated options), checks the lengths of every option the client uses,
 //! and only then lets `dhcproto` decode the header and each option. Anything
-//! that does not fit is a [`ParseError`]: the caller drops and counts it.
+//! that does not fit is a `ParseError`: the caller drops and counts it.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -19,21 +19,21 @@ use dhcproto::v4::{
 use dhcproto::{Decodable, Decoder, Encodable, Encoder};
 
 /// Fixed BOOTP header before the magic cookie (RFC 2131 figure 1).
-pub const HEADER_LEN: usize = 236;
+pub(crate) const HEADER_LEN: usize = 236;
 /// Header plus the magic cookie: the shortest possible DHCP message.
-pub const MIN_LEN: usize = HEADER_LEN + 4;
+pub(crate) const MIN_LEN: usize = HEADER_LEN + 4;
 /// The largest reply accepted: an Ethernet MTU of 1500 less the IPv4 and UDP
 /// headers. The client advertises this as option 57, so a compliant server
 /// never sends more.
-pub const MAX_LEN: usize = 1472;
+pub(crate) const MAX_LEN: usize = 1472;
 /// RFC 2131's magic cookie.
-pub const MAGIC: [u8; 4] = [99, 130, 83, 99];
+pub(crate) const MAGIC: [u8; 4] = [99, 130, 83, 99];
 const SNAME: std::ops::Range<usize> = 44..108;
 const FILE: std::ops::Range<usize> = 108..236;
 
 /// Why a received packet was dropped.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ParseError {
+pub(crate) enum ParseError {
     #[error("{0} bytes is shorter than the {MIN_LEN}-byte DHCP minimum")]
     Truncated(usize),
     #[error("{0} bytes is longer than the {MAX_LEN}-byte maximum")]
@@ -69,20 +69,20 @@ pub enum ParseError {
 /// A server reply that passed every structural check. The fields the client
 /// acts on are pulled out; everything else stays in `options`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Reply {
-    pub xid: u32,
-    pub chaddr: [u8; 6],
-    pub msg_type: MessageType,
-    pub yiaddr: Ipv4Addr,
-    pub siaddr: Ipv4Addr,
-    pub server_id: Option<Ipv4Addr>,
-    pub lease_secs: Option<u32>,
-    pub t1_secs: Option<u32>,
-    pub t2_secs: Option<u32>,
-    pub subnet_mask: Option<Ipv4Addr>,
-    pub routers: Vec<Ipv4Addr>,
+pub(crate) struct Reply {
+    pub(crate) xid: u32,
+    pub(crate) chaddr: [u8; 6],
+    pub(crate) msg_type: MessageType,
+    pub(crate) yiaddr: Ipv4Addr,
+    pub(crate) siaddr: Ipv4Addr,
+    pub(crate) server_id: Option<Ipv4Addr>,
+    pub(crate) lease_secs: Option<u32>,
+    pub(crate) t1_secs: Option<u32>,
+    pub(crate) t2_secs: Option<u32>,
+    pub(crate) subnet_mask: Option<Ipv4Addr>,
+    pub(crate) routers: Vec<Ipv4Addr>,
     /// Every option, as `dhcproto` decoded it (after overload/concatenation).
-    pub options: DhcpOptions,
+    pub(crate) options: DhcpOptions,
 }
 
 /// Walks one option area. Returns `(code, data)` pairs in order; stops at
@@ -146,7 +146,7 @@ fn check_len(code: u8, len: usize) -> Result<bool, ParseError> {
 }
 
 /// Parses a DHCP message received from a server, strictly.
-pub fn parse_reply(buf: &[u8]) -> Result<Reply, ParseError> {
+pub(crate) fn parse_reply(buf: &[u8]) -> Result<Reply, ParseError> {
     if buf.len() < MIN_LEN {
         return Err(ParseError::Truncated(buf.len()));
     }
@@ -305,18 +305,18 @@ impl Identity {
 
 /// What a request carries besides the identity.
 #[derive(Debug, Clone, Default)]
-pub struct RequestFields {
-    pub xid: u32,
-    pub secs: u16,
-    pub ciaddr: Option<Ipv4Addr>,
-    pub requested: Option<Ipv4Addr>,
-    pub server_id: Option<Ipv4Addr>,
+pub(crate) struct RequestFields {
+    pub(crate) xid: u32,
+    pub(crate) secs: u16,
+    pub(crate) ciaddr: Option<Ipv4Addr>,
+    pub(crate) requested: Option<Ipv4Addr>,
+    pub(crate) server_id: Option<Ipv4Addr>,
 }
 
 /// Builds a client message (DISCOVER, REQUEST, DECLINE, RELEASE) ready for
 /// the UDP payload. Padded to the 300-byte BOOTP minimum that some relays
 /// and servers still insist on.
-pub fn build(ty: MessageType, id: &Identity, f: &RequestFields) -> Vec<u8> {
+pub(crate) fn build(ty: MessageType, id: &Identity, f: &RequestFields) -> Vec<u8> {
     let mut msg = Message::default();
     msg.set_opcode(Opcode::BootRequest)
         .set_htype(HType::Eth)
@@ -364,7 +364,7 @@ pub fn build(ty: MessageType, id: &Identity, f: &RequestFields) -> Vec<u8> {
 
 /// Builds a server reply; used by tests and the fuzz harness to produce
 /// well-formed input to mutate.
-pub fn build_reply(
+pub(crate) fn build_reply(
     ty: MessageType,
     xid: u32,
     chaddr: [u8; 6],

@@ -48,9 +48,9 @@ use crate::raw::{BROADCAST_MAC, ETH_P_ARP, cvt, ll_addr, recv_datagram, send_to}
 /// How many frames from another port the LAN watch answers at once for
 /// one lease ([module docs](self)): a resumed kernel sends a handful of
 /// announcements in its first second.
-pub const ANSWER_BURST: u32 = 5;
+pub(crate) const ANSWER_BURST: u32 = 5;
 /// Past [`ANSWER_BURST`], one answer per this long for one lease.
-pub const ANSWER_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const ANSWER_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a listening thread blocks before it looks whether it still
 /// has a lease to watch and an uplink to watch on.
@@ -195,7 +195,7 @@ struct Process {
 /// A lease's entry with the sender (its frame, or its watch): removed
 /// when dropped.
 #[derive(Debug)]
-pub struct Registration {
+pub(crate) struct Registration {
     id: u64,
 }
 
@@ -256,7 +256,7 @@ fn open_socket(protocol: u16) -> io::Result<OwnedFd> {
 
 /// Sends `arp` on `ifindex` to `to` every `every`, the first a period from
 /// now, until the registration is dropped.
-pub fn register(
+pub(crate) fn register(
     ifindex: u32,
     to: [u8; 6],
     arp: Vec<u8>,
@@ -283,7 +283,12 @@ pub fn register(
 /// answers each with `arp` broadcast from `ifindex` (the lease's macvlan,
 /// whose MAC is `mac`), until the registration is dropped ([module
 /// docs](self)).
-pub fn watch(uplink: u32, mac: [u8; 6], ifindex: u32, arp: Vec<u8>) -> io::Result<Registration> {
+pub(crate) fn watch(
+    uplink: u32,
+    mac: [u8; 6],
+    ifindex: u32,
+    arp: Vec<u8>,
+) -> io::Result<Registration> {
     let process = process().map_err(|e| io::Error::other(e.to_string()))?;
     let sender = &process.sender;
     let id = sender.ids.fetch_add(1, Ordering::Relaxed);

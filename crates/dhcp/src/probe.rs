@@ -31,17 +31,17 @@ pub struct ProbeOptions {
 
 /// Milliseconds each step took.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct Timings {
+pub(crate) struct Timings {
     /// DISCOVER sent → OFFER received.
-    pub offer_ms: Option<f64>,
+    pub(crate) offer_ms: Option<f64>,
     /// REQUEST sent → ACK received.
-    pub ack_ms: Option<f64>,
+    pub(crate) ack_ms: Option<f64>,
     /// ARP probe of the offered address.
-    pub arp_probe_ms: Option<f64>,
+    pub(crate) arp_probe_ms: Option<f64>,
     /// Start → BOUND.
-    pub bound_ms: Option<f64>,
+    pub(crate) bound_ms: Option<f64>,
     /// Release and macvlan removal.
-    pub cleanup_ms: Option<f64>,
+    pub(crate) cleanup_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -49,20 +49,20 @@ pub struct ProbeReport {
     pub ok: bool,
     /// Stable word: `Bound`, `NoReply`, `Nak`, `NoUsableReply`,
     /// `MacvlanNotReady`, `NoParent`, `Interrupted`, `Error`.
-    pub reason: String,
-    pub message: String,
-    pub parent: String,
-    pub interface: String,
-    pub mac: String,
-    pub server: Option<Ipv4Addr>,
-    pub address: Option<Ipv4Addr>,
-    pub lease_secs: Option<f64>,
-    pub t1_secs: Option<f64>,
-    pub t2_secs: Option<f64>,
-    pub routers: Vec<Ipv4Addr>,
-    pub released: bool,
-    pub timings: Timings,
-    pub counters: Counters,
+    pub(crate) reason: String,
+    pub(crate) message: String,
+    pub(crate) parent: String,
+    pub(crate) interface: String,
+    pub(crate) mac: String,
+    pub(crate) server: Option<Ipv4Addr>,
+    pub(crate) address: Option<Ipv4Addr>,
+    pub(crate) lease_secs: Option<f64>,
+    pub(crate) t1_secs: Option<f64>,
+    pub(crate) t2_secs: Option<f64>,
+    pub(crate) routers: Vec<Ipv4Addr>,
+    pub(crate) released: bool,
+    pub(crate) timings: Timings,
+    pub(crate) counters: Counters,
 }
 
 fn step_timings(st: &LeaseStatus) -> Timings {

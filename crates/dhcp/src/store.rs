@@ -39,18 +39,18 @@ pub enum StoreError {
 /// The on-disk form. Times are wall-clock (Unix milliseconds) because
 /// monotonic time does not survive a reboot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LeaseRecord {
-    pub name: String,
-    pub identity: Identity,
-    pub address: Ipv4Addr,
-    pub prefix_len: u8,
-    pub server_id: Ipv4Addr,
-    pub server_mac: [u8; 6],
-    pub routers: Vec<Ipv4Addr>,
-    pub lease_ms: u64,
-    pub t1_ms: u64,
-    pub t2_ms: u64,
-    pub acquired_unix_ms: u64,
+pub(crate) struct LeaseRecord {
+    pub(crate) name: String,
+    pub(crate) identity: Identity,
+    pub(crate) address: Ipv4Addr,
+    pub(crate) prefix_len: u8,
+    pub(crate) server_id: Ipv4Addr,
+    pub(crate) server_mac: [u8; 6],
+    pub(crate) routers: Vec<Ipv4Addr>,
+    pub(crate) lease_ms: u64,
+    pub(crate) t1_ms: u64,
+    pub(crate) t2_ms: u64,
+    pub(crate) acquired_unix_ms: u64,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -60,7 +60,7 @@ fn unix_ms(t: SystemTime) -> u64 {
 impl LeaseRecord {
     /// Converts a machine lease, mapping its monotonic `acquired` to wall
     /// time through the current pair of clocks.
-    pub fn from_lease(name: &str, id: &Identity, l: &Lease) -> Self {
+    pub(crate) fn from_lease(name: &str, id: &Identity, l: &Lease) -> Self {
         let age = Instant::now().saturating_duration_since(l.acquired);
         let acquired = SystemTime::now().checked_sub(age).unwrap_or(UNIX_EPOCH);
         LeaseRecord {
@@ -80,7 +80,7 @@ impl LeaseRecord {
 
     /// Back to a machine lease. A lease acquired "in the future" (clock
     /// stepped back) counts as acquired now.
-    pub fn to_lease(&self) -> Lease {
+    pub(crate) fn to_lease(&self) -> Lease {
         let age_ms = unix_ms(SystemTime::now()).saturating_sub(self.acquired_unix_ms);
         let now = Instant::now();
         let acquired = now
@@ -107,7 +107,7 @@ pub struct Store {
 }
 
 /// Lease names become file names: keep them boring.
-pub fn validate_name(name: &str) -> Result<(), StoreError> {
+pub(crate) fn validate_name(name: &str) -> Result<(), StoreError> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && !name.starts_with('.')
@@ -138,15 +138,16 @@ impl Store {
         Ok(Store { dir })
     }
 
-    pub fn dir(&self) -> &Path {
+    #[cfg(test)]
+    pub(crate) fn dir(&self) -> &Path {
         &self.dir
     }
 
-    pub fn path(&self, name: &str) -> PathBuf {
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.dir.join(format!("{name}.json"))
     }
 
-    pub fn save(&self, rec: &LeaseRecord) -> Result<(), StoreError> {
+    pub(crate) fn save(&self, rec: &LeaseRecord) -> Result<(), StoreError> {
         validate_name(&rec.name)?;
         let path = self.path(&rec.name);
         let tmp = self.dir.join(format!(".{}.json.tmp", rec.name));
@@ -169,7 +170,7 @@ impl Store {
     }
 
     /// The stored lease, `None` when there is none.
-    pub fn load(&self, name: &str) -> Result<Option<LeaseRecord>, StoreError> {
+    pub(crate) fn load(&self, name: &str) -> Result<Option<LeaseRecord>, StoreError> {
         validate_name(name)?;
         let path = self.path(name);
         match fs::read(&path) {
@@ -181,7 +182,7 @@ impl Store {
         }
     }
 
-    pub fn remove(&self, name: &str) -> Result<(), StoreError> {
+    pub(crate) fn remove(&self, name: &str) -> Result<(), StoreError> {
         validate_name(name)?;
         let path = self.path(name);
         match fs::remove_file(&path) {
@@ -196,7 +197,7 @@ impl Store {
     /// Moves a lease file that cannot be read aside (`<name>.json.corrupt`,
     /// kept for a look, never read again) so its lease starts afresh
     /// instead of failing every start.
-    pub fn set_aside(&self, name: &str) -> Result<PathBuf, StoreError> {
+    pub(crate) fn set_aside(&self, name: &str) -> Result<PathBuf, StoreError> {
         validate_name(name)?;
         let path = self.path(name);
         let aside = self.dir.join(format!("{name}.json.corrupt"));
@@ -208,7 +209,7 @@ impl Store {
     /// ran out before `now`: what handovers leave behind. A file still in
     /// its lease is kept, so a Service coming back is asked for by
     /// INIT-REBOOT. Returns the names removed.
-    pub fn prune_expired(
+    pub(crate) fn prune_expired(
         &self,
         in_use: &std::collections::BTreeSet<String>,
         now: SystemTime,
@@ -234,7 +235,7 @@ impl Store {
     }
 
     /// Names of all stored leases.
-    pub fn list(&self) -> Result<Vec<String>, StoreError> {
+    pub(crate) fn list(&self) -> Result<Vec<String>, StoreError> {
         let mut names = Vec::new();
         for e in fs::read_dir(&self.dir).map_err(io("list", &self.dir))? {
             let e = e.map_err(io("list", &self.dir))?;

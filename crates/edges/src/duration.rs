@@ -17,7 +17,7 @@ pub async fn sleep_until(at: Option<tokio::time::Instant>) {
 }
 
 /// The accepted forms, for error messages and help texts.
-pub const FORMS: &str =
+pub(crate) const FORMS: &str =
     "seconds as a bare number (\"3\", \"2.5\") or with units (\"10s\", \"1m30s\", \"500ms\")";
 
 /// A value that is not a duration: it names the value and the accepted

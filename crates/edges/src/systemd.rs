@@ -172,10 +172,10 @@ pub async fn run_watchdog(
 /// as alive: past every bounded wait there is (the 60 s macvlan preflight is
 /// the longest). A netlink or API call that hangs longer stops the beats, so
 /// the watchdog restarts the daemon instead of hiding the hang.
-pub const LONGEST_STEP: Duration = Duration::from_secs(90);
+pub(crate) const LONGEST_STEP: Duration = Duration::from_secs(90);
 
 /// Drives `fut` to completion while beating, so a loop waiting on bounded
-/// I/O still counts as alive; for [`LONGEST_STEP`] at most.
+/// I/O still counts as alive; for `LONGEST_STEP` at most.
 pub async fn beating<F: std::future::Future>(hb: &Heartbeat, every: Duration, fut: F) -> F::Output {
     beating_for(hb, every, LONGEST_STEP, fut).await
 }

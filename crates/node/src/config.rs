@@ -15,10 +15,10 @@ use hna_contract::k8s_names::{DEFAULT_TOPOLOGY_KEYS, is_dns_subdomain, validate_
 /// Where the agent looks for its configuration file when none is given.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/harvester-node-agent/config.toml";
 /// Environment variable naming the configuration file.
-pub const CONFIG_ENV: &str = "HNA_CONFIG";
+pub(crate) const CONFIG_ENV: &str = "HNA_CONFIG";
 
 /// Kubeconfigs tried in order when `kubeconfig` is not set.
-pub use hna_edges::cluster::credentials::DEFAULT_SEARCH as DEFAULT_KUBECONFIG_SEARCH;
+pub(crate) use hna_edges::cluster::credentials::DEFAULT_SEARCH as DEFAULT_KUBECONFIG_SEARCH;
 
 /// The shape a key's value must have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,10 +41,12 @@ enum Kind {
 #[derive(Debug, Clone, Copy)]
 pub struct KeySpec {
     pub name: &'static str,
-    pub env: &'static str,
-    pub flag: &'static str,
-    pub default: &'static str,
-    pub doc: &'static str,
+    pub(crate) env: &'static str,
+    pub(crate) flag: &'static str,
+    // why: only the unit test that holds docs/operations.md's key table to
+    // this one reads the text.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) doc: &'static str,
     kind: Kind,
 }
 
@@ -53,7 +55,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "log_level",
         env: "HNA_LOG_LEVEL",
         flag: "--log-level",
-        default: "info",
         doc: "Log filter: a level (error, warn, info, debug, trace) or tracing directives such as `info,kube=warn`. RUST_LOG, when set, wins over it.",
         kind: Kind::Text,
     },
@@ -61,7 +62,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "log_target",
         env: "HNA_LOG_TARGET",
         flag: "--log-target",
-        default: "auto",
         doc: "Where logs go: `journald` (structured fields), `stderr`, or `auto` (journald when /run/systemd/journal/socket exists, else stderr).",
         kind: Kind::Text,
     },
@@ -69,7 +69,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "state_dir",
         env: "HNA_STATE_DIR",
         flag: "--state-dir",
-        default: "/var/lib/harvester-node-agent",
         doc: "Directory for persistent state (DHCP leases). Created with mode 0700 if missing. Absolute path.",
         kind: Kind::Path,
     },
@@ -77,7 +76,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "socket",
         env: "HNA_SOCKET",
         flag: "--socket",
-        default: "/run/harvester-node-agent/agent.sock",
         doc: "Unix socket on which the daemon answers `status`. Absolute path, at most 107 bytes.",
         kind: Kind::Path,
     },
@@ -85,7 +83,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "node_name",
         env: "HNA_NODE_NAME",
         flag: "--node-name",
-        default: "(hostname)",
         doc: "Name of this node's Node object. Defaults to the hostname, as the Harvester node driver names VMs and kubelets.",
         kind: Kind::Text,
     },
@@ -93,7 +90,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "kubeconfig",
         env: "HNA_KUBECONFIG",
         flag: "--kubeconfig",
-        default: "(discovered)",
         doc: "Kubeconfig of the guest cluster. When set, only this file is used (the daemon waits for it to appear). When unset, see `kubeconfig_search`.",
         kind: Kind::Path,
     },
@@ -101,7 +97,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "kubeconfig_search",
         env: "HNA_KUBECONFIG_SEARCH",
         flag: "--kubeconfig-search",
-        default: "RKE2, K3s, kubeadm kubelet kubeconfigs",
         doc: "Kubeconfigs tried in order when `kubeconfig` is unset (environment and flag: colon-separated). Default: /var/lib/rancher/rke2/agent/kubelet.kubeconfig, /var/lib/rancher/k3s/agent/kubelet.kubeconfig, /etc/kubernetes/kubelet.conf.",
         kind: Kind::PathList,
     },
@@ -109,7 +104,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "credentials_retry",
         env: "HNA_CREDENTIALS_RETRY",
         flag: "--credentials-retry",
-        default: "10s",
         doc: "How often the daemon looks for credentials before the node has joined, and re-checks the API server after. Between 1s and 1h.",
         kind: Kind::Duration,
     },
@@ -117,7 +111,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "macvlan_recheck",
         env: "HNA_MACVLAN_RECHECK",
         flag: "--macvlan-recheck",
-        default: "5m",
         doc: "How often the daemon re-runs the macvlan preflight (detect, load if on disk, probe). `systemctl reload` (SIGHUP) re-runs it at once. Between 10s and 24h.",
         kind: Kind::Duration,
     },
@@ -125,7 +118,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "cloud_config",
         env: "HNA_CLOUD_CONFIG",
         flag: "--cloud-config",
-        default: "(searched)",
         doc: "Harvester cloud-provider kubeconfig (as generate_addon.sh makes it; the VMs' namespace comes from its context), used to read this VM's VirtualMachineInstance for the topology relay. When set, only this file is used. Default: /etc/kubernetes/cloud-config, then /var/lib/rancher/rke2/etc/config-files/cloud-provider-config. Looked at again every `credentials_retry` until it appears or changes.",
         kind: Kind::Path,
     },
@@ -133,7 +125,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "vm_name",
         env: "HNA_VM_NAME",
         flag: "--vm-name",
-        default: "(hostname)",
         doc: "Name of this VM's VirtualMachineInstance in Harvester. Defaults to the hostname, as the Harvester node driver names VMs.",
         kind: Kind::Text,
     },
@@ -141,7 +132,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "topology_labels",
         env: "HNA_TOPOLOGY_LABELS",
         flag: "--topology-labels",
-        default: "region and zone",
         doc: "Label keys relayed from Harvester to this node's Node (environment and flag: comma-separated). Default: topology.kubernetes.io/region, topology.kubernetes.io/zone. Empty turns the relay off.",
         kind: Kind::TextList,
     },
@@ -149,7 +139,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "metrics_listen",
         env: "HNA_METRICS_LISTEN",
         flag: "--metrics-listen",
-        default: "(off)",
         doc: "Address and port of the HTTP endpoint serving Prometheus `/metrics` (DHCP leases, macvlan, qemu-guest-agent, cluster) and `/healthz`, such as `127.0.0.1:9477`. Off when unset or empty. A non-loopback address exposes it to the network: restrict it with a firewall.",
         kind: Kind::Text,
     },
@@ -157,7 +146,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "namespace",
         env: "HNA_NAMESPACE",
         flag: "--namespace",
-        default: hna_contract::DEFAULT_NAMESPACE,
         doc: "Namespace of the controller and of this node's LoadBalancerNode object (the LoadBalancer addresses assigned to this node). Must match the controller's.",
         kind: Kind::Text,
     },
@@ -165,7 +153,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_heartbeat",
         env: "HNA_LB_HEARTBEAT",
         flag: "--lb-heartbeat",
-        default: "10s",
         doc: "How often the daemon rewrites the heartbeat in its LoadBalancerNode status when nothing in it changed (a change is written within a second; a DHCP renewal alone is no change). The backstop of liveness, at the kubelet's node-Lease rate: a node's death is found on the LAN by its peers (lb_membership_port) within about 2s; a node no peer vouches for is counted dead by the controller once its heartbeat has not changed for 40s (its --node-stale-after). A node whose period does not fit twice in that bound gets no address (the period is in the status). While this node reports a peer dead on the LAN it beats every 2s instead (at most 5 minutes per report), since the controller counts a report only while its writer's heartbeat is on time. Between 200ms and 10s.",
         kind: Kind::Duration,
     },
@@ -173,7 +160,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_arp_probe",
         env: "HNA_LB_ARP_PROBE",
         flag: "--lb-arp-probe",
-        default: "true",
         doc: "Probe a LoadBalancer address with ARP (RFC 5227) before using it, and decline it when another host answers. Turning it off saves about 300 ms per new lease on networks where the DHCP server is the only authority.",
         kind: Kind::Bool,
     },
@@ -181,7 +167,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_takeover_guard",
         env: "HNA_LB_TAKEOVER_GUARD",
         flag: "--lb-takeover-guard",
-        default: "150ms",
         doc: "Before this node brings up an address another node held, it asks the LAN for this long (two ARP probes from the uplink's own MAC) whether anybody still answers for it, and waits while somebody does: two nodes never answer for one address. 0s turns the guard off. At most 5s.",
         kind: Kind::Duration,
     },
@@ -189,7 +174,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_address_lifetime",
         env: "HNA_LB_ADDRESS_LIFETIME",
         flag: "--lb-address-lifetime",
-        default: "1s",
         doc: "Every LoadBalancer address is configured with this lifetime (the kernel's valid_lft) and the daemon confirms it four times per lifetime: a daemon that stops running (frozen, hung, starved of CPU) stops answering for its addresses within this bound, enforced by the kernel, and after it runs again it brings none back before its takeover guard has checked the LAN. A node's witnesses on the LAN report it dead only after its probes went unanswered for longer than this lifetime (its answers carry it) plus 250ms, so its addresses are gone by then; a node that cannot hear its LAN for this long lets go of them itself (unless the API server still hears it). Keep it plus lb_heartbeat below the controller's --node-stale-after (40s). Keep it above the longest the daemon may go without CPU. Whole seconds; 0s turns it off (addresses stay until removed). Otherwise between 1s and 60s.",
         kind: Kind::Duration,
     },
@@ -197,7 +181,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_fence_after",
         env: "HNA_LB_FENCE_AFTER",
         flag: "--lb-fence-after",
-        default: "30s",
         doc: "Self-fencing without a view of the LAN (lb_membership_port = 0, or no peer heard): when the daemon has not been able to write its status for this long, it hands every LoadBalancer address over and holds none until a write succeeds. Keep it below the controller's --node-stale-after (40s), after which the node's Services move. With the LAN membership running, an API-server outage never fences a node that hears its peers; a node fences when it hears none of them, or too few of its witnesses, for lb_address_lifetime and no status write succeeded since. 0s is never. Otherwise between 10s and 1h.",
         kind: Kind::Duration,
     },
@@ -205,7 +188,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_membership_port",
         env: "HNA_LB_MEMBERSHIP_PORT",
         flag: "--lb-membership-port",
-        default: "7947",
         doc: "The UDP port on the default uplink's address where the agents of one LAN watch each other (SWIM, packets sealed with the cluster key from the Secret harvester-node-agent-membership): a node whose agent its witnesses cannot reach on the LAN has its Services moved within about 2 s. Allow it between the nodes (not from elsewhere). 0 turns it off: the node is then judged by its status heartbeat only.",
         kind: Kind::Port,
     },
@@ -213,7 +195,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_restart_grace",
         env: "HNA_LB_RESTART_GRACE",
         flag: "--lb-restart-grace",
-        default: "15s",
         doc: "When the daemon stops for a restart (see lb_keep_on_stop), it leaves every LoadBalancer address on its link for this long instead of handing it over, and says so in its last status: the controller moves nothing for that long and the next run adopts the links (same lease, nothing sent). A restart that takes longer moves the Services as a dead node's, the kernel dropping the addresses when this runs out. 0s always hands over. Otherwise between 1s and 5m.",
         kind: Kind::Duration,
     },
@@ -221,7 +202,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_keep_on_stop",
         env: "HNA_LB_KEEP_ON_STOP",
         flag: "--lb-keep-on-stop",
-        default: "restart",
         doc: "Which stops keep the addresses for lb_restart_grace: restart (only a restart of the unit by systemd: systemctl restart, a package upgrade; systemctl stop, a shutdown and a crash hand every address over at once) or always (every SIGTERM: for a supervisor other than systemd that restarts the daemon).",
         kind: Kind::Text,
     },
@@ -229,7 +209,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_pause_clock",
         env: "HNA_LB_PAUSE_CLOCK",
         flag: "--lb-pause-clock",
-        default: "/sys/class/rtc/rtc0/since_epoch",
         doc: "The clock that counts the time this VM stands paused (a live migration's switchover, a suspend), which the VM's own clocks do not: its RTC's seconds, read every 10ms around each change of its second and at least every 50ms in between (about 27 times a second), so a long pause is seen within 50ms of the resume. After a pause of 50ms or more the daemon announces every LoadBalancer address it holds again (gratuitous ARP from the Service's MAC), so that the LAN's switches learn the Service MACs' new port after a live migration also where the NIC does not announce them (e1000-family NICs), and after a pause as long as lb_address_lifetime it sets every LoadBalancer link down at once (the resumed kernel would answer for the addresses beside their new holders), hands the addresses over and takes back through the takeover guard what is still assigned here. Empty turns it off; a file that cannot be read is logged once and the watch stops.",
         kind: Kind::Text,
     },
@@ -237,7 +216,6 @@ pub const KEYS: &[KeySpec] = &[
         name: "lb_presence",
         env: "HNA_LB_PRESENCE",
         flag: "--lb-presence",
-        default: "auto",
         doc: "While a LoadBalancer address is held, one frame from its MAC (an ARP announcement unicast to the DHCP server's MAC, which nobody answers) every half second, so that the LAN's switches move the Service's traffic to the VM's new port within a second of a live migration's switchover, whether or not the daemon learns of the migration. auto sends them only on an uplink that is a hypervisor's NIC whose guest is not told of a migration (e1000-family and other emulated NICs; a virtio-net NIC that negotiated guest announce has the kernel announce every address itself, and a veth, bridge, bond or VLAN uplink is taken for no such NIC). A duration between 100ms and 10s sends them that often on every uplink; off never. Costs two 60-byte frames a second per address, to one host.",
         kind: Kind::Text,
     },
@@ -245,13 +223,12 @@ pub const KEYS: &[KeySpec] = &[
         name: "uplink",
         env: "HNA_UPLINK",
         flag: "--uplink",
-        default: "(default route)",
         doc: "Interface the LoadBalancer macvlans sit on when a Service names none (kube-vip.io/serviceInterface). Default: the interface of the IPv4 default route, looked at again on every change.",
         kind: Kind::Text,
     },
 ];
 
-pub fn key_spec(name: &str) -> Option<&'static KeySpec> {
+pub(crate) fn key_spec(name: &str) -> Option<&'static KeySpec> {
     KEYS.iter().find(|k| k.name == name)
 }
 
@@ -272,47 +249,47 @@ pub struct Config {
     pub state_dir: PathBuf,
     pub socket: PathBuf,
     pub node_name: String,
-    pub kubeconfig: Option<PathBuf>,
-    pub kubeconfig_search: Vec<PathBuf>,
+    pub(crate) kubeconfig: Option<PathBuf>,
+    pub(crate) kubeconfig_search: Vec<PathBuf>,
     pub credentials_retry: Duration,
-    pub macvlan_recheck: Duration,
+    pub(crate) macvlan_recheck: Duration,
     /// Harvester cloud-provider kubeconfig; `None` searches the defaults.
-    pub cloud_config: Option<PathBuf>,
+    pub(crate) cloud_config: Option<PathBuf>,
     /// This VM's VirtualMachineInstance name.
-    pub vm_name: String,
+    pub(crate) vm_name: String,
     /// Label keys the topology relay manages.
-    pub topology_labels: Vec<String>,
+    pub(crate) topology_labels: Vec<String>,
     /// Where `/metrics` and `/healthz` are served; `None` is off.
-    pub metrics_listen: Option<std::net::SocketAddr>,
+    pub(crate) metrics_listen: Option<std::net::SocketAddr>,
     /// Namespace of this node's `LoadBalancerNode` object.
-    pub namespace: String,
+    pub(crate) namespace: String,
     /// How often the LoadBalancerNode status heartbeat is rewritten.
-    pub lb_heartbeat: Duration,
+    pub(crate) lb_heartbeat: Duration,
     /// The LoadBalancer uplink; `None` follows the default route.
     pub uplink: Option<String>,
     /// The file of the RTC's seconds ([`crate::pause`]); `None` is off.
-    pub lb_pause_clock: Option<std::path::PathBuf>,
+    pub(crate) lb_pause_clock: Option<std::path::PathBuf>,
     /// Presence frames from each held address's MAC (`lb_presence`).
-    pub lb_presence: hna_dhcp::Presence,
+    pub(crate) lb_presence: hna_dhcp::Presence,
     /// RFC 5227 ARP check of a LoadBalancer address before use.
-    pub lb_arp_probe: bool,
+    pub(crate) lb_arp_probe: bool,
     /// How long to listen for another holder before a takeover; zero: off.
-    pub lb_takeover_guard: Duration,
+    pub(crate) lb_takeover_guard: Duration,
     /// Self-fencing after this long without a status write; zero: never.
-    pub lb_fence_after: Duration,
+    pub(crate) lb_fence_after: Duration,
     /// The membership's UDP port; zero: off.
-    pub lb_membership_port: u16,
+    pub(crate) lb_membership_port: u16,
     /// The lifetime LoadBalancer addresses are configured with; zero: none.
-    pub lb_address_lifetime: Duration,
+    pub(crate) lb_address_lifetime: Duration,
     /// How long addresses stay on their links for a restart; zero: never.
-    pub lb_restart_grace: Duration,
+    pub(crate) lb_restart_grace: Duration,
     /// Which stops keep the addresses.
-    pub lb_keep_on_stop: KeepOnStop,
+    pub(crate) lb_keep_on_stop: KeepOnStop,
 }
 
 /// `lb_keep_on_stop`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeepOnStop {
+pub(crate) enum KeepOnStop {
     /// Only when systemd restarts the unit.
     Restart,
     /// Every stop.
@@ -873,7 +850,11 @@ fn absolute_path(v: String) -> Result<PathBuf, InvalidValue> {
 }
 
 /// A duration between `min_ms` and `max_ms` milliseconds.
-pub fn duration_between_ms(v: &str, min_ms: u64, max_ms: u64) -> Result<Duration, InvalidValue> {
+pub(crate) fn duration_between_ms(
+    v: &str,
+    min_ms: u64,
+    max_ms: u64,
+) -> Result<Duration, InvalidValue> {
     let d = hna_edges::duration::parse_duration(v)?;
     let (min, max) = (Duration::from_millis(min_ms), Duration::from_millis(max_ms));
     if d < min || d > max {
@@ -889,7 +870,7 @@ pub fn duration_between_ms(v: &str, min_ms: u64, max_ms: u64) -> Result<Duration
 
 /// `lb_address_lifetime`: `0s`, or whole seconds from 1 to 60 (the
 /// kernel counts address lifetimes in seconds).
-pub fn address_lifetime(v: &str) -> Result<Duration, InvalidValue> {
+pub(crate) fn address_lifetime(v: &str) -> Result<Duration, InvalidValue> {
     let d = duration_up_to(v, Duration::from_secs(60))?;
     if d.subsec_nanos() != 0 {
         return Err(InvalidValue(format!(
@@ -901,7 +882,7 @@ pub fn address_lifetime(v: &str) -> Result<Duration, InvalidValue> {
 }
 
 /// A duration from zero up to `max`.
-pub fn duration_up_to(v: &str, max: Duration) -> Result<Duration, InvalidValue> {
+pub(crate) fn duration_up_to(v: &str, max: Duration) -> Result<Duration, InvalidValue> {
     duration_between_ms(v, 0, max.as_millis() as u64)
 }
 

@@ -46,7 +46,7 @@ pub enum ControlError {
 
 /// Binds the control socket, replacing a stale one left by a crashed daemon
 /// but refusing to steal it from a live one.
-pub async fn bind(path: &Path) -> Result<UnixListener, ControlError> {
+pub(crate) async fn bind(path: &Path) -> Result<UnixListener, ControlError> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|source| ControlError::Dir {
             path: parent.to_path_buf(),
@@ -77,7 +77,7 @@ pub async fn bind(path: &Path) -> Result<UnixListener, ControlError> {
 /// Answers one connection. `status` is called only for a valid request.
 /// Generic over the answer so that this transport knows nothing of the
 /// daemon's report types.
-pub async fn serve_connection<T: Serialize>(stream: UnixStream, status: impl FnOnce() -> T) {
+pub(crate) async fn serve_connection<T: Serialize>(stream: UnixStream, status: impl FnOnce() -> T) {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
     let mut reader = BufReader::new(read.take(MAX_REQUEST));

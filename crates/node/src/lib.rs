@@ -13,7 +13,7 @@
 //!   held through the DHCP engine (`hna-dhcp`), and the status it reports;
 //! - [`membership`]: liveness on the LAN: the agents of one network watch
 //!   each other (SWIM and witnesses), with sealed packets;
-//! - [`pause`]: pauses of this VM its clocks do not count (live migration,
+//! - `pause`: pauses of this VM its clocks do not count (live migration,
 //!   suspend), seen on its RTC;
 //! - [`guest`]: qemu-guest-agent health;
 //! - [`topology`]: Harvester topology labels relayed to this node's Node;
@@ -31,6 +31,6 @@ pub mod kmod;
 pub mod loadbalancer;
 pub mod membership;
 pub mod node_conditions;
-pub mod pause;
+pub(crate) mod pause;
 pub mod state_dir;
 pub mod topology;

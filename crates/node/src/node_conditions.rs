@@ -34,12 +34,12 @@ pub struct Condition {
 
 /// The fields of an existing condition that decide whether to patch.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Existing {
-    pub type_: String,
-    pub status: String,
-    pub reason: String,
-    pub message: String,
-    pub last_transition_time: Option<String>,
+pub(crate) struct Existing {
+    pub(crate) type_: String,
+    pub(crate) status: String,
+    pub(crate) reason: String,
+    pub(crate) message: String,
+    pub(crate) last_transition_time: Option<String>,
 }
 
 fn status_word(ready: bool) -> &'static str {
@@ -49,7 +49,7 @@ fn status_word(ready: bool) -> &'static str {
 /// The patch body for `wanted`, or `None` when every wanted condition is
 /// already present as wanted and no heartbeat is due. `lastTransitionTime`
 /// is kept when the status did not change.
-pub fn plan(
+pub(crate) fn plan(
     existing: &[Existing],
     wanted: &[Condition],
     now: SystemTime,

@@ -31,20 +31,20 @@ use std::time::Duration;
 /// One reading of the RTC's whole seconds, with the monotonic clock read
 /// just before and just after it (since any fixed origin).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Reading {
-    pub before: Duration,
-    pub after: Duration,
-    pub rtc_seconds: u64,
+pub(crate) struct Reading {
+    pub(crate) before: Duration,
+    pub(crate) after: Duration,
+    pub(crate) rtc_seconds: u64,
 }
 
 /// What a reading showed, and when to read next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Step {
+pub(crate) struct Step {
     /// The VM was paused for at least this long since the last known
     /// change of the RTC's second (`None`: nothing the bound can show).
-    pub paused: Option<Duration>,
+    pub(crate) paused: Option<Duration>,
     /// Read again at this monotonic time.
-    pub next_at: Duration,
+    pub(crate) next_at: Duration,
 }
 
 /// The last change of the RTC's second: it happened after `earliest` and
@@ -58,7 +58,7 @@ struct Edge {
 
 /// Finds pauses from readings of the RTC. See the module's documentation.
 #[derive(Debug, Clone)]
-pub struct PauseWatch {
+pub(crate) struct PauseWatch {
     /// Pauses shorter than this are not reported.
     report_from: Duration,
     /// How often to read while waiting for the second to change.
@@ -83,7 +83,11 @@ impl PauseWatch {
     /// about `report_from + poll` is seen at the first reading after it),
     /// and at least every `at_least_every` in between (a pause of a second
     /// or more is seen at the first reading after it).
-    pub fn new(report_from: Duration, poll: Duration, at_least_every: Duration) -> PauseWatch {
+    pub(crate) fn new(
+        report_from: Duration,
+        poll: Duration,
+        at_least_every: Duration,
+    ) -> PauseWatch {
         PauseWatch {
             report_from,
             poll,
@@ -98,7 +102,7 @@ impl PauseWatch {
     /// each change of second, and read at least every 50 ms (about 27
     /// reads a second: a sysfs read of the emulated RTC each, a few
     /// microseconds under KVM).
-    pub fn with_defaults() -> PauseWatch {
+    pub(crate) fn with_defaults() -> PauseWatch {
         PauseWatch::new(
             Duration::from_millis(50),
             Duration::from_millis(10),
@@ -107,7 +111,7 @@ impl PauseWatch {
     }
 
     /// Takes one reading.
-    pub fn observe(&mut self, r: Reading) -> Step {
+    pub(crate) fn observe(&mut self, r: Reading) -> Step {
         let previous = self.last.replace(r);
         let mut paused = None;
         if let Some(edge) = self.edge {
@@ -161,14 +165,14 @@ impl PauseWatch {
 }
 
 /// Where the RTC's seconds are read unless configured otherwise.
-pub const DEFAULT_RTC_SECONDS: &str = "/sys/class/rtc/rtc0/since_epoch";
+pub(crate) const DEFAULT_RTC_SECONDS: &str = "/sys/class/rtc/rtc0/since_epoch";
 
 /// A pause the watch saw: at least `at_least` long, seen `seen` (tokio's
 /// clock).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pause {
-    pub at_least: Duration,
-    pub seen: tokio::time::Instant,
+pub(crate) struct Pause {
+    pub(crate) at_least: Duration,
+    pub(crate) seen: tokio::time::Instant,
 }
 
 /// What the watch's own thread does at once when it sees a pause of at
@@ -181,9 +185,9 @@ pub struct Pause {
 /// draining what was queued for it, 0.2 to 0.66 s after the resume here,
 /// issue #31); this thread reads the RTC every 50 ms and acts in the same
 /// wake-up.
-pub struct OnLongPause {
-    pub from: Duration,
-    pub act: Box<dyn Fn(Duration) + Send>,
+pub(crate) struct OnLongPause {
+    pub(crate) from: Duration,
+    pub(crate) act: Box<dyn Fn(Duration) + Send>,
 }
 
 /// Starts the watch on a thread of its own: reads `path` as
@@ -193,7 +197,7 @@ pub struct OnLongPause {
 /// after a resume must not wait for the runtime (nor a blocking-pool hop
 /// per read). Ends when every receiver is gone; a file that cannot be read
 /// (no RTC, as in some containers) is said once and the watch stops.
-pub fn spawn(
+pub(crate) fn spawn(
     path: PathBuf,
     tx: tokio::sync::watch::Sender<Option<Pause>>,
     on_long: Option<OnLongPause>,

@@ -1,6 +1,6 @@
 //! The persistent state directory (DHCP leases live here in later work).
 
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use nix::unistd::{AccessFlags, access};
@@ -83,7 +83,7 @@ pub enum StateDirError {
 
 /// Creates the directory (mode 0700, leases are private) and proves it is
 /// writable by writing and removing a probe file.
-pub fn prepare(dir: &Path) -> Result<(), StateDirError> {
+pub(crate) fn prepare(dir: &Path) -> Result<(), StateDirError> {
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -103,7 +103,9 @@ pub fn prepare(dir: &Path) -> Result<(), StateDirError> {
 }
 
 /// Permission bits of an existing directory, for reports.
-pub fn mode(dir: &Path) -> Option<u32> {
+#[cfg(test)]
+pub(crate) fn mode(dir: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(dir)
         .ok()
         .map(|m| m.permissions().mode() & 0o7777)

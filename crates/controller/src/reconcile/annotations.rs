@@ -12,7 +12,7 @@ use super::world::ServiceIn;
 
 /// The annotations the controller writes on a Service it serves (kube-vip's
 /// record, so that moving back to kube-vip keeps the address).
-pub const OUR_ANNOTATIONS: [&str; 3] =
+pub(crate) const OUR_ANNOTATIONS: [&str; 3] =
     [kube_vip::HWADDR, kube_vip::REQUESTED_IP, kube_vip::VIP_HOST];
 
 /// The record of `s` held by `holder` at `ip` with the MAC of `id`, where

@@ -6,7 +6,7 @@ use hna_contract::ServiceKey;
 use super::world::ServiceIn;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum EventType {
+pub(crate) enum EventType {
     Normal,
     Warning,
 }
@@ -14,38 +14,38 @@ pub enum EventType {
 /// An Event on a Service.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EventOut {
-    pub service: ServiceKey,
-    pub uid: String,
-    pub type_: EventType,
+    pub(crate) service: ServiceKey,
+    pub(crate) uid: String,
+    pub(crate) type_: EventType,
     pub reason: &'static str,
-    pub message: String,
+    pub(crate) message: String,
 }
 
 /// Event reasons (the `reason` field: CamelCase, stable).
-pub mod reason {
-    pub const HOLDER_CHOSEN: &str = "HolderChosen";
-    pub const MOVED: &str = "HolderMoved";
-    pub const ADDRESS_ASSIGNED: &str = "AddressAssigned";
-    pub const ADDRESS_SHARED: &str = "AddressShared";
-    pub const NO_ELIGIBLE_NODE: &str = "NoEligibleNode";
-    pub const RELEASING: &str = "Releasing";
-    pub const RELEASED: &str = "Released";
-    pub const RELEASED_WITHOUT_DHCPRELEASE: &str = "ReleasedWithoutDHCPRelease";
-    pub const RELEASE_DEFERRED: &str = "ReleaseDeferred";
-    pub const SECONDARIES_LIVE: &str = "SecondariesStillShareAddress";
-    pub const IPAM_CHANGE_REFUSED: &str = "IPAMChangeRefused";
-    pub const PORTS_OVERLAP: &str = "PortsOverlap";
-    pub const PRIMARY_IS_SECONDARY: &str = "PrimaryIsSecondary";
-    pub const PRIMARY_NOT_OURS: &str = "PrimaryNotOurs";
-    pub const INVALID: &str = "InvalidConfiguration";
-    pub const HANDED_OVER: &str = "HandedOver";
-    pub const NETWORK_UNRESOLVED: &str = "NetworkNotResolved";
-    pub const IPV4_REQUIRED: &str = "IPv4Required";
-    pub const IPV6_NOT_SERVED: &str = "IPv6NotServed";
-    pub const SHARING_ENDED: &str = "SharingEnded";
-    pub const IDENTITY_IN_USE: &str = "AddressIdentityInUse";
-    pub const ADDRESS_IMPLAUSIBLE: &str = "AddressImplausible";
-    pub const MAC_REFUSED: &str = "MACAddressRefused";
+pub(crate) mod reason {
+    pub(crate) const HOLDER_CHOSEN: &str = "HolderChosen";
+    pub(crate) const MOVED: &str = "HolderMoved";
+    pub(crate) const ADDRESS_ASSIGNED: &str = "AddressAssigned";
+    pub(crate) const ADDRESS_SHARED: &str = "AddressShared";
+    pub(crate) const NO_ELIGIBLE_NODE: &str = "NoEligibleNode";
+    pub(crate) const RELEASING: &str = "Releasing";
+    pub(crate) const RELEASED: &str = "Released";
+    pub(crate) const RELEASED_WITHOUT_DHCPRELEASE: &str = "ReleasedWithoutDHCPRelease";
+    pub(crate) const RELEASE_DEFERRED: &str = "ReleaseDeferred";
+    pub(crate) const SECONDARIES_LIVE: &str = "SecondariesStillShareAddress";
+    pub(crate) const IPAM_CHANGE_REFUSED: &str = "IPAMChangeRefused";
+    pub(crate) const PORTS_OVERLAP: &str = "PortsOverlap";
+    pub(crate) const PRIMARY_IS_SECONDARY: &str = "PrimaryIsSecondary";
+    pub(crate) const PRIMARY_NOT_OURS: &str = "PrimaryNotOurs";
+    pub(crate) const INVALID: &str = "InvalidConfiguration";
+    pub(crate) const HANDED_OVER: &str = "HandedOver";
+    pub(crate) const NETWORK_UNRESOLVED: &str = "NetworkNotResolved";
+    pub(crate) const IPV4_REQUIRED: &str = "IPv4Required";
+    pub(crate) const IPV6_NOT_SERVED: &str = "IPv6NotServed";
+    pub(crate) const SHARING_ENDED: &str = "SharingEnded";
+    pub(crate) const IDENTITY_IN_USE: &str = "AddressIdentityInUse";
+    pub(crate) const ADDRESS_IMPLAUSIBLE: &str = "AddressImplausible";
+    pub(crate) const MAC_REFUSED: &str = "MACAddressRefused";
 }
 
 /// The Events of one decision, in the order it came to them.

@@ -36,10 +36,15 @@ mod specs;
 mod status;
 mod world;
 
-pub use annotations::OUR_ANNOTATIONS;
-pub use events::{EventOut, EventType, reason};
+#[cfg(test)]
+pub(crate) use annotations::OUR_ANNOTATIONS;
+#[cfg(test)]
+pub(crate) use events::reason;
+pub(crate) use events::{EventOut, EventType};
 pub use plan::{Assigned, Plan, Summary, Write};
-pub use release::{RELEASE_TIMEOUT_SECS, release_overdue};
+pub(crate) use release::RELEASE_TIMEOUT_SECS;
+#[cfg(test)]
+pub(crate) use release::release_overdue;
 pub use world::{BOUND, IP_MODE_VIP, Ingress, NodeIn, NodeNetworks, Port, ServiceIn, World};
 
 use pass::Pass;

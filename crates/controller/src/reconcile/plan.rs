@@ -24,7 +24,7 @@ pub enum Write {
     /// `services`: whose assignments changed; their later writes wait for
     /// this one. `before`: the assignments the decision found, in
     /// sorted order (by Service, then uid); what a held-back Service's entries stay at (see
-    /// [`Write::without`]).
+    /// `Write::without`).
     SetSpec {
         node: String,
         spec: Spec,
@@ -63,13 +63,13 @@ pub enum Write {
 /// for, and when (the pass's wall clock, seconds).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Assigned {
-    pub generation: i64,
-    pub at: i64,
+    pub(crate) generation: i64,
+    pub(crate) at: i64,
 }
 
 impl Write {
     /// The Services whose later writes depend on this one succeeding.
-    pub fn services(&self) -> Vec<&ServiceKey> {
+    pub(crate) fn services(&self) -> Vec<&ServiceKey> {
         match self {
             Write::AddFinalizer(s) | Write::RemoveFinalizer(s) => vec![s],
             Write::ServiceStatus { service, .. } | Write::ServiceAnnotations { service, .. } => {
@@ -89,7 +89,7 @@ impl Write {
     /// every Service placed on or moved off the node in one pass: one
     /// Service whose finalizer a webhook refuses must not hold back the
     /// others' failover, so its entries stay as they were and the rest go.
-    pub fn without(&self, held: &BTreeSet<ServiceKey>) -> Option<Cow<'_, Write>> {
+    pub(crate) fn without(&self, held: &BTreeSet<ServiceKey>) -> Option<Cow<'_, Write>> {
         if !self.services().iter().any(|s| held.contains(*s)) {
             return Some(Cow::Borrowed(self));
         }
@@ -134,7 +134,7 @@ impl Write {
     }
 
     /// A short name for metrics and logs.
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             Write::AddFinalizer(_) => "add_finalizer",
             Write::CreateNodeObject(_) => "create_node_object",
@@ -151,7 +151,7 @@ impl Write {
 
 /// A node's assignments in the order its spec is written in: by Service,
 /// then uid, so that equal sets compare equal.
-pub fn sorted(mut assignments: Vec<Assignment>) -> Vec<Assignment> {
+pub(crate) fn sorted(mut assignments: Vec<Assignment>) -> Vec<Assignment> {
     assignments.sort_by(|a, b| a.service.cmp(&b.service).then(a.uid.cmp(&b.uid)));
     assignments
 }
@@ -160,17 +160,17 @@ pub fn sorted(mut assignments: Vec<Assignment>) -> Vec<Assignment> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Summary {
     /// Primaries whose status carries their holder's address.
-    pub served: usize,
+    pub(crate) served: usize,
     /// Primaries waiting for a holder or a lease.
-    pub pending: usize,
+    pub(crate) pending: usize,
     /// Secondaries sharing their primary's address.
-    pub shared: usize,
+    pub(crate) shared: usize,
     /// Services being released (deleted, finalizer still ours).
-    pub releasing: usize,
+    pub(crate) releasing: usize,
     /// Services refused or invalid (a Warning says why).
-    pub refused: usize,
-    pub nodes_eligible: usize,
-    pub nodes_total: usize,
+    pub(crate) refused: usize,
+    pub(crate) nodes_eligible: usize,
+    pub(crate) nodes_total: usize,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -17,10 +17,10 @@ use super::world::{NodeIn, ServiceIn};
 /// How long a deleted Service waits for its holder's DHCPRELEASE. A holder
 /// that does not let go in that time (a wedged or hostile node) no longer
 /// holds the deletion: its assignment is dropped and the Service goes.
-pub const RELEASE_TIMEOUT_SECS: i64 = 30;
+pub(crate) const RELEASE_TIMEOUT_SECS: i64 = 30;
 
 /// Whether `s` is being deleted and has waited [`RELEASE_TIMEOUT_SECS`].
-pub fn release_overdue(s: &ServiceIn, now: i64) -> bool {
+pub(crate) fn release_overdue(s: &ServiceIn, now: i64) -> bool {
     s.deleting && s.deleting_since > 0 && now - s.deleting_since >= RELEASE_TIMEOUT_SECS
 }
 

@@ -7,26 +7,28 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::networks::NetworkMap;
-use hna_contract::node_object::{Assignment, LeaseReport};
+#[cfg(test)]
+use hna_contract::node_object::Assignment;
+use hna_contract::node_object::LeaseReport;
 use hna_contract::{self, ClassPolicy, FINALIZER, ServiceKey, harvester, kube_vip};
 
 use super::{BOUND, NodeIn, NodeNetworks, Plan, Port, ServiceIn, World, Write, reconcile};
 
-pub const NS: &str = "default";
+pub(crate) const NS: &str = "default";
 
-pub fn key(name: &str) -> ServiceKey {
+pub(crate) fn key(name: &str) -> ServiceKey {
     ServiceKey {
         namespace: NS.into(),
         name: name.into(),
     }
 }
 
-pub fn uid(name: &str) -> String {
+pub(crate) fn uid(name: &str) -> String {
     let h = hna_contract::fnv1a(&[name.as_bytes()]);
     format!("{:08x}-0000-4000-8000-{:012x}", h as u32, h >> 16)
 }
 
-pub fn port(p: i32) -> Port {
+pub(crate) fn port(p: i32) -> Port {
     Port {
         port: p,
         protocol: "TCP".into(),
@@ -55,7 +57,8 @@ pub fn dhcp(name: &str, ports: &[i32]) -> ServiceIn {
     }
 }
 
-pub fn secondary(name: &str, primary: &str, ports: &[i32]) -> ServiceIn {
+#[cfg(test)]
+pub(crate) fn secondary(name: &str, primary: &str, ports: &[i32]) -> ServiceIn {
     let mut s = dhcp(name, ports);
     s.annotations = [(
         harvester::PRIMARY_SERVICE.to_string(),
@@ -70,21 +73,21 @@ pub fn secondary(name: &str, primary: &str, ports: &[i32]) -> ServiceIn {
 #[derive(Debug, Clone)]
 pub struct Sim {
     pub services: Vec<ServiceIn>,
-    pub nodes: Vec<String>,
-    pub objects: Vec<NodeIn>,
-    pub access: BTreeSet<String>,
+    pub(crate) nodes: Vec<String>,
+    pub(crate) objects: Vec<NodeIn>,
+    pub(crate) access: BTreeSet<String>,
     /// Nodes whose agents run (they are eligible and report leases).
     pub up: BTreeSet<String>,
     /// Addresses the DHCP server hands out, by client.
     /// The next address the DHCP server gives, counted up from 10.77.0.150.
-    pub next_ip: u32,
-    pub given: BTreeMap<String, String>,
-    pub networks: NetworkMap,
-    pub classes: ClassPolicy,
-    pub ip_mode: bool,
-    pub node_networks: NodeNetworks,
-    pub now: i64,
-    pub avoid: crate::service_health::Avoid,
+    pub(crate) next_ip: u32,
+    pub(crate) given: BTreeMap<String, String>,
+    pub(crate) networks: NetworkMap,
+    pub(crate) classes: ClassPolicy,
+    pub(crate) ip_mode: bool,
+    pub(crate) node_networks: NodeNetworks,
+    pub(crate) now: i64,
+    pub(crate) avoid: crate::service_health::Avoid,
 }
 
 impl Sim {
@@ -123,18 +126,21 @@ impl Sim {
         })
     }
 
-    pub fn svc(&self, name: &str) -> &ServiceIn {
+    #[cfg(test)]
+    pub(crate) fn svc(&self, name: &str) -> &ServiceIn {
         self.services.iter().find(|s| s.key == key(name)).unwrap()
     }
 
-    pub fn svc_mut(&mut self, name: &str) -> &mut ServiceIn {
+    #[cfg(test)]
+    pub(crate) fn svc_mut(&mut self, name: &str) -> &mut ServiceIn {
         self.services
             .iter_mut()
             .find(|s| s.key == key(name))
             .unwrap()
     }
 
-    pub fn holders(&self, name: &str) -> Vec<(String, Assignment)> {
+    #[cfg(test)]
+    pub(crate) fn holders(&self, name: &str) -> Vec<(String, Assignment)> {
         self.objects
             .iter()
             .flat_map(|o| {
@@ -147,7 +153,7 @@ impl Sim {
             .collect()
     }
 
-    pub fn apply(&mut self, plan: &Plan) {
+    pub(crate) fn apply(&mut self, plan: &Plan) {
         // By key: the benchmark applies tens of thousands of writes.
         let at: std::collections::HashMap<ServiceKey, usize> = self
             .services
@@ -276,24 +282,28 @@ impl Sim {
     }
 }
 
-pub fn events(plans: &[Plan]) -> Vec<(&'static str, String)> {
+#[cfg(test)]
+pub(crate) fn events(plans: &[Plan]) -> Vec<(&'static str, String)> {
     plans
         .iter()
         .flat_map(|p| p.events.iter().map(|e| (e.reason, e.message.clone())))
         .collect()
 }
 
-pub fn reasons(plans: &[Plan]) -> Vec<&'static str> {
+#[cfg(test)]
+pub(crate) fn reasons(plans: &[Plan]) -> Vec<&'static str> {
     events(plans).into_iter().map(|(r, _)| r).collect()
 }
 
-pub fn in_namespace(mut s: ServiceIn, namespace: &str) -> ServiceIn {
+#[cfg(test)]
+pub(crate) fn in_namespace(mut s: ServiceIn, namespace: &str) -> ServiceIn {
     s.key.namespace = namespace.into();
     s.uid = uid(&format!("{namespace}/{}", s.key.name));
     s
 }
 
-pub fn ns_key(namespace: &str, name: &str) -> ServiceKey {
+#[cfg(test)]
+pub(crate) fn ns_key(namespace: &str, name: &str) -> ServiceKey {
     ServiceKey {
         namespace: namespace.into(),
         name: name.into(),

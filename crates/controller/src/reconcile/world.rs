@@ -15,8 +15,8 @@ pub const BOUND: &str = "BOUND";
 /// One port of a Service (`spec.ports[]`, as the ingress lists it).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Port {
-    pub port: i32,
-    pub protocol: String,
+    pub(crate) port: i32,
+    pub(crate) protocol: String,
 }
 
 impl std::fmt::Display for Port {
@@ -43,36 +43,36 @@ pub const IP_MODE_VIP: &str = "VIP";
 /// A Service as the decision needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceIn {
-    pub key: ServiceKey,
-    pub uid: String,
+    pub(crate) key: ServiceKey,
+    pub(crate) uid: String,
     /// `spec.type`.
-    pub type_: String,
-    pub load_balancer_class: Option<String>,
+    pub(crate) type_: String,
+    pub(crate) load_balancer_class: Option<String>,
     /// `spec.ipFamilies` (empty: not set, IPv4 on an IPv4 cluster).
-    pub ip_families: Vec<String>,
+    pub(crate) ip_families: Vec<String>,
     /// `spec.clusterIPs`: never a load-balancer address.
-    pub cluster_ips: Vec<String>,
+    pub(crate) cluster_ips: Vec<String>,
     /// `externalTrafficPolicy: Local`: the nodes with a ready endpoint,
     /// the only ones that may hold the address. `None`: `Cluster`.
-    pub local_endpoints: Option<BTreeSet<String>>,
-    pub annotations: Annotations,
-    pub ports: Vec<Port>,
+    pub(crate) local_endpoints: Option<BTreeSet<String>>,
+    pub(crate) annotations: Annotations,
+    pub(crate) ports: Vec<Port>,
     /// `status.loadBalancer.ingress` now.
     pub ingress: Vec<Ingress>,
     /// `metadata.generation` (0 unknown).
-    pub generation: i64,
+    pub(crate) generation: i64,
     /// The `observedGeneration` of our condition
     /// ([`SERVICE_CONDITION`](hna_contract::SERVICE_CONDITION)) while
     /// it is there and `True`.
-    pub assigned_for: Option<i64>,
-    pub finalizers: Vec<String>,
+    pub(crate) assigned_for: Option<i64>,
+    pub(crate) finalizers: Vec<String>,
     /// `metadata.deletionTimestamp` is set.
-    pub deleting: bool,
+    pub(crate) deleting: bool,
     /// `metadata.deletionTimestamp` in seconds (0 unknown).
-    pub deleting_since: i64,
+    pub(crate) deleting_since: i64,
     /// `metadata.creationTimestamp` in seconds (0 unknown): between two
     /// Services asking for one identity, the older one has it.
-    pub created: i64,
+    pub(crate) created: i64,
 }
 
 impl ServiceIn {
@@ -104,38 +104,38 @@ impl ServiceIn {
 /// A `LoadBalancerNode` as the decision needs it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeIn {
-    pub name: String,
-    pub spec: Spec,
-    pub status: Status,
+    pub(crate) name: String,
+    pub(crate) spec: Spec,
+    pub(crate) status: Status,
     /// Ready and heartbeating, judged on the controller's clock
     /// (`controller::liveness`).
-    pub eligible: bool,
+    pub(crate) eligible: bool,
     /// Eligible only to keep what it holds: its heartbeat is late by its
     /// stated period, or stale while a witness still hears it on the LAN
     /// (cut off from the API server), so it serves on but cannot read a
     /// new assignment.
-    pub keep_only: bool,
+    pub(crate) keep_only: bool,
     /// Dead on its LAN by its witnesses' word, yet it said so itself and
     /// its heartbeat is on time (`controller::lan_verdict::LetGo`): it still reads its
     /// assignments, and may still answer where its witnesses cannot hear
     /// it (its gateway, the clients on its side of a broken switch), where
     /// a new holder's takeover guard cannot hear it either. An address it
     /// reports held goes to another node only once it reports it gone.
-    pub lets_go_first: bool,
+    pub(crate) lets_go_first: bool,
     /// Not yet seen writing by this controller (`Liveness::written`): it
     /// keeps what it holds, and is given a new Service only when no other
     /// node can take it.
-    pub unproven: bool,
+    pub(crate) unproven: bool,
     /// The object's `metadata.generation`: the version of its spec, which
     /// the agent echoes in `status.observedGeneration` once it read it.
-    pub generation: Option<i64>,
+    pub(crate) generation: Option<i64>,
 }
 
 impl NodeIn {
     /// The address of the lease for `service` on `interface`, if it holds
     /// one: BOUND, or renewing or rebinding it (the address stays
     /// configured while the lease is extended).
-    pub fn bound_address(&self, service: &str, interface: &str) -> Option<&str> {
+    pub(crate) fn bound_address(&self, service: &str, interface: &str) -> Option<&str> {
         self.status
             .leases
             .iter()
@@ -159,44 +159,44 @@ impl NodeIn {
 /// Everything one decision reads.
 #[derive(Debug, Clone, Copy)]
 pub struct World<'a> {
-    pub services: &'a [ServiceIn],
+    pub(crate) services: &'a [ServiceIn],
     /// The names of the Kubernetes Nodes.
-    pub nodes: &'a [String],
-    pub node_objects: &'a [NodeIn],
+    pub(crate) nodes: &'a [String],
+    pub(crate) node_objects: &'a [NodeIn],
     /// The nodes whose Role and RoleBinding this process has applied.
-    pub access_ensured: &'a BTreeSet<String>,
+    pub(crate) access_ensured: &'a BTreeSet<String>,
     /// VM network → interface (`cloudprovider.harvesterhci.io/network`).
-    pub networks: &'a NetworkMap,
+    pub(crate) networks: &'a NetworkMap,
     /// Which `loadBalancerClass` values are ours.
-    pub classes: &'a ClassPolicy,
+    pub(crate) classes: &'a ClassPolicy,
     /// The Nodes' own addresses and Pod CIDRs: never a load-balancer
     /// address.
-    pub node_networks: &'a NodeNetworks,
+    pub(crate) node_networks: &'a NodeNetworks,
     /// Now, in seconds on the controller's wall clock (for how long a
     /// deletion has waited).
-    pub now: i64,
+    pub(crate) now: i64,
     /// The nodes that could not serve a Service lately, per Service
     /// (`namespace/name`), judged on the controller's clock
     /// (`controller::service_health`).
-    pub avoid: &'a crate::service_health::Avoid,
+    pub(crate) avoid: &'a crate::service_health::Avoid,
     /// The API server knows `status.loadBalancer.ingress[].ipMode`
     /// (Kubernetes 1.30 and later): it is written as [`IP_MODE_VIP`].
-    pub ip_mode: bool,
+    pub(crate) ip_mode: bool,
 }
 
 /// What the Nodes say of their own networks (`status.addresses`,
 /// `spec.podCIDRs`), IPv4 only.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeNetworks {
-    pub addresses: BTreeSet<Ipv4Addr>,
+    pub(crate) addresses: BTreeSet<Ipv4Addr>,
     /// `(network, prefix length)`.
-    pub pod_cidrs: Vec<(Ipv4Addr, u8)>,
+    pub(crate) pod_cidrs: Vec<(Ipv4Addr, u8)>,
 }
 
 impl NodeNetworks {
     /// Adds a Node's `status.addresses[].address` and `spec.podCIDRs`
     /// (IPv6 and malformed entries are skipped).
-    pub fn add(&mut self, addresses: &[&str], pod_cidrs: &[&str]) {
+    pub(crate) fn add(&mut self, addresses: &[&str], pod_cidrs: &[&str]) {
         self.addresses
             .extend(addresses.iter().filter_map(|a| a.parse::<Ipv4Addr>().ok()));
         self.pod_cidrs.extend(pod_cidrs.iter().filter_map(|c| {

@@ -2,10 +2,10 @@
 //! server whether it is there, and connects afresh when the credentials
 //! change. Both the node daemon and the controller run it.
 //!
-//! Each round is decided by [`plan`], a pure function of what was found now
+//! Each round is decided by `plan`, a pure function of what was found now
 //! and what the current session was built from; the loop in [`watch()`] only
 //! performs the chosen step. A change is detected by content
-//! ([`Fingerprint`]), not modification time: a kubeconfig (or a client
+//! (`Fingerprint`), not modification time: a kubeconfig (or a client
 //! certificate it names, which RKE2 rotates in place) replaced within the
 //! same second must still be noticed.
 
@@ -65,12 +65,12 @@ impl ClusterState {
 /// names (certificate authority, client certificate and key, token file).
 /// Equal fingerprints mean an equal client.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Fingerprint(Vec<(PathBuf, Option<Vec<u8>>)>);
+pub(crate) struct Fingerprint(Vec<(PathBuf, Option<Vec<u8>>)>);
 
 impl Fingerprint {
     /// Reads the files behind `found`. In-cluster credentials have an empty
     /// fingerprint: the client re-reads its rotating token by itself.
-    pub fn read(found: &Discovery) -> Fingerprint {
+    pub(crate) fn read(found: &Discovery) -> Fingerprint {
         match found {
             Discovery::File { path, .. } => Fingerprint::of_kubeconfig(path),
             Discovery::InCluster | Discovery::NotFound { .. } => Fingerprint::default(),
@@ -120,14 +120,14 @@ fn referenced_files(kubeconfig: &str) -> Vec<String> {
 
 /// What the current session was built from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Basis {
-    pub found: Discovery,
-    pub fingerprint: Fingerprint,
+pub(crate) struct Basis {
+    pub(crate) found: Discovery,
+    pub(crate) fingerprint: Fingerprint,
 }
 
 /// One round's decision.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
+pub(crate) enum Step {
     /// No credentials: report this and drop any session.
     Wait(ClusterState),
     /// Same credentials as the session: ask the server whether it is there.
@@ -137,7 +137,7 @@ pub enum Step {
 }
 
 /// Decides a round from what was found now and the session's basis.
-pub fn plan(now: &Basis, session: Option<&Basis>) -> Step {
+pub(crate) fn plan(now: &Basis, session: Option<&Basis>) -> Step {
     match (&now.found, session) {
         (Discovery::NotFound { .. }, _) => Step::Wait(ClusterState::initial(&now.found)),
         (_, Some(was)) if was == now => Step::Probe,
@@ -146,7 +146,7 @@ pub fn plan(now: &Basis, session: Option<&Basis>) -> Step {
 }
 
 /// The kubeconfig path a state names, for reports.
-pub fn kubeconfig_of(found: &Discovery) -> Option<PathBuf> {
+pub(crate) fn kubeconfig_of(found: &Discovery) -> Option<PathBuf> {
     match found {
         Discovery::File { path, .. } => Some(path.clone()),
         _ => None,
@@ -155,7 +155,7 @@ pub fn kubeconfig_of(found: &Discovery) -> Option<PathBuf> {
 
 /// The state after a health probe of an existing session: the server's
 /// version, why it did not answer, or how long it was waited for.
-pub fn after_probe<E: std::fmt::Display>(
+pub(crate) fn after_probe<E: std::fmt::Display>(
     found: &Discovery,
     server: &str,
     answer: Result<Result<String, E>, Duration>,
@@ -188,7 +188,7 @@ pub fn after_probe<E: std::fmt::Display>(
 /// or make the controller give up its Lease, for one bad answer. Requests
 /// made with the client fail or succeed on their own. Only a round that
 /// could not build a session, or found no credentials, takes it away.
-pub fn keep_client(state: &ClusterState, probed: bool) -> bool {
+pub(crate) fn keep_client(state: &ClusterState, probed: bool) -> bool {
     matches!(state, ClusterState::Connected { .. }) || probed
 }
 

@@ -144,12 +144,12 @@ pub enum CredentialsError {
 }
 
 /// Kubernetes client configuration from a discovery result.
-pub async fn client_config(found: &Discovery) -> Result<kube::Config, CredentialsError> {
+pub(crate) async fn client_config(found: &Discovery) -> Result<kube::Config, CredentialsError> {
     // kube's default client repeats a 429, 503 or 504 by itself (up to 15
     // times), out of our writers' sight: its repeat went out beside our
     // hedges, so a server's `Retry-After` was not honoured by the node as a
     // whole. Off: each writer sees every answer and holds back as asked
-    // (`agent::delivery`, the controller's per-object backoff). It had
+    // (`loadbalancer::delivery`, the controller's per-object backoff). It had
     // stayed on while liveness rode on API writes (a heartbeat that waited
     // out two 1 s `Retry-After`s went past a 3 s staleness bound); liveness
     // is on the LAN now, and the backstop heartbeat has 40 s (issue #30).
@@ -183,10 +183,10 @@ pub async fn client_config(found: &Discovery) -> Result<kube::Config, Credential
 
 /// How long a client built from a kubeconfig file waits for the next bytes
 /// of an answer, a watch's included; see [`WATCH_TIMEOUT_SECS`].
-pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The server-side bound of every watch request (`timeoutSeconds`): under
-/// [`READ_TIMEOUT`], so that the API server ends a quiet watch cleanly (and
+/// `READ_TIMEOUT`, so that the API server ends a quiet watch cleanly (and
 /// it is resumed from its resourceVersion) before the client would cut it
 /// as an error: an error that counts against the controller's watch health
 /// and makes it distrust heartbeat staleness for a while.

@@ -57,10 +57,10 @@ pub enum Update<K> {
 /// (up to 30 s, and kept for 2 minutes), which the fault soak found leaving
 /// the controller blind for 18 s after a 23 s outage. A failing server sees
 /// at most one attempt per watch every 2 s.
-pub const BACKOFF_MIN: Duration = Duration::from_millis(250);
-pub const BACKOFF_MAX: Duration = Duration::from_secs(2);
+pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(250);
+pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
-/// [`BACKOFF_MIN`] doubling to [`BACKOFF_MAX`], reset by any event: for
+/// `BACKOFF_MIN` doubling to `BACKOFF_MAX`, reset by any event: for
 /// kube-runtime's watch streams (`WatchStreamExt::backoff`).
 #[derive(Debug, Clone)]
 pub struct ShortBackoff(Duration);

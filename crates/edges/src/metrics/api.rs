@@ -15,15 +15,15 @@ use prometheus_client::metrics::histogram::Histogram;
 
 /// Bounded: six verbs times six outcomes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct ApiRequest {
+pub(crate) struct ApiRequest {
     /// `GET`, `WATCH` (a GET with `watch=true`), `POST`, `PUT`, `PATCH`,
     /// `DELETE`, or `OTHER`.
-    pub verb: &'static str,
+    pub(crate) verb: &'static str,
     /// `2xx` … `5xx`, or `error` (no answer: connect, TLS, timeout).
-    pub code: &'static str,
+    pub(crate) code: &'static str,
 }
 
-pub type ApiLatency = Family<ApiRequest, Histogram, fn() -> Histogram>;
+pub(crate) type ApiLatency = Family<ApiRequest, Histogram, fn() -> Histogram>;
 
 /// Seconds; a watch's time is until its response head, not its end.
 fn buckets() -> Histogram {
@@ -33,13 +33,13 @@ fn buckets() -> Histogram {
 }
 
 /// The process's one family (each component registers it once).
-pub fn api_latency() -> &'static ApiLatency {
+pub(crate) fn api_latency() -> &'static ApiLatency {
     static FAMILY: OnceLock<ApiLatency> = OnceLock::new();
     FAMILY.get_or_init(|| Family::new_with_constructor(buckets as fn() -> Histogram))
 }
 
 /// The request's verb label.
-pub fn verb_of(method: &http::Method, query: Option<&str>) -> &'static str {
+pub(crate) fn verb_of(method: &http::Method, query: Option<&str>) -> &'static str {
     let watch = query.is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"));
     match *method {
         http::Method::GET if watch => "WATCH",
@@ -53,7 +53,7 @@ pub fn verb_of(method: &http::Method, query: Option<&str>) -> &'static str {
 }
 
 /// The answer's code class label.
-pub fn code_of(status: Option<http::StatusCode>) -> &'static str {
+pub(crate) fn code_of(status: Option<http::StatusCode>) -> &'static str {
     match status.map(|s| s.as_u16() / 100) {
         Some(1) => "1xx",
         Some(2) => "2xx",
@@ -66,7 +66,7 @@ pub fn code_of(status: Option<http::StatusCode>) -> &'static str {
 
 /// The `tower` layer timing each request into [`api_latency`].
 #[derive(Debug, Clone, Copy, Default)]
-pub struct TimedLayer;
+pub(crate) struct TimedLayer;
 
 impl<S> tower::Layer<S> for TimedLayer {
     type Service = Timed<S>;
@@ -76,7 +76,7 @@ impl<S> tower::Layer<S> for TimedLayer {
 }
 
 #[derive(Debug, Clone)]
-pub struct Timed<S> {
+pub(crate) struct Timed<S> {
     inner: S,
 }
 

@@ -1,14 +1,14 @@
 //! The optional `/metrics` (OpenMetrics text, through `prometheus-client`)
 //! and `/healthz` endpoint of the daemon (`metrics_listen`, off by default),
 //! the controller and `dhcp-hold`, and what every one of them exports: the
-//! `process_*` metrics ([`process`]) and its API requests' latency
-//! ([`api`]).
+//! `process_*` metrics (`process`) and its API requests' latency
+//! (`api`).
 //! Two read-only GET routes do not justify an HTTP framework: this answers
 //! one request per connection with `Connection: close`.
 
-pub mod api;
+pub(crate) mod api;
 pub mod exposition;
-pub mod process;
+pub(crate) mod process;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -46,14 +46,14 @@ pub struct Pages {
 /// At most this many connections are answered at once; more are closed at
 /// once, so a flood of slow clients costs a few sockets, not memory and
 /// tasks without bound.
-pub const MAX_CONNECTIONS: usize = 16;
+pub(crate) const MAX_CONNECTIONS: usize = 16;
 
 /// Binds `addr`; serve with [`serve`].
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-/// Serves until the task is dropped: [`MAX_CONNECTIONS`] at a time, each
+/// Serves until the task is dropped: `MAX_CONNECTIONS` at a time, each
 /// given 5 s.
 pub async fn serve(listener: TcpListener, pages: Pages) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));

@@ -13,23 +13,23 @@ use super::exposition::{counter, gauge};
 
 /// Registered once per process (unprefixed: these names are shared).
 #[derive(Debug, Default)]
-pub struct ProcessCollector;
+pub(crate) struct ProcessCollector;
 
 /// What `/proc/self/stat` and friends say, in the metrics' units.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct ProcessFacts {
-    pub cpu_seconds: f64,
-    pub resident_bytes: f64,
-    pub virtual_bytes: f64,
-    pub start_time_seconds: f64,
-    pub threads: f64,
-    pub open_fds: f64,
-    pub max_fds: Option<f64>,
+pub(crate) struct ProcessFacts {
+    pub(crate) cpu_seconds: f64,
+    pub(crate) resident_bytes: f64,
+    pub(crate) virtual_bytes: f64,
+    pub(crate) start_time_seconds: f64,
+    pub(crate) threads: f64,
+    pub(crate) open_fds: f64,
+    pub(crate) max_fds: Option<f64>,
 }
 
 impl ProcessFacts {
     /// Reads this process's facts; `None` where `/proc` is not mounted.
-    pub fn read() -> Option<ProcessFacts> {
+    pub(crate) fn read() -> Option<ProcessFacts> {
         let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
         let boot = std::fs::read_to_string("/proc/stat").ok()?;
         // SAFETY: sysconf has no preconditions.
@@ -47,7 +47,12 @@ impl ProcessFacts {
 /// Parses `/proc/self/stat` (fields after the command's closing
 /// parenthesis, which may itself hold spaces and parentheses) and the boot
 /// time from `/proc/stat`.
-pub fn parse_stat(stat: &str, proc_stat: &str, ticks: f64, page: f64) -> Option<ProcessFacts> {
+pub(crate) fn parse_stat(
+    stat: &str,
+    proc_stat: &str,
+    ticks: f64,
+    page: f64,
+) -> Option<ProcessFacts> {
     let after = &stat[stat.rfind(')')? + 1..];
     // Field 3 (state) is the first after the command; utime is field 14.
     let fields: Vec<&str> = after.split_whitespace().collect();
@@ -70,7 +75,7 @@ pub fn parse_stat(stat: &str, proc_stat: &str, ticks: f64, page: f64) -> Option<
 }
 
 /// The soft limit of `Max open files` in `/proc/self/limits`.
-pub fn parse_max_fds(limits: &str) -> Option<f64> {
+pub(crate) fn parse_max_fds(limits: &str) -> Option<f64> {
     let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
     line["Max open files".len()..]
         .split_whitespace()

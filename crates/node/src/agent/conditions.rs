@@ -33,7 +33,7 @@ fn condition(
 }
 
 /// The conditions the agent owns, from the states they report.
-pub fn wanted(macvlan: &MacvlanState, guest: &GuestAgentState) -> Vec<Condition> {
+pub(crate) fn wanted(macvlan: &MacvlanState, guest: &GuestAgentState) -> Vec<Condition> {
     vec![
         condition(
             "MacvlanReady",
@@ -54,15 +54,15 @@ pub fn wanted(macvlan: &MacvlanState, guest: &GuestAgentState) -> Vec<Condition>
 
 /// What was last written, and when.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Sent {
-    pub conditions: Vec<Condition>,
-    pub at: Instant,
+pub(crate) struct Sent {
+    pub(crate) conditions: Vec<Condition>,
+    pub(crate) at: Instant,
 }
 
 /// Whether the Node is to be looked at again (and written if it shows
 /// something else): never looked at yet, something changed, or
 /// [`node_conditions::RECHECK`] has passed.
-pub fn look_due(last: Option<&Sent>, wanted: &[Condition], now: Instant) -> bool {
+pub(crate) fn look_due(last: Option<&Sent>, wanted: &[Condition], now: Instant) -> bool {
     match last {
         Some(s) => s.conditions != wanted || now.duration_since(s.at) >= node_conditions::RECHECK,
         None => true,
@@ -70,7 +70,7 @@ pub fn look_due(last: Option<&Sent>, wanted: &[Condition], now: Instant) -> bool
 }
 
 /// After a reconcile: what is remembered as sent and how long to wait.
-pub fn after(
+pub(crate) fn after(
     result: &Reported,
     last: Option<Sent>,
     wanted: Vec<Condition>,
@@ -92,7 +92,7 @@ pub fn after(
     }
 }
 
-pub async fn report(
+pub(crate) async fn report(
     ctx: Context,
     retry: Duration,
     mut client: watch::Receiver<Option<kube::Client>>,

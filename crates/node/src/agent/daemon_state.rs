@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::guest::GuestAgentState;
 use crate::kmod::MacvlanState;
+pub use crate::loadbalancer::LbStatus;
 use crate::node_conditions::Reported;
 use crate::topology::TopologyState;
 use hna_dhcp::driver::LeaseStatus;
@@ -15,7 +16,7 @@ pub use hna_edges::cluster::ClusterState;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StateDirStatus {
     pub path: PathBuf,
-    pub ok: bool,
+    pub(crate) ok: bool,
     pub message: String,
 }
 
@@ -33,51 +34,13 @@ pub struct DhcpStatus {
     pub leases: Vec<LeaseStatus>,
 }
 
-/// The LoadBalancer task's part of the daemon: the node's object as read,
-/// and the status as last reported (see `crate::loadbalancer::task`).
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-pub struct LbStatus {
-    /// `namespace/node` of this node's `LoadBalancerNode`.
-    pub object: String,
-    /// How reading the object goes (`watching`, or why not).
-    pub read: String,
-    /// Whether the start-up adoption is done.
-    pub adopted: bool,
-    /// Links an earlier run left that no assignment wanted, removed at
-    /// start-up without releasing.
-    pub removed_at_start: Vec<String>,
-    /// Assignments to hold (not being released).
-    pub wanted: u32,
-    /// Why the last status write failed, while it does.
-    pub write_error: Option<String>,
-    /// What is reported (heartbeat aside): `held`, `addresses`, `leases`.
-    pub status: hna_contract::node_object::Status,
-    /// Why the LAN membership is not running, while it is not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub membership_not_running: Option<String>,
-    /// Membership packets dropped since it started, by reason.
-    #[serde(default)]
-    pub membership_dropped: std::collections::BTreeMap<String, u64>,
-}
-
-impl LbStatus {
-    /// `lb 2/2 held` for `STATUS=`.
-    pub fn short(&self) -> String {
-        let mut s = format!("lb {}/{} held", self.status.held, self.wanted);
-        if !self.status.ready && !self.status.reason.is_empty() {
-            s.push_str(&format!(" ({})", self.status.reason));
-        }
-        s
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AgentStatus {
     pub version: String,
     pub pid: u32,
     pub node_name: String,
     /// RFC 3339 UTC.
-    pub started_at: String,
+    pub(crate) started_at: String,
     pub uptime_seconds: u64,
     pub state_dir: StateDirStatus,
     pub cluster: ClusterState,

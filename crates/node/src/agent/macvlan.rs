@@ -12,10 +12,10 @@ use crate::kmod::{self, MacvlanState, Reason};
 use hna_edges::systemd::beating;
 
 /// The longest one preflight (a module load + probe) may take.
-pub const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One preflight, loading the module when it is on disk.
-pub async fn run_preflight() -> MacvlanState {
+pub(crate) async fn run_preflight() -> MacvlanState {
     let work = tokio::task::spawn_blocking(|| kmod::preflight(&kmod::host::Host::default(), true));
     match tokio::time::timeout(PREFLIGHT_TIMEOUT, work).await {
         Ok(Ok(state)) => state,
@@ -42,7 +42,7 @@ fn failed(message: String) -> MacvlanState {
 
 /// The state after a re-check. `LoadedByAgent` stays the reason while the
 /// module stays loaded: who loaded it does not change on a later look.
-pub fn merge(was: &MacvlanState, next: MacvlanState) -> MacvlanState {
+pub(crate) fn merge(was: &MacvlanState, next: MacvlanState) -> MacvlanState {
     if was.reason == Reason::LoadedByAgent && next.reason == Reason::Loaded {
         MacvlanState {
             reason: Reason::LoadedByAgent,
@@ -54,11 +54,11 @@ pub fn merge(was: &MacvlanState, next: MacvlanState) -> MacvlanState {
 }
 
 /// Whether a new state is worth a log line (the reason or readiness moved).
-pub fn worth_logging(was: &MacvlanState, next: &MacvlanState) -> bool {
+pub(crate) fn worth_logging(was: &MacvlanState, next: &MacvlanState) -> bool {
     was.reason != next.reason || was.ready != next.ready
 }
 
-pub fn log(state: &MacvlanState) {
+pub(crate) fn log(state: &MacvlanState) {
     if state.ready || state.reason == Reason::Checking {
         tracing::info!(reason = state.reason.as_str(), "{}", state.message);
     } else {
@@ -74,7 +74,7 @@ pub fn log(state: &MacvlanState) {
 /// Publishes the first preflight when it outlived the start-up budget, then
 /// re-runs it every `every` and on each request (SIGHUP), so installing the
 /// module and reloading fixes a node without a restart.
-pub async fn recheck(
+pub(crate) async fn recheck(
     ctx: Context,
     every: Duration,
     first: Option<JoinHandle<MacvlanState>>,

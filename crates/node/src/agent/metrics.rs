@@ -19,30 +19,26 @@ use hna_edges::metrics::exposition::{Labels, counters, flag, gauge, gauges, info
 
 /// The histograms the daemon's tasks observe into.
 #[derive(Debug, Clone)]
-pub struct AgentMetrics {
+pub(crate) struct AgentMetrics {
     /// Handed to the DHCP engine ([`crate::loadbalancer::lease_metrics::observe_acquisitions`]).
-    pub acquisitions: AcquisitionDurations,
+    pub(crate) acquisitions: AcquisitionDurations,
     /// Observed by the LoadBalancer task: from a start's first turn behind
     /// the takeover guard to the guard letting it go.
-    pub takeover_guard_wait: Histogram,
+    pub(crate) takeover_guard_wait: Histogram,
 }
 
 impl Default for AgentMetrics {
     fn default() -> Self {
         AgentMetrics {
             acquisitions: acquisition_durations(),
-            // The guard listens 1 s by default; a holder that still answers
-            // keeps it waiting, retried up to every 10 s.
-            takeover_guard_wait: Histogram::new([
-                0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
-            ]),
+            takeover_guard_wait: crate::loadbalancer::lease_metrics::takeover_guard_wait(),
         }
     }
 }
 
 impl AgentMetrics {
     /// Everything `/metrics` shows; `status` is called at each scrape.
-    pub fn registry(&self, status: Arc<dyn Fn() -> AgentStatus + Send + Sync>) -> Registry {
+    pub(crate) fn registry(&self, status: Arc<dyn Fn() -> AgentStatus + Send + Sync>) -> Registry {
         let mut r = Registry::default();
         r.register_collector(Box::new(StatusCollector(status)));
         crate::loadbalancer::lease_metrics::register_acquisitions(
@@ -76,7 +72,7 @@ impl Collector for StatusCollector {
 
 /// The daemon's own health as gauges, the LoadBalancer task's, the LAN
 /// membership's, then the DHCP lease families.
-pub fn encode_status(e: &mut DescriptorEncoder, st: &AgentStatus) -> fmt::Result {
+pub(crate) fn encode_status(e: &mut DescriptorEncoder, st: &AgentStatus) -> fmt::Result {
     info(
         e,
         "hna_build",

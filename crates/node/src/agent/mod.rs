@@ -5,13 +5,13 @@
 //! then `READY=1` is sent. The cluster connection is not part of readiness:
 //! the daemon must do its local work on a node that has not joined yet.
 //!
-//! One task per subsystem, sharing a small [`Context`]:
+//! One task per subsystem, sharing a small `Context`:
 //! - `macvlan`: the preflight and its re-checks;
 //! - the guest-agent watch ([`crate::guest::watch`]);
 //! - the credentials watcher ([`hna_edges::cluster::connection`]);
 //! - the topology relay ([`crate::topology`]);
 //! - `conditions`: this node's Node conditions;
-//! - [`crate::loadbalancer::spawn`]: the LoadBalancer addresses this node's `LoadBalancerNode`
+//! - `crate::loadbalancer::spawn`: the LoadBalancer addresses this node's `LoadBalancerNode`
 //!   assigns, held through the DHCP engine, and that object's status;
 //! - `publish`: the `STATUS=` line;
 //! - the control socket and the optional metrics endpoint.
@@ -19,7 +19,7 @@
 mod conditions;
 pub mod daemon_state;
 mod macvlan;
-pub mod metrics;
+pub(crate) mod metrics;
 mod publish;
 
 use std::path::{Path, PathBuf};
@@ -47,7 +47,7 @@ use hna_edges::systemd::{self, Liveness, Notifier};
 /// `TimeoutStartSec=60`, so a slow module load never gets the daemon killed.
 /// The rest of start-up (state directory, control socket, the DHCP
 /// engine) is local and takes milliseconds.
-pub const READY_BUDGET: Duration = Duration::from_secs(20);
+pub(crate) const READY_BUDGET: Duration = Duration::from_secs(20);
 
 /// How long one API health request may take before the cluster counts as
 /// unreachable.
@@ -83,15 +83,15 @@ pub enum AgentError {
 
 /// What every task of the daemon shares.
 #[derive(Clone)]
-pub struct Context {
-    pub node: String,
+pub(crate) struct Context {
+    pub(crate) node: String,
     /// How often a task beats while it waits.
-    pub beat_every: Duration,
-    pub liveness: Liveness,
+    pub(crate) beat_every: Duration,
+    pub(crate) liveness: Liveness,
     /// Changes once, when the daemon stops.
-    pub shutdown: watch::Receiver<bool>,
+    pub(crate) shutdown: watch::Receiver<bool>,
     /// The histograms the tasks observe into.
-    pub metrics: metrics::AgentMetrics,
+    pub(crate) metrics: metrics::AgentMetrics,
 }
 
 /// Runs until SIGTERM or SIGINT.

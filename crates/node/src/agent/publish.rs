@@ -18,7 +18,7 @@ use crate::topology::TopologyState;
 use hna_edges::systemd::Notifier;
 
 /// The command every fixable problem in the line points to.
-pub const CHECK_COMMAND: &str = "harvester-node-agent check";
+pub(crate) const CHECK_COMMAND: &str = "harvester-node-agent check";
 
 /// Error texts (API server, state directory) are cut to this many
 /// characters: `check` and `status` give them whole.
@@ -26,20 +26,20 @@ const DETAIL_MAX: usize = 40;
 
 /// What the line is made of: a snapshot of the daemon's state.
 #[derive(Debug, Clone, Copy)]
-pub struct Summary<'a> {
-    pub node: &'a str,
-    pub state_dir: &'a StateDirStatus,
-    pub cluster: &'a ClusterState,
-    pub macvlan: &'a MacvlanState,
-    pub guest: &'a GuestAgentState,
-    pub topology: &'a TopologyState,
-    pub lb: &'a LbStatus,
+pub(crate) struct Summary<'a> {
+    pub(crate) node: &'a str,
+    pub(crate) state_dir: &'a StateDirStatus,
+    pub(crate) cluster: &'a ClusterState,
+    pub(crate) macvlan: &'a MacvlanState,
+    pub(crate) guest: &'a GuestAgentState,
+    pub(crate) topology: &'a TopologyState,
+    pub(crate) lb: &'a LbStatus,
 }
 
 /// One line for `systemctl status`, e.g.
 /// `node guest-1: macvlan Loaded; qemu-ga Ready; lb 1/1 held; topology
 /// us-east-1/us-east-1a; cluster connected (v1.30.4+rke2r1)`.
-pub fn summary(s: &Summary) -> String {
+pub(crate) fn summary(s: &Summary) -> String {
     // The `check` names of the parts whose problem `check` explains and fixes.
     let mut fixable: Vec<&str> = Vec::new();
 
@@ -151,15 +151,15 @@ fn cut(text: &str, max: usize) -> String {
 }
 
 /// What the publisher listens to: any change re-renders the summary.
-pub struct Sources {
-    pub cluster: watch::Receiver<ClusterState>,
-    pub macvlan: watch::Receiver<MacvlanState>,
-    pub guest: watch::Receiver<GuestAgentState>,
-    pub topology: watch::Receiver<TopologyState>,
-    pub lb: watch::Receiver<LbStatus>,
+pub(crate) struct Sources {
+    pub(crate) cluster: watch::Receiver<ClusterState>,
+    pub(crate) macvlan: watch::Receiver<MacvlanState>,
+    pub(crate) guest: watch::Receiver<GuestAgentState>,
+    pub(crate) topology: watch::Receiver<TopologyState>,
+    pub(crate) lb: watch::Receiver<LbStatus>,
 }
 
-pub async fn status_line(
+pub(crate) async fn status_line(
     notifier: Arc<dyn Notifier>,
     mut sources: Sources,
     snapshot: impl Fn() -> AgentStatus,

@@ -15,7 +15,7 @@ const BINARIES: &[&str] = &[
 
 /// The device link, its sysfs port and debugfs flags, the binary and the
 /// process table under `root`; the unit from `sm` when given.
-pub async fn gather<S: ServiceManager>(root: &Path, sm: Option<&S>) -> Facts {
+pub(crate) async fn gather<S: ServiceManager>(root: &Path, sm: Option<&S>) -> Facts {
     let (unit, service_manager) = match sm {
         Some(sm) => match units::first_known(sm, UNITS).await {
             Ok(u) => (u, true),
@@ -71,7 +71,7 @@ fn port_flags(root: &Path, vport: &str) -> Option<PortFlags> {
     parse_port_flags(&text)
 }
 
-pub fn parse_port_flags(text: &str) -> Option<PortFlags> {
+pub(crate) fn parse_port_flags(text: &str) -> Option<PortFlags> {
     let flag = |key: &str| {
         text.lines().find_map(|l| {
             let (k, v) = l.split_once(':')?;
@@ -98,7 +98,7 @@ fn process_running(root: &Path, comm: &str) -> bool {
 }
 
 /// Paths whose changes mean "look again" (device hot-plug).
-pub fn watched_dirs(root: &Path) -> Vec<PathBuf> {
+pub(crate) fn watched_dirs(root: &Path) -> Vec<PathBuf> {
     vec![root.join("dev/virtio-ports"), root.join("dev")]
 }
 

@@ -3,13 +3,13 @@
 //!
 //! The agent's virtio port admits one opener, so nothing here ever opens it:
 //! health is read from the binary on disk, the service manager (systemd over
-//! D-Bus, behind [`units::ServiceManager`]), the device node and its sysfs
+//! D-Bus, behind `units::ServiceManager`), the device node and its sysfs
 //! name, and — where debugfs is readable — the port's `guest_connected` and
-//! `host_connected` flags. [`assess`] turns those facts into a reason; it is
+//! `host_connected` flags. `assess` turns those facts into a reason; it is
 //! pure and unit-tested.
 
-pub mod facts;
-pub mod units;
+pub(crate) mod facts;
+pub(crate) mod units;
 pub mod watch;
 
 use serde::{Deserialize, Serialize};
@@ -18,40 +18,40 @@ use crate::health::Status;
 use units::UnitState;
 
 /// The channel name Harvester (KubeVirt) gives the guest-agent port.
-pub const PORT_NAME: &str = "org.qemu.guest_agent.0";
+pub(crate) const PORT_NAME: &str = "org.qemu.guest_agent.0";
 
 /// Units that run qemu-ga: Debian, Ubuntu, SUSE (`qemu-ga.service` on older
 /// openSUSE).
-pub const UNITS: &[&str] = &["qemu-guest-agent.service", "qemu-ga.service"];
+pub(crate) const UNITS: &[&str] = &["qemu-guest-agent.service", "qemu-ga.service"];
 
 /// The docs' cloud-init snippet that installs and starts the agent.
-pub const CLOUD_INIT_SNIPPET: &str = "#cloud-config\npackage_update: true\npackages:\n- qemu-guest-agent\nruncmd:\n- - systemctl\n  - enable\n  - '--now'\n  - qemu-guest-agent.service";
+pub(crate) const CLOUD_INIT_SNIPPET: &str = "#cloud-config\npackage_update: true\npackages:\n- qemu-guest-agent\nruncmd:\n- - systemctl\n  - enable\n  - '--now'\n  - qemu-guest-agent.service";
 
 /// What was found on the node.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Facts {
+pub(crate) struct Facts {
     /// Path of the `qemu-ga` binary, if installed.
-    pub binary: Option<std::path::PathBuf>,
+    pub(crate) binary: Option<std::path::PathBuf>,
     /// The first unit of [`UNITS`] that the service manager knows, or `None`
     /// when no service manager answered (containers, initramfs).
-    pub unit: Option<(String, UnitState)>,
+    pub(crate) unit: Option<(String, UnitState)>,
     /// Whether the service manager answered at all.
-    pub service_manager: bool,
+    pub(crate) service_manager: bool,
     /// A `qemu-ga` process is running (used when there is no service
     /// manager to ask).
-    pub process_running: bool,
+    pub(crate) process_running: bool,
     /// `/dev/virtio-ports/org.qemu.guest_agent.0` exists.
-    pub dev_link: bool,
+    pub(crate) dev_link: bool,
     /// The `vportNpM` whose sysfs `name` is [`PORT_NAME`].
-    pub vport: Option<String>,
+    pub(crate) vport: Option<String>,
     /// From debugfs, when readable.
-    pub port_flags: Option<PortFlags>,
+    pub(crate) port_flags: Option<PortFlags>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PortFlags {
-    pub guest_connected: bool,
-    pub host_connected: bool,
+pub(crate) struct PortFlags {
+    pub(crate) guest_connected: bool,
+    pub(crate) host_connected: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,16 +92,16 @@ pub struct GuestAgentState {
     pub message: String,
     pub remediation: String,
     /// True only for `Ready`: the `GuestAgentReady` condition's status.
-    pub ready: bool,
+    pub(crate) ready: bool,
 }
 
 impl GuestAgentState {
     /// An assessment under way: not ready, not yet a failure.
-    pub fn checking(message: String) -> GuestAgentState {
+    pub(crate) fn checking(message: String) -> GuestAgentState {
         state(Status::Warn, Reason::Checking, message, "")
     }
 
-    pub fn short(&self) -> String {
+    pub(crate) fn short(&self) -> String {
         format!("qemu-ga {}", self.reason.as_str())
     }
 }
@@ -116,7 +116,7 @@ fn state(status: Status, reason: Reason, message: String, remediation: &str) -> 
     }
 }
 
-pub fn assess(f: &Facts) -> GuestAgentState {
+pub(crate) fn assess(f: &Facts) -> GuestAgentState {
     let install = format!(
         "install and start it; on Harvester put this in the VM's user data:\n{CLOUD_INIT_SNIPPET}"
     );

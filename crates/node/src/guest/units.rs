@@ -9,30 +9,30 @@ use futures::StreamExt;
 
 /// The properties of `org.freedesktop.systemd1.Unit` that decide health.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct UnitState {
+pub(crate) struct UnitState {
     /// `loaded`, `not-found`, `masked`, `error`, …
-    pub load_state: String,
+    pub(crate) load_state: String,
     /// `active`, `inactive`, `failed`, `activating`, `deactivating`, …
-    pub active_state: String,
+    pub(crate) active_state: String,
     /// e.g. `running`, `dead`, `exited`.
-    pub sub_state: String,
+    pub(crate) sub_state: String,
     /// `enabled`, `disabled`, `static` (Debian starts the agent from a
     /// udev rule), `masked`, … (empty when unknown).
-    pub unit_file_state: String,
+    pub(crate) unit_file_state: String,
 }
 
 impl UnitState {
-    pub fn loaded(&self) -> bool {
+    pub(crate) fn loaded(&self) -> bool {
         self.load_state == "loaded"
     }
-    pub fn active(&self) -> bool {
+    pub(crate) fn active(&self) -> bool {
         self.active_state == "active" || self.active_state == "reloading"
     }
 }
 
 /// Why the service manager did not answer.
 #[derive(Debug, thiserror::Error)]
-pub enum UnitError {
+pub(crate) enum UnitError {
     #[error("no system D-Bus: {0}")]
     NoBus(#[source] zbus::Error),
     #[error("systemd manager: {0}")]
@@ -48,7 +48,7 @@ pub enum UnitError {
 }
 
 /// What the health check needs from the service manager.
-pub trait ServiceManager: Send + Sync {
+pub(crate) trait ServiceManager: Send + Sync {
     /// The unit's state; `Ok(None)` when the unit does not exist.
     fn unit(&self, name: &str)
     -> impl Future<Output = Result<Option<UnitState>, UnitError>> + Send;
@@ -58,7 +58,7 @@ pub trait ServiceManager: Send + Sync {
 }
 
 /// The first of `names` the manager knows.
-pub async fn first_known<S: ServiceManager>(
+pub(crate) async fn first_known<S: ServiceManager>(
     sm: &S,
     names: &[&str],
 ) -> Result<Option<(String, UnitState)>, UnitError> {
@@ -97,14 +97,14 @@ trait Unit {
 
 /// systemd on the system bus.
 #[derive(Clone)]
-pub struct Systemd {
+pub(crate) struct Systemd {
     conn: zbus::Connection,
 }
 
 impl Systemd {
     /// Connects to the system bus and subscribes to unit signals (systemd
     /// sends PropertiesChanged for units only while someone subscribed).
-    pub async fn connect() -> Result<Self, UnitError> {
+    pub(crate) async fn connect() -> Result<Self, UnitError> {
         let conn = zbus::Connection::system().await.map_err(UnitError::NoBus)?;
         let manager = ManagerProxy::new(&conn).await.map_err(UnitError::Manager)?;
         manager.subscribe().await.map_err(UnitError::Subscribe)?;

@@ -16,7 +16,7 @@ use super::{GuestAgentState, UNITS, assess, facts};
 use hna_edges::systemd::Heartbeat;
 
 /// Debugfs flags and processes cannot signal changes; look this often.
-pub const POLL: Duration = Duration::from_secs(5);
+pub(crate) const POLL: Duration = Duration::from_secs(5);
 
 /// One assessment of the node, connecting to systemd first (for `check`).
 pub async fn assess_now(root: &Path) -> GuestAgentState {
@@ -24,12 +24,12 @@ pub async fn assess_now(root: &Path) -> GuestAgentState {
 }
 
 /// One assessment with an existing systemd connection (or none).
-pub async fn assess_with(root: &Path, systemd: Option<&Systemd>) -> GuestAgentState {
+pub(crate) async fn assess_with(root: &Path, systemd: Option<&Systemd>) -> GuestAgentState {
     assess(&facts::gather(root, systemd).await)
 }
 
 /// The system bus connection, or `None` (logged) when there is no systemd.
-pub async fn connect_systemd() -> Option<Systemd> {
+pub(crate) async fn connect_systemd() -> Option<Systemd> {
     match Systemd::connect().await {
         Ok(s) => Some(s),
         Err(e) => {
@@ -57,7 +57,7 @@ fn watch_dirs(inotify: &Inotify, root: &Path) {
     }
 }
 
-pub async fn run(
+pub(crate) async fn run(
     root: PathBuf,
     systemd: Option<Systemd>,
     out: watch::Sender<GuestAgentState>,

@@ -7,34 +7,34 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, Default)]
 pub struct Facts {
     /// `uname -r`.
-    pub release: String,
+    pub(crate) release: String,
     /// `/proc/modules`; `None` when the kernel has no loadable-module support.
-    pub proc_modules: Option<String>,
+    pub(crate) proc_modules: Option<String>,
     /// The module directory of this release (`/lib/modules/<release>` or
     /// `/usr/lib/modules/<release>`), if it exists.
-    pub modules_dir: Option<PathBuf>,
+    pub(crate) modules_dir: Option<PathBuf>,
     /// `modules.builtin` of this release.
-    pub modules_builtin: Option<String>,
+    pub(crate) modules_builtin: Option<String>,
     /// `modules.dep` of this release.
-    pub modules_dep: Option<String>,
+    pub(crate) modules_dep: Option<String>,
     /// Module files (absolute paths) that exist on disk, among those
     /// `modules.dep` names for the module and its dependencies.
-    pub existing_files: Vec<PathBuf>,
+    pub(crate) existing_files: Vec<PathBuf>,
     /// Blacklist entries that name the module (see [`super::modprobe_d`]).
-    pub blacklisted_by: Vec<String>,
+    pub(crate) blacklisted_by: Vec<String>,
     /// `/sys/module/<module>`, which stays visible where a sandbox hides
     /// `/proc/modules` and the module tree.
-    pub sys_module: SysModule,
+    pub(crate) sys_module: SysModule,
     /// The module tree (and maybe `/proc/modules`) is hidden from this
     /// process, as systemd's `ProtectKernelModules=` and `ProcSubset=pid`
     /// hide them from the daemon: only the kernel's own autoload can tell
     /// whether the module is on disk.
-    pub tree_hidden: bool,
+    pub(crate) tree_hidden: bool,
 }
 
 /// What `/sys/module/<module>` says.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum SysModule {
+pub(crate) enum SysModule {
     /// No such directory: not loaded (or built in without parameters).
     #[default]
     Absent,
@@ -46,7 +46,7 @@ pub enum SysModule {
 
 /// What detection found, before any load or probe.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Detection {
+pub(crate) enum Detection {
     /// Listed in `/proc/modules`.
     Loaded,
     /// Listed in `modules.builtin`.
@@ -67,13 +67,13 @@ pub enum Detection {
 }
 
 /// Kernel module names treat `-` and `_` alike.
-pub fn normalize(name: &str) -> String {
+pub(crate) fn normalize(name: &str) -> String {
     name.replace('-', "_")
 }
 
 /// The module name a `modules.dep` path stands for:
 /// `kernel/drivers/net/macvlan.ko.zst` → `macvlan`.
-pub fn module_name_of(path: &str) -> String {
+pub(crate) fn module_name_of(path: &str) -> String {
     let file = path.rsplit('/').next().unwrap_or(path);
     let stem = [".ko.xz", ".ko.zst", ".ko.gz", ".ko"]
         .iter()
@@ -83,7 +83,7 @@ pub fn module_name_of(path: &str) -> String {
 }
 
 /// Whether `/proc/modules` lists the module.
-pub fn is_loaded(proc_modules: &str, module: &str) -> bool {
+pub(crate) fn is_loaded(proc_modules: &str, module: &str) -> bool {
     let module = normalize(module);
     proc_modules
         .lines()
@@ -91,7 +91,7 @@ pub fn is_loaded(proc_modules: &str, module: &str) -> bool {
         .any(|m| normalize(m) == module)
 }
 
-pub fn is_builtin(modules_builtin: &str, module: &str) -> bool {
+pub(crate) fn is_builtin(modules_builtin: &str, module: &str) -> bool {
     let module = normalize(module);
     modules_builtin
         .lines()
@@ -101,7 +101,7 @@ pub fn is_builtin(modules_builtin: &str, module: &str) -> bool {
 /// The module's file and its dependencies (load order: dependencies first,
 /// as `modprobe` loads them) from `modules.dep`. Paths are resolved against
 /// `modules_dir` when relative.
-pub fn resolve(
+pub(crate) fn resolve(
     modules_dep: &str,
     modules_dir: &Path,
     module: &str,
@@ -129,7 +129,7 @@ pub fn resolve(
 }
 
 /// Every module file that must exist for `module` to load, per modules.dep.
-pub fn files_needed(facts: &Facts, module: &str) -> Vec<PathBuf> {
+pub(crate) fn files_needed(facts: &Facts, module: &str) -> Vec<PathBuf> {
     match (&facts.modules_dep, &facts.modules_dir) {
         (Some(dep), Some(dir)) => resolve(dep, dir, module)
             .map(|(path, deps)| deps.into_iter().chain(std::iter::once(path)).collect())
@@ -138,7 +138,7 @@ pub fn files_needed(facts: &Facts, module: &str) -> Vec<PathBuf> {
     }
 }
 
-pub fn detect(facts: &Facts, module: &str) -> Detection {
+pub(crate) fn detect(facts: &Facts, module: &str) -> Detection {
     match facts.sys_module {
         SysModule::Live => return Detection::Loaded,
         SysModule::BuiltIn => return Detection::BuiltIn,

@@ -26,7 +26,7 @@ const MODPROBE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The running system. `root` is `/` except in tests.
 #[derive(Debug, Clone)]
 pub struct Host {
-    pub root: PathBuf,
+    pub(crate) root: PathBuf,
 }
 
 impl Default for Host {
@@ -259,7 +259,7 @@ static PROBE: Mutex<()> = Mutex::new(());
 /// Creates a macvlan on the node's uplink, DOWN, and deletes it at once
 /// (see [`super::probe`] for why the uplink). Leftovers of a process killed
 /// mid-probe are removed first.
-pub fn probe_on_uplink() -> Result<(), ProbeError> {
+pub(crate) fn probe_on_uplink() -> Result<(), ProbeError> {
     let _one = PROBE
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());

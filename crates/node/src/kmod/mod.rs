@@ -7,11 +7,11 @@
 //! zstd-compressed modules that only userspace can decompress, and modprobe
 //! also applies the distribution's options, softdeps and install rules.
 
-pub mod detect;
+pub(crate) mod detect;
 pub mod host;
-pub mod modprobe_d;
-pub mod probe;
-pub mod remedy;
+pub(crate) mod modprobe_d;
+pub(crate) mod probe;
+pub(crate) mod remedy;
 
 use std::path::PathBuf;
 
@@ -23,10 +23,10 @@ use probe::ProbeError;
 use remedy::OsRelease;
 
 /// The module this preflight is about.
-pub const MACVLAN: &str = "macvlan";
+pub(crate) const MACVLAN: &str = "macvlan";
 
 /// The shipped modules-load.d entry that loads macvlan at boot.
-pub const MODULES_LOAD_CONF: &str = "/usr/lib/modules-load.d/harvester-node-agent.conf";
+pub(crate) const MODULES_LOAD_CONF: &str = "/usr/lib/modules-load.d/harvester-node-agent.conf";
 
 /// What the preflight needs from the machine.
 pub trait KernelHost {
@@ -112,16 +112,16 @@ pub struct MacvlanState {
     pub message: String,
     pub remediation: String,
     /// True when a macvlan link was created successfully just now.
-    pub ready: bool,
+    pub(crate) ready: bool,
     /// Kernel release the result is about.
-    pub kernel: String,
+    pub(crate) kernel: String,
     /// modules-load.d file that loads macvlan at boot, if any.
-    pub loaded_at_boot: Option<PathBuf>,
+    pub(crate) loaded_at_boot: Option<PathBuf>,
 }
 
 impl MacvlanState {
     /// A preflight under way: not ready, not yet a failure.
-    pub fn checking(message: String) -> MacvlanState {
+    pub(crate) fn checking(message: String) -> MacvlanState {
         MacvlanState {
             status: Status::Warn,
             reason: Reason::Checking,
@@ -134,7 +134,7 @@ impl MacvlanState {
     }
 
     /// The short form for `STATUS=`: `macvlan LoadedByAgent`.
-    pub fn short(&self) -> String {
+    pub(crate) fn short(&self) -> String {
         format!("macvlan {}", self.reason.as_str())
     }
 }

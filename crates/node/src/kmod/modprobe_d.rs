@@ -10,7 +10,7 @@ use super::detect::normalize;
 
 /// Directories in precedence order (a file name in an earlier directory
 /// hides the same name in later ones, as in modprobe.d(5)).
-pub const MODPROBE_D: &[&str] = &[
+pub(crate) const MODPROBE_D: &[&str] = &[
     "/etc/modprobe.d",
     "/run/modprobe.d",
     "/usr/local/lib/modprobe.d",
@@ -18,7 +18,7 @@ pub const MODPROBE_D: &[&str] = &[
     "/lib/modprobe.d",
 ];
 
-pub const MODULES_LOAD_D: &[&str] = &[
+pub(crate) const MODULES_LOAD_D: &[&str] = &[
     "/etc/modules-load.d",
     "/run/modules-load.d",
     "/usr/local/lib/modules-load.d",
@@ -37,7 +37,7 @@ const DISABLING_INSTALL: &[&str] = &[
 ];
 
 /// Blacklist entries for `module` in one modprobe.d file's text.
-pub fn blacklist_lines(file: &Path, text: &str, module: &str) -> Vec<String> {
+pub(crate) fn blacklist_lines(file: &Path, text: &str, module: &str) -> Vec<String> {
     let module = normalize(module);
     let mut hits = Vec::new();
     for line in text.lines() {
@@ -63,7 +63,7 @@ pub fn blacklist_lines(file: &Path, text: &str, module: &str) -> Vec<String> {
 
 /// Blacklist entries on the kernel command line (`modprobe.blacklist=` is
 /// honoured by modprobe, `module_blacklist=` by the kernel itself).
-pub fn cmdline_blacklist(cmdline: &str, module: &str) -> Vec<String> {
+pub(crate) fn cmdline_blacklist(cmdline: &str, module: &str) -> Vec<String> {
     let module = normalize(module);
     cmdline
         .split_whitespace()
@@ -78,7 +78,7 @@ pub fn cmdline_blacklist(cmdline: &str, module: &str) -> Vec<String> {
 }
 
 /// Whether a modules-load.d file's text lists the module.
-pub fn lists_module(text: &str, module: &str) -> bool {
+pub(crate) fn lists_module(text: &str, module: &str) -> bool {
     let module = normalize(module);
     text.lines()
         .map(|l| l.split(['#', ';']).next().unwrap_or("").trim())
@@ -87,7 +87,7 @@ pub fn lists_module(text: &str, module: &str) -> bool {
 
 /// `*.conf` files of `dirs`, with earlier directories hiding same-named files
 /// in later ones; sorted by file name as modprobe and systemd read them.
-pub fn conf_files(dirs: &[&str], root: &Path) -> Vec<PathBuf> {
+pub(crate) fn conf_files(dirs: &[&str], root: &Path) -> Vec<PathBuf> {
     let mut by_name: std::collections::BTreeMap<String, PathBuf> = Default::default();
     for dir in dirs {
         let dir = root.join(dir.trim_start_matches('/'));

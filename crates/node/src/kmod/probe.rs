@@ -17,25 +17,25 @@
 /// Name prefix of the probe link; the process id follows (`hnaprobe1234`,
 /// at most 15 characters with Linux's largest pid), so the daemon and a
 /// `check` never collide and a leftover names the process that left it.
-pub const LINK_PREFIX: &str = "hnaprobe";
+pub(crate) const LINK_PREFIX: &str = "hnaprobe";
 
 /// At most this many interfaces are tried as parent.
-pub const MAX_PARENTS: usize = 3;
+pub(crate) const MAX_PARENTS: usize = 3;
 
 /// A link as the probe sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinkFacts {
-    pub index: u32,
-    pub name: String,
+pub(crate) struct LinkFacts {
+    pub(crate) index: u32,
+    pub(crate) name: String,
     /// Ethernet framing (ARPHRD_ETHER) and not a loopback: what a macvlan
     /// parent must be.
-    pub ethernet: bool,
+    pub(crate) ethernet: bool,
     /// The bridge, bond or team the link is a port of; such a port already
     /// has a receive handler and cannot also carry macvlans.
-    pub controller: Option<u32>,
+    pub(crate) controller: Option<u32>,
     /// `IFLA_INFO_KIND` (`veth`, `bridge`, `macvlan`, ...); `None` for a
     /// hardware NIC.
-    pub kind: Option<String>,
+    pub(crate) kind: Option<String>,
 }
 
 /// Why the probe failed.
@@ -54,12 +54,12 @@ pub enum ProbeError {
 }
 
 /// `hnaprobe<pid>`.
-pub fn link_name(pid: u32) -> String {
+pub(crate) fn link_name(pid: u32) -> String {
     format!("{LINK_PREFIX}{pid}")
 }
 
 /// The pid in a probe link's name, `None` for any other name.
-pub fn link_owner(name: &str) -> Option<u32> {
+pub(crate) fn link_owner(name: &str) -> Option<u32> {
     let digits = name.strip_prefix(LINK_PREFIX)?;
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -75,7 +75,7 @@ fn can_be_parent(link: &LinkFacts) -> bool {
 /// default route (the uplink, whatever its kind: bridge, bond, VLAN or a
 /// NIC), then hardware Ethernet NICs, then, on a node with neither, other
 /// Ethernet links (veths, bridges), each group in index order.
-pub fn parents(links: &[LinkFacts], default_route: Option<u32>) -> Vec<&LinkFacts> {
+pub(crate) fn parents(links: &[LinkFacts], default_route: Option<u32>) -> Vec<&LinkFacts> {
     let mut candidates: Vec<&LinkFacts> = links.iter().filter(|l| can_be_parent(l)).collect();
     candidates.sort_by_key(|l| (Some(l.index) != default_route, l.kind.is_some(), l.index));
     candidates.truncate(MAX_PARENTS);
@@ -83,7 +83,7 @@ pub fn parents(links: &[LinkFacts], default_route: Option<u32>) -> Vec<&LinkFact
 }
 
 /// Why no interface qualifies, for [`ProbeError::NoParent`].
-pub fn no_parent_detail(links: &[LinkFacts]) -> String {
+pub(crate) fn no_parent_detail(links: &[LinkFacts]) -> String {
     let seen: Vec<String> = links
         .iter()
         .map(|l| {
@@ -111,7 +111,7 @@ pub fn no_parent_detail(links: &[LinkFacts]) -> String {
 /// an earlier process with the same pid) and those of processes that are
 /// gone (`alive` says whether a pid runs). A probe is deleted within
 /// milliseconds, so these are leftovers of a process killed mid-probe.
-pub fn leftovers(
+pub(crate) fn leftovers(
     links: &[LinkFacts],
     own_pid: u32,
     alive: impl Fn(u32) -> bool,
@@ -126,7 +126,7 @@ pub fn leftovers(
 /// A locally administered unicast MAC for the probe link. Given
 /// explicitly, so udev's `MACAddressPolicy=persistent` leaves the
 /// short-lived link alone instead of racing its deletion.
-pub fn link_mac(random: [u8; 5]) -> [u8; 6] {
+pub(crate) fn link_mac(random: [u8; 5]) -> [u8; 6] {
     [0x02, random[0], random[1], random[2], random[3], random[4]]
 }
 

@@ -3,13 +3,13 @@
 /// The parts of `/etc/os-release` that pick a remedy.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OsRelease {
-    pub id: String,
-    pub id_like: Vec<String>,
-    pub pretty_name: String,
+    pub(crate) id: String,
+    pub(crate) id_like: Vec<String>,
+    pub(crate) pretty_name: String,
 }
 
 impl OsRelease {
-    pub fn parse(text: &str) -> Self {
+    pub(crate) fn parse(text: &str) -> Self {
         let mut os = OsRelease::default();
         for line in text.lines() {
             let Some((key, value)) = line.split_once('=') else {
@@ -42,12 +42,12 @@ impl OsRelease {
 
 /// The package that should have carried the module, and the fix.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Remedy {
-    pub package: String,
-    pub remediation: String,
+pub(crate) struct Remedy {
+    pub(crate) package: String,
+    pub(crate) remediation: String,
 }
 
-pub fn module_not_found(os: &OsRelease, release: &str) -> Remedy {
+pub(crate) fn module_not_found(os: &OsRelease, release: &str) -> Remedy {
     if os.is("suse") || os.id.starts_with("sle") {
         Remedy {
             package: "kernel-default-base".into(),

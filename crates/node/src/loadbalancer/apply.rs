@@ -22,28 +22,28 @@ use super::lease_plan::{Action, Want};
 
 /// What every lease of this node shares.
 #[derive(Debug, Clone, Default)]
-pub struct Settings {
+pub(crate) struct Settings {
     /// The uplink when an assignment names none (configuration `uplink`,
     /// else the default route's interface).
-    pub default_uplink: Option<String>,
-    pub timing: Timing,
-    pub probe: ProbeConfig,
+    pub(crate) default_uplink: Option<String>,
+    pub(crate) timing: Timing,
+    pub(crate) probe: ProbeConfig,
     /// How long the takeover guard listens; zero: no guard.
-    pub takeover_guard: Duration,
+    pub(crate) takeover_guard: Duration,
     /// The default route's gateway: on the default uplink, the guard's
     /// silence counts only while the gateway answers ARP, so a node that
     /// cannot hear its LAN (its port silent, a switch filtering it) never
     /// takes that silence for a free address (issue #29: the soak found
     /// one binding nine addresses its former holder, cut off from the API
     /// server, still answered for).
-    pub witness: Option<std::net::Ipv4Addr>,
+    pub(crate) witness: Option<std::net::Ipv4Addr>,
     /// Presence frames from each held address's MAC (`lb_presence`).
-    pub presence: Presence,
+    pub(crate) presence: Presence,
 }
 
 /// Why an action did not happen (it is planned again on the next round).
 #[derive(Debug, Clone, thiserror::Error)]
-pub enum ActionError {
+pub(crate) enum ActionError {
     #[error(
         "{service}: no uplink: the Service names none (kube-vip.io/serviceInterface) and this node has no default route; set `uplink` in the configuration"
     )]
@@ -78,14 +78,14 @@ impl Eq for ActionError {}
 
 /// One action's result, by interface.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outcome {
-    pub interface: String,
-    pub result: Result<(), ActionError>,
+pub(crate) struct Outcome {
+    pub(crate) interface: String,
+    pub(crate) result: Result<(), ActionError>,
     /// Not started because another host answers for the address.
-    pub guarded: bool,
+    pub(crate) guarded: bool,
     /// Started after the takeover guard heard nobody answer for the
     /// address.
-    pub passed_guard: bool,
+    pub(crate) passed_guard: bool,
 }
 
 /// The guard's probe: two probes, the second a third of the way in, then
@@ -99,7 +99,7 @@ fn guard_probe(listen: Duration) -> ProbeConfig {
     }
 }
 
-pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, ActionError> {
+pub(crate) fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, ActionError> {
     let parent = w
         .uplink
         .clone()
@@ -135,12 +135,12 @@ pub fn lease_config(w: &Want, settings: &Settings) -> Result<LeaseConfig, Action
 /// Services each receiver of a 200-Service failover takes over came in
 /// seven rounds; 64, in two (issue #30: all 200 held again 2.1–2.2 s after
 /// their holder's VM was deleted, in the failover bench).
-pub const CONCURRENT_STARTS: usize = 64;
+pub(crate) const CONCURRENT_STARTS: usize = 64;
 
 /// Carries out `actions`, returning one outcome per action, in their order.
 /// Stops first, one after another (a stop may free a link a start reuses),
 /// then the starts, [`CONCURRENT_STARTS`] at a time.
-pub async fn apply<E: LeaseEngine>(
+pub(crate) async fn apply<E: LeaseEngine>(
     engine: &E,
     actions: Vec<Action>,
     settings: &Settings,

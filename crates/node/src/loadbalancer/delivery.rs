@@ -28,25 +28,25 @@ use tokio::time::Instant;
 
 /// How one write is delivered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Policy {
+pub(crate) struct Policy {
     /// No answer for this long from the latest attempt: another goes out
     /// beside it.
-    pub hedge_after: Duration,
+    pub(crate) hedge_after: Duration,
     /// After a failed attempt, the next goes out this much later.
-    pub retry_after: Duration,
-    pub max_in_flight: usize,
+    pub(crate) retry_after: Duration,
+    pub(crate) max_in_flight: usize,
     /// Attempts in all (1: a single request, as after an outage began).
-    pub max_attempts: usize,
+    pub(crate) max_attempts: usize,
     /// New attempts go out only this long after the first: then the next
     /// write is due anyway.
-    pub window: Duration,
+    pub(crate) window: Duration,
     /// The whole write ends after this long, answered or not.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
 }
 
 impl Policy {
     /// For a status written every `period`.
-    pub fn for_period(period: Duration, timeout: Duration) -> Policy {
+    pub(crate) fn for_period(period: Duration, timeout: Duration) -> Policy {
         Policy {
             hedge_after: period / 4,
             retry_after: Duration::from_millis(50),
@@ -58,7 +58,7 @@ impl Policy {
     }
 
     /// One attempt, no repeats.
-    pub fn single(self) -> Policy {
+    pub(crate) fn single(self) -> Policy {
         Policy {
             max_attempts: 1,
             ..self
@@ -69,14 +69,14 @@ impl Policy {
 /// A failed attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failed {
-    pub message: String,
+    pub(crate) message: String,
     /// The server asked for no attempt before this long (a 429's
     /// `Retry-After`).
-    pub retry_after: Option<Duration>,
+    pub(crate) retry_after: Option<Duration>,
     /// The server answered (an HTTP error): it is there, and repeats within
     /// the window are what beat its random failures. False: no answer at
     /// all (unreachable, timed out), where repeats only add load.
-    pub answered: bool,
+    pub(crate) answered: bool,
 }
 
 impl From<String> for Failed {
@@ -99,7 +99,10 @@ impl From<&str> for Failed {
 /// left of a wait the server asked for comes back (the next write must not
 /// go out before it either: a sibling attempt's success does not lift a
 /// 429's `Retry-After`); the error is the last attempt's, or the timeout.
-pub async fn deliver<F, Fut>(policy: &Policy, mut attempt: F) -> Result<Option<Duration>, Failed>
+pub(crate) async fn deliver<F, Fut>(
+    policy: &Policy,
+    mut attempt: F,
+) -> Result<Option<Duration>, Failed>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<(), Failed>>,

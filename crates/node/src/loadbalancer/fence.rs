@@ -36,26 +36,26 @@ use crate::membership::transport::LanView;
 
 /// What the decision reads.
 #[derive(Debug, Clone, Copy)]
-pub struct Inputs<'a> {
-    pub lan: &'a LanView,
+pub(crate) struct Inputs<'a> {
+    pub(crate) lan: &'a LanView,
     /// When a status write last succeeded (or the writes began).
-    pub last_ok: Instant,
+    pub(crate) last_ok: Instant,
     /// The last status write failed.
-    pub write_failing: bool,
-    pub now: Instant,
+    pub(crate) write_failing: bool,
+    pub(crate) now: Instant,
     /// How long the LAN's silence is borne: this node's address lifetime.
-    pub lan_wait: Duration,
+    pub(crate) lan_wait: Duration,
     /// `lb_fence_after` (zero: never, without a LAN view).
-    pub fence_after: Duration,
+    pub(crate) fence_after: Duration,
     /// The newest ask of the gateway (`None`: none yet, or no gateway).
-    pub gateway: Option<GatewayCheck>,
+    pub(crate) gateway: Option<GatewayCheck>,
 }
 
 /// One ask whether this node's gateway answers ARP on its uplink.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GatewayCheck {
-    pub started: Instant,
-    pub answered: bool,
+pub(crate) struct GatewayCheck {
+    pub(crate) started: Instant,
+    pub(crate) answered: bool,
 }
 
 /// The silences the LAN view shows, oldest first, each with what it says.
@@ -80,7 +80,7 @@ fn silences(lan: &LanView) -> [(Option<Instant>, String); 2] {
 /// Whether to ask the gateway now (one ask at a time is the caller's
 /// part): the LAN went silent, and no ask was made since, or the last is
 /// a lifetime old (the port may have died or come back since).
-pub fn gateway_check_due(i: &Inputs<'_>) -> bool {
+pub(crate) fn gateway_check_due(i: &Inputs<'_>) -> bool {
     if !lan_view_usable(i.lan) {
         return false;
     }
@@ -93,7 +93,7 @@ pub fn gateway_check_due(i: &Inputs<'_>) -> bool {
 
 /// The decision.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Keep serving; decide again at `again` (if the inputs have not
     /// changed before).
     Hold { again: Option<Instant> },
@@ -102,11 +102,11 @@ pub enum Verdict {
 }
 
 /// Whether the membership gives this node a view of its LAN to decide on.
-pub fn lan_view_usable(lan: &LanView) -> bool {
+pub(crate) fn lan_view_usable(lan: &LanView) -> bool {
     lan.report.is_some() && lan.has_peers && lan.heard_any.is_some()
 }
 
-pub fn verdict(i: &Inputs<'_>) -> Verdict {
+pub(crate) fn verdict(i: &Inputs<'_>) -> Verdict {
     if lan_view_usable(i.lan) {
         let mut again = None;
         let mut look_again = |at: Instant| again = Some(again.map_or(at, |a: Instant| a.min(at)));

@@ -20,7 +20,16 @@ fn lease(l: &LeaseStatus) -> Labels {
 
 /// How long acquisitions take (seconds), by how: `begin="discover"` or
 /// `"reboot"` (INIT-REBOOT).
-pub type AcquisitionDurations = Family<Labels, Histogram, fn() -> Histogram>;
+pub(crate) type AcquisitionDurations = Family<Labels, Histogram, fn() -> Histogram>;
+
+/// How long takeovers waited on the guard (`hna_lb_takeover_guard_wait`).
+pub(crate) fn takeover_guard_wait() -> Histogram {
+    // The guard listens 1 s by default; a holder that still answers keeps
+    // it waiting, retried up to every 10 s.
+    Histogram::new([
+        0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+    ])
+}
 
 pub fn acquisition_durations() -> AcquisitionDurations {
     // An answer on a quiet LAN is a few milliseconds; retransmissions
@@ -43,7 +52,7 @@ pub fn observe_acquisitions(family: AcquisitionDurations) -> AcquiredHook {
 }
 
 /// The lease table, read at each scrape.
-pub struct LeaseTable(pub std::sync::Arc<dyn Fn() -> Vec<LeaseStatus> + Send + Sync>);
+pub(crate) struct LeaseTable(pub std::sync::Arc<dyn Fn() -> Vec<LeaseStatus> + Send + Sync>);
 
 impl fmt::Debug for LeaseTable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -72,7 +81,7 @@ pub fn registry(
 
 /// `hna_dhcp_acquisition_duration_seconds`, in the daemon's registry and
 /// `dhcp-hold`'s.
-pub fn register_acquisitions(
+pub(crate) fn register_acquisitions(
     registry: &mut prometheus_client::registry::Registry,
     acquisitions: AcquisitionDurations,
 ) {
@@ -85,7 +94,10 @@ pub fn register_acquisitions(
 }
 
 /// The lease table's families.
-pub fn encode_leases(encoder: &mut DescriptorEncoder, leases: &[LeaseStatus]) -> fmt::Result {
+pub(crate) fn encode_leases(
+    encoder: &mut DescriptorEncoder,
+    leases: &[LeaseStatus],
+) -> fmt::Result {
     gauge(
         encoder,
         "hna_dhcp_leases",

@@ -11,22 +11,22 @@ use hna_dhcp::StopMode;
 
 /// One assignment, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Want {
-    pub service: String,
-    pub interface: String,
-    pub mac: [u8; 6],
+pub(crate) struct Want {
+    pub(crate) service: String,
+    pub(crate) interface: String,
+    pub(crate) mac: [u8; 6],
     /// Empty: send none.
-    pub client_id: Vec<u8>,
-    pub hostname: Option<String>,
-    pub requested_ip: Option<Ipv4Addr>,
-    pub uplink: Option<String>,
-    pub release: bool,
+    pub(crate) client_id: Vec<u8>,
+    pub(crate) hostname: Option<String>,
+    pub(crate) requested_ip: Option<Ipv4Addr>,
+    pub(crate) uplink: Option<String>,
+    pub(crate) release: bool,
 }
 
 /// An assignment with a field this node cannot use.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, thiserror::Error)]
 #[error("assignment for {service}: {field} `{value}` is not valid")]
-pub struct InvalidAssignment {
+pub(crate) struct InvalidAssignment {
     service: String,
     field: &'static str,
     value: String,
@@ -34,7 +34,7 @@ pub struct InvalidAssignment {
 
 /// Checks an assignment; an unusable one is reported and left alone (the
 /// running state is not touched because of it).
-pub fn want(a: &Assignment) -> Result<Want, InvalidAssignment> {
+pub(crate) fn want(a: &Assignment) -> Result<Want, InvalidAssignment> {
     let what = |field: &'static str, v: &str| InvalidAssignment {
         service: a.service.clone(),
         field,
@@ -82,7 +82,7 @@ fn hex_bytes(v: &str) -> Option<Vec<u8>> {
 
 impl Want {
     /// What a lease started for this assignment runs with, besides its MAC.
-    pub fn started_as(&self) -> StartedAs {
+    pub(crate) fn started_as(&self) -> StartedAs {
         StartedAs {
             parent: self.uplink.clone(),
             client_id: self.client_id.clone(),
@@ -93,23 +93,23 @@ impl Want {
 
 /// The identity and parent a running lease was started with.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StartedAs {
-    pub parent: Option<String>,
-    pub client_id: Vec<u8>,
-    pub hostname: Option<String>,
+pub(crate) struct StartedAs {
+    pub(crate) parent: Option<String>,
+    pub(crate) client_id: Vec<u8>,
+    pub(crate) hostname: Option<String>,
 }
 
 /// A lease the engine runs now.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Running {
-    pub interface: String,
-    pub mac: [u8; 6],
+pub(crate) struct Running {
+    pub(crate) interface: String,
+    pub(crate) mac: [u8; 6],
     /// `None` when not known (nothing restarts for it then).
-    pub started_as: Option<StartedAs>,
+    pub(crate) started_as: Option<StartedAs>,
     /// The kernel deleted its address when its lifetime ran out
     /// (`EXPIRED`): started again, so that the takeover guard asks the
     /// LAN before the address comes back.
-    pub expired: bool,
+    pub(crate) expired: bool,
 }
 
 /// Whether a running lease no longer matches its assignment: another MAC,
@@ -136,14 +136,14 @@ fn new_client(w: &Want, r: &Running) -> bool {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     Start(Want),
     Stop { interface: String, mode: StopMode },
 }
 
 /// Stops first (so a changed identity frees its name before it starts
 /// again), then starts, each in interface order.
-pub fn plan(wanted: &[Want], running: &[Running]) -> Vec<Action> {
+pub(crate) fn plan(wanted: &[Want], running: &[Running]) -> Vec<Action> {
     let wanted: BTreeMap<&str, &Want> = wanted.iter().map(|w| (w.interface.as_str(), w)).collect();
     let running: BTreeMap<&str, &Running> =
         running.iter().map(|r| (r.interface.as_str(), r)).collect();

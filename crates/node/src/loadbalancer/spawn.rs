@@ -1,7 +1,7 @@
 //! Starting the node's LoadBalancer work: the watch of this node's
 //! `LoadBalancerNode`, the LoadBalancer task ([`super::task::run_loop`]),
 //! the LAN membership it consults and the pause watch. The daemon
-//! (`crate::agent`) only calls [`spawn`].
+//! (`agent`) only calls [`spawn`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
@@ -13,20 +13,20 @@ use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
+use super::LbStatus;
 use super::task::{self, LanLink, LbSettings, NodeView};
-use crate::agent::daemon_state::LbStatus;
 use crate::config::Config;
 use crate::kmod::MacvlanState;
 use crate::membership::transport::{self, KeyBytes, LanView, Want};
 use hna_edges::systemd::Liveness;
 
 /// What the daemon lends the LoadBalancer work.
-pub struct Daemon<'a> {
-    pub liveness: &'a Liveness,
-    pub beat_every: Duration,
+pub(crate) struct Daemon<'a> {
+    pub(crate) liveness: &'a Liveness,
+    pub(crate) beat_every: Duration,
     /// Changes once, when the daemon stops.
-    pub shutdown: watch::Receiver<bool>,
-    pub takeover_guard_wait: Histogram,
+    pub(crate) shutdown: watch::Receiver<bool>,
+    pub(crate) takeover_guard_wait: Histogram,
 }
 
 /// How often the default uplink's address is looked at for the membership.
@@ -35,7 +35,7 @@ const UPLINK_ADDRESS_POLL: Duration = Duration::from_secs(1);
 const SYS_CLASS_NET: &str = "/sys/class/net";
 
 /// The LoadBalancer task and the watch of this node's object it reads.
-pub fn spawn(
+pub(crate) fn spawn(
     tasks: &mut JoinSet<()>,
     daemon: Daemon<'_>,
     cfg: &Config,

@@ -1,6 +1,6 @@
 //! The `LoadBalancerNode` status's writes, in a task of their own.
 //!
-//! The LoadBalancer loop says what the status is ([`Draft`]); this task
+//! The LoadBalancer loop says what the status is (`Draft`); this task
 //! writes it when what it reports changed and at every heartbeat period
 //! whatever else is going on. Written from the loop itself, the heartbeat
 //! waited for each round: 200 Services moving onto one node kept the loop
@@ -9,7 +9,7 @@
 //! carries the last status the loop drafted.
 //!
 //! One writer: the drafts go out in order, one write (with its repeats, see
-//! [`super::delivery`]) at a time, so a heartbeat of an older draft never
+//! `super::delivery`) at a time, so a heartbeat of an older draft never
 //! lands after a newer one.
 
 use std::time::{Duration, SystemTime};
@@ -39,7 +39,7 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// cannot take the accusation back when the accused returns; this way its
 /// word stops counting within 5 s instead of at the 40 s staleness bound
 /// (the soak saw a live node moved on two such 11 s-old accusations).
-pub const ACCUSING_PERIOD: Duration = Duration::from_secs(2);
+pub(crate) const ACCUSING_PERIOD: Duration = Duration::from_secs(2);
 /// For how long after its newest accusation a node beats at
 /// [`ACCUSING_PERIOD`]: well past the controller's staleness bound (by
 /// then a peer still dead has long had its Services moved). Then it beats
@@ -47,7 +47,7 @@ pub const ACCUSING_PERIOD: Duration = Duration::from_secs(2);
 /// costs its witnesses nothing more; the accusation still counts while the
 /// witness beats on time, and one cut off after that stops counting
 /// within two of its periods (21 s), not 5 s.
-pub const ACCUSING_FAST_FOR: Duration = Duration::from_secs(300);
+pub(crate) const ACCUSING_FAST_FOR: Duration = Duration::from_secs(300);
 
 /// The heartbeat period while the status accuses `down` since `since`.
 fn period_for(heartbeat: Duration, accusing_since: Option<Instant>, now: Instant) -> Duration {
@@ -78,22 +78,22 @@ fn accusing_since(
 
 /// A status to write, without its heartbeat.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Draft {
-    pub status: Status,
+pub(crate) struct Draft {
+    pub(crate) status: Status,
     /// Counts the drafts that must be written even when their settled view
     /// is unchanged (see [`StatusWrites::write_now`]).
-    pub urgent: u64,
+    pub(crate) urgent: u64,
 }
 
 /// What the writes achieved, for the loop (fencing) and `status`.
 #[derive(Debug, Clone)]
-pub struct Written {
+pub(crate) struct Written {
     /// When a write last succeeded (or the task started).
-    pub last_ok: Instant,
+    pub(crate) last_ok: Instant,
     /// The last failed write's error, until one succeeds.
-    pub error: Option<String>,
+    pub(crate) error: Option<String>,
     /// The newest [`Draft::urgent`] whose write was attempted to the end.
-    pub urgent_done: u64,
+    pub(crate) urgent_done: u64,
 }
 
 /// The loop's handle on the task; dropping it stops the task.
@@ -138,7 +138,7 @@ impl StatusWrites {
 
     /// Writes `status` now, and waits (at most `within`) until that write
     /// was tried to the end; `false` when it was not in time.
-    pub async fn write_now(&self, status: Status, within: Duration) -> bool {
+    pub(crate) async fn write_now(&self, status: Status, within: Duration) -> bool {
         let mut urgent = 0;
         self.drafts.send_modify(|d| {
             d.status = status;
@@ -153,18 +153,18 @@ impl StatusWrites {
 
     /// Writes the status now, changed or not, without waiting: a write
     /// that lands tells the loop that the API server still hears this
-    /// node (see `agent::fence`).
-    pub fn touch(&self) {
+    /// node (see `fence`).
+    pub(crate) fn touch(&self) {
         self.drafts.send_modify(|d| d.urgent += 1);
     }
 
     /// What the writes achieved so far.
-    pub fn written(&self) -> Written {
+    pub(crate) fn written(&self) -> Written {
         self.written.borrow().clone()
     }
 
     /// Changes when a write succeeds or fails.
-    pub fn watch(&self) -> watch::Receiver<Written> {
+    pub(crate) fn watch(&self) -> watch::Receiver<Written> {
         self.written.clone()
     }
 }

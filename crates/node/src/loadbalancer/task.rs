@@ -6,27 +6,27 @@
 //!   field selector, all the node's Role allows), as [`Update`]s of its
 //!   spec. An unreadable object (cluster unreachable, forbidden) changes
 //!   nothing: every running lease stays.
-//! - Each round: the assignments are checked ([`crate::loadbalancer::lease_plan::want`]); an
+//! - Each round: the assignments are checked (`crate::loadbalancer::lease_plan::want`); an
 //!   invalid one is reported and its interface left exactly as it is; the
-//!   rest is planned against the running leases ([`crate::loadbalancer::lease_plan::plan`]) and
-//!   carried out ([`crate::loadbalancer::apply::apply`]). A failed action makes another
+//!   rest is planned against the running leases (`crate::loadbalancer::lease_plan::plan`) and
+//!   carried out (`crate::loadbalancer::apply::apply`). A failed action makes another
 //!   round after a backoff (1 s doubling to 30 s), not at once.
 //! - Start-up adoption: links an earlier run left (`hlb-*`) are kept until
 //!   the assignments are first read, then [`LeaseEngine::sweep`] removes the
 //!   ones no assignment wants (no RELEASE, lease files kept) and the wanted
 //!   ones are started, which adopts them (same link, same lease, no DHCP
 //!   exchange while the lease is valid). The wait is bounded
-//!   ([`ADOPTION_WAIT`]): after it, the assignments are still unknown and
+//!   (`ADOPTION_WAIT`): after it, the assignments are still unknown and
 //!   the left links go (handover, never released).
 //! - Output: the status subresource, merge-patched at every heartbeat
-//!   period (`lb_heartbeat`, a backstop) and, within [`SETTLE`], after every
+//!   period (`lb_heartbeat`, a backstop) and, within `SETTLE`, after every
 //!   change of what is reported (a release shows as the lease leaving `leases`), by
-//!   a task of its own (`agent::status_writes`) so that no round, however
+//!   a task of its own (`status_writes`) so that no round, however
 //!   long, holds up a heartbeat.
 //!
 //! The loop is generic over the engine ([`LeaseEngine`]) and the status
 //! writer ([`StatusWriter`]) so it is tested with the fake engine and paused
-//! time; [`run_loop`] wires it to the API server.
+//! time; `run_loop` wires it to the API server.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -49,7 +49,7 @@ use hna_dhcp::driver::LeaseStatus;
 use hna_edges::cluster::watch_one::{Update, watch_one};
 use hna_edges::systemd::{self, Heartbeat};
 
-use crate::agent::daemon_state::LbStatus;
+use super::LbStatus;
 use crate::loadbalancer::status_writes::StatusWrites;
 
 /// How long start-up keeps left links for the first read of the
@@ -58,14 +58,14 @@ use crate::loadbalancer::status_writes::StatusWrites;
 /// node none of them hears is stale after 40 s), and the addresses on the
 /// left links have expired (only a running lease confirms their
 /// lifetime): the links only wait to be adopted.
-pub const ADOPTION_WAIT: Duration = Duration::from_secs(30);
+pub(crate) const ADOPTION_WAIT: Duration = Duration::from_secs(30);
 /// How soon a change of what is reported reaches the status.
-pub const SETTLE: Duration = Duration::from_secs(1);
+pub(crate) const SETTLE: Duration = Duration::from_secs(1);
 /// How often the leases are looked at while one is on its way to an
 /// address (the engine's snapshot is an in-memory copy).
-pub const FAST_SETTLE: Duration = Duration::from_millis(10);
+pub(crate) const FAST_SETTLE: Duration = Duration::from_millis(10);
 /// How often the uplinks' carrier is looked at (a read of sysfs each).
-pub const CARRIER_POLL: Duration = Duration::from_millis(100);
+pub(crate) const CARRIER_POLL: Duration = Duration::from_millis(100);
 /// How soon a start held back by the takeover guard is tried again: soon
 /// at first, since a healthy holder that was told to let go does so within
 /// tens of milliseconds (an `externalTrafficPolicy: Local` move, a
@@ -78,7 +78,7 @@ const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
 /// `state` of a lease the takeover guard holds back: another host still
 /// answers for its address.
-pub const GUARDED: &str = "GUARDED";
+pub(crate) const GUARDED: &str = "GUARDED";
 /// The last status, when stopping: short, so a stop is not held up by an
 /// unreachable API server (`TimeoutStopSec`).
 const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -91,7 +91,7 @@ const OUT_OF_TOUCH_AFTER: Duration = Duration::from_secs(2);
 /// (`Lb::judge_stand_down`): longer than a read takes when the API
 /// server answers (well under a second), so a node whose reads succeed
 /// never stands down.
-pub const STAND_DOWN_AFTER: Duration = Duration::from_secs(2);
+pub(crate) const STAND_DOWN_AFTER: Duration = Duration::from_secs(2);
 /// How long the LAN's silence is borne before the fence when the addresses
 /// have no lifetime (`lb_address_lifetime = 0`): the witnesses' default.
 const DEFAULT_LAN_WAIT: Duration = Duration::from_secs(1);
@@ -99,7 +99,7 @@ const DEFAULT_LAN_WAIT: Duration = Duration::from_secs(1);
 /// How long a pause must be for this node's Services to be taken for
 /// held elsewhere after it (see `Lb::after_pause`): the address lifetime
 /// (`lb_address_lifetime`; zero is off, then 1 s, the witnesses' default).
-pub fn lan_wait(address_lifetime: Duration) -> Duration {
+pub(crate) fn lan_wait(address_lifetime: Duration) -> Duration {
     if address_lifetime.is_zero() {
         DEFAULT_LAN_WAIT
     } else {
@@ -107,43 +107,44 @@ pub fn lan_wait(address_lifetime: Duration) -> Duration {
     }
 }
 /// `status.reason` of a stopping agent.
-pub const STOPPING: &str = "stopping: the agent is shutting down and has handed its addresses over";
+pub(crate) const STOPPING: &str =
+    "stopping: the agent is shutting down and has handed its addresses over";
 
-pub use crate::loadbalancer::status_writes::StatusWriter;
+pub(crate) use crate::loadbalancer::status_writes::StatusWriter;
 
 /// What the task needs to know about the node each round.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NodeView {
-    pub macvlan_ready: bool,
+pub(crate) struct NodeView {
+    pub(crate) macvlan_ready: bool,
     /// Why macvlan is not ready.
-    pub macvlan_reason: String,
+    pub(crate) macvlan_reason: String,
     /// `uplink` from the configuration, else the default route's interface.
-    pub default_uplink: Option<String>,
+    pub(crate) default_uplink: Option<String>,
     /// The interfaces without carrier now (a cable pulled, the peer gone,
     /// set down). Leases on them are handed over and not held until the
     /// carrier is back: their node cannot answer for them, another can.
-    pub no_carrier: BTreeSet<String>,
+    pub(crate) no_carrier: BTreeSet<String>,
     /// The node's own network cards (`link::network_cards`): with
     /// `default_uplink`, the only parents a macvlan is made on, whatever an
     /// assignment names.
-    pub nics: BTreeSet<String>,
+    pub(crate) nics: BTreeSet<String>,
     /// The MACs (lower case) of the node's own interfaces, with their
     /// names: never a Service's.
-    pub own_macs: BTreeMap<String, String>,
+    pub(crate) own_macs: BTreeMap<String, String>,
     /// The kernel's ARP table: per neighbour MAC (lower case), the
     /// addresses it answers for and where. A Service's MAC that another
     /// host on the LAN uses for another address is never brought up.
-    pub neighbours: BTreeMap<String, BTreeSet<(std::net::Ipv4Addr, String)>>,
+    pub(crate) neighbours: BTreeMap<String, BTreeSet<(std::net::Ipv4Addr, String)>>,
     /// The default gateway's MAC (lower case), when the ARP table has it.
-    pub gateway_mac: Option<String>,
+    pub(crate) gateway_mac: Option<String>,
     /// The default route's gateway.
-    pub gateway_address: Option<std::net::Ipv4Addr>,
+    pub(crate) gateway_address: Option<std::net::Ipv4Addr>,
 }
 
 impl NodeView {
     /// The MACs of the node's own network cards and default uplink, for
     /// `status.nicMacs`.
-    pub fn nic_macs(&self) -> Vec<String> {
+    pub(crate) fn nic_macs(&self) -> Vec<String> {
         self.own_macs
             .iter()
             .filter(|(_, name)| {
@@ -156,7 +157,7 @@ impl NodeView {
     /// Why `mac` must not be put on a link for a Service holding
     /// `address`: another LAN host answers with it for another address
     /// (the gateway, another node, any neighbour in the ARP table).
-    pub fn mac_taken_on_lan(
+    pub(crate) fn mac_taken_on_lan(
         &self,
         mac: &str,
         address: Option<std::net::Ipv4Addr>,
@@ -186,17 +187,18 @@ impl NodeView {
 /// The LoadBalancer task's side of the LAN membership
 /// (`crate::membership::transport`): it hands on the peers its spec names,
 /// reports what the membership hears, and tells it how the agent stops.
-pub struct LanLink {
-    pub want: Arc<watch::Sender<Want>>,
-    pub view: watch::Receiver<LanView>,
+pub(crate) struct LanLink {
+    pub(crate) want: Arc<watch::Sender<Want>>,
+    pub(crate) view: watch::Receiver<LanView>,
     /// `Some(true)`: leave the cluster (the addresses are handed over);
     /// `Some(false)`: just stop (a restart keeps them).
-    pub stop: watch::Sender<Option<bool>>,
+    pub(crate) stop: watch::Sender<Option<bool>>,
 }
 
 impl LanLink {
     /// A link to no membership (tests; `lb_membership_port = 0`).
-    pub fn detached() -> LanLink {
+    #[cfg(test)]
+    pub(crate) fn detached() -> LanLink {
         let (view_tx, view) = watch::channel(LanView::default());
         // The view never changes: its sender may go.
         drop(view_tx);
@@ -210,24 +212,24 @@ impl LanLink {
 
 /// The task's settings.
 #[derive(Debug, Clone)]
-pub struct LbSettings {
+pub(crate) struct LbSettings {
     /// `namespace/node`, for logs and `status`.
-    pub object: String,
-    pub heartbeat: Duration,
+    pub(crate) object: String,
+    pub(crate) heartbeat: Duration,
     /// No status written for this long: every lease is handed over until
     /// one is written again (self-fencing); zero: never.
-    pub fence_after: Duration,
-    pub adoption_wait: Duration,
-    pub settle: Duration,
+    pub(crate) fence_after: Duration,
+    pub(crate) adoption_wait: Duration,
+    pub(crate) settle: Duration,
     /// How long a restart leaves the addresses on their links; zero: every
     /// stop hands them over.
-    pub restart_grace: Duration,
+    pub(crate) restart_grace: Duration,
     /// Which stops keep them.
-    pub keep_on_stop: crate::config::KeepOnStop,
+    pub(crate) keep_on_stop: crate::config::KeepOnStop,
     /// What every lease shares; `default_uplink` is filled in each round.
-    pub leases: Settings,
+    pub(crate) leases: Settings,
     /// Where the takeover guard's waits are observed (`/metrics`).
-    pub takeover_guard_wait: prometheus_client::metrics::histogram::Histogram,
+    pub(crate) takeover_guard_wait: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// The loop's state between events.
@@ -262,7 +264,7 @@ struct Lb<E: LeaseEngine> {
     /// The default uplink at the last round: a new one moves the leases
     /// that follow it.
     uplink: Option<String>,
-    /// Self-fenced, and why (`agent::fence`): nothing is held until the
+    /// Self-fenced, and why (`loadbalancer::fence`): nothing is held until the
     /// reason is gone.
     fence: Option<String>,
     /// The `Ready` condition last drafted (its transition time is kept).
@@ -288,7 +290,7 @@ struct Lb<E: LeaseEngine> {
     /// a change of either restarts it.
     started: BTreeMap<String, lease_plan::StartedAs>,
     lan: LanLink,
-    /// The newest ask whether the gateway hears this node (`agent::fence`).
+    /// The newest ask whether the gateway hears this node (`loadbalancer::fence`).
     gateway: Option<super::fence::GatewayCheck>,
     /// An ask is on its way; its answer comes on `gateway_answers`.
     gateway_asking: bool,
@@ -311,7 +313,7 @@ struct Lb<E: LeaseEngine> {
 // Long on purpose: one `select!` over every event the task hears, each arm
 // a call or two into `Lb`; split, the arms would lose their shared timers.
 #[allow(clippy::too_many_arguments)]
-pub async fn run_loop<E: LeaseEngine, W: StatusWriter>(
+pub(crate) async fn run_loop<E: LeaseEngine, W: StatusWriter>(
     engine: Arc<E>,
     writer: W,
     settings: LbSettings,
@@ -1399,7 +1401,10 @@ fn rfc3339_ms(unix_ms: u64) -> String {
 /// on resume (KubeVirt does so through the guest agent). A wall clock
 /// stepped back counts for nothing; one stepped forward only costs a read
 /// of the node's object.
-pub fn did_not_run_for(before: (Instant, SystemTime), now: (Instant, SystemTime)) -> Duration {
+pub(crate) fn did_not_run_for(
+    before: (Instant, SystemTime),
+    now: (Instant, SystemTime),
+) -> Duration {
     let monotonic = now.0.saturating_duration_since(before.0);
     let wall = now.1.duration_since(before.1).unwrap_or_default();
     monotonic.max(wall)
@@ -1409,7 +1414,7 @@ pub fn did_not_run_for(before: (Instant, SystemTime), now: (Instant, SystemTime)
 /// the assignments, the last round's failures, the engine's leases and the
 /// node. A released assignment is reported only while its lease still
 /// runs: its absence is how the controller learns the release happened.
-pub fn report(
+pub(crate) fn report(
     assignments: &[Assignment],
     failures: &BTreeMap<String, String>,
     guarded: &BTreeMap<String, String>,
@@ -1519,7 +1524,7 @@ pub fn report(
 /// and `reason`, the status's own words, as its message), judged with the
 /// spec of `generation`: the transition time of `previous` is kept while
 /// its status stays, so a heartbeat changes nothing in it.
-pub fn ready_condition(
+pub(crate) fn ready_condition(
     previous: Option<&Condition>,
     ready: bool,
     machine_reason: &str,
@@ -1553,7 +1558,7 @@ pub fn ready_condition(
 /// `lan.unheard` stayed there after it heard its peers again, so a node
 /// that came back stayed dead on its LAN for as long as that witness beat
 /// on time (the VM pause test: for good; the fault soak: 85 s).
-pub fn merge_patch_body(status: &Status) -> Result<serde_json::Value, serde_json::Error> {
+pub(crate) fn merge_patch_body(status: &Status) -> Result<serde_json::Value, serde_json::Error> {
     use serde_json::{Value, json};
     let mut body = serde_json::to_value(status)?;
     for key in [
@@ -1631,7 +1636,7 @@ fn failed(e: &kube::Error) -> super::delivery::Failed {
 /// watch it came from answers (the `relist` count when it began).
 #[derive(Debug)]
 pub struct SpecRead {
-    pub listed: u64,
+    pub(crate) listed: u64,
     /// The object's `metadata.generation` (its spec's version), echoed in
     /// `status.observedGeneration`.
     pub generation: Option<i64>,

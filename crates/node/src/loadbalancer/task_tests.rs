@@ -147,7 +147,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         restart_grace: Duration::ZERO,
         keep_on_stop: crate::config::KeepOnStop::Restart,
         leases: Settings::default(),
-        takeover_guard_wait: crate::agent::metrics::AgentMetrics::default().takeover_guard_wait,
+        takeover_guard_wait: crate::loadbalancer::lease_metrics::takeover_guard_wait(),
     };
     custom(&mut settings);
     let guard_wait = settings.takeover_guard_wait.clone();

@@ -17,7 +17,7 @@ use foca::{Header, Member, Message, State};
 use super::identity::Id;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum CodecError {
+pub(crate) enum CodecError {
     #[error("the message is cut short")]
     Short,
     #[error("unknown message tag {0}")]
@@ -31,7 +31,7 @@ pub enum CodecError {
 }
 
 #[derive(Debug, Default, Clone, Copy)]
-pub struct Codec;
+pub(crate) struct Codec;
 
 fn id_len(id: &Id) -> usize {
     1 + id.name.len() + 4 + 2 + 8 + 2

@@ -9,13 +9,13 @@ use foca::Identity;
 /// listens, and which run of its agent it is (a restarted agent is a new
 /// identity that wins over the old one at once).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Id {
-    pub name: Arc<str>,
-    pub addr: SocketAddrV4,
+pub(crate) struct Id {
+    pub(crate) name: Arc<str>,
+    pub(crate) addr: SocketAddrV4,
     /// When this run of the agent began (Unix ms): also the envelope's epoch.
-    pub run: u64,
+    pub(crate) run: u64,
     /// Bumped when the cluster declared this run down and it rejoins.
-    pub renewal: u16,
+    pub(crate) renewal: u16,
 }
 
 impl Identity for Id {

@@ -46,34 +46,34 @@ use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 
 use super::codec::Codec;
-pub use super::identity::Id;
+pub(crate) use super::identity::Id;
 use super::wire::{self, Dropped, Gate, Key, Stamp};
 use hna_contract::membership::witnessed_by;
 
 /// The protocol's timing.
 #[derive(Debug, Clone)]
-pub struct Settings {
+pub(crate) struct Settings {
     /// How often each member probes another (SWIM's protocol period).
-    pub probe_period: Duration,
+    pub(crate) probe_period: Duration,
     /// How long a direct probe waits before indirect ones are asked for.
-    pub probe_rtt: Duration,
+    pub(crate) probe_rtt: Duration,
     /// How long a suspect may refute before SWIM declares it down.
-    pub suspect_to_down: Duration,
+    pub(crate) suspect_to_down: Duration,
     /// How often a witness probes each node it watches.
-    pub witness_every: Duration,
+    pub(crate) witness_every: Duration,
     /// Added to a node's address lifetime before its witness may report
     /// it: scheduling, clock rates and the probe in flight.
-    pub margin: Duration,
+    pub(crate) margin: Duration,
     /// This node's own address lifetime (`lb_address_lifetime`), told to
     /// its witnesses in every answer.
-    pub own_lifetime: Duration,
+    pub(crate) own_lifetime: Duration,
     /// The lifetime assumed of a node that has not said its own yet.
-    pub default_lifetime: Duration,
+    pub(crate) default_lifetime: Duration,
     /// How often peers SWIM does not count as alive are announced to.
-    pub join_every: Duration,
+    pub(crate) join_every: Duration,
     /// A peer not heard for this long counts as silent for this node's own
     /// fence ([`Hearing`]): three of its witness probes missed.
-    pub silent_after: Duration,
+    pub(crate) silent_after: Duration,
 }
 
 impl Default for Settings {
@@ -100,7 +100,7 @@ impl Default for Settings {
 
 /// A timer the state machine set; handed back through [`Member::timer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Timer {
+pub(crate) enum Timer {
     Swim(foca::Timer<Id>),
     /// The witnesses' next round of probes.
     Witness,
@@ -110,7 +110,7 @@ pub enum Timer {
 
 /// What the transport is to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Out {
+pub(crate) enum Out {
     Send { to: SocketAddrV4, packet: Vec<u8> },
     After { after: Duration, timer: Timer },
 }
@@ -153,33 +153,33 @@ struct Watched {
 /// off, and must let go of its addresses before they report it, unless
 /// the API server heard from it since (then the controller decides).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Hearing {
+pub(crate) struct Hearing {
     /// Since when no peer has been heard (none for [`Settings::silent_after`];
     /// `None`: one was, or none ever was).
-    pub none_since: Option<Instant>,
+    pub(crate) none_since: Option<Instant>,
     /// Since when [`Hearing::convicting`] of this node's witnesses have
     /// been silent (each heard before, none for `silent_after`).
-    pub short_since: Option<Instant>,
+    pub(crate) short_since: Option<Instant>,
     /// This node's witnesses that are silent, sorted.
-    pub silent: Vec<String>,
+    pub(crate) silent: Vec<String>,
     /// How many witnesses' reports move a node (two, or all it has when
     /// fewer), as the controller counts them.
-    pub convicting: usize,
+    pub(crate) convicting: usize,
 }
 
 /// Counters, for metrics and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Counters {
+pub(crate) struct Counters {
     /// SWIM payloads that did not parse or that SWIM refused.
-    pub swim_errors: u64,
+    pub(crate) swim_errors: u64,
     /// Packets SWIM wanted to send to a member the controller did not name.
-    pub not_a_peer: u64,
+    pub(crate) not_a_peer: u64,
     /// Witness probes sent.
-    pub witness_probes: u64,
+    pub(crate) witness_probes: u64,
 }
 
 /// One node's membership.
-pub struct Member {
+pub(crate) struct Member {
     me: Id,
     settings: Settings,
     foca: Foca<Id, Codec, SmallRng, NoCustomBroadcast>,
@@ -226,7 +226,7 @@ impl Runtime<Id> for Collect {
 impl Member {
     /// `keys`: the first seals, all open (a rotation has two). `run`: when
     /// this run of the agent began (Unix ms).
-    pub fn new(
+    pub(crate) fn new(
         name: &str,
         addr: SocketAddrV4,
         run: u64,
@@ -294,13 +294,9 @@ impl Member {
         Some(m)
     }
 
-    pub fn id(&self) -> &Id {
-        &self.me
-    }
-
     /// The peers the controller named (this node excluded): only they are
     /// admitted, sent to and watched.
-    pub fn set_peers(&mut self, peers: &[(String, SocketAddrV4)], now: Instant) {
+    pub(crate) fn set_peers(&mut self, peers: &[(String, SocketAddrV4)], now: Instant) {
         let new: BTreeMap<Arc<str>, SocketAddrV4> = peers
             .iter()
             .filter(|(n, _)| **n != *self.me.name)
@@ -330,7 +326,7 @@ impl Member {
     }
 
     /// A new key set (the first seals).
-    pub fn set_keys(&mut self, keys: Vec<Key>) {
+    pub(crate) fn set_keys(&mut self, keys: Vec<Key>) {
         if let Some(k) = keys.first() {
             self.seal_with = k.clone();
             self.gate.set_keys(keys);
@@ -344,12 +340,12 @@ impl Member {
     /// witnessing for others: going silent instead would take a witness
     /// from every node it watches. `false`: it serves again, and its next
     /// answer withdraws the report.
-    pub fn set_stood_down(&mut self, stood_down: bool) {
+    pub(crate) fn set_stood_down(&mut self, stood_down: bool) {
         self.stood_down = stood_down;
     }
 
     /// A packet arrived.
-    pub fn receive(&mut self, packet: &[u8], now: Instant) {
+    pub(crate) fn receive(&mut self, packet: &[u8], now: Instant) {
         let Some((sender, payload)) = self.gate.admit(packet) else {
             return;
         };
@@ -418,7 +414,7 @@ impl Member {
     }
 
     /// A timer this machine set fired.
-    pub fn timer(&mut self, t: Timer, now: Instant) {
+    pub(crate) fn timer(&mut self, t: Timer, now: Instant) {
         match t {
             Timer::Swim(t) => {
                 let mut rt = Collect::default();
@@ -446,19 +442,19 @@ impl Member {
 
     /// Leaves the cluster (a stop that hands the addresses over): the peers
     /// learn at once instead of after a probe.
-    pub fn leave(&mut self) {
+    pub(crate) fn leave(&mut self) {
         let mut rt = Collect::default();
         let _ = self.foca.leave_cluster(&mut rt);
         self.run_collected(rt);
     }
 
     /// What to do, since the last call.
-    pub fn drain(&mut self) -> Vec<Out> {
+    pub(crate) fn drain(&mut self) -> Vec<Out> {
         std::mem::take(&mut self.out)
     }
 
     /// The nodes this one watches and found dead (sorted).
-    pub fn down(&self) -> Vec<String> {
+    pub(crate) fn down(&self) -> Vec<String> {
         self.watched
             .iter()
             .filter(|(_, w)| w.down_since.is_some())
@@ -469,7 +465,7 @@ impl Member {
     /// The nodes this one watches whose probes it hears answered
     /// (sorted): heard, and not reported down since. A probe or two lost
     /// changes nothing (no status write for it).
-    pub fn hears(&self) -> Vec<String> {
+    pub(crate) fn hears(&self) -> Vec<String> {
         self.watched
             .iter()
             .filter(|(_, w)| w.heard.is_some() && w.down_since.is_none())
@@ -480,7 +476,7 @@ impl Member {
     /// What this node hears of its LAN at `now`, for its own fence. A
     /// witness never heard does not count as silent, as a witness never
     /// reports a node it never heard.
-    pub fn hearing(&self, now: Instant) -> Hearing {
+    pub(crate) fn hearing(&self, now: Instant) -> Hearing {
         let silent_after = self.settings.silent_after;
         let quiet = |at: Instant| now.saturating_duration_since(at) >= silent_after;
         let none_since = self.heard_any.filter(|at| quiet(*at));
@@ -507,29 +503,31 @@ impl Member {
     }
 
     /// The nodes this one watches.
-    pub fn watching(&self) -> Vec<String> {
+    #[cfg(test)]
+    pub(crate) fn watching(&self) -> Vec<String> {
         self.watched.keys().map(|n| n.to_string()).collect()
     }
 
     /// The last authentic packet from any peer (`None`: none yet).
-    pub fn heard_any(&self) -> Option<Instant> {
+    pub(crate) fn heard_any(&self) -> Option<Instant> {
         self.heard_any
     }
 
-    pub fn has_peers(&self) -> bool {
+    pub(crate) fn has_peers(&self) -> bool {
         !self.peers.is_empty()
     }
 
     /// The peers SWIM counts as alive.
-    pub fn alive(&self) -> usize {
+    pub(crate) fn alive(&self) -> usize {
         self.foca.num_members()
     }
 
-    pub fn dropped(&self, why: Dropped) -> u64 {
+    pub(crate) fn dropped(&self, why: Dropped) -> u64 {
         self.gate.dropped(why)
     }
 
-    pub fn counters(&self) -> &Counters {
+    #[cfg(test)]
+    pub(crate) fn counters(&self) -> &Counters {
         &self.counters
     }
 

@@ -11,35 +11,35 @@ use tokio::net::UdpSocket;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-pub use super::swim::Hearing;
+pub(crate) use super::swim::Hearing;
 use super::swim::{Member, Out, Settings, Timer};
 use super::wire::{Dropped, Key};
 use hna_contract::membership::{LanReport, Peer};
 
 /// What the agent knows that the membership needs.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Want {
-    pub node: String,
+pub(crate) struct Want {
+    pub(crate) node: String,
     /// The default uplink's address and prefix length (`None`: it has none).
-    pub listen: Option<(Ipv4Addr, u8)>,
+    pub(crate) listen: Option<(Ipv4Addr, u8)>,
     /// 0: off.
-    pub port: u16,
+    pub(crate) port: u16,
     /// From this node's spec.
-    pub peers: Vec<Peer>,
+    pub(crate) peers: Vec<Peer>,
     /// From the membership Secret (empty: not read yet).
-    pub keys: Vec<KeyBytes>,
+    pub(crate) keys: Vec<KeyBytes>,
     /// This node's `lb_address_lifetime`, told to its witnesses.
-    pub lifetime: Duration,
+    pub(crate) lifetime: Duration,
     /// It holds none of its addresses and cannot read its assignments: its
     /// witnesses are told, and report it down (`swim::Member::set_stood_down`).
-    pub stood_down: bool,
+    pub(crate) stood_down: bool,
 }
 
 /// A key as the Secret holds it, with its id.
 #[derive(Clone, PartialEq, Eq)]
-pub struct KeyBytes {
-    pub id: u8,
-    pub secret: Vec<u8>,
+pub(crate) struct KeyBytes {
+    pub(crate) id: u8,
+    pub(crate) secret: Vec<u8>,
 }
 
 impl std::fmt::Debug for KeyBytes {
@@ -50,25 +50,25 @@ impl std::fmt::Debug for KeyBytes {
 
 /// What the membership tells the agent.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct LanView {
+pub(crate) struct LanView {
     /// For `status.lan` (`None`: not running; see `why_not`).
-    pub report: Option<LanReport>,
+    pub(crate) report: Option<LanReport>,
     /// Why it is not running.
-    pub why_not: Option<String>,
+    pub(crate) why_not: Option<String>,
     /// Whether the controller named any peers.
-    pub has_peers: bool,
+    pub(crate) has_peers: bool,
     /// The last authentic packet from any peer.
-    pub heard_any: Option<Instant>,
+    pub(crate) heard_any: Option<Instant>,
     /// What this node hears of its peers and its witnesses, for its own
     /// fence.
-    pub hearing: Hearing,
+    pub(crate) hearing: Hearing,
     /// Packets dropped, by reason.
-    pub dropped: BTreeMap<&'static str, u64>,
+    pub(crate) dropped: BTreeMap<&'static str, u64>,
 }
 
 /// The drop reason of packets this node could not send (no room in the
 /// socket's buffer, no route): counted beside those it refused.
-pub const UNSENT: &str = "unsent";
+pub(crate) const UNSENT: &str = "unsent";
 
 /// How often the view's `heard_any` is brought up to date (it changes with
 /// every packet; readers need it to a fraction of a second only).
@@ -298,7 +298,7 @@ fn worth_telling(old: &LanView, new: &LanView) -> bool {
 
 /// Runs the membership as `want` says, until `stop` is set: `true` leaves
 /// the cluster (the addresses are handed over), a dropped sender just ends.
-pub async fn run(
+pub(crate) async fn run(
     mut want: watch::Receiver<Want>,
     view: watch::Sender<LanView>,
     mut stop: watch::Receiver<Option<bool>>,

@@ -21,7 +21,7 @@
 //! A restarted agent begins a new epoch, so its sequence may start at 0
 //! again without its packets looking replayed; packets of an older epoch
 //! than the newest seen from that sender are dropped, and so are, within
-//! an epoch, a sequence already seen or more than [`WINDOW`] behind the
+//! an epoch, a sequence already seen or more than `WINDOW` behind the
 //! newest.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -29,20 +29,20 @@ use std::collections::{BTreeMap, BTreeSet};
 use ring::hmac;
 
 const MAGIC: &[u8; 4] = b"HNAM";
-pub const VERSION: u8 = 1;
+pub(crate) const VERSION: u8 = 1;
 const TAG_LEN: usize = 32;
 const HEADER_FIXED: usize = 4 + 1 + 1 + 1;
 /// The largest payload: a UDP datagram that fits an Ethernet frame with
 /// room for the envelope.
-pub const MAX_PAYLOAD: usize = 1200;
+pub(crate) const MAX_PAYLOAD: usize = 1200;
 /// How far behind the newest sequence of a run a packet may arrive (UDP
 /// reorders) and still count once.
-pub const WINDOW: u64 = 64;
+pub(crate) const WINDOW: u64 = 64;
 
 /// A cluster key and its id.
 #[derive(Clone)]
 pub struct Key {
-    pub id: u8,
+    pub(crate) id: u8,
     key: hmac::Key,
 }
 
@@ -107,7 +107,7 @@ pub fn seal(key: &Key, sender: &str, stamp: Stamp, payload: &[u8]) -> Result<Vec
 
 /// Why a packet was dropped: each is counted, none reaches the protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Dropped {
+pub(crate) enum Dropped {
     /// Not an envelope of ours: too short, another magic or version,
     /// lengths that do not add up.
     Malformed,
@@ -122,7 +122,7 @@ pub enum Dropped {
 }
 
 impl Dropped {
-    pub const ALL: [Dropped; 5] = [
+    pub(crate) const ALL: [Dropped; 5] = [
         Dropped::Malformed,
         Dropped::UnknownKey,
         Dropped::Unauthenticated,
@@ -130,7 +130,7 @@ impl Dropped {
         Dropped::NotAMember,
     ];
 
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Dropped::Malformed => "malformed",
             Dropped::UnknownKey => "unknown_key",
@@ -143,14 +143,14 @@ impl Dropped {
 
 /// An authentic packet, before the replay check.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Opened<'a> {
-    pub sender: &'a str,
-    pub stamp: Stamp,
-    pub payload: &'a [u8],
+pub(crate) struct Opened<'a> {
+    pub(crate) sender: &'a str,
+    pub(crate) stamp: Stamp,
+    pub(crate) payload: &'a [u8],
 }
 
 /// Checks the form and the tag of `packet` against `keys`.
-pub fn open<'a>(keys: &[Key], packet: &'a [u8]) -> Result<Opened<'a>, Dropped> {
+pub(crate) fn open<'a>(keys: &[Key], packet: &'a [u8]) -> Result<Opened<'a>, Dropped> {
     let take = |at: usize, n: usize| packet.get(at..at + n).ok_or(Dropped::Malformed);
     if take(0, 4)? != MAGIC || take(4, 1)?[0] != VERSION {
         return Err(Dropped::Malformed);
@@ -240,7 +240,7 @@ impl Seen {
 /// What a node lets through to its membership protocol: authentic packets
 /// from members, each once.
 #[derive(Debug)]
-pub struct Gate {
+pub(crate) struct Gate {
     keys: Vec<Key>,
     members: BTreeSet<String>,
     seen: BTreeMap<String, Seen>,
@@ -248,7 +248,7 @@ pub struct Gate {
 }
 
 impl Gate {
-    pub fn new(keys: Vec<Key>, members: BTreeSet<String>) -> Gate {
+    pub(crate) fn new(keys: Vec<Key>, members: BTreeSet<String>) -> Gate {
         Gate {
             keys,
             members,
@@ -259,19 +259,19 @@ impl Gate {
 
     /// The members changed (a node joined or left the network): a sender
     /// that is gone is forgotten, so that its name can start afresh.
-    pub fn set_members(&mut self, members: BTreeSet<String>) {
+    pub(crate) fn set_members(&mut self, members: BTreeSet<String>) {
         self.seen.retain(|n, _| members.contains(n));
         self.members = members;
     }
 
     /// A new key set (a rotation: the new key, and the old one until every
     /// node has the new).
-    pub fn set_keys(&mut self, keys: Vec<Key>) {
+    pub(crate) fn set_keys(&mut self, keys: Vec<Key>) {
         self.keys = keys;
     }
 
     /// The sender and payload of `packet`, or `None` (counted).
-    pub fn admit<'a>(&mut self, packet: &'a [u8]) -> Option<(&'a str, &'a [u8])> {
+    pub(crate) fn admit<'a>(&mut self, packet: &'a [u8]) -> Option<(&'a str, &'a [u8])> {
         let verdict = open(&self.keys, packet).and_then(|o| {
             if !self.members.contains(o.sender) {
                 return Err(Dropped::NotAMember);
@@ -296,7 +296,7 @@ impl Gate {
     }
 
     /// Packets dropped so far, by reason.
-    pub fn dropped(&self, why: Dropped) -> u64 {
+    pub(crate) fn dropped(&self, why: Dropped) -> u64 {
         self.dropped.get(&why).copied().unwrap_or(0)
     }
 }

@@ -18,7 +18,7 @@ use hna_edges::cluster::watch_one::{Failure, FailureKind};
 
 /// The latest word on one watched object.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum View<T> {
+pub(crate) enum View<T> {
     Pending,
     Present(T),
     Absent,
@@ -27,15 +27,15 @@ pub enum View<T> {
 
 /// What the relay needs of a VirtualMachineInstance.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Vmi {
-    pub annotations: Labels,
+pub(crate) struct Vmi {
+    pub(crate) annotations: Labels,
     /// `status.nodeName`: the Harvester Node it runs on.
-    pub node_name: Option<String>,
+    pub(crate) node_name: Option<String>,
 }
 
 /// The cloud-provider kubeconfig as last looked at.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Cloud {
+pub(crate) enum Cloud {
     /// Not looked at yet.
     Unread,
     /// None of these paths exists.
@@ -53,46 +53,46 @@ pub enum Cloud {
 
 /// What the relay works on, fixed for its lifetime.
 #[derive(Debug, Clone, Copy)]
-pub struct Scope<'a> {
+pub(crate) struct Scope<'a> {
     /// The label keys relayed.
-    pub keys: &'a [String],
+    pub(crate) keys: &'a [String],
     /// This VM's VirtualMachineInstance on Harvester.
-    pub vm_name: &'a str,
+    pub(crate) vm_name: &'a str,
     /// This node's Node in the guest cluster.
-    pub node_name: &'a str,
+    pub(crate) node_name: &'a str,
 }
 
 /// Everything the relay has seen.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Seen {
-    pub cloud: Cloud,
-    pub vmi: View<Vmi>,
+pub(crate) struct Seen {
+    pub(crate) cloud: Cloud,
+    pub(crate) vmi: View<Vmi>,
     /// The Harvester Node followed: the VMI's `status.nodeName` as last seen
     /// (kept while the VMI cannot be read).
-    pub host_name: Option<String>,
-    pub host: View<Labels>,
+    pub(crate) host_name: Option<String>,
+    pub(crate) host: View<Labels>,
     /// The credentials may not read Harvester Nodes: use the annotations.
-    pub host_forbidden: bool,
+    pub(crate) host_forbidden: bool,
     /// There is a guest-cluster connection (the node has joined).
-    pub guest_connected: bool,
-    pub guest: View<Labels>,
+    pub(crate) guest_connected: bool,
+    pub(crate) guest: View<Labels>,
     /// RFC 3339 time of the last patch of the guest Node's labels.
-    pub last_patch: Option<String>,
+    pub(crate) last_patch: Option<String>,
 }
 
 /// The host Node to follow after the VMI changed hosts.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostChange {
+pub(crate) struct HostChange {
     /// The host followed until now.
-    pub from: Option<String>,
+    pub(crate) from: Option<String>,
     /// The host to watch from now on; `None` when there is none to watch
     /// (no host, or no Harvester client).
-    pub watch: Option<String>,
+    pub(crate) watch: Option<String>,
 }
 
 /// Whether the host-Node watch should go on after an update.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HostWatch {
+pub(crate) enum HostWatch {
     Continue,
     /// Harvester Nodes are not readable with these credentials; that lasts
     /// until the credentials change, so stop asking.
@@ -101,7 +101,7 @@ pub enum HostWatch {
 
 /// Why a patch of the guest Node did not happen.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PatchError {
+pub(crate) enum PatchError {
     Failed(Failure),
     TimedOut(Duration),
 }
@@ -124,7 +124,7 @@ impl Default for Seen {
 impl Seen {
     /// The cloud-config changed (appeared, gone, new content): everything
     /// seen on the Harvester side is void.
-    pub fn cloud_changed(&mut self, cloud: Cloud) {
+    pub(crate) fn cloud_changed(&mut self, cloud: Cloud) {
         self.cloud = cloud;
         self.vmi = View::Pending;
         self.host_name = None;
@@ -134,7 +134,7 @@ impl Seen {
 
     /// A new view of the VMI; `Some` when the host to follow changed (a
     /// live migration, or the VMI appeared or went).
-    pub fn vmi_seen(&mut self, vmi: View<Vmi>) -> Option<HostChange> {
+    pub(crate) fn vmi_seen(&mut self, vmi: View<Vmi>) -> Option<HostChange> {
         self.vmi = vmi;
         let host = match &self.vmi {
             View::Present(v) => v.node_name.clone(),
@@ -168,7 +168,7 @@ impl Seen {
     }
 
     /// A new view of the host Node's labels.
-    pub fn host_seen(&mut self, host: View<Labels>) -> HostWatch {
+    pub(crate) fn host_seen(&mut self, host: View<Labels>) -> HostWatch {
         self.host = host;
         match &self.host {
             View::Failed(f) if f.kind == FailureKind::Forbidden => {
@@ -185,18 +185,18 @@ impl Seen {
 
     /// The guest-cluster connection came or went: the guest Node is to be
     /// read again.
-    pub fn guest_connection(&mut self, connected: bool) {
+    pub(crate) fn guest_connection(&mut self, connected: bool) {
         self.guest_connected = connected;
         self.guest = View::Pending;
     }
 
     /// A new view of the guest Node's labels.
-    pub fn guest_seen(&mut self, guest: View<Labels>) {
+    pub(crate) fn guest_seen(&mut self, guest: View<Labels>) {
         self.guest = guest;
     }
 
     /// The guest Node was patched at `now` and now carries `labels`.
-    pub fn patched(&mut self, labels: Labels, now: SystemTime) {
+    pub(crate) fn patched(&mut self, labels: Labels, now: SystemTime) {
         self.guest = View::Present(labels);
         self.last_patch = Some(humantime::format_rfc3339_seconds(now).to_string());
     }
@@ -204,7 +204,7 @@ impl Seen {
 
 /// The state to report and the merge patch the guest Node needs (`None`
 /// when it needs none or cannot be patched yet).
-pub fn assess(scope: Scope<'_>, seen: &Seen) -> (TopologyState, Option<Value>) {
+pub(crate) fn assess(scope: Scope<'_>, seen: &Seen) -> (TopologyState, Option<Value>) {
     let Scope {
         keys,
         vm_name,
@@ -391,7 +391,7 @@ fn guest_node<'a>(
 
 /// What `check` reports: [`assess`], except that a Node still needing a
 /// patch is `OutOfSync` (`check` never patches).
-pub fn assess_for_check(scope: Scope<'_>, seen: &Seen) -> TopologyState {
+pub(crate) fn assess_for_check(scope: Scope<'_>, seen: &Seen) -> TopologyState {
     let (mut state, patch) = assess(scope, seen);
     if patch.is_some() {
         state.reason = Reason::OutOfSync;
@@ -405,7 +405,7 @@ pub fn assess_for_check(scope: Scope<'_>, seen: &Seen) -> TopologyState {
 }
 
 /// `state` (from [`assess`]) after the patch it called for went wrong.
-pub fn patch_failed(
+pub(crate) fn patch_failed(
     mut state: TopologyState,
     node_name: &str,
     error: &PatchError,

@@ -11,26 +11,26 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 /// Where the cloud-config is looked for when `cloud_config` is not set:
 /// where the docs place it on custom nodes, then where RKE2 writes the
 /// `cloud-provider-config` it was given.
-pub const DEFAULT_PATHS: &[&str] = &[
+pub(crate) const DEFAULT_PATHS: &[&str] = &[
     "/etc/kubernetes/cloud-config",
     "/var/lib/rancher/rke2/etc/config-files/cloud-provider-config",
 ];
 
 /// Client read timeout for the Harvester API; watches are bounded below it.
-pub const READ_TIMEOUT: Duration = Duration::from_secs(70);
+pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(70);
 /// Server-side bound of one watch request on the Harvester API.
-pub const WATCH_TIMEOUT_SECS: u32 = 55;
+pub(crate) const WATCH_TIMEOUT_SECS: u32 = 55;
 
 /// What is at the configured path(s).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Found {
+pub(crate) enum Found {
     Missing { searched: Vec<PathBuf> },
     Unreadable { path: PathBuf, error: String },
     File { path: PathBuf, content: Vec<u8> },
 }
 
 /// The first of `paths` that exists, read whole.
-pub fn find(paths: &[PathBuf]) -> Found {
+pub(crate) fn find(paths: &[PathBuf]) -> Found {
     for p in paths {
         match std::fs::read(p) {
             Ok(content) => {
@@ -55,17 +55,17 @@ pub fn find(paths: &[PathBuf]) -> Found {
 
 /// A client for the Harvester cluster.
 #[derive(Clone)]
-pub struct Harvester {
-    pub path: PathBuf,
-    pub client: kube::Client,
+pub(crate) struct Harvester {
+    pub(crate) path: PathBuf,
+    pub(crate) client: kube::Client,
     /// The context's namespace (`default` when the context names none).
-    pub namespace: String,
-    pub server: String,
+    pub(crate) namespace: String,
+    pub(crate) server: String,
 }
 
 /// Why a cloud-config gives no client.
 #[derive(Debug, thiserror::Error)]
-pub enum CloudConfigError {
+pub(crate) enum CloudConfigError {
     #[error("not UTF-8 text")]
     NotText,
     #[error("not a kubeconfig: {0}")]
@@ -77,7 +77,7 @@ pub enum CloudConfigError {
 }
 
 /// Client configuration from kubeconfig text (its current context).
-pub async fn client_config(content: &[u8]) -> Result<kube::Config, CloudConfigError> {
+pub(crate) async fn client_config(content: &[u8]) -> Result<kube::Config, CloudConfigError> {
     let text = std::str::from_utf8(content).map_err(|_| CloudConfigError::NotText)?;
     let kc = Kubeconfig::from_yaml(text).map_err(CloudConfigError::NotKubeconfig)?;
     let mut cfg = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
@@ -90,7 +90,7 @@ pub async fn client_config(content: &[u8]) -> Result<kube::Config, CloudConfigEr
 }
 
 /// Builds a client from the kubeconfig text read from `path`.
-pub async fn connect(path: &Path, content: &[u8]) -> Result<Harvester, CloudConfigError> {
+pub(crate) async fn connect(path: &Path, content: &[u8]) -> Result<Harvester, CloudConfigError> {
     let cfg = client_config(content).await?;
     let namespace = cfg.default_namespace.clone();
     let server = cfg.cluster_url.to_string();

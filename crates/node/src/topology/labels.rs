@@ -12,7 +12,7 @@ use serde_json::{Map, Value, json};
 
 use hna_contract::k8s_names::is_label_value;
 
-pub type Labels = BTreeMap<String, String>;
+pub(crate) type Labels = BTreeMap<String, String>;
 
 /// Where the relayed values came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,23 +27,24 @@ pub enum Source {
 
 /// What the guest Node should carry for the configured keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Desired {
-    pub source: Source,
+pub(crate) struct Desired {
+    pub(crate) source: Source,
     /// Key → value for every configured key that has a valid value.
-    pub labels: Labels,
+    pub(crate) labels: Labels,
     /// Configured keys whose source value is not a valid label value: they
     /// are left alone on the guest Node (neither set nor removed).
-    pub invalid: Vec<(String, String)>,
+    pub(crate) invalid: Vec<(String, String)>,
 }
 
 /// The outcome of [`plan`].
 #[derive(Debug, Clone, PartialEq)]
-pub struct Plan {
-    pub desired: Desired,
+#[cfg(test)]
+pub(crate) struct Plan {
+    pub(crate) desired: Desired,
     /// The JSON merge patch for the guest Node (`{"metadata":{"labels":{…}}}`
     /// touching only configured keys, `null` removing one), or `None` when
     /// the Node already carries exactly the desired values.
-    pub patch: Option<Value>,
+    pub(crate) patch: Option<Value>,
 }
 
 /// The whole decision: source values in, merge patch out.
@@ -54,7 +55,8 @@ pub struct Plan {
 ///   VMI. `None` falls back to the VMI annotations.
 /// * A configured key the source lacks is removed from the guest Node.
 /// * Keys that are not configured are never touched.
-pub fn plan(
+#[cfg(test)]
+pub(crate) fn plan(
     vmi_annotations: &Labels,
     host_labels: Option<&Labels>,
     guest_labels: &Labels,
@@ -66,7 +68,11 @@ pub fn plan(
 }
 
 /// The values the guest Node should carry.
-pub fn desired(vmi_annotations: &Labels, host_labels: Option<&Labels>, keys: &[String]) -> Desired {
+pub(crate) fn desired(
+    vmi_annotations: &Labels,
+    host_labels: Option<&Labels>,
+    keys: &[String],
+) -> Desired {
     let (source, from) = match host_labels {
         Some(h) => (Source::HostNode, h),
         None => (Source::VmiAnnotations, vmi_annotations),
@@ -91,7 +97,7 @@ pub fn desired(vmi_annotations: &Labels, host_labels: Option<&Labels>, keys: &[S
 
 /// The merge patch that makes `guest_labels` agree with `desired` on the
 /// configured keys, or `None` when they already agree.
-pub fn patch(desired: &Desired, guest_labels: &Labels, keys: &[String]) -> Option<Value> {
+pub(crate) fn patch(desired: &Desired, guest_labels: &Labels, keys: &[String]) -> Option<Value> {
     let mut changes = Map::new();
     for key in keys {
         if desired.invalid.iter().any(|(k, _)| k == key) {
@@ -113,7 +119,7 @@ pub fn patch(desired: &Desired, guest_labels: &Labels, keys: &[String]) -> Optio
 
 /// `region/zone`-style short form of the relayed values, in key order;
 /// `-` for a key without a value.
-pub fn short(labels: &Labels, keys: &[String]) -> String {
+pub(crate) fn short(labels: &Labels, keys: &[String]) -> String {
     keys.iter()
         .map(|k| labels.get(k).map(String::as_str).unwrap_or("-"))
         .collect::<Vec<_>>()

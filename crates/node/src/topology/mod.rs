@@ -3,7 +3,7 @@
 //!
 //! * The Harvester cloud-provider kubeconfig (`cloud_config`, as
 //!   `generate_addon.sh` makes it) gives a client and the namespace of the
-//!   VMs ([`cloud_config`]). Missing or unusable is reported, never fatal,
+//!   VMs (`cloud_config`). Missing or unusable is reported, never fatal,
 //!   and the file is looked at again every `recheck` until it appears or
 //!   changes.
 //! * This VM's `VirtualMachineInstance` (kubevirt.io/v1, by `vm_name`) is
@@ -13,17 +13,17 @@
 //!   win, so a host relabel is seen at once.
 //! * The guest Node is watched with the node's own credentials and gets a
 //!   JSON merge patch touching only the configured keys (`null` removes one)
-//!   whenever it differs ([`plan`], pure; the relay's decisions over what it
+//!   whenever it differs (`labels`, pure; the relay's decisions over what it
 //!   has seen are pure as well, in `assess`). A live migration is just a change
 //!   of `status.nodeName`: re-synced immediately, without taints or node
 //!   re-initialisation, and nothing polls.
 //! * The state ([`TopologyState`]) feeds `status`, `STATUS=` and `check`.
 
 mod assess;
-pub mod cloud_config;
-pub mod labels;
+pub(crate) mod cloud_config;
+pub(crate) mod labels;
 mod relay;
-pub mod state;
+pub(crate) mod state;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -52,7 +52,7 @@ pub struct TopologyConfig {
 
 impl TopologyConfig {
     /// From the daemon's configuration: `cloud_config` (or
-    /// [`cloud_config::DEFAULT_PATHS`]), `vm_name`, `topology_labels`, and
+    /// `cloud_config::DEFAULT_PATHS`), `vm_name`, `topology_labels`, and
     /// `credentials_retry` as the file re-check period.
     pub fn from_config(cfg: &Config) -> Self {
         TopologyConfig {

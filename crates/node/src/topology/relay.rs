@@ -25,7 +25,7 @@ use hna_edges::cluster::watch_one::{Failure, FailureKind, Update, watch_one};
 const PATCH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `kubevirt.io/v1` `VirtualMachineInstance`.
-pub fn vmi_resource() -> ApiResource {
+pub(crate) fn vmi_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("kubevirt.io", "v1", "VirtualMachineInstance"),
         "virtualmachineinstances",

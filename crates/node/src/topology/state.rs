@@ -40,7 +40,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Reason::Disabled => "Disabled",
             Reason::Starting => "Starting",
@@ -57,7 +57,7 @@ impl Reason {
     }
 
     /// How `check` rates it.
-    pub fn status(self) -> Status {
+    pub(crate) fn status(self) -> Status {
         match self {
             Reason::Disabled | Reason::Starting | Reason::Relayed => Status::Ok,
             _ => Status::Warn,
@@ -80,15 +80,15 @@ pub struct TopologyState {
     /// Where the values come from.
     pub source: Option<Source>,
     /// The configured keys, in order.
-    pub keys: Vec<String>,
+    pub(crate) keys: Vec<String>,
     /// The values Harvester has for them (what the guest Node should carry).
     pub labels: BTreeMap<String, String>,
     /// RFC 3339 time of the last patch of the guest Node's labels.
-    pub last_patch: Option<String>,
+    pub(crate) last_patch: Option<String>,
 }
 
 impl TopologyState {
-    pub fn new(reason: Reason, message: impl Into<String>, keys: &[String]) -> Self {
+    pub(crate) fn new(reason: Reason, message: impl Into<String>, keys: &[String]) -> Self {
         TopologyState {
             reason,
             message: message.into(),
