@@ -125,41 +125,58 @@ async fn bpf_attachments(links: &[OurLink]) -> (Vec<String>, Option<String>) {
     let mut found = Vec::new();
     let mut error = None;
     for link in links {
-        for (side, request) in [
-            (
-                "ingress",
-                handle.traffic_filter(link.index as i32).get().ingress(),
-            ),
-            (
-                "egress",
-                handle.traffic_filter(link.index as i32).get().egress(),
-            ),
-        ] {
-            match request.execute().try_collect::<Vec<_>>().await {
-                Ok(filters) => {
-                    for f in filters {
-                        if let Some(kind) = filter_kind(&f).filter(|k| k == "bpf") {
-                            found.push(format!("{}: tc {side} filter {kind}", link.name));
-                        }
-                    }
-                }
-                // No clsact qdisc: no filters.
-                Err(e) if is_errno(&e, libc::EINVAL) || is_errno(&e, libc::ENOENT) => {}
-                Err(e) => error = Some(format!("tc filters of {}: {e}", link.name)),
-            }
-        }
-        for (side, attach_type) in [("ingress", BPF_TCX_INGRESS), ("egress", BPF_TCX_EGRESS)] {
-            match tcx_programs(link.index, attach_type) {
-                Ok(0) => {}
-                Ok(n) => found.push(format!("{}: tcx {side}, {n} program(s)", link.name)),
-                // Kernels before 6.6 have no tcx: nothing can be attached.
-                Err(nix::errno::Errno::EINVAL) => {}
-                Err(e) => error = Some(format!("tcx programs of {}: {e}", link.name)),
-            }
-        }
+        tc_bpf_filters(&handle, link, &mut found, &mut error).await;
+        tcx_attachments(link, &mut found, &mut error);
     }
     task.abort();
     (found, error)
+}
+
+/// The `bpf` tc filters on `link`'s ingress and egress, a line each into
+/// `found`; why they could not be read into `error`.
+async fn tc_bpf_filters(
+    handle: &rtnetlink::Handle,
+    link: &OurLink,
+    found: &mut Vec<String>,
+    error: &mut Option<String>,
+) {
+    for (side, request) in [
+        (
+            "ingress",
+            handle.traffic_filter(link.index as i32).get().ingress(),
+        ),
+        (
+            "egress",
+            handle.traffic_filter(link.index as i32).get().egress(),
+        ),
+    ] {
+        match request.execute().try_collect::<Vec<_>>().await {
+            Ok(filters) => found.extend(
+                filters
+                    .iter()
+                    .filter_map(filter_kind)
+                    .filter(|k| k == "bpf")
+                    .map(|kind| format!("{}: tc {side} filter {kind}", link.name)),
+            ),
+            // No clsact qdisc: no filters.
+            Err(e) if is_errno(&e, libc::EINVAL) || is_errno(&e, libc::ENOENT) => {}
+            Err(e) => *error = Some(format!("tc filters of {}: {e}", link.name)),
+        }
+    }
+}
+
+/// The tcx programs on `link`, a line per side that has any into `found`;
+/// why they could not be counted into `error`.
+fn tcx_attachments(link: &OurLink, found: &mut Vec<String>, error: &mut Option<String>) {
+    for (side, attach_type) in [("ingress", BPF_TCX_INGRESS), ("egress", BPF_TCX_EGRESS)] {
+        match tcx_programs(link.index, attach_type) {
+            Ok(0) => {}
+            Ok(n) => found.push(format!("{}: tcx {side}, {n} program(s)", link.name)),
+            // Kernels before 6.6 have no tcx: nothing can be attached.
+            Err(nix::errno::Errno::EINVAL) => {}
+            Err(e) => *error = Some(format!("tcx programs of {}: {e}", link.name)),
+        }
+    }
 }
 
 fn filter_kind(f: &rtnetlink::packet_route::tc::TcMessage) -> Option<String> {
