@@ -1,6 +1,6 @@
 //! One controller pass, without the API server (issue #30: "a pass is
-//! O(S log S) or better"): the pure decision `controller::reconcile` over a
-//! simulated cluster (`controller::reconcile::sim`) of S DHCP Services on
+//! O(S log S) or better"): the pure decision `hna_controller::reconcile` over a
+//! simulated cluster (`hna_controller::reconcile::sim`) of S DHCP Services on
 //! S / 20 nodes, every Service served. Measures a pass at rest (nothing to
 //! write) and the pass that moves the Services of one node that died, for
 //! growing S; a quadratic pass takes four times as long at twice the

@@ -197,7 +197,7 @@ impl Prereq {
                 match Binaries::find() {
                     Ok(_) => Ok(()),
                     Err(what) => missing(
-                        what,
+                        what.to_string(),
                         format!(
                             "build and cache it with `{INSTALL_ALL}`, then \
                              `export KUBEBUILDER_ASSETS=\"$({INSTALL_ALL} | tail -n1)\"`"
@@ -214,7 +214,7 @@ impl Prereq {
                 match found {
                     Ok(()) => Ok(()),
                     Err(what) => missing(
-                        what,
+                        what.to_string(),
                         format!(
                             "build and cache it with `{INSTALL_ALL}` (or `sudo {}`)",
                             crate::locate::peers::INSTALL
@@ -225,7 +225,7 @@ impl Prereq {
             Prereq::Helm => match crate::locate::helm::helm() {
                 Ok(_) => Ok(()),
                 Err(what) => missing(
-                    what,
+                    what.to_string(),
                     format!(
                         "build and cache it with `{INSTALL_ALL}` (or `sudo {}`)",
                         crate::locate::helm::INSTALL
@@ -243,7 +243,10 @@ impl Prereq {
                     ),
                     format!("build and cache it with `{INSTALL_ALL}`"),
                 ),
-                Err(what) => missing(what, format!("build and cache it with `{INSTALL_ALL}`")),
+                Err(what) => missing(
+                    what.to_string(),
+                    format!("build and cache it with `{INSTALL_ALL}`"),
+                ),
             },
             Prereq::Dhclient => program("dhclient", "isc-dhcp-client"),
             Prereq::Busybox => program("busybox", "busybox"),

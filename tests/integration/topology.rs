@@ -468,7 +468,7 @@ fn spawn_relay(cloud_config: &Path, vm: &str, node: &str, guest: Option<Client>)
     let cfg = TopologyConfig {
         cloud_config: vec![cloud_config.to_path_buf()],
         vm_name: vm.to_string(),
-        keys: topology::DEFAULT_KEYS
+        keys: hna_contract::k8s_names::DEFAULT_TOPOLOGY_KEYS
             .iter()
             .map(|k| k.to_string())
             .collect(),
@@ -793,7 +793,7 @@ fn problems_are_reported_and_the_relay_keeps_running() {
         let cfg = |cc: &Path, vm: &str| TopologyConfig {
             cloud_config: vec![cc.to_path_buf()],
             vm_name: vm.into(),
-            keys: topology::DEFAULT_KEYS
+            keys: hna_contract::k8s_names::DEFAULT_TOPOLOGY_KEYS
                 .iter()
                 .map(|k| k.to_string())
                 .collect(),

@@ -4,7 +4,7 @@
 //! (when the guest says, on a second port `hna.ctl`, that it has seen the
 //! agent ready).
 //! The VM has no systemd, so the agent is judged by its process; the
-//! unit-state mapping is unit-tested with a D-Bus double (src/guest).
+//! unit-state mapping is unit-tested with a D-Bus double (crates/node/src/guest).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;

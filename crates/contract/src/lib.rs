@@ -1,10 +1,22 @@
 //! The contract between the node daemon and the controller, and with the
 //! Harvester cloud provider and kube-vip: annotation keys, which Services
 //! are ours, and the identity (link name, MAC, client identifier) under
-//! which any node asks for a Service's lease. A crate of its own: the daemon
-//! and the controller share this and nothing else, and never import each
-//! other. Besides the Kubernetes types it needs only the DHCP client's MAC
-//! text form.
+//! which any node asks for a Service's lease. A crate of its own: about
+//! LoadBalancers the daemon and the controller share this and nothing else
+//! (besides the common edges, `hna-edges`), and never import each other.
+//! Besides the Kubernetes types it needs nothing.
+//!
+//! - the crate root: annotation keys, [`select`] (which Services are ours),
+//!   [`AddressIdentity::of`], [`fnv1a`];
+//! - [`node_object`]: the `LoadBalancerNode` resource and its spec and
+//!   status types;
+//! - [`harvester`], [`kube_vip`]: the keys the cloud provider and kube-vip
+//!   write;
+//! - [`membership`]: what the LAN membership's agents and the controller
+//!   agree on;
+//! - [`k8s_names`]: Kubernetes name and label-key rules, the default
+//!   topology keys;
+//! - [`mac`]: MAC addresses as text, in kube-vip's format.
 //!
 //! What kube-vip and the cloud provider do with these keys is written up in
 //! `docs/kube-vip-contract.md`.
@@ -524,9 +536,6 @@ pub(crate) fn derived_mac(uid: &str) -> [u8; 6] {
     [(b[0] & 0xfc) | 0x02, b[1], b[2], b[3], b[4], b[5]]
 }
 
-/// FNV-1a (64 bits) over `parts`, each followed by a zero byte: stable
-/// across processes and versions (unlike `std`'s seeded hasher), so every
-/// node and every controller replica derives the same value.
 /// Liveness on the LAN: the agents of one LAN watch each other there (SWIM,
 /// with each node's death confirmed by its witnesses). What the controller
 /// and the agents must agree on: where the key is, who a node's peers and
@@ -690,6 +699,9 @@ pub mod membership {
     }
 }
 
+/// FNV-1a (64 bits) over `parts`, each followed by a zero byte: stable
+/// across processes and versions (unlike `std`'s seeded hasher), so every
+/// node and every controller replica derives the same value.
 pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for part in parts {

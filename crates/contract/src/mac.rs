@@ -3,7 +3,7 @@
 //! form in the contract's annotations and status, read and written by the
 //! node daemon, the controller and the command line. (`hna-dhcp` writes the
 //! same form in its lease records with a private copy of [`format()`], so it
-//! stays free of Kubernetes; a test of the root package holds them equal.)
+//! stays free of Kubernetes; a unit test in `hna-node` holds them equal.)
 
 /// `aa:bb:cc:dd:ee:ff`, lowercase.
 pub fn format(mac: &[u8; 6]) -> String {

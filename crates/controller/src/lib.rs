@@ -2,12 +2,24 @@
 //! DHCP-mode LoadBalancer Services an address through the node agents
 //! (issue #9; `docs/loadbalancer-design.md`).
 //!
-//! Layers: [`reconcile`] decides (pure), `liveness` judges node agents on
-//! our clock (pure), [`election`] decides leadership (pure) and
-//! `leadership` runs it, [`writer`] turns decisions into PATCHes and carries them out,
-//! [`kube_edge`] is the API (watch caches, requests, Events), [`endpoints`]
-//! says which nodes have a ready endpoint of a Service. Every replica
-//! watches and decides; only the leader writes.
+//! Every replica watches and decides; only the leader writes. [`run`] is
+//! the loop; the modules, from pure to edge:
+//!
+//! - [`reconcile`]: the decision: Services, Nodes and node objects in,
+//!   ordered writes and Events out;
+//! - `placement`: stable, spread, deterministic holders;
+//! - `liveness`: node agents' heartbeats judged on our clock;
+//! - `lan_verdict`: which nodes are dead on their LAN, by two witnesses;
+//! - `failover`, `service_health`, `deletions`, `networks`: moving
+//!   addresses off dead nodes, avoiding nodes whose leases fail, releases
+//!   that time out, which networks a node is on;
+//! - [`election`]: leader election on a `coordination.k8s.io/v1` Lease,
+//!   pure; `leadership` runs it (the Lease read and written);
+//! - [`writer`]: decisions as PATCHes, leadership checked before each;
+//! - [`kube_edge`], `watches`: the API (watch caches, requests, Events);
+//! - [`endpoints`]: which nodes have a ready endpoint of a Service;
+//! - `stats`: `STATUS=` and metrics; `heap`: freed heap given back to the
+//!   kernel after a large pass.
 
 pub(crate) mod deletions;
 pub mod election;

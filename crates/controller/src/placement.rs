@@ -20,7 +20,7 @@ pub(crate) struct ServiceNeed {
     /// Only these nodes may hold it (`externalTrafficPolicy: Local`: those
     /// with a ready endpoint); `None`: any eligible node.
     pub(crate) only: Option<BTreeSet<String>>,
-    /// Nodes that could not serve it lately (`controller::service_health`):
+    /// Nodes that could not serve it lately (`crate::service_health`):
     /// left for another node while there is one, never chosen before one.
     pub(crate) avoid: BTreeSet<String>,
 }

@@ -8,9 +8,12 @@
 //!   actions out), tested with paused tokio time;
 //! - [`store`]: one lease file per lease, written atomically;
 //! - `frame`: Ethernet-less IPv4/UDP and ARP framing for packet sockets;
+//! - `raw`: the packet socket's shared syscalls;
 //! - [`io`]: the [`io::Transport`] trait and its AF_PACKET implementation
 //!   (nothing binds UDP port 68, so the node's own DHCP client keeps working);
 //! - [`link`]: macvlan and address management over rtnetlink;
+//! - `presence`: what keeps a held address's MAC on the LAN's switches
+//!   (presence frames, the LAN watch), on threads of their own;
 //! - [`driver`]: runs one machine against a transport, a link and a store;
 //! - [`engine`]: many leases in one process, their status, and a hook
 //!   told of each acquisition (the caller's metrics);
@@ -18,6 +21,7 @@
 //!   lives with the others in `cli`);
 //! - [`fuzzing`]: the receive path as one function of untrusted bytes
 //!   (cargo-fuzz target in `fuzz/`, bounded harness in the unit tests);
+//! - `mac`: MAC addresses as text in this crate's own records;
 //! - `lease_engine`: the engine as the LoadBalancer layer sees it, a
 //!   trait (`fake::FakeEngine`, in unit tests, records calls and injects
 //!   failures).

@@ -1,7 +1,7 @@
 //! MAC addresses as text in this crate's own records (lease status, logs)
 //! and in `/proc/net/arp`: `00:00:6c:ab:cd:ef`. The contract's public form
 //! (`hna_contract::mac`) is the same; this crate keeps its own two functions
-//! so it stays free of Kubernetes, and a test of the root package holds the
+//! so it stays free of Kubernetes, and a unit test in `hna-node` holds the
 //! two equal.
 
 /// `aa:bb:cc:dd:ee:ff`, lowercase.

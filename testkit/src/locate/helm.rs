@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use super::is_executable;
+use super::{Absent, is_executable};
 
 /// The Helm release the chart's tests run (keep in step with
 /// `tests/rig/helm.sh`).
@@ -16,7 +16,7 @@ pub const CACHE_DIR: &str = "/var/cache/harvester-node-agent";
 pub const INSTALL: &str = "tests/rig/helm.sh";
 
 /// The cached `helm` binary, or what is absent.
-pub fn helm() -> Result<PathBuf, String> {
+pub fn helm() -> Result<PathBuf, Absent> {
     let bin = std::env::var_os("HNA_CACHE_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(CACHE_DIR))
@@ -26,13 +26,16 @@ pub fn helm() -> Result<PathBuf, String> {
     if is_executable(&bin) {
         Ok(bin)
     } else {
-        Err(format!("helm {HELM_VERSION} ({} absent)", bin.display()))
+        Err(Absent::new(format!(
+            "helm {HELM_VERSION} ({} absent)",
+            bin.display()
+        )))
     }
 }
 
 /// `helm` with its cache, configuration and data under `home`, so that a
 /// test reads no user's repositories and leaves nothing in theirs.
-pub fn command(home: &Path) -> Result<Command, String> {
+pub fn command(home: &Path) -> Result<Command, Absent> {
     let mut cmd = Command::new(helm()?);
     cmd.env("HELM_CACHE_HOME", home.join("cache"))
         .env("HELM_CONFIG_HOME", home.join("config"))

@@ -48,14 +48,14 @@ impl Binaries {
     /// in the newest release under [`releases_dir`]; `etcd` and `kubectl`
     /// next to it (`kubectl` else on `PATH`). The error says what is
     /// missing and where it was looked for.
-    pub fn find() -> std::result::Result<Binaries, String> {
+    pub fn find() -> std::result::Result<Binaries, Absent> {
         let folder = if let Some(assets) = std::env::var_os("KUBEBUILDER_ASSETS") {
             let p = PathBuf::from(assets);
             if !is_executable(&p.join("kube-apiserver")) {
-                return Err(format!(
+                return Err(Absent::new(format!(
                     "kube-apiserver (not found in KUBEBUILDER_ASSETS={})",
                     p.display()
-                ));
+                )));
             }
             p
         } else {
@@ -70,16 +70,16 @@ impl Binaries {
             match newest {
                 Some((_, p)) => p,
                 None => {
-                    return Err(format!(
+                    return Err(Absent::new(format!(
                         "kube-apiserver (no {}/v*/kube-apiserver; or set KUBEBUILDER_ASSETS)",
                         root.display()
-                    ));
+                    )));
                 }
             }
         };
         let etcd = folder.join("etcd");
         if !is_executable(&etcd) {
-            return Err(format!("etcd (not in {})", folder.display()));
+            return Err(Absent::new(format!("etcd (not in {})", folder.display())));
         }
         let kubectl = Some(folder.join("kubectl"))
             .filter(|p| is_executable(p))
@@ -93,6 +93,25 @@ impl Binaries {
 }
 
 /// Whether `p` is an existing executable file (following symlinks).
+/// A prerequisite that is not where the tests look for it: what, and where
+/// it was looked for (the text a skip or a failure shows).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Absent(String);
+
+impl Absent {
+    pub(crate) fn new(what: impl Into<String>) -> Absent {
+        Absent(what.into())
+    }
+}
+
+impl std::fmt::Display for Absent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Absent {}
+
 pub fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     fs::metadata(p)

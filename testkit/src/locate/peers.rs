@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use super::is_executable;
+use super::{Absent, is_executable};
 
 /// The kube-vip release the rig runs (keep in step with
 /// `tests/rig/peers.sh`).
@@ -33,7 +33,7 @@ pub fn peers_dir() -> PathBuf {
 }
 
 /// The cached kube-vip binary, or what is absent.
-pub fn kube_vip() -> Result<PathBuf, String> {
+pub fn kube_vip() -> Result<PathBuf, Absent> {
     cached_binary(
         &["kube-vip", KUBE_VIP_VERSION, "kube-vip"],
         &format!("kube-vip {KUBE_VIP_VERSION}"),
@@ -41,18 +41,18 @@ pub fn kube_vip() -> Result<PathBuf, String> {
 }
 
 /// `peers_dir()/<parts>` if it is an executable, else `"<what> (<path> absent)"`.
-fn cached_binary(parts: &[&str], what: &str) -> Result<PathBuf, String> {
+fn cached_binary(parts: &[&str], what: &str) -> Result<PathBuf, Absent> {
     let bin = parts.iter().fold(peers_dir(), |p, part| p.join(part));
     if is_executable(&bin) {
         Ok(bin)
     } else {
-        Err(format!("{what} ({} absent)", bin.display()))
+        Err(Absent::new(format!("{what} ({} absent)", bin.display())))
     }
 }
 
 /// The cached MetalLB speaker and controller binaries and its CRDs'
 /// directory, or what is absent.
-pub fn metallb() -> Result<(PathBuf, PathBuf, PathBuf), String> {
+pub fn metallb() -> Result<(PathBuf, PathBuf, PathBuf), Absent> {
     let dir = peers_dir().join("metallb").join(METALLB_VERSION);
     let (speaker, controller, crds) = (
         dir.join("speaker"),
@@ -62,15 +62,15 @@ pub fn metallb() -> Result<(PathBuf, PathBuf, PathBuf), String> {
     if is_executable(&speaker) && is_executable(&controller) && crds.is_dir() {
         Ok((speaker, controller, crds))
     } else {
-        Err(format!(
+        Err(Absent::new(format!(
             "MetalLB {METALLB_VERSION} ({} incomplete)",
             dir.display()
-        ))
+        )))
     }
 }
 
 /// The cached Harvester cloud provider binary, or what is absent.
-pub fn harvester_ccm() -> Result<PathBuf, String> {
+pub fn harvester_ccm() -> Result<PathBuf, Absent> {
     cached_binary(
         &[
             "harvester-cloud-provider",

@@ -1,5 +1,5 @@
 //! Who holds each primary's address: a healthy holder is kept, else one
-//! is placed (`controller::placement`), and the address its holder reports
+//! is placed (`crate::placement`), and the address its holder reports
 //! is published in the status and in kube-vip's record.
 //!
 //! An address still held by a node that must let go first

@@ -108,7 +108,7 @@ pub struct NodeIn {
     pub(crate) spec: Spec,
     pub(crate) status: Status,
     /// Ready and heartbeating, judged on the controller's clock
-    /// (`controller::liveness`).
+    /// (`crate::liveness`).
     pub(crate) eligible: bool,
     /// Eligible only to keep what it holds: its heartbeat is late by its
     /// stated period, or stale while a witness still hears it on the LAN
@@ -116,7 +116,7 @@ pub struct NodeIn {
     /// new assignment.
     pub(crate) keep_only: bool,
     /// Dead on its LAN by its witnesses' word, yet it said so itself and
-    /// its heartbeat is on time (`controller::lan_verdict::LetGo`): it still reads its
+    /// its heartbeat is on time (`crate::lan_verdict::LetGo`): it still reads its
     /// assignments, and may still answer where its witnesses cannot hear
     /// it (its gateway, the clients on its side of a broken switch), where
     /// a new holder's takeover guard cannot hear it either. An address it
@@ -177,7 +177,7 @@ pub struct World<'a> {
     pub(crate) now: i64,
     /// The nodes that could not serve a Service lately, per Service
     /// (`namespace/name`), judged on the controller's clock
-    /// (`controller::service_health`).
+    /// (`crate::service_health`).
     pub(crate) avoid: &'a crate::service_health::Avoid,
     /// The API server knows `status.loadBalancer.ingress[].ipMode`
     /// (Kubernetes 1.30 and later): it is written as [`IP_MODE_VIP`].

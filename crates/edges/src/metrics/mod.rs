@@ -39,7 +39,8 @@ pub struct Pages {
     // never handled as an error; the daemon and the controller build it.
     pub health: Arc<dyn Fn() -> Result<(), String> + Send + Sync>,
     /// `/livez` (liveness): whether the process's own loops run, whatever
-    /// the API server does; the same answers as `health`.
+    /// the API server does; the same answers as `health` (and the same
+    /// why String: the 503 body).
     pub live: Arc<dyn Fn() -> Result<(), String> + Send + Sync>,
 }
 

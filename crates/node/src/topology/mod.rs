@@ -28,8 +28,6 @@ pub(crate) mod state;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// The keys relayed unless `topology_labels` says otherwise.
-pub use hna_contract::k8s_names::DEFAULT_TOPOLOGY_KEYS as DEFAULT_KEYS;
 pub use labels::Source;
 pub use relay::{probe, run};
 pub use state::{Reason, TopologyState};
@@ -101,11 +99,11 @@ mod tests {
         let s = cfg(&[]).initial_state();
         assert_eq!(s.reason, Reason::Disabled);
         assert_eq!(s.message, "topology_labels is empty: no labels are relayed");
-        let s = cfg(DEFAULT_KEYS).initial_state();
+        let s = cfg(hna_contract::k8s_names::DEFAULT_TOPOLOGY_KEYS).initial_state();
         assert_eq!(
             (s.reason, s.message.as_str()),
             (Reason::Starting, "starting")
         );
-        assert_eq!(s.keys, DEFAULT_KEYS);
+        assert_eq!(s.keys, hna_contract::k8s_names::DEFAULT_TOPOLOGY_KEYS);
     }
 }
