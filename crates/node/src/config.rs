@@ -36,8 +36,8 @@ enum Kind {
 }
 
 /// One configuration key: its name in the file, its environment variable,
-/// its flag, its default and what it means. The configuration reference
-/// table in docs/operations.md is this list.
+/// its flag and what it means (its default is set in `defaults`). The
+/// configuration reference table in docs/operations.md is this list.
 #[derive(Debug, Clone, Copy)]
 pub struct KeySpec {
     pub name: &'static str,
