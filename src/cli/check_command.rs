@@ -8,8 +8,8 @@ use crate::check::{self, Report};
 use hna_edges::cluster::credentials::HostEnv;
 use hna_node::config::{self, Config};
 
-use super::args::*;
-use super::*;
+use super::args::{CheckArgs, Output};
+use super::{Threads, runtime};
 
 /// Checks `check` can be limited to. `kubeconfig` includes `api-server`,
 /// and `api-server` needs `kubeconfig` (no server without credentials), so

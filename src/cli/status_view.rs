@@ -8,8 +8,8 @@ use std::time::Duration;
 use hna_node::config::{self, Config, ConfigError, FlagValues};
 use hna_node::control;
 
-use super::args::*;
-use super::*;
+use super::args::{Output, StatusArgs};
+use super::{EXIT_CONFIG, Threads, runtime};
 
 /// The socket `status` asks: resolved exactly as `run` resolves its own
 /// (flag, `HNA_SOCKET`, the configuration file's `socket`, the default).
