@@ -17,9 +17,6 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/harvester-node-agent/config.toml";
 /// Environment variable naming the configuration file.
 pub(crate) const CONFIG_ENV: &str = "HNA_CONFIG";
 
-/// Kubeconfigs tried in order when `kubeconfig` is not set.
-pub(crate) use hna_edges::cluster::credentials::DEFAULT_SEARCH as DEFAULT_KUBECONFIG_SEARCH;
-
 /// The shape a key's value must have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -505,7 +502,7 @@ fn defaults(file: Option<PathBuf>) -> Config {
         socket: PathBuf::from("/run/harvester-node-agent/agent.sock"),
         node_name: String::new(),
         kubeconfig: None,
-        kubeconfig_search: DEFAULT_KUBECONFIG_SEARCH
+        kubeconfig_search: hna_edges::cluster::credentials::DEFAULT_SEARCH
             .iter()
             .map(PathBuf::from)
             .collect(),
@@ -995,7 +992,10 @@ mod tests {
             PathBuf::from("/run/harvester-node-agent/agent.sock")
         );
         assert_eq!(cfg.credentials_retry, Duration::from_secs(10));
-        assert_eq!(cfg.kubeconfig_search.len(), DEFAULT_KUBECONFIG_SEARCH.len());
+        assert_eq!(
+            cfg.kubeconfig_search.len(),
+            hna_edges::cluster::credentials::DEFAULT_SEARCH.len()
+        );
         assert_eq!(cfg.log_target, LogTarget::Auto);
     }
 
