@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::membership::transport::Acknowledged;
 use hna_contract::node_object::Status;
 
 /// Writes the status subresource of this node's object.
@@ -94,6 +95,18 @@ pub(crate) struct Written {
     pub(crate) error: Option<String>,
     /// The newest [`Draft::urgent`] whose write was attempted to the end.
     pub(crate) urgent_done: u64,
+    /// This node's accusations (`lan.down`) the API server acknowledged:
+    /// what the controller may have acted on. Told to each accused on the
+    /// LAN, so that one that lapsed while nobody could read the API (a
+    /// fence, a pause) knows whether its Services may have moved
+    /// (`super::lan_word`). Only a write that succeeded counts: one sent
+    /// into a hung API server that times out may still be applied when the
+    /// server wakes; the accused, having taken its addresses back on its
+    /// witnesses' word, then holds them when the controller moves them, and
+    /// the new holder's takeover guard, which hears it answer, waits until
+    /// the accused reads its assignments and lets go
+    /// (docs/loadbalancer-design.md, "A bad day").
+    pub(crate) acknowledged: Acknowledged,
 }
 
 /// The loop's handle on the task; dropping it stops the task.
@@ -117,6 +130,7 @@ impl StatusWrites {
             last_ok: Instant::now(),
             error: None,
             urgent_done: 0,
+            acknowledged: Acknowledged::default(),
         });
         let task = tokio::spawn(run(writer, heartbeat, rx, tx));
         StatusWrites {
@@ -248,6 +262,8 @@ async fn run<W: StatusWriter>(
                     Ok(_) => {
                         w.last_ok = Instant::now();
                         w.error = None;
+                        w.acknowledged
+                            .record(status.lan.as_ref().map_or(&[][..], |l| &l.down[..]));
                     }
                     Err(e) => w.error = Some(e.message),
                 }
@@ -578,5 +594,90 @@ mod tests {
         let back = SystemTime::UNIX_EPOCH + Duration::from_millis(4_000);
         assert_eq!(next_beat(Some(t), back), t + Duration::from_millis(1));
         assert_eq!(next_beat(Some(t), t), t + Duration::from_millis(1));
+    }
+}
+
+#[cfg(test)]
+mod acknowledged_tests {
+    use super::*;
+
+    /// Refuses every write while `refusing` is set (unanswered, as a hung or
+    /// stopped API server looks).
+    #[derive(Clone, Default)]
+    struct Switch {
+        refusing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl StatusWriter for Switch {
+        async fn write(&self, _status: &Status) -> Result<(), super::super::delivery::Failed> {
+            if self.refusing.load(std::sync::atomic::Ordering::SeqCst) {
+                Err(super::super::delivery::Failed {
+                    message: "connection refused".into(),
+                    retry_after: None,
+                    answered: false,
+                })
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    fn accusing(down: &[&str], reason: &str) -> Status {
+        Status {
+            reason: reason.into(),
+            lan: Some(hna_contract::membership::LanReport {
+                down: down.iter().map(|s| s.to_string()).collect(),
+                ..Default::default()
+            }),
+            ..Status::default()
+        }
+    }
+
+    async fn settle(writes: &StatusWrites) -> Acknowledged {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        writes.written().acknowledged
+    }
+
+    /// An accusation counts once the API server acknowledged a write that
+    /// made it; one that never landed (the server unreachable) does not,
+    /// and a standing accusation written again is not a new one.
+    #[tokio::test(start_paused = true)]
+    async fn only_acknowledged_accusations_count_each_once() {
+        let writer = Switch::default();
+        let writes = StatusWrites::start(writer.clone(), Duration::from_secs(10));
+        writes.draft(accusing(&[], "quiet"));
+        assert_eq!(settle(&writes).await, Acknowledged::default());
+
+        writes.draft(accusing(&["n2"], "n2 found dead"));
+        let a = settle(&writes).await;
+        assert_eq!(a.accusations.get("n2"), Some(&1));
+        assert!(a.accusing.contains("n2"));
+        writes.draft(accusing(&["n2", "n3"], "n3 too"));
+        let a = settle(&writes).await;
+        assert_eq!(a.accusations.get("n2"), Some(&1), "standing, not new");
+        assert_eq!(a.accusations.get("n3"), Some(&1));
+
+        writes.draft(accusing(&[], "cleared"));
+        let a = settle(&writes).await;
+        assert!(a.accusing.is_empty());
+
+        // Unreachable: the accusation is tried, never acknowledged.
+        writer
+            .refusing
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        writes.draft(accusing(&["n2"], "n2 dead again"));
+        let a = settle(&writes).await;
+        assert_eq!(a.accusations.get("n2"), Some(&1), "{a:?}");
+        assert!(a.accusing.is_empty());
+        assert!(writes.written().error.is_some());
+
+        // Reachable again while it still accuses: now it counts.
+        writer
+            .refusing
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        let a = writes.written().acknowledged;
+        assert_eq!(a.accusations.get("n2"), Some(&2), "{a:?}");
+        assert!(a.accusing.contains("n2"));
     }
 }

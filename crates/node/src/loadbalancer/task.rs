@@ -307,6 +307,16 @@ struct Lb<E: LeaseEngine> {
     unserved_since: Option<Instant>,
     /// When to decide again whether it stands down.
     stand_down_at: Option<Instant>,
+    /// Since when this node may have been judged from (fenced, paused,
+    /// stalled, its uplink without carrier) and has not read its
+    /// assignments since (`super::lan_word`).
+    lapsed_since: Option<Instant>,
+    /// Its witnesses vouch that its assignments cannot have moved since the
+    /// lapse: they are held again before they can be read (who vouched).
+    lan_word: Option<Vec<String>>,
+    /// When the default uplink was first seen without carrier, while it
+    /// has none.
+    uplink_lost_at: Option<Instant>,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -397,6 +407,7 @@ pub(crate) async fn run_loop<E: LeaseEngine, W: StatusWriter>(
             changed = lan_changes.changed(), if lan_open => match changed {
                 Ok(()) => {
                     lb.judge_fence().await;
+                    lb.judge_lan_word();
                     lb.report();
                 }
                 Err(_) => lan_open = false,
@@ -494,6 +505,9 @@ impl<E: LeaseEngine> Lb<E> {
             relist,
             unserved_since: None,
             stand_down_at: None,
+            lapsed_since: None,
+            lan_word: None,
+            uplink_lost_at: None,
         }
     }
 
@@ -529,8 +543,14 @@ impl<E: LeaseEngine> Lb<E> {
             .default_uplink
             .as_ref()
             .is_some_and(|u| !node.no_carrier.contains(u));
-        if self.assignments.is_some() && was_down && is_up {
-            self.read_again("its uplink carries again");
+        if is_up {
+            let lost_at = self.uplink_lost_at.take();
+            if self.assignments.is_some() && was_down {
+                self.lapse(lost_at.unwrap_or_else(Instant::now));
+                self.read_again("its uplink carries again");
+            }
+        } else {
+            self.uplink_lost_at.get_or_insert_with(Instant::now);
         }
         true
     }
@@ -621,6 +641,12 @@ impl<E: LeaseEngine> Lb<E> {
         );
         self.assignments = Some(next);
         let read_again = current && std::mem::replace(&mut self.spec_stale, false);
+        if current && (self.lapsed_since.is_some() || self.lan_word.is_some()) {
+            self.lapsed_since = None;
+            if self.lan_word.take().is_some() {
+                tracing::info!(object = %self.settings.object, "assignments read again: no longer holding on its witnesses' word");
+            }
+        }
         changed || read_again || self.swept.is_none()
     }
 
@@ -697,6 +723,7 @@ impl<E: LeaseEngine> Lb<E> {
         let paused_for =
             humantime::format_duration(Duration::from_millis(at_least.as_millis() as u64));
         if at_least >= self.lan_wait() {
+            self.lapse(self.ran.0);
             hand_over_every_lease(&*self.engine).await;
             tracing::warn!(
                 at_least = ?at_least,
@@ -733,8 +760,10 @@ impl<E: LeaseEngine> Lb<E> {
     fn note_running(&mut self) {
         let now = (Instant::now(), SystemTime::now());
         let gap = did_not_run_for(self.ran, now);
+        let last_seen = self.ran.0;
         self.ran = now;
         if gap > self.awake_within {
+            self.lapse(last_seen);
             tracing::warn!(
                 gap = ?gap,
                 object = %self.settings.object,
@@ -1024,7 +1053,9 @@ impl<E: LeaseEngine> Lb<E> {
     /// object again: the soak saw one take an address from its old
     /// assignments 0.8 s before the new ones came.
     fn out_of_touch_reason(&self) -> Option<String> {
-        if self.out_of_touch {
+        if self.lan_word.is_some() {
+            None
+        } else if self.out_of_touch {
             Some(self.out_of_touch_message())
         } else if self.spec_stale {
             Some("out of touch: this node's assignments could not be read since the watch failed (they may have moved); the addresses held are kept, none is taken over until they are read again".into())
@@ -1061,6 +1092,7 @@ impl<E: LeaseEngine> Lb<E> {
     fn judge_stand_down(&mut self, leases: &[LeaseStatus]) {
         let now = Instant::now();
         let unserved = self.spec_stale
+            && self.lan_word.is_none()
             && !self.stopping
             && !self.wanted_interfaces().is_empty()
             && !leases.iter().any(|l| l.state.holds_address());
@@ -1145,6 +1177,9 @@ impl<E: LeaseEngine> Lb<E> {
                         tracing::warn!(object = %self.settings.object, error = %e, "cannot write the LoadBalancerNode status");
                     }
                     tracing::warn!(object = %self.settings.object, "{why}: handing every address over");
+                    let silences = [lan.hearing.none_since, lan.hearing.short_since];
+                    let since = silences.into_iter().flatten().min();
+                    self.lapse(since.unwrap_or(inputs.now));
                     hand_over_every_lease(&*self.engine).await;
                 }
                 self.fence = Some(why);
@@ -1185,6 +1220,13 @@ impl<E: LeaseEngine> Lb<E> {
     /// again.
     async fn after_write(&mut self) {
         let written = self.writes.written();
+        self.lan.want.send_if_modified(|w| {
+            let changed = w.acknowledged != written.acknowledged;
+            if changed {
+                w.acknowledged.clone_from(&written.acknowledged);
+            }
+            changed
+        });
         let out_of_touch =
             written.error.is_some() && written.last_ok.elapsed() >= OUT_OF_TOUCH_AFTER;
         if out_of_touch != self.out_of_touch {
@@ -1197,7 +1239,60 @@ impl<E: LeaseEngine> Lb<E> {
             self.retry_at = Some(Instant::now());
         }
         self.judge_fence().await;
+        self.judge_lan_word();
         self.report();
+    }
+
+    /// This node may have been judged from since `since` (see
+    /// [`super::lan_word`]): what it read before is no longer its own on
+    /// its witnesses' word, until they vouch again or it reads.
+    fn lapse(&mut self, since: Instant) {
+        self.lapsed_since = Some(self.lapsed_since.map_or(since, |l| l.min(since)));
+        self.lan_word = None;
+    }
+
+    /// While a lapse keeps it from taking anything over, asks its
+    /// witnesses' word ([`super::lan_word`]): when they vouch that its
+    /// assignments cannot have moved, it holds them again (through the
+    /// takeover guard) without waiting for the API server.
+    fn judge_lan_word(&mut self) {
+        let Some(lapsed_since) = self.lapsed_since else {
+            return;
+        };
+        if self.lan_word.is_some() || self.fence.is_some() || self.assignments.is_none() {
+            return;
+        }
+        if !self.spec_stale && !self.out_of_touch {
+            return;
+        }
+        let written = self.writes.written();
+        let lan = self.lan.view.borrow().clone();
+        let word = super::lan_word::judge(&super::lan_word::Inputs {
+            lapsed_since,
+            last_write_ok: written.last_ok,
+            witnesses: &lan.witnesses,
+            attestations: &lan.attestations,
+        });
+        match word {
+            super::lan_word::Word::Holds { by } => {
+                tracing::warn!(
+                    object = %self.settings.object,
+                    vouched_by = ?by,
+                    lapsed_for = ?lapsed_since.elapsed(),
+                    "holding its assignments again on its witnesses' word: none of their accusations of it reached the API server since the lapse, so they cannot have moved (its assignments are read again when the API server answers)"
+                );
+                self.read = format!(
+                    "holding its last assignments on its witnesses' word ({}); reading {} again",
+                    by.join(", "),
+                    self.settings.object
+                );
+                self.lan_word = Some(by);
+                self.retry_at = Some(Instant::now());
+            }
+            super::lan_word::Word::Unsure(why) => {
+                tracing::debug!(object = %self.settings.object, %why, "not holding on its witnesses' word");
+            }
+        }
     }
 
     /// Publishes the state, and drafts the status (written when what it

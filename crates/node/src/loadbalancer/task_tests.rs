@@ -1341,6 +1341,109 @@ async fn fenced_then_cut_off_a_node_stands_down_until_it_reads_again() {
     until("held again", || r.engine.running().len() == 1).await;
 }
 
+/// `heard`, with two witnesses whose word on this node is `changed` (when
+/// it last changed) and `heard` now, neither accusing it.
+fn vouched(
+    heard: &crate::membership::transport::LanView,
+    changed: Instant,
+) -> crate::membership::transport::LanView {
+    use crate::membership::transport::Attestation;
+    let word = Attestation {
+        run: 1,
+        accusations: 0,
+        accusing: false,
+        changed,
+        heard: Instant::now(),
+    };
+    crate::membership::transport::LanView {
+        witnesses: vec!["node-2".into(), "node-3".into()],
+        attestations: [("node-2".into(), word), ("node-3".into(), word)].into(),
+        heard_any: Some(Instant::now()),
+        ..heard.clone()
+    }
+}
+
+/// Issue #49, the bad day: fenced by a LAN blip while the API server hangs
+/// (nothing can be read or written), a node hears its peers again. Its
+/// witnesses' word on it is what it was before the blip (none of their
+/// accusations reached the API server), so its assignments cannot have
+/// moved: it holds them again at once, without the read that will not
+/// come, and never stands down. Had a witness's word changed since (an
+/// accusation acknowledged), it would wait for the read, as before.
+#[tokio::test(start_paused = true)]
+async fn fenced_in_an_api_outage_a_node_holds_again_on_its_witnesses_word() {
+    for word_changed in [false, true] {
+        let r = rig_with_lifetime();
+        let before = Instant::now();
+        let heard = vouched(&heard_now(), before);
+        r.lan.send_replace(heard.clone());
+        let a = held_and_written(&r, "aaaaaaaa").await;
+        r.writes.fail.store(true, Ordering::SeqCst);
+        r.tx.send(SpecRead::from(Update::<Spec>::Failed(Failure {
+            kind: FailureKind::Unreachable,
+            message: "timed out".into(),
+        })))
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        fenced_at_its_lifetime(&r, &heard, "heard none").await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let back = Instant::now();
+        let changed = if word_changed { back } else { before };
+        r.lan.send_replace(vouched(&heard_now(), changed));
+        if word_changed {
+            let mut want = r.want.clone();
+            tokio::time::timeout(STAND_DOWN_AFTER * 3, want.wait_for(|w| w.stood_down))
+                .await
+                .expect("a witness's word changed: it waits for the read, and stands down")
+                .unwrap();
+            assert!(r.engine.running().is_empty(), "{:?}", r.engine.running());
+            continue;
+        }
+        until("held again on its witnesses' word", || {
+            r.engine.running().len() == 1
+        })
+        .await;
+        assert!(
+            Instant::now() - back < Duration::from_millis(200),
+            "held again {:?} after the LAN was back",
+            Instant::now() - back
+        );
+        assert_eq!(r.engine.running()[0], a.interface);
+        tokio::time::sleep(STAND_DOWN_AFTER * 3).await;
+        assert!(!r.want.borrow().stood_down, "stood down while holding");
+        assert!(
+            r.out.borrow().read.contains("witnesses' word"),
+            "{}",
+            r.out.borrow().read
+        );
+    }
+}
+
+/// The witness's side: what the API server acknowledged of its
+/// accusations reaches its membership, which tells the accused.
+#[tokio::test(start_paused = true)]
+async fn acknowledged_accusations_reach_the_membership() {
+    let r = rig_with_lifetime();
+    let mut heard = heard_now();
+    r.lan.send_replace(heard.clone());
+    held_and_written(&r, "aaaaaaaa").await;
+    heard.report = Some(hna_contract::membership::LanReport {
+        down: vec!["node-7".into()],
+        ..Default::default()
+    });
+    r.lan.send_replace(heard.clone());
+    let mut want = r.want.clone();
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        want.wait_for(|w| w.acknowledged.accusations.get("node-7") == Some(&1)),
+    )
+    .await
+    .expect("told the membership")
+    .unwrap();
+    assert!(r.want.borrow().acknowledged.accusing.contains("node-7"));
+}
+
 /// The LAN falls silent now, after `heard`: the node fences at its address
 /// lifetime (1 s), and its status says why (`why`).
 async fn fenced_at_its_lifetime(r: &Rig, heard: &crate::membership::transport::LanView, why: &str) {

@@ -128,6 +128,56 @@ const KIND_PONG: u8 = 2;
 /// ([`Member::set_stood_down`]).
 const FLAG_STOOD_DOWN: u8 = 0x01;
 
+/// A witness's word to the node it watches, sent after each probe: its
+/// run (8 bytes), how many of its accusations of that node the API server
+/// acknowledged in that run (4) and its flags (1). Its own kind, so that
+/// an older agent, which counts it as a SWIM error and ignores it, still
+/// answers the probe beside it.
+const KIND_ATTEST: u8 = 3;
+
+/// A flag of a witness's word: the API server's latest word from it
+/// lists the node as down.
+const FLAG_ACCUSING: u8 = 0x01;
+
+/// What the API server acknowledged of this node's accusations
+/// ([`Member::set_acknowledged`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Acknowledged {
+    /// Per peer: how many acknowledged writes newly listed it as down.
+    pub(crate) accusations: BTreeMap<String, u32>,
+    /// Listed as down in the last acknowledged write.
+    pub(crate) accusing: BTreeSet<String>,
+}
+
+impl Acknowledged {
+    /// A write listing `down` was acknowledged: each name new in it counts
+    /// once more.
+    pub(crate) fn record(&mut self, down: &[String]) {
+        for n in down {
+            if !self.accusing.contains(n) {
+                *self.accusations.entry(n.clone()).or_default() += 1;
+            }
+        }
+        self.accusing = down.iter().cloned().collect();
+    }
+}
+
+/// One witness's word on this node, as last heard: what the controller may
+/// have read from it (`loadbalancer::lan_word` decides with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Attestation {
+    /// The witness's run: a new one forgets what the old one wrote.
+    pub(crate) run: u64,
+    /// Its acknowledged accusations of this node, in that run.
+    pub(crate) accusations: u32,
+    /// Its last acknowledged write lists this node as down.
+    pub(crate) accusing: bool,
+    /// When the word last changed (first heard, included).
+    pub(crate) changed: Instant,
+    /// When it was last heard.
+    pub(crate) heard: Instant,
+}
+
 /// What a witness knows of a node it watches.
 #[derive(Debug, Clone, Default)]
 struct Watched {
@@ -202,6 +252,11 @@ pub(crate) struct Member {
     /// This node stood down ([`Member::set_stood_down`]): its answers to
     /// its witnesses say so.
     stood_down: bool,
+    /// Its own accusations the API server acknowledged, told to each
+    /// accused with every probe.
+    acknowledged: Acknowledged,
+    /// Its witnesses' word on it.
+    attested: BTreeMap<Arc<str>, Attestation>,
 }
 
 /// Collects what `foca` asks for during one call.
@@ -282,6 +337,8 @@ impl Member {
             counters: Counters::default(),
             out: Vec::new(),
             stood_down: false,
+            acknowledged: Acknowledged::default(),
+            attested: BTreeMap::new(),
         };
         m.out.push(Out::After {
             after: Duration::ZERO,
@@ -322,6 +379,8 @@ impl Member {
             .map(|n| Arc::from(n.as_str()))
             .collect();
         self.heard.retain(|n, _| self.peers.contains_key(n));
+        let witnesses = &self.witnesses;
+        self.attested.retain(|n, _| witnesses.contains(n));
         self.join();
     }
 
@@ -342,6 +401,50 @@ impl Member {
     /// answer withdraws the report.
     pub(crate) fn set_stood_down(&mut self, stood_down: bool) {
         self.stood_down = stood_down;
+    }
+
+    /// What the API server acknowledged of this node's accusations: from
+    /// the next probe on, each accused is told what concerns it.
+    pub(crate) fn set_acknowledged(&mut self, acknowledged: Acknowledged) {
+        self.acknowledged = acknowledged;
+    }
+
+    /// Its witnesses' word on this node, as last heard from each.
+    pub(crate) fn attestations(&self) -> BTreeMap<String, Attestation> {
+        self.attested
+            .iter()
+            .map(|(n, a)| (n.to_string(), *a))
+            .collect()
+    }
+
+    /// A witness's word on this node ([`KIND_ATTEST`]); from anyone but
+    /// its witnesses, or cut short, it is not taken.
+    fn attested_by(&mut self, name: &Arc<str>, word: &[u8], now: Instant) -> bool {
+        if word.len() < 13 || !self.witnesses.contains(name) {
+            return false;
+        }
+        let run = u64::from_be_bytes(word[..8].try_into().expect("8 bytes"));
+        let accusations = u32::from_be_bytes(word[8..12].try_into().expect("4 bytes"));
+        let accusing = word[12] & FLAG_ACCUSING != 0;
+        let same = |a: &Attestation| {
+            a.run == run && a.accusations == accusations && a.accusing == accusing
+        };
+        match self.attested.get_mut(name) {
+            Some(a) if same(a) => a.heard = now,
+            _ => {
+                self.attested.insert(
+                    name.clone(),
+                    Attestation {
+                        run,
+                        accusations,
+                        accusing,
+                        changed: now,
+                        heard: now,
+                    },
+                );
+            }
+        }
+        true
     }
 
     /// A packet arrived.
@@ -409,6 +512,11 @@ impl Member {
                 self.send_to(&name, &reply);
             }
             Some((&KIND_PONG, _)) => {}
+            Some((&KIND_ATTEST, word)) => {
+                if !self.attested_by(&name, word, now) {
+                    self.counters.swim_errors += 1;
+                }
+            }
             _ => self.counters.swim_errors += 1,
         }
     }
@@ -500,6 +608,13 @@ impl Member {
             silent,
             convicting,
         }
+    }
+
+    /// This node's own witnesses (sorted).
+    pub(crate) fn witnesses(&self) -> Vec<String> {
+        let mut w: Vec<String> = self.witnesses.iter().map(|n| n.to_string()).collect();
+        w.sort();
+        w
     }
 
     /// The nodes this one watches.
@@ -633,6 +748,13 @@ impl Member {
             ping.extend_from_slice(&nonce.to_be_bytes());
             self.counters.witness_probes += 1;
             self.send_to(&name, &ping);
+            let mut word = vec![KIND_ATTEST];
+            word.extend_from_slice(&self.me.run.to_be_bytes());
+            let accusations = self.acknowledged.accusations.get(&*name).copied();
+            word.extend_from_slice(&accusations.unwrap_or(0).to_be_bytes());
+            let accusing = self.acknowledged.accusing.contains(&*name);
+            word.push(if accusing { FLAG_ACCUSING } else { 0 });
+            self.send_to(&name, &word);
         }
     }
 }
@@ -985,6 +1107,96 @@ mod tests {
                 convicting: 2,
                 ..Hearing::default()
             }
+        );
+    }
+
+    /// Issue #49: a node hears its witnesses' word on it (what the API
+    /// server acknowledged of their accusations of it) with their probes;
+    /// a LAN silence whose accusations were never acknowledged leaves that
+    /// word as it was before, heard again once the LAN is back; an
+    /// acknowledged one changes it; words from a node that is no witness
+    /// of it are not taken.
+    #[test]
+    fn witnesses_tell_the_accused_what_the_api_server_acknowledged() {
+        let mut lan = Lan::new(5);
+        lan.run_for(Duration::from_secs(3));
+        let victim = 1;
+        let witnesses = lan.witnesses(victim);
+        let words = lan.members[victim].attestations();
+        assert_eq!(
+            words.keys().cloned().collect::<BTreeSet<_>>(),
+            witnesses,
+            "heard from its witnesses only"
+        );
+        assert_eq!(
+            lan.members[victim].witnesses(),
+            witnesses.iter().cloned().collect::<Vec<_>>()
+        );
+        assert!(words.values().all(|a| a.accusations == 0 && !a.accusing));
+        let before = words.clone();
+
+        // Cut off past its witnesses' verdict; they accuse, nothing lands.
+        let cut_at = lan.now;
+        lan.cut[victim] = true;
+        lan.until(Duration::from_secs(5), |l| l.accusers(victim) == witnesses)
+            .expect("reported");
+        lan.cut[victim] = false;
+        lan.run_for(Duration::from_millis(300));
+        let after = lan.members[victim].attestations();
+        for (w, a) in &after {
+            assert_eq!(a.changed, before[w].changed, "{w}: unchanged");
+            assert!(a.heard > cut_at, "{w}: heard again");
+        }
+
+        // One witness's accusation is acknowledged: its word changes.
+        let name = Lan::name(victim);
+        let first = lan
+            .members
+            .iter()
+            .position(|m| Some(&m.me.name.to_string()) == witnesses.first())
+            .unwrap();
+        let mut acknowledged = Acknowledged::default();
+        acknowledged.record(std::slice::from_ref(&name));
+        lan.members[first].set_acknowledged(acknowledged.clone());
+        lan.run_for(Duration::from_millis(300));
+        let w = lan.members[victim].attestations()[&Lan::name(first)];
+        assert_eq!((w.accusations, w.accusing), (1, true));
+        assert!(w.changed > cut_at);
+        acknowledged.record(&[]);
+        lan.members[first].set_acknowledged(acknowledged);
+        lan.run_for(Duration::from_millis(300));
+        let w = lan.members[victim].attestations()[&Lan::name(first)];
+        assert_eq!(
+            (w.accusations, w.accusing),
+            (1, false),
+            "withdrawn, still counted"
+        );
+
+        // A peer that is no witness of it cannot speak for one.
+        let other = (0..5)
+            .find(|i| *i != victim && !witnesses.contains(&Lan::name(*i)))
+            .expect("a non-witness on a LAN of 5");
+        let mut word = vec![KIND_ATTEST];
+        word.extend_from_slice(&7u64.to_be_bytes());
+        word.extend_from_slice(&9u32.to_be_bytes());
+        word.push(FLAG_ACCUSING);
+        let packet = wire::seal(
+            &key(),
+            &Lan::name(other),
+            Stamp {
+                epoch: 1,
+                sequence: 1 << 40,
+            },
+            &word,
+        )
+        .unwrap();
+        let errors = lan.members[victim].counters().swim_errors;
+        lan.members[victim].receive(&packet, lan.now);
+        assert_eq!(lan.members[victim].counters().swim_errors, errors + 1);
+        assert!(
+            !lan.members[victim]
+                .attestations()
+                .contains_key(&Lan::name(other))
         );
     }
 

@@ -11,7 +11,7 @@ use tokio::net::UdpSocket;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-pub(crate) use super::swim::Hearing;
+pub(crate) use super::swim::{Acknowledged, Attestation, Hearing};
 use super::swim::{Member, Out, Settings, Timer};
 use super::wire::{Dropped, Key};
 use hna_contract::membership::{LanReport, Peer};
@@ -33,6 +33,9 @@ pub(crate) struct Want {
     /// It holds none of its addresses and cannot read its assignments: its
     /// witnesses are told, and report it down (`swim::Member::set_stood_down`).
     pub(crate) stood_down: bool,
+    /// Its accusations the API server acknowledged: each accused is told
+    /// (`swim::Member::set_acknowledged`).
+    pub(crate) acknowledged: Acknowledged,
 }
 
 /// A key as the Secret holds it, with its id.
@@ -64,6 +67,11 @@ pub(crate) struct LanView {
     pub(crate) hearing: Hearing,
     /// Packets dropped, by reason.
     pub(crate) dropped: BTreeMap<&'static str, u64>,
+    /// This node's witnesses (sorted).
+    pub(crate) witnesses: Vec<String>,
+    /// Their word on this node: what the API server acknowledged of their
+    /// accusations of it.
+    pub(crate) attestations: BTreeMap<String, Attestation>,
 }
 
 /// The drop reason of packets this node could not send (no room in the
@@ -197,6 +205,8 @@ impl Running {
                 .map(|d| (d.label(), self.member.dropped(*d)))
                 .chain([(UNSENT, self.send_errors)])
                 .collect(),
+            witnesses: self.member.witnesses(),
+            attestations: self.member.attestations(),
         }
     }
 }
@@ -288,7 +298,20 @@ fn worth_telling(old: &LanView, new: &LanView) -> bool {
         (Some(a), Some(b)) => b.saturating_duration_since(a) >= HEARD_GRANULARITY,
         (a, b) => a != b,
     };
+    // A word heard again unchanged matters only as often as `heard_any`.
+    let word_moved = old.attestations.len() != new.attestations.len()
+        || old
+            .attestations
+            .iter()
+            .zip(&new.attestations)
+            .any(|((n, a), (m, b))| {
+                n != m
+                    || a.changed != b.changed
+                    || b.heard.saturating_duration_since(a.heard) >= HEARD_GRANULARITY
+            });
     heard_moved
+        || word_moved
+        || old.witnesses != new.witnesses
         || old.report != new.report
         || old.why_not != new.why_not
         || old.has_peers != new.has_peers
@@ -383,6 +406,7 @@ async fn align(
             }
             r.set_peers(w);
             r.member.set_stood_down(w.stood_down);
+            r.member.set_acknowledged(w.acknowledged.clone());
             r.flush().await;
         }
         None if w.port == 0 => {
@@ -501,6 +525,7 @@ mod tests {
                 keys: vec![key.clone()],
                 lifetime: Duration::from_secs(1),
                 stood_down: false,
+                acknowledged: Default::default(),
             });
             let (view_tx, view_rx) = watch::channel(LanView::default());
             let (stop_tx, stop_rx) = watch::channel(None);
