@@ -18,6 +18,7 @@
 mod facts;
 mod harness;
 
+mod bad_day;
 mod cloud_init;
 mod cluster;
 mod cni;
@@ -78,6 +79,7 @@ fn main() -> std::process::ExitCode {
         hostile_node::tests(),
         lan_adversary::tests(),
         partitions::tests(),
+        bad_day::tests(),
         rig_selftest::tests(),
         soak::tests(),
         peers::tests(),

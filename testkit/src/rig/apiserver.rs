@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 
 use super::process::{ChildProc, random_hex, run, tail};
 
@@ -236,6 +236,26 @@ impl ApiServer {
             .into_iter()
             .chain(self.etcd.pid())
             .collect()
+    }
+
+    /// kube-apiserver and etcd frozen (SIGSTOP) until the guard is dropped
+    /// (SIGCONT): their connections stay open and nothing answers, as a
+    /// wedged control plane looks to its clients (a stopped one refuses
+    /// connections instead).
+    pub fn hang(&self) -> Result<Hung> {
+        let pids = self.pids();
+        ensure!(
+            pids.len() == 2,
+            "kube-apiserver and etcd are not both running"
+        );
+        for pid in &pids {
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid as i32),
+                nix::sys::signal::Signal::SIGSTOP,
+            )
+            .with_context(|| format!("SIGSTOP {pid}"))?;
+        }
+        Ok(Hung { pids })
     }
 
     /// Stops kube-apiserver, then etcd. Idempotent.
@@ -734,4 +754,21 @@ pub fn base64(data: &[u8]) -> String {
         }
     }
     out
+}
+
+/// A hung API server ([`ApiServer::hang`]); dropped, it runs again.
+#[must_use = "the API server runs again when this is dropped"]
+pub struct Hung {
+    pids: Vec<u32>,
+}
+
+impl Drop for Hung {
+    fn drop(&mut self) {
+        for pid in &self.pids {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid as i32),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+        }
+    }
 }
