@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use super::LbStatus;
+use super::kept::Kept;
 use super::task::{self, LanLink, LbSettings, NodeView};
 use crate::config::Config;
 use crate::kmod::MacvlanState;
@@ -55,8 +56,12 @@ pub(crate) fn spawn(
     ));
     let view = HostView::new(cfg.uplink.clone(), macvlan);
     let node = move || view.read();
-    let settings = settings(cfg, daemon.takeover_guard_wait.clone());
-    let lan = spawn_membership(tasks, cfg, client.clone(), daemon.shutdown.clone());
+    let kept = Kept::in_state_dir(&cfg.state_dir);
+    let settings = LbSettings {
+        kept: Some(kept.clone()),
+        ..settings(cfg, daemon.takeover_guard_wait.clone())
+    };
+    let lan = spawn_membership(tasks, cfg, client.clone(), daemon.shutdown.clone(), kept);
     let pauses = watch_pauses(cfg);
     let writer = task::KubeStatus {
         client,
@@ -101,6 +106,7 @@ fn settings(cfg: &Config, takeover_guard_wait: Histogram) -> LbSettings {
             ..super::apply::Settings::default()
         },
         takeover_guard_wait,
+        kept: None,
     }
 }
 
@@ -226,12 +232,21 @@ fn spawn_membership(
     cfg: &Config,
     client: watch::Receiver<Option<kube::Client>>,
     shutdown: watch::Receiver<bool>,
+    kept: Kept,
 ) -> LanLink {
+    // What the last run kept: its peers, its key and its witnesses' words,
+    // so that a run started while the API server cannot be read still
+    // takes part in its LAN (`super::kept`).
+    let kept_peers = kept.spec().map(|s| s.peers).unwrap_or_default();
+    let kept_key = kept.key().map(|secret| vec![KeyBytes { id: 1, secret }]);
     let want = Arc::new(
         watch::channel(Want {
             node: cfg.node_name.clone(),
             port: cfg.lb_membership_port,
             lifetime: cfg.lb_address_lifetime,
+            peers: kept_peers,
+            keys: kept_key.unwrap_or_default(),
+            seed: Some((tokio::time::Instant::now(), kept.words())),
             ..Want::default()
         })
         .0,
@@ -245,9 +260,15 @@ fn spawn_membership(
         });
         return LanLink { want, view, stop };
     }
-    tasks.spawn(transport::run(want.subscribe(), view_tx, stop_rx));
+    let epochs = kept.clone();
+    tasks.spawn(transport::run(
+        want.subscribe(),
+        view_tx,
+        stop_rx,
+        Arc::new(move |now_ms| epochs.next_epoch(now_ms)),
+    ));
     let mut stopping = shutdown.clone();
-    let key = follow_membership_key(client, cfg.namespace.clone(), want.clone());
+    let key = follow_membership_key(client, cfg.namespace.clone(), want.clone(), kept);
     tasks.spawn(async move {
         tokio::select! {
             _ = key => {}
@@ -305,6 +326,7 @@ async fn follow_membership_key(
     mut client: watch::Receiver<Option<kube::Client>>,
     namespace: String,
     want: Arc<watch::Sender<Want>>,
+    kept: Kept,
 ) {
     loop {
         let current = client.borrow_and_update().clone();
@@ -314,7 +336,9 @@ async fn follow_membership_key(
             }
             continue;
         };
-        if let KeyWatch::DaemonStops = follow_key_with(c, &mut client, &namespace, &want).await {
+        if let KeyWatch::DaemonStops =
+            follow_key_with(c, &mut client, &namespace, &want, &kept).await
+        {
             return;
         }
     }
@@ -334,6 +358,7 @@ async fn follow_key_with(
     client: &mut watch::Receiver<Option<kube::Client>>,
     namespace: &str,
     want: &watch::Sender<Want>,
+    kept: &Kept,
 ) -> KeyWatch {
     use hna_contract::membership::SECRET_NAME;
     use hna_edges::cluster::watch_one::watch_one;
@@ -367,11 +392,14 @@ async fn follow_key_with(
                     continue;
                 };
                 logged = None;
-                want.send_if_modified(|w| {
+                let changed = want.send_if_modified(|w| {
                     let changed = w.keys != keys;
                     w.keys.clone_from(&keys);
                     changed
                 });
+                if changed && let Some(k) = keys.first() {
+                    kept.keep_key(&k.secret);
+                }
             }
         }
     }

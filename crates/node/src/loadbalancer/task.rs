@@ -228,6 +228,9 @@ pub(crate) struct LbSettings {
     pub(crate) keep_on_stop: crate::config::KeepOnStop,
     /// What every lease shares; `default_uplink` is filled in each round.
     pub(crate) leases: Settings,
+    /// What this run keeps for the next, and reads from the last
+    /// (`super::kept`); `None`: nothing is kept (tests).
+    pub(crate) kept: Option<super::kept::Kept>,
     /// Where the takeover guard's waits are observed (`/metrics`).
     pub(crate) takeover_guard_wait: prometheus_client::metrics::histogram::Histogram,
 }
@@ -317,6 +320,10 @@ struct Lb<E: LeaseEngine> {
     /// When the default uplink was first seen without carrier, while it
     /// has none.
     uplink_lost_at: Option<Instant>,
+    /// The spec and the witnesses' words as last kept for the next run
+    /// (`super::kept`), so each is written when it changes only.
+    kept_spec: Option<Spec>,
+    kept_words: BTreeMap<String, crate::membership::transport::Word>,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -356,6 +363,7 @@ pub(crate) async fn run_loop<E: LeaseEngine, W: StatusWriter>(
         relist,
     );
     lb.awake_within = beat_every + lb.lan_wait();
+    lb.take_up_what_was_kept();
     let mut carrier = tokio::time::interval(CARRIER_POLL);
     carrier.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut updates_open = true;
@@ -408,6 +416,7 @@ pub(crate) async fn run_loop<E: LeaseEngine, W: StatusWriter>(
                 Ok(()) => {
                     lb.judge_fence().await;
                     lb.judge_lan_word();
+                    lb.keep_words();
                     lb.report();
                 }
                 Err(_) => lan_open = false,
@@ -508,6 +517,8 @@ impl<E: LeaseEngine> Lb<E> {
             lapsed_since: None,
             lan_word: None,
             uplink_lost_at: None,
+            kept_spec: None,
+            kept_words: BTreeMap::new(),
         }
     }
 
@@ -605,6 +616,7 @@ impl<E: LeaseEngine> Lb<E> {
         let next = match read.update {
             Update::Present(spec) => {
                 self.read = "watching".into();
+                self.keep_spec(Some(&spec));
                 self.lan.want.send_if_modified(|w| {
                     let changed = w.peers != spec.peers;
                     if changed {
@@ -615,6 +627,7 @@ impl<E: LeaseEngine> Lb<E> {
                 spec.assignments
             }
             Update::Absent => {
+                self.keep_spec(None);
                 self.read = format!(
                     "{} does not exist (the controller makes it)",
                     self.settings.object
@@ -1241,6 +1254,65 @@ impl<E: LeaseEngine> Lb<E> {
         self.judge_fence().await;
         self.judge_lan_word();
         self.report();
+    }
+
+    /// The last run's spec (`super::kept`), when it kept one: its
+    /// assignments are this run's until the object is read, not to be
+    /// taken over but on the witnesses' word ([`Lb::judge_lan_word`]),
+    /// counted from now: the words the last run heard are this run's
+    /// baseline (`swim::Member::seed_attestations`, seeded before now).
+    fn take_up_what_was_kept(&mut self) {
+        let Some(spec) = self.settings.kept.as_ref().and_then(|k| k.spec()) else {
+            return;
+        };
+        tracing::info!(
+            object = %self.settings.object,
+            assignments = spec.assignments.len(),
+            "the last run's assignments (kept in the state directory) stand until the object is read; held again before that only on the witnesses' word"
+        );
+        self.assignments = Some(spec.assignments.clone());
+        self.kept_spec = Some(spec);
+        self.spec_stale = true;
+        self.read = format!(
+            "the last run's assignments, until {} is read",
+            self.settings.object
+        );
+        self.lapse(Instant::now());
+    }
+
+    /// Keeps the spec read (`None`: the object is gone) for the next run.
+    fn keep_spec(&mut self, spec: Option<&Spec>) {
+        let Some(kept) = &self.settings.kept else {
+            return;
+        };
+        if self.kept_spec.as_ref() == spec {
+            return;
+        }
+        match spec {
+            Some(s) => kept.keep_spec(s),
+            None => kept.forget_spec(),
+        }
+        self.kept_spec = spec.cloned();
+    }
+
+    /// Keeps the witnesses' words on this node for the next run, when one
+    /// changed.
+    fn keep_words(&mut self) {
+        let Some(kept) = &self.settings.kept else {
+            return;
+        };
+        let words: BTreeMap<String, crate::membership::transport::Word> = self
+            .lan
+            .view
+            .borrow()
+            .attestations
+            .iter()
+            .map(|(n, a)| (n.clone(), a.word()))
+            .collect();
+        if words != self.kept_words && !words.is_empty() {
+            kept.keep_words(&words);
+            self.kept_words = words;
+        }
     }
 
     /// This node may have been judged from since `since` (see

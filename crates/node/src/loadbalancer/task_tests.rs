@@ -148,6 +148,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         keep_on_stop: crate::config::KeepOnStop::Restart,
         leases: Settings::default(),
         takeover_guard_wait: crate::loadbalancer::lease_metrics::takeover_guard_wait(),
+        kept: None,
     };
     custom(&mut settings);
     let guard_wait = settings.takeover_guard_wait.clone();
@@ -1418,6 +1419,66 @@ async fn fenced_in_an_api_outage_a_node_holds_again_on_its_witnesses_word() {
             r.out.borrow().read
         );
     }
+}
+
+/// Issue #49: an agent restarted while the API server cannot be read
+/// starts from what the last run kept (its spec, its witnesses' words),
+/// holds nothing on it until its witnesses vouch, then holds the kept
+/// assignment again; a spec read later is kept for the run after, and an
+/// object that is gone leaves nothing to hold.
+#[tokio::test(start_paused = true)]
+async fn restarted_in_an_api_outage_a_node_holds_what_it_kept_on_its_witnesses_word() {
+    let dir = tempfile::tempdir().unwrap();
+    let kept = crate::loadbalancer::kept::Kept::in_state_dir(dir.path());
+    let a = assignment("aaaaaaaa");
+    kept.keep_spec(&Spec {
+        assignments: vec![a.clone()],
+        peers: vec![],
+    });
+    // The words the last run heard, read back before this run's loop began.
+    let seeded = Instant::now();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let settings = Settings {
+        timing: hna_dhcp::Timing {
+            address_lifetime: Some(Duration::from_secs(1)),
+            ..hna_dhcp::Timing::default()
+        },
+        ..Settings::default()
+    };
+    let r = rig_custom(FakeEngine::new(), |s| {
+        s.leases = settings;
+        s.kept = Some(kept.clone());
+    });
+    r.writes.fail.store(true, Ordering::SeqCst);
+    r.tx.send(SpecRead::from(Update::<Spec>::Failed(Failure {
+        kind: FailureKind::Unreachable,
+        message: "timed out".into(),
+    })))
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(r.engine.running().is_empty(), "held before any word");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    r.lan.send_replace(vouched(&heard_now(), seeded));
+    until("held again on its witnesses' word", || {
+        r.engine.running() == [a.interface.clone()]
+    })
+    .await;
+
+    // Read at last: what is read is kept; gone, nothing is.
+    r.writes.fail.store(false, Ordering::SeqCst);
+    let b = assignment("bbbbbbbb");
+    r.tx.send(spec(&[a.clone(), b.clone()])).await.unwrap();
+    until("the new spec kept", || {
+        kept.spec().is_some_and(|s| s.assignments.len() == 2)
+    })
+    .await;
+    r.tx.send(SpecRead::from(Update::<Spec>::Absent))
+        .await
+        .unwrap();
+    until("the kept spec forgotten", || kept.spec().is_none()).await;
+    // The witnesses' words are kept for the next run.
+    assert_eq!(kept.words().len(), 2, "{:?}", kept.words());
 }
 
 /// The witness's side: what the API server acknowledged of its

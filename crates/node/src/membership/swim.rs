@@ -162,6 +162,15 @@ impl Acknowledged {
     }
 }
 
+/// A witness's word without its times: what a run keeps for the next
+/// (`loadbalancer::kept`) and compares the witness's next word with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Word {
+    pub(crate) run: u64,
+    pub(crate) accusations: u32,
+    pub(crate) accusing: bool,
+}
+
 /// One witness's word on this node, as last heard: what the controller may
 /// have read from it (`loadbalancer::lan_word` decides with it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +185,16 @@ pub(crate) struct Attestation {
     pub(crate) changed: Instant,
     /// When it was last heard.
     pub(crate) heard: Instant,
+}
+
+impl Attestation {
+    pub(crate) fn word(&self) -> Word {
+        Word {
+            run: self.run,
+            accusations: self.accusations,
+            accusing: self.accusing,
+        }
+    }
 }
 
 /// What a witness knows of a node it watches.
@@ -407,6 +426,24 @@ impl Member {
     /// the next probe on, each accused is told what concerns it.
     pub(crate) fn set_acknowledged(&mut self, acknowledged: Acknowledged) {
         self.acknowledged = acknowledged;
+    }
+
+    /// Its witnesses' words as an earlier run of this agent last heard
+    /// them, taken as heard `at` (before this run's lapse began): a
+    /// witness's next word that is the same has not changed since.
+    pub(crate) fn seed_attestations(&mut self, words: &BTreeMap<String, Word>, at: Instant) {
+        for (name, w) in words {
+            let Some(name) = self.witnesses.iter().find(|n| ***n == **name).cloned() else {
+                continue;
+            };
+            self.attested.entry(name).or_insert(Attestation {
+                run: w.run,
+                accusations: w.accusations,
+                accusing: w.accusing,
+                changed: at,
+                heard: at,
+            });
+        }
     }
 
     /// Its witnesses' word on this node, as last heard from each.

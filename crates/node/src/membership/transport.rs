@@ -11,7 +11,7 @@ use tokio::net::UdpSocket;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-pub(crate) use super::swim::{Acknowledged, Attestation, Hearing};
+pub(crate) use super::swim::{Acknowledged, Attestation, Hearing, Word};
 use super::swim::{Member, Out, Settings, Timer};
 use super::wire::{Dropped, Key};
 use hna_contract::membership::{LanReport, Peer};
@@ -36,7 +36,15 @@ pub(crate) struct Want {
     /// Its accusations the API server acknowledged: each accused is told
     /// (`swim::Member::set_acknowledged`).
     pub(crate) acknowledged: Acknowledged,
+    /// Its witnesses' words as the last run of this agent heard them, and
+    /// when they were read back: a new member starts with them
+    /// (`swim::Member::seed_attestations`).
+    pub(crate) seed: Option<(Instant, BTreeMap<String, Word>)>,
 }
+
+/// Gives a new member's run epoch from the wall clock's milliseconds
+/// (`loadbalancer::kept`: one that only grows across runs).
+pub(crate) type Epochs = std::sync::Arc<dyn Fn(u64) -> u64 + Send + Sync>;
 
 /// A key as the Secret holds it, with its id.
 #[derive(Clone, PartialEq, Eq)]
@@ -95,16 +103,22 @@ struct Running {
 }
 
 impl Running {
-    async fn start(want: &Want, listen: (Ipv4Addr, u8)) -> Result<Running, NotRunning> {
+    async fn start(
+        want: &Want,
+        listen: (Ipv4Addr, u8),
+        epochs: &Epochs,
+    ) -> Result<Running, NotRunning> {
         let keys = keys_of(want)?;
         let addr = SocketAddrV4::new(listen.0, want.port);
         let socket = UdpSocket::bind(addr)
             .await
             .map_err(|error| NotRunning::Bind { addr, error })?;
         grow_buffers(&socket);
-        let run = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
+        let run = epochs(
+            SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+        );
         let member = Member::new(
             &want.node,
             addr,
@@ -129,6 +143,9 @@ impl Running {
             send_errors: 0,
         };
         r.set_peers(want);
+        if let Some((at, words)) = &want.seed {
+            r.member.seed_attestations(words, *at);
+        }
         r.flush().await;
         Ok(r)
     }
@@ -325,6 +342,7 @@ pub(crate) async fn run(
     mut want: watch::Receiver<Want>,
     view: watch::Sender<LanView>,
     mut stop: watch::Receiver<Option<bool>>,
+    epochs: Epochs,
 ) {
     let mut running: Option<Running> = None;
     let mut buf = vec![0u8; 2048];
@@ -332,7 +350,7 @@ pub(crate) async fn run(
     loop {
         let w = want.borrow_and_update().clone();
         let target = w.listen.filter(|_| w.port != 0);
-        align(&mut running, &w, target, &view, &mut logged).await;
+        align(&mut running, &w, target, &view, &mut logged, &epochs).await;
         // Events until the wanted state changes.
         loop {
             let next = running.as_ref().and_then(Running::next_timer);
@@ -386,6 +404,7 @@ async fn align(
     target: Option<(Ipv4Addr, u8)>,
     view: &watch::Sender<LanView>,
     logged: &mut Option<String>,
+    epochs: &Epochs,
 ) {
     let restart = match (&*running, target) {
         (Some(r), Some(l)) => r.listen != l || r.port != w.port,
@@ -396,7 +415,7 @@ async fn align(
     if restart {
         *running = None;
         if let Some(l) = target {
-            *running = start_or_say_why(w, l, view, logged).await;
+            *running = start_or_say_why(w, l, view, logged, epochs).await;
         }
     }
     match running {
@@ -432,8 +451,9 @@ async fn start_or_say_why(
     l: (Ipv4Addr, u8),
     view: &watch::Sender<LanView>,
     logged: &mut Option<String>,
+    epochs: &Epochs,
 ) -> Option<Running> {
-    match Running::start(w, l).await {
+    match Running::start(w, l, epochs).await {
         Ok(r) => {
             tracing::info!(address = %SocketAddrV4::new(l.0, w.port), peers = w.peers.len(), "LAN membership listening");
             *logged = None;
@@ -526,12 +546,13 @@ mod tests {
                 lifetime: Duration::from_secs(1),
                 stood_down: false,
                 acknowledged: Default::default(),
+                seed: None,
             });
             let (view_tx, view_rx) = watch::channel(LanView::default());
             let (stop_tx, stop_rx) = watch::channel(None);
             tasks.push(tokio::spawn(async move {
                 let _keep = _want_tx;
-                run(want_rx, view_tx, stop_rx).await
+                run(want_rx, view_tx, stop_rx, std::sync::Arc::new(|ms| ms)).await
             }));
             views.push(view_rx);
             stops.push(stop_tx);
