@@ -1039,7 +1039,6 @@ impl<E: LeaseEngine> Lb<E> {
     /// controller's wait, counted from when it reads the status, ends after
     /// the kernel has dropped any address the next run did not adopt.
     async fn leave_for_restart(&mut self) {
-        self.lan.stop.send_replace(Some(false));
         let grace = self.settings.restart_grace;
         let mut status = self.report();
         for e in self.engine.detach_all(grace).await {
@@ -1054,6 +1053,11 @@ impl<E: LeaseEngine> Lb<E> {
         if !self.writes.write_now(status, STOPPING_WRITE_TIMEOUT).await {
             tracing::warn!(object = %self.settings.object, "the last status (restarting) was not written within {STOPPING_WRITE_TIMEOUT:?}: the controller may move the addresses once the heartbeat is stale (the takeover guard waits for these to go)");
         }
+        // Only now: stopped first, its witnesses could report it (their
+        // probes unanswered for its lifetime and a margin) before the
+        // controller has read the grace, and its Services would move from
+        // a node that keeps answering for them (issue #49's review).
+        self.lan.stop.send_replace(Some(false));
     }
 
     /// Why this node takes nothing over now, if it does not. Cut off from

@@ -83,6 +83,8 @@ struct Rig {
     /// The loop's takeover-guard histogram.
     guard_wait: prometheus_client::metrics::histogram::Histogram,
     _stop: watch::Sender<bool>,
+    /// How the loop told the membership to stop.
+    lan_stop: watch::Receiver<Option<bool>>,
 }
 
 fn assignment(uid8: &str) -> Assignment {
@@ -181,6 +183,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         view: lan_view,
         ..super::LanLink::detached()
     };
+    let lan_stop = link.stop.subscribe();
     let want = link.want.subscribe();
     let (relist, relists) = watch::channel(0);
     let (pauses, paused) = watch::channel(None);
@@ -211,6 +214,7 @@ fn rig_custom(engine: FakeEngine, custom: impl FnOnce(&mut LbSettings)) -> Rig {
         pauses,
         guard_wait,
         _stop: stop,
+        lan_stop,
     }
 }
 
@@ -905,13 +909,23 @@ async fn a_restart_leaves_every_address_for_the_grace_and_says_so() {
         r.writes.last().is_some_and(|s| s.held == 1)
     })
     .await;
+    // The last write takes a while: the membership runs on meanwhile, so
+    // the witnesses cannot report this node before the grace is read.
+    r.writes
+        .script
+        .lock()
+        .unwrap()
+        .push_back((Duration::from_millis(1500), true));
     r._stop.send(true).unwrap();
-    until("the restarting status", || {
+    let mut lan_stop = r.lan_stop.clone();
+    lan_stop.wait_for(|s| s.is_some()).await.unwrap();
+    assert_eq!(*lan_stop.borrow(), Some(false), "just stopped, not left");
+    assert!(
         r.writes
             .last()
-            .is_some_and(|s| s.restart_grace_ms.is_some())
-    })
-    .await;
+            .is_some_and(|s| s.restart_grace_ms.is_some()),
+        "the membership stopped before the restarting status was written"
+    );
     let calls = r.engine.calls();
     assert!(
         calls.contains(&Call::DetachAll {
