@@ -250,6 +250,12 @@ pub mod node_object {
     /// The condition type that mirrors `ready`.
     pub const READY: &str = "Ready";
 
+    /// The [`READY`] condition's reason of a node that fenced itself (it
+    /// hears too few of its peers and its gateway, or cannot write): the
+    /// controller does not count its accusations, since the fenced side of
+    /// a split LAN accuses the healthy side.
+    pub const FENCED: &str = "Fenced";
+
     /// A Kubernetes condition (`metav1.Condition`'s fields).
     #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
     #[serde(rename_all = "camelCase")]

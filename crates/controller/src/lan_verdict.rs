@@ -18,7 +18,13 @@
 //!   tell which of them is cut off, but a node whose port went silent
 //!   accuses everyone it watches and is accused by all its witnesses, so
 //!   the count tells (equal counts: neither report counts);
-//! - a witness that is itself dead on the LAN (found in a first round).
+//! - a witness that is itself dead on the LAN (found in a first round);
+//! - a witness that fenced itself (its `Ready` condition's reason is
+//!   `Fenced`: it hears too few of its peers and not its gateway): in a LAN
+//!   split that the API server sees from both halves, the fenced half
+//!   accuses the half that reaches the gateway, and on some ring layouts
+//!   every node of it was judged dead (issue #49's model: 12 nodes, ring
+//!   positions {0,1,2,6,7,8} | {3,4,5,9,10,11}).
 //!
 //! A node whose agent is restarting (`restartGraceMs`) is judged by its
 //! heartbeat only, for that long: its membership is down on purpose.
@@ -132,6 +138,8 @@ pub(crate) struct Reporter<'a> {
     pub(crate) on_time: bool,
     /// Restarting within its grace: not judged on the LAN.
     pub(crate) restarting: bool,
+    /// Fenced (its own status says so): what it accuses does not count.
+    pub(crate) fenced: bool,
 }
 
 /// What the LAN says of its nodes.
@@ -158,7 +166,7 @@ pub(crate) fn judge(reporters: &[Reporter<'_>]) -> LanVerdict {
         let accused_in = |w: &str, node: &str| {
             by_name
                 .get(w)
-                .is_some_and(|r| r.on_time && r.lan.down.iter().any(|d| d == node))
+                .is_some_and(|r| r.on_time && !r.fenced && r.lan.down.iter().any(|d| d == node))
         };
         let heard_in = |w: &str, node: &str| {
             by_name
@@ -216,6 +224,7 @@ mod tests {
         stale: BTreeSet<String>,
         late: BTreeSet<String>,
         restarting: BTreeSet<String>,
+        fenced: BTreeSet<String>,
     }
 
     impl Net {
@@ -239,6 +248,7 @@ mod tests {
                 stale: BTreeSet::new(),
                 late: BTreeSet::new(),
                 restarting: BTreeSet::new(),
+                fenced: BTreeSet::new(),
             }
         }
 
@@ -268,6 +278,7 @@ mod tests {
                     fresh: !self.stale.contains(n),
                     on_time: !self.stale.contains(n) && !self.late.contains(n),
                     restarting: self.restarting.contains(n),
+                    fenced: self.fenced.contains(n),
                 })
                 .collect();
             judge(&r)
@@ -363,6 +374,63 @@ mod tests {
             }
             assert_eq!(net.dead(), BTreeSet::from([cut.to_string()]), "{n} nodes");
         }
+    }
+
+    /// Issue #49: a LAN split in two halves, the API server reachable
+    /// from both, one half fenced (it does not reach the gateway). Every
+    /// witness across the cut accuses the nodes it watches there. With the
+    /// fenced half's voices counted, ring layouts like the model's (12
+    /// nodes, positions {0,1,2,6,7,8} against the rest) judged nodes of
+    /// the gateway's half dead; not counted, none is, whatever the layout.
+    #[test]
+    fn a_fenced_witness_has_no_voice_in_a_split() {
+        let mut wrong_before = 0;
+        for n in [4, 6, 12] {
+            let probe = Net::new(n);
+            // The ring's order, each node's first witness after it.
+            let mut ring = vec!["n0".to_string()];
+            while ring.len() < n {
+                let next = probe.witnesses(ring.last().unwrap())[0].clone();
+                ring.push(next);
+            }
+            let layouts: Vec<Vec<usize>> = if n == 12 {
+                vec![
+                    vec![0, 1, 2, 6, 7, 8],
+                    vec![0, 1, 2, 3, 4, 5],
+                    vec![0, 2, 4, 6, 8, 10],
+                ]
+            } else {
+                vec![(0..n / 2).collect(), (0..n).step_by(2).collect()]
+            };
+            for layout in layouts {
+                let mut net = Net::new(n);
+                let gateway_side: BTreeSet<String> =
+                    layout.iter().map(|i| ring[*i].clone()).collect();
+                let names: Vec<String> = net.reports.keys().cloned().collect();
+                for node in &names {
+                    for w in net.witnesses(node) {
+                        if gateway_side.contains(node) != gateway_side.contains(&w) {
+                            net.accuse(&w, node);
+                        }
+                    }
+                }
+                let counted = net.dead();
+                if !counted.is_disjoint(&gateway_side) {
+                    wrong_before += 1;
+                }
+                net.fenced = names
+                    .iter()
+                    .filter(|x| !gateway_side.contains(*x))
+                    .cloned()
+                    .collect();
+                let dead = net.dead();
+                assert!(
+                    dead.is_disjoint(&gateway_side),
+                    "{n} nodes, gateway side at ring positions {layout:?}: {dead:?} judged dead (before: {counted:?})"
+                );
+            }
+        }
+        assert!(wrong_before > 0, "no layout shows what the rule is for");
     }
 
     #[test]

@@ -847,12 +847,17 @@ fn objects_from(
         .iter()
         .filter_map(|o| {
             let name = o.metadata.name.as_deref()?;
+            let status = o.status.as_ref()?;
             Some(lan_verdict::Reporter {
                 name,
-                lan: o.status.as_ref()?.lan.as_ref()?,
+                lan: status.lan.as_ref()?,
                 fresh: alive.fresh(name, now),
                 on_time: alive.on_time(name, now),
                 restarting: alive.restarting(name, now),
+                fenced: status.conditions.iter().any(|c| {
+                    c.type_ == hna_contract::node_object::READY
+                        && c.reason == hna_contract::node_object::FENCED
+                }),
             })
         })
         .collect();

@@ -1397,7 +1397,7 @@ impl<E: LeaseEngine> Lb<E> {
         let machine_reason = match (status.ready, self.stopping, &self.fence) {
             (true, ..) => "Ready",
             (false, true, _) => "Stopping",
-            (false, false, Some(_)) => "Fenced",
+            (false, false, Some(_)) => node_object::FENCED,
             (false, false, None) => "NotReady",
         };
         let ready = ready_condition(
