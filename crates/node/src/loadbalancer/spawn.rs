@@ -115,14 +115,15 @@ fn settings(cfg: &Config, takeover_guard_wait: Histogram) -> LbSettings {
 fn watch_pauses(cfg: &Config) -> watch::Receiver<Option<crate::pause::Pause>> {
     let (pause_tx, pauses) = watch::channel(None);
     if let Some(clock) = cfg.lb_pause_clock.clone() {
-        // A pause as long as the address lifetime: every Service address
-        // of this node goes silent at once, before the LoadBalancer task
-        // hands them over (`task::Lb::after_pause`), which deletes the links.
+        // A pause that may have been as long as the witnesses' verdict on
+        // this node: every Service address of this node goes silent at
+        // once, before the LoadBalancer task hands them over
+        // (`task::Lb::after_pause`), which deletes the links.
         let on_long = crate::pause::OnLongPause {
-            from: task::lan_wait(cfg.lb_address_lifetime),
+            from: task::may_have_been_judged_from(cfg.lb_address_lifetime),
             act: Box::new(|at_least| {
                 let (down, failed) = hna_dhcp::link::set_down_now(hna_contract::INTERFACE_PREFIX);
-                tracing::warn!(at_least = ?at_least, links = ?down, "this VM was paused for as long as its address lifetime or longer: every LoadBalancer link set down at once");
+                tracing::warn!(at_least = ?at_least, links = ?down, "this VM was paused for long enough that its witnesses may have reported it: every LoadBalancer link set down at once");
                 for (link, e) in failed {
                     tracing::warn!(%link, error = %e, "could not set the link down after the pause");
                 }

@@ -106,6 +106,24 @@ pub(crate) fn lan_wait(address_lifetime: Duration) -> Duration {
         address_lifetime
     }
 }
+/// How much longer than the pause watch's lower bound a pause may have
+/// lasted: the RTC tells whole seconds, and its edge is found to within a
+/// few milliseconds (`crate::pause`).
+const PAUSE_BOUND_SLACK: Duration = Duration::from_millis(1050);
+
+/// From how long a pause's lower bound on, its witnesses may have reported
+/// this node, and its Services may be held elsewhere: the pause may have
+/// been as long as the address lifetime and the witnesses' margin
+/// (`membership::swim::WITNESS_MARGIN`). Below it, the pause was surely
+/// shorter than any verdict on this node, and its held addresses are
+/// announced again; from it on, nothing is announced (issue #49: the
+/// whole-second RTC understated pauses by up to a second, and a resumed
+/// holder announced addresses another node had taken over meanwhile).
+pub(crate) fn may_have_been_judged_from(address_lifetime: Duration) -> Duration {
+    (lan_wait(address_lifetime) + crate::membership::swim::WITNESS_MARGIN)
+        .saturating_sub(PAUSE_BOUND_SLACK)
+}
+
 /// `status.reason` of a stopping agent.
 pub(crate) const STOPPING: &str =
     "stopping: the agent is shutting down and has handed its addresses over";
@@ -724,23 +742,31 @@ impl<E: LeaseEngine> Lb<E> {
     /// cannot announce itself (e1000-family) sends none. So every held
     /// address is announced again from its MAC.
     ///
-    /// Not after a pause as long as the address lifetime or longer (a
-    /// stalled switchover, `virtctl pause`, a storage error): its witnesses
-    /// may have found it dead and its Services may be held elsewhere now,
-    /// with the same MACs. An announcement would then take the MAC's port
-    /// at the switch from the new holder, and black-hole its traffic once
-    /// this node lets go (issue #31). So every address goes at once
-    /// (handover: no RELEASE), the assignments are read again, and what is
-    /// still this node's is taken back through the takeover guard.
+    /// Not after a pause that may have been as long as its witnesses'
+    /// verdict ([`may_have_been_judged_from`]: a stalled switchover,
+    /// `virtctl pause`, a storage error): its Services may be held
+    /// elsewhere now, with the same MACs. An announcement would then take
+    /// the MAC's port at the switch from the new holder, and black-hole its
+    /// traffic once this node lets go (issue #31). So every address goes at
+    /// once (handover: no RELEASE), and what is still this node's is taken
+    /// back through the takeover guard, on its witnesses' word
+    /// (`super::lan_word`: none of their accusations landed) or once the
+    /// assignments are read again.
     async fn after_pause(&mut self, at_least: Duration) {
         let paused_for =
             humantime::format_duration(Duration::from_millis(at_least.as_millis() as u64));
-        if at_least >= self.lan_wait() {
+        let address_lifetime = self
+            .settings
+            .leases
+            .timing
+            .address_lifetime
+            .unwrap_or_default();
+        if at_least >= may_have_been_judged_from(address_lifetime) {
             self.lapse(self.ran.0);
             hand_over_every_lease(&*self.engine).await;
             tracing::warn!(
                 at_least = ?at_least,
-                "this VM was paused for as long as its address lifetime or longer: every address handed over at once (its Services may be held elsewhere by now), taken back through the takeover guard if still assigned here"
+                "this VM was paused for long enough that its witnesses may have reported it: every address handed over at once (its Services may be held elsewhere by now), taken back through the takeover guard if still assigned here"
             );
             self.ask_read_again(&format!("paused for at least {paused_for}"));
             self.retry_at = Some(Instant::now());

@@ -89,7 +89,7 @@ impl Default for Settings {
             probe_rtt: Duration::from_millis(100),
             suspect_to_down: Duration::from_millis(900),
             witness_every: Duration::from_millis(100),
-            margin: Duration::from_millis(250),
+            margin: WITNESS_MARGIN,
             own_lifetime: Duration::from_secs(1),
             default_lifetime: Duration::from_secs(1),
             join_every: Duration::from_secs(1),
@@ -97,6 +97,10 @@ impl Default for Settings {
         }
     }
 }
+
+/// How much longer than a watched node's address lifetime its probes go
+/// unanswered before its witness reports it ([`Settings::margin`]).
+pub(crate) const WITNESS_MARGIN: Duration = Duration::from_millis(250);
 
 /// A timer the state machine set; handed back through [`Member::timer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
