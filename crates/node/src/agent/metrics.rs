@@ -168,7 +168,7 @@ pub(crate) fn encode_status(e: &mut DescriptorEncoder, st: &AgentStatus) -> fmt:
     counters(
         e,
         "hna_lan_packets_dropped",
-        "Membership packets dropped, by reason: received and refused before the protocol saw them (malformed, unknown_key, unauthenticated, replayed, not_a_member), or not sent (unsent: no room in the socket buffer, no route).",
+        "Membership packets dropped, by reason: received and refused before the protocol saw them (malformed, unknown_key, unauthenticated, replayed, not_a_member, future_epoch: a run epoch more than 10 minutes ahead of this node's clock; unmatched_answer: an answer to no recent probe of its, late, replayed or meant for another), or not sent (unsent: no room in the socket buffer, no route).",
         lb.membership_dropped
             .iter()
             .map(|(reason, n)| (vec![("reason", reason.clone())], *n)),

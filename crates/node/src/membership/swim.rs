@@ -123,10 +123,18 @@ pub(crate) enum Out {
 const KIND_SWIM: u8 = 0;
 const KIND_PING: u8 = 1;
 /// An answer to a witness's probe: the nonce (4 bytes), the node's address
-/// lifetime in ms (4) and its flags (1; absent from agents before the
-/// flags, which read as none: a witness reads what it knows and ignores
-/// the rest, so either side may be the older).
+/// lifetime in ms (4), its flags (1) and the prober's name (1 byte of
+/// length, then the name); each absent from older agents (no flags read
+/// as none, no name as unchecked): a witness reads what it knows and
+/// ignores the rest, so either side may be the older. Only an answer whose
+/// nonce is one of the witness's recent probes' counts (issue #49: any
+/// authentic packet did, and one captured and replayed to a restarted
+/// witness, whose replay record was new, kept a dead node heard).
 const KIND_PONG: u8 = 2;
+
+/// How many of its latest probes to a node a witness takes answers to:
+/// an answer that comes this many probe rounds late is no answer.
+const PROBES_ANSWERABLE: usize = 5;
 
 /// A flag of a probe's answer: this node stood down
 /// ([`Member::set_stood_down`]).
@@ -218,6 +226,8 @@ struct Watched {
     /// Its last answer said it stood down: reported down while it says
     /// so, though it answers.
     stood_down: bool,
+    /// The nonces of the latest probes sent to it, newest last.
+    nonces: std::collections::VecDeque<u32>,
 }
 
 /// What this node hears of its LAN, for its own fence: the mirror of its
@@ -249,6 +259,9 @@ pub(crate) struct Counters {
     pub(crate) not_a_peer: u64,
     /// Witness probes sent.
     pub(crate) witness_probes: u64,
+    /// Answers to no recent probe of this witness's (late, replayed, or
+    /// meant for another): not taken as a sign of life.
+    pub(crate) unmatched_answers: u64,
 }
 
 /// One node's membership.
@@ -488,6 +501,52 @@ impl Member {
         true
     }
 
+    /// An answer from `name` to a probe (`rest`: the answer after its
+    /// kind): it counts only when it answers one of this witness's recent
+    /// probes of it, and names this witness when it names anyone.
+    fn answered(&mut self, name: &Arc<str>, rest: &[u8], now: Instant) {
+        let me = self.me.name.clone();
+        let Some(w) = self.watched.get_mut(name) else {
+            return;
+        };
+        let Some(nonce) = rest.get(..4) else {
+            self.counters.unmatched_answers += 1;
+            return;
+        };
+        let nonce = u32::from_be_bytes(nonce.try_into().expect("4 bytes"));
+        let to_me = match rest.get(9).map(|n| usize::from(*n)) {
+            Some(n) => rest.get(10..10 + n).is_some_and(|to| to == me.as_bytes()),
+            None => true,
+        };
+        let Some(at) = w.nonces.iter().position(|n| *n == nonce).filter(|_| to_me) else {
+            self.counters.unmatched_answers += 1;
+            return;
+        };
+        // Each probe is answered once: an answer to it again is a replay.
+        w.nonces.remove(at);
+        w.heard = Some(now);
+        w.silent_since = None;
+        if let Some(ms) = rest.get(4..8) {
+            let ms = u32::from_be_bytes([ms[0], ms[1], ms[2], ms[3]]);
+            w.lifetime = Some(Duration::from_millis(u64::from(ms)));
+        }
+        let stood_down = rest.get(8).is_some_and(|f| f & FLAG_STOOD_DOWN != 0);
+        if stood_down && !w.stood_down {
+            tracing::info!(
+                peer = %name,
+                "a witnessed peer says it stood down (it holds none of its addresses and cannot read its assignments): reporting it dead on the LAN"
+            );
+        } else if !stood_down && w.stood_down {
+            tracing::info!(peer = %name, "a witnessed peer no longer stands down");
+        }
+        w.stood_down = stood_down;
+        if w.stood_down {
+            w.down_since.get_or_insert(now);
+        } else {
+            w.down_since = None;
+        }
+    }
+
     /// A packet arrived.
     pub(crate) fn receive(&mut self, packet: &[u8], now: Instant) {
         let Some((sender, payload)) = self.gate.admit(packet) else {
@@ -498,34 +557,8 @@ impl Member {
         };
         self.heard_any = Some(now);
         self.heard.insert(name.clone(), now);
-        if let Some(w) = self.watched.get_mut(&name) {
-            // Anything authentic from it (fresh: the gate refuses a replay)
-            // says it runs.
-            w.heard = Some(now);
-            w.silent_since = None;
-            if let Some((&KIND_PONG, rest)) = payload.split_first()
-                && let Some(ms) = rest.get(4..8)
-            {
-                let ms = u32::from_be_bytes([ms[0], ms[1], ms[2], ms[3]]);
-                w.lifetime = Some(Duration::from_millis(u64::from(ms)));
-                let stood_down = rest.get(8).is_some_and(|f| f & FLAG_STOOD_DOWN != 0);
-                if stood_down && !w.stood_down {
-                    tracing::info!(
-                        peer = %name,
-                        "a witnessed peer says it stood down (it holds none of its addresses and cannot read its assignments): reporting it dead on the LAN"
-                    );
-                } else if !stood_down && w.stood_down {
-                    tracing::info!(peer = %name, "a witnessed peer no longer stands down");
-                }
-                w.stood_down = stood_down;
-            }
-            // Only its answers carry the flag: its other packets leave the
-            // report as its last answer made it.
-            if w.stood_down {
-                w.down_since.get_or_insert(now);
-            } else {
-                w.down_since = None;
-            }
+        if let Some((&KIND_PONG, rest)) = payload.split_first() {
+            self.answered(&name, rest, now);
         }
         match payload.split_first() {
             Some((&KIND_SWIM, data)) => {
@@ -550,6 +583,8 @@ impl Member {
                 let ms = u32::try_from(self.settings.own_lifetime.as_millis()).unwrap_or(u32::MAX);
                 reply.extend_from_slice(&ms.to_be_bytes());
                 reply.push(if self.stood_down { FLAG_STOOD_DOWN } else { 0 });
+                reply.push(name.len() as u8);
+                reply.extend_from_slice(name.as_bytes());
                 self.send_to(&name, &reply);
             }
             Some((&KIND_PONG, _)) => {}
@@ -682,7 +717,6 @@ impl Member {
         self.gate.dropped(why)
     }
 
-    #[cfg(test)]
     pub(crate) fn counters(&self) -> &Counters {
         &self.counters
     }
@@ -785,6 +819,10 @@ impl Member {
             }
             w.probed = Some(now);
             let nonce = self.rng.next_u32();
+            w.nonces.push_back(nonce);
+            if w.nonces.len() > PROBES_ANSWERABLE {
+                w.nonces.pop_front();
+            }
             let mut ping = vec![KIND_PING];
             ping.extend_from_slice(&nonce.to_be_bytes());
             self.counters.witness_probes += 1;
@@ -836,6 +874,8 @@ mod tests {
         seq: u64,
         now: Instant,
         delivered: BTreeMap<(String, usize), Vec<u8>>,
+        /// Every packet delivered, while set (from, to, packet).
+        capture: Option<Vec<(usize, usize, Vec<u8>)>>,
     }
 
     impl Lan {
@@ -857,6 +897,7 @@ mod tests {
                 seq: 0,
                 now,
                 delivered: BTreeMap::new(),
+                capture: None,
             };
             for i in 0..n {
                 let m = lan.member(i, 1);
@@ -944,6 +985,14 @@ mod tests {
                         if !self.cut[j] {
                             if let Ok(o) = wire::open(&[key()], &p) {
                                 self.delivered.insert((o.sender.to_string(), j), p.clone());
+                                if let Some(c) = self.capture.as_mut() {
+                                    let from = self
+                                        .members
+                                        .iter()
+                                        .position(|m| *m.me.name == *o.sender)
+                                        .unwrap();
+                                    c.push((from, j, p.clone()));
+                                }
                             }
                             self.members[j].receive(&p, at);
                             self.flush(j);
@@ -1239,6 +1288,47 @@ mod tests {
                 .attestations()
                 .contains_key(&Lan::name(other))
         );
+    }
+
+    /// Issue #49: answers captured on the LAN and replayed to a witness
+    /// that restarted (its replay record new, so the gate takes each once)
+    /// answer none of its probes: a dead node is not heard by it, and not
+    /// vouched for.
+    #[test]
+    fn replayed_answers_keep_no_dead_node_heard() {
+        let mut lan = Lan::new(5);
+        lan.run_for(Duration::from_secs(2));
+        let victim = 1;
+        let witness = (0..5)
+            .find(|i| lan.witnesses(victim).contains(&Lan::name(*i)))
+            .unwrap();
+        lan.capture = Some(Vec::new());
+        lan.run_for(Duration::from_secs(2));
+        let captured: Vec<Vec<u8>> = lan
+            .capture
+            .take()
+            .unwrap()
+            .into_iter()
+            .filter(|(from, to, _)| *from == victim && *to == witness)
+            .map(|(_, _, p)| p)
+            .collect();
+        assert!(captured.len() > 20, "{} captured", captured.len());
+        // The victim dies; the witness restarts (a new run, a new gate).
+        lan.silence(victim);
+        lan.runs[witness] = 2;
+        lan.members[witness] = lan.member(witness, 2);
+        lan.flush(witness);
+        let name = Lan::name(victim);
+        for p in &captured {
+            lan.run_for(Duration::from_millis(50));
+            lan.members[witness].receive(p, lan.now);
+            lan.flush(witness);
+            assert!(
+                !lan.members[witness].hears().contains(&name),
+                "a replayed answer made the dead node heard"
+            );
+        }
+        assert!(lan.members[witness].counters().unmatched_answers > 0);
     }
 
     /// Lost packets (one in ten) never keep a live node from hearing two

@@ -86,6 +86,11 @@ pub(crate) struct LanView {
 /// socket's buffer, no route): counted beside those it refused.
 pub(crate) const UNSENT: &str = "unsent";
 
+/// The drop reason of authentic answers to no recent probe of this
+/// witness's (late, replayed, or meant for another node): counted beside
+/// the packets the gate refused.
+pub(crate) const UNMATCHED: &str = "unmatched_answer";
+
 /// How often the view's `heard_any` is brought up to date (it changes with
 /// every packet; readers need it to a fraction of a second only).
 const HEARD_GRANULARITY: Duration = Duration::from_millis(250);
@@ -220,7 +225,10 @@ impl Running {
             dropped: Dropped::ALL
                 .iter()
                 .map(|d| (d.label(), self.member.dropped(*d)))
-                .chain([(UNSENT, self.send_errors)])
+                .chain([
+                    (UNSENT, self.send_errors),
+                    (UNMATCHED, self.member.counters().unmatched_answers),
+                ])
                 .collect(),
             witnesses: self.member.witnesses(),
             attestations: self.member.attestations(),

@@ -119,15 +119,26 @@ pub(crate) enum Dropped {
     Replayed,
     /// Authentic, but its sender is no member of this network.
     NotAMember,
+    /// Stamped with a run epoch far ahead of this node's wall clock
+    /// ([`FUTURE_EPOCH_TOLERANCE`]): taken, it would make every later
+    /// genuine packet of its sender count as replayed, until that epoch.
+    FutureEpoch,
 }
 
+/// How far ahead of this node's wall clock a sender's run epoch (its
+/// start, in Unix milliseconds, or one past its last run's) may be: clocks
+/// a few minutes apart, and a run that began after its clock was stepped
+/// back, pass; a forged far-future epoch does not.
+pub(crate) const FUTURE_EPOCH_TOLERANCE: std::time::Duration = std::time::Duration::from_secs(600);
+
 impl Dropped {
-    pub(crate) const ALL: [Dropped; 5] = [
+    pub(crate) const ALL: [Dropped; 6] = [
         Dropped::Malformed,
         Dropped::UnknownKey,
         Dropped::Unauthenticated,
         Dropped::Replayed,
         Dropped::NotAMember,
+        Dropped::FutureEpoch,
     ];
 
     pub(crate) fn label(self) -> &'static str {
@@ -137,6 +148,7 @@ impl Dropped {
             Dropped::Unauthenticated => "unauthenticated",
             Dropped::Replayed => "replayed",
             Dropped::NotAMember => "not_a_member",
+            Dropped::FutureEpoch => "future_epoch",
         }
     }
 }
@@ -272,9 +284,25 @@ impl Gate {
 
     /// The sender and payload of `packet`, or `None` (counted).
     pub(crate) fn admit<'a>(&mut self, packet: &'a [u8]) -> Option<(&'a str, &'a [u8])> {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        self.admit_at(packet, now_ms)
+    }
+
+    /// [`Gate::admit`] with this node's wall clock at `now_ms`.
+    pub(crate) fn admit_at<'a>(
+        &mut self,
+        packet: &'a [u8],
+        now_ms: u64,
+    ) -> Option<(&'a str, &'a [u8])> {
         let verdict = open(&self.keys, packet).and_then(|o| {
             if !self.members.contains(o.sender) {
                 return Err(Dropped::NotAMember);
+            }
+            let tolerance = FUTURE_EPOCH_TOLERANCE.as_millis() as u64;
+            if o.stamp.epoch > now_ms.saturating_add(tolerance) {
+                return Err(Dropped::FutureEpoch);
             }
             if !self
                 .seen
@@ -406,6 +434,28 @@ mod tests {
             g.admit(&seal(&k, "node-a", stamp(100, 10), b"x").unwrap())
                 .is_some()
         );
+    }
+
+    /// Issue #49: a packet stamped far ahead of this node's clock is
+    /// dropped and counted, and does not silence its sender's genuine
+    /// packets; one a few minutes ahead (clocks apart, a run after a clock
+    /// step back) passes.
+    #[test]
+    fn a_far_future_epoch_is_refused_and_silences_nobody() {
+        let mut g = gate();
+        let k = key(1, 7);
+        let now_ms = 1_800_000_000_000;
+        let forged = seal(&k, "node-b", stamp(u64::MAX / 2, 0), b"x").unwrap();
+        assert!(g.admit_at(&forged, now_ms).is_none());
+        assert_eq!(g.dropped(Dropped::FutureEpoch), 1);
+        let genuine = seal(&k, "node-b", stamp(now_ms - 5_000, 1), b"x").unwrap();
+        assert!(g.admit_at(&genuine, now_ms).is_some(), "still heard");
+        let ahead = seal(&k, "node-b", stamp(now_ms + 120_000, 0), b"x").unwrap();
+        assert!(g.admit_at(&ahead, now_ms).is_some(), "two minutes ahead");
+        let past = now_ms + FUTURE_EPOCH_TOLERANCE.as_millis() as u64 + 1;
+        let too_far = seal(&k, "node-b", stamp(past, 0), b"x").unwrap();
+        assert!(g.admit_at(&too_far, now_ms).is_none());
+        assert_eq!(g.dropped(Dropped::FutureEpoch), 2);
     }
 
     #[test]
