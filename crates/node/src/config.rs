@@ -66,7 +66,7 @@ pub const KEYS: &[KeySpec] = &[
         name: "state_dir",
         env: "HNA_STATE_DIR",
         flag: "--state-dir",
-        doc: "Directory for persistent state (DHCP leases). Created with mode 0700 if missing. Absolute path.",
+        doc: "Directory for persistent state: the DHCP leases, and what one run keeps for the next (loadbalancer/: the last LoadBalancerNode spec read, the LAN membership key, the witnesses' word and the membership's run epoch, each mode 0600), so that an agent restarted while the API server cannot be read still holds its addresses. Created with mode 0700 if missing. Absolute path.",
         kind: Kind::Path,
     },
     KeySpec {
