@@ -37,6 +37,16 @@ const ANSWERED_WITHIN: Duration = Duration::from_secs(2);
 /// How long after that each address is watched staying so.
 const STAYS_FOR: Duration = Duration::from_secs(8);
 
+/// The DHCP server's lease time in this test, and in seconds.
+const LEASE_TIME: &str = "2m";
+const LEASE_SECS: u64 = 120;
+
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// One address of the test: its Service, its holder and its Service's MAC.
 struct Served {
     ip: Ipv4Addr,
@@ -123,10 +133,17 @@ impl Fault {
 /// Asserted: within 2 s of each fault's end, and for 8 s after, every ARP
 /// request for each address is answered exactly once, with its Service's
 /// MAC, and only its holder's kernel carries it; no request is ever
-/// answered twice; and once the API server wakes (the accusations sent
-/// into it may land then), nothing moves and no address has two holders.
+/// answered twice; every lease (two minutes, T1 at one) is renewed
+/// through the outage, as the DHCP server's lease file shows; and once the
+/// API server wakes (the accusations sent into it may land then), nothing
+/// moves and no address has two holders.
 fn lan_blips_in_a_hung_api_server_leave_every_address_answered_by_one_node() -> Result<()> {
-    let mut lb = LbRig::start(options())?;
+    // Two-minute leases (T1 at one minute): the outage outlasts T1, so each
+    // lease must be renewed through it.
+    let mut lb = LbRig::start(lb::Options {
+        lease_time: Some(LEASE_TIME.into()),
+        ..options()
+    })?;
     let mut addresses = Vec::new();
     for i in 0..6 {
         let (ip, holder) = served(&lb, &format!("bad-day-{i}"))?;
@@ -149,6 +166,7 @@ fn lan_blips_in_a_hung_api_server_leave_every_address_answered_by_one_node() -> 
         .collect::<Result<Vec<_>>>()?;
     let t0 = Instant::now();
     let hung = lb.rig.apiserver().context("API server")?.hang()?;
+    let hung_at = unix_secs();
     std::thread::sleep(Duration::from_secs(15)); // the outage before the blip, as the issue tells it
     let mut windows = Vec::new();
     let mut ended = Vec::new();
@@ -200,6 +218,22 @@ fn lan_blips_in_a_hung_api_server_leave_every_address_answered_by_one_node() -> 
             from: whole + ANSWERED_WITHIN,
             to: Instant::now(),
         });
+    }
+    // Renewed through the outage, as the DHCP server saw it: each lease's
+    // expiry is more than a lease time past the outage's start plus T1,
+    // which only a renewal after T1 (or a new lease) gives.
+    let served = lb.rig.dnsmasq_leases()?;
+    for a in &addresses {
+        let expiry: u64 = served
+            .lines()
+            .find(|l| l.split_whitespace().nth(2) == Some(&a.ip.to_string()))
+            .and_then(|l| l.split_whitespace().next()?.parse().ok())
+            .with_context(|| format!("{} not in the DHCP server's leases:\n{served}", a.ip))?;
+        ensure!(
+            expiry >= hung_at + LEASE_SECS + LEASE_SECS / 2,
+            "{}: the DHCP server's lease ends at {expiry}, not renewed after T1 of the outage that began at {hung_at}:\n{served}",
+            a.ip
+        );
     }
     // The API server wakes: what was sent into it lands now.
     drop(hung);
