@@ -25,6 +25,7 @@ pub mod promtext;
 pub mod rig;
 pub mod soak;
 pub mod tcpprobe;
+pub mod udpcapture;
 pub mod vm;
 
 /// The YAML parser of the manifests, for tests that read other YAML the

@@ -29,6 +29,7 @@ use crate::harness::tests;
 
 tests! {
     a_lan_host_without_the_key_makes_nobody_dead_and_moves_nothing: Root, Iproute2, Dnsmasq, ApiServer, Socat;
+    a_stolen_key_stamping_a_node_far_ahead_or_a_replay_silences_and_keeps_alive_nobody: Root, Iproute2, Dnsmasq, ApiServer, Socat;
     a_lan_host_announcing_a_services_mac_has_it_taken_back_at_once: Root, Iproute2, Dnsmasq, ApiServer, Socat;
 }
 
@@ -157,6 +158,231 @@ fn a_lan_host_without_the_key_makes_nobody_dead_and_moves_nothing() -> Result<()
         f.took
     );
     Ok(())
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Issue #49, item 3, with a node's own credentials and a LAN host's
+/// position:
+///
+/// 1. The membership key, read with a node's identity (the Secret its Role
+///    may read), seals packets that speak for the holder with a run epoch
+///    a day ahead, sent to every other guest. Before, the first such packet
+///    made every later genuine packet of the holder a replay, and its
+///    witnesses reported it dead. Now each is dropped and counted
+///    (`future_epoch`), nobody is reported, nothing moves.
+/// 2. The holder's packets to one of its witnesses, captured on the
+///    holder's switch port; the holder's agent then dies, the witness's
+///    agent restarts (its replay record new), and the capture is replayed
+///    to it from the LAN host. Before, each replayed packet counted as a
+///    sign of life: the restarted witness listed the dead holder in
+///    `hears` (vouching for it). Now none answers one of its probes: it
+///    never lists it, counts them (`unmatched_answer`), and the Service
+///    moves to a live node.
+fn a_stolen_key_stamping_a_node_far_ahead_or_a_replay_silences_and_keeps_alive_nobody() -> Result<()>
+{
+    use hna_contract::membership::{SECRET_KEY, SECRET_NAME};
+    let mut lb = LbRig::start(options())?;
+    let (ip, holder) = hna_testkit::failover::served(&lb, "web")?;
+    lb.wait_for_membership(Duration::from_secs(30))?;
+    let others: Vec<usize> = (0..lb.rig.guest_count()).filter(|i| *i != holder).collect();
+    let thief = lb.node_name(others[0]);
+    let out = lb.rig.apiserver().context("API server")?.kubectl([
+        "--as",
+        &format!("system:node:{thief}"),
+        "--as-group",
+        "system:nodes",
+        "-n",
+        lb.namespace(),
+        "get",
+        "secret",
+        SECRET_NAME,
+        "-o",
+        &format!("jsonpath={{.data.{SECRET_KEY}}}"),
+    ])?;
+    ensure!(
+        out.status.success(),
+        "{thief} cannot read the membership key: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let secret = base64_decode(String::from_utf8_lossy(&out.stdout).trim())?;
+    let key = Key::new(1, &secret).context("the key read")?;
+    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
+    let t0 = Instant::now();
+
+    // 1. Far ahead, as the holder.
+    let holder_name = lb.node_name(holder);
+    let before: Vec<u64> = others
+        .iter()
+        .map(|i| dropped(&lb, *i, "future_epoch"))
+        .collect();
+    in_netns(&lb.client_ns, || -> Result<()> {
+        let socket = UdpSocket::bind("0.0.0.0:0").context("the attacker's socket")?;
+        let ahead = unix_ms() + 86_400_000;
+        for seq in 0..20 {
+            let stamp = Stamp {
+                epoch: ahead,
+                sequence: seq,
+            };
+            let p = wire::seal(&key, &holder_name, stamp, &[1, 0, 0, 0, 1])?;
+            for g in &others {
+                socket.send_to(&p, SocketAddrV4::new(node_address(*g), DEFAULT_PORT))?;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    })??;
+    for (k, i) in others.iter().enumerate() {
+        let counted = wait_for(Duration::from_secs(10), || {
+            (dropped(&lb, *i, "future_epoch") >= before[k] + 20).then_some(())
+        });
+        ensure!(
+            counted.is_some(),
+            "guest {i} did not count the 20 far-future packets: {:?}",
+            agent_status(&lb, *i).map(|s| s["lb"]["membership_dropped"].clone())
+        );
+    }
+    // Three seconds (twice a witness's verdict): nobody reported.
+    std::thread::sleep(Duration::from_secs(3));
+    for i in 0..lb.rig.guest_count() {
+        let o = lb.node_object(&lb.node_name(i)).context("node object")?;
+        ensure!(
+            o["status"]["lan"]["down"]
+                .as_array()
+                .is_none_or(|d| d.is_empty()),
+            "guest {i} reports {} down after the far-future packets",
+            o["status"]["lan"]["down"]
+        );
+    }
+    ensure!(
+        watch.taken_by_other(ip, holder, t0).is_none(),
+        "the far-future packets moved {ip}"
+    );
+
+    // 2. A capture replayed to a restarted witness.
+    let witness = others[0];
+    let capture = hna_testkit::udpcapture::capture(
+        lb.rig.lan_ns(),
+        &format!("vg{}", holder + 1),
+        DEFAULT_PORT,
+        Duration::from_secs(2),
+    )?;
+    let to_witness: Vec<Vec<u8>> = capture
+        .into_iter()
+        .filter(|d| d.from == node_address(holder) && d.to == node_address(witness))
+        .map(|d| d.payload)
+        .collect();
+    ensure!(
+        to_witness.len() >= 20,
+        "captured {} packets of the holder to its witness",
+        to_witness.len()
+    );
+    let killed = Instant::now();
+    lb.signal_agent(holder, nix::sys::signal::Signal::SIGKILL);
+    lb.stop_agent(witness);
+    lb.start_agent(witness)?;
+    // The restarted witness's own word: its membership runs (its drop
+    // counters are there), and its status, written again, hears the live
+    // peer; what it said before the restart no longer stands.
+    let hears_of = |lb: &LbRig| -> Vec<String> {
+        lb.node_object(&lb.node_name(witness))
+            .and_then(|o| o["status"]["lan"]["hears"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|h| h.as_str().map(str::to_string))
+            .collect()
+    };
+    let live_peer = lb.node_name(others[1]);
+    let settled = wait_for(Duration::from_secs(30), || {
+        let running = agent_status(&lb, witness).is_some_and(|s| {
+            s["lb"]["membership_not_running"].is_null()
+                && s["lb"]["membership_dropped"]
+                    .as_object()
+                    .is_some_and(|d| !d.is_empty())
+        });
+        let hears = hears_of(&lb);
+        (running && hears.contains(&live_peer) && !hears.contains(&holder_name)).then_some(())
+    });
+    ensure!(
+        settled.is_some(),
+        "the restarted witness never heard its live peer alone: hears {:?}",
+        hears_of(&lb)
+    );
+    let unmatched_before = dropped(&lb, witness, "unmatched_answer");
+    let replay = {
+        let ns = lb.client_ns.clone();
+        let packets = to_witness.clone();
+        let to = SocketAddrV4::new(node_address(witness), DEFAULT_PORT);
+        std::thread::spawn(move || {
+            in_netns(&ns, || -> Result<()> {
+                let socket = UdpSocket::bind("0.0.0.0:0").context("the attacker's socket")?;
+                for p in &packets {
+                    socket.send_to(p, to)?;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Ok(())
+            })
+        })
+    };
+    let mut heard_while_replaying = false;
+    while !replay.is_finished() {
+        heard_while_replaying |= hears_of(&lb).contains(&holder_name);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    replay
+        .join()
+        .map_err(|_| anyhow::anyhow!("the replay thread panicked"))???;
+    // Its status is written within a second of a change: give it that.
+    let vouched = wait_for(Duration::from_secs(2), || {
+        hears_of(&lb).contains(&holder_name).then_some(())
+    });
+    heard_while_replaying |= vouched.is_some();
+    ensure!(
+        !heard_while_replaying,
+        "the restarted witness listed the dead holder in `hears` during or after the replay"
+    );
+    ensure!(
+        dropped(&lb, witness, "unmatched_answer") > unmatched_before,
+        "the replayed answers were not counted as unmatched: {:?}",
+        agent_status(&lb, witness).map(|s| s["lb"]["membership_dropped"].clone())
+    );
+    // The dead holder's Service moves (its other witness reports it; the
+    // restarted one never heard it, so its heartbeat's staleness decides).
+    let moved = wait_for(Duration::from_secs(60), || {
+        let c = lb.carriers(ip);
+        (c.len() == 1 && lb.guest_of(&c[0].0) != holder).then_some(())
+    });
+    ensure!(
+        moved.is_some(),
+        "{ip} not held by a live guest within 60 s of its holder's death, after the replay"
+    );
+    println!(
+        "a node's key stamping the holder a day ahead: {} packets dropped as future_epoch, nobody reported; {} captured packets replayed to a restarted witness: not heard, {ip} moved {:.1} s after the holder died",
+        20 * others.len(),
+        to_witness.len(),
+        killed.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn base64_decode(text: &str) -> Result<Vec<u8>> {
+    let out = std::process::Command::new("base64")
+        .arg("-d")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().expect("stdin").write_all(text.as_bytes())?;
+            c.wait_with_output()
+        })
+        .context("base64 -d")?;
+    ensure!(out.status.success(), "base64 -d failed");
+    Ok(out.stdout)
 }
 
 /// How soon the LAN's switch must send the Service's MAC to the holder
