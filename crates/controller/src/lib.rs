@@ -10,8 +10,10 @@
 //! - `placement`: stable, spread, deterministic holders;
 //! - `liveness`: node agents' heartbeats judged on our clock;
 //! - `lan_verdict`: which nodes are dead on their LAN, by two witnesses;
-//! - `failover`, `service_health`, `deletions`, `networks`: moving
-//!   addresses off dead nodes, avoiding nodes whose leases fail, releases
+//! - `eligibility`: which nodes may hold addresses, and how (a node's
+//!   heartbeat, its LAN's verdict and its own word, judged together);
+//! - `failover_metric`, `service_health`, `deletions`, `networks`: the
+//!   failover duration metric, avoiding nodes whose leases fail, releases
 //!   that time out, which networks a node is on;
 //! - [`election`]: leader election on a `coordination.k8s.io/v1` Lease,
 //!   pure; `leadership` runs it (the Lease read and written);
@@ -23,8 +25,9 @@
 
 pub(crate) mod deletions;
 pub mod election;
+pub(crate) mod eligibility;
 pub mod endpoints;
-pub(crate) mod failover;
+pub(crate) mod failover_metric;
 mod heap;
 pub mod kube_edge;
 pub(crate) mod lan_verdict;
@@ -399,7 +402,7 @@ struct Reconciler {
     access_ensured: BTreeSet<String>,
     key_ensured: bool,
     health: service_health::ServiceHealth,
-    failovers: failover::FailoverClock,
+    failovers: failover_metric::FailoverClock,
     /// The leader term the memories above belong to.
     term: u64,
     coalesce: Duration,
@@ -437,7 +440,7 @@ impl Reconciler {
             access_ensured: BTreeSet::new(),
             key_ensured: false,
             health,
-            failovers: failover::FailoverClock::default(),
+            failovers: failover_metric::FailoverClock::default(),
             term: 0,
             coalesce: COALESCE_MIN,
             settled: None,
@@ -529,7 +532,7 @@ impl Reconciler {
     fn inputs(&mut self, now: Instant) -> (Inputs, HashMap<String, String>) {
         let (objects, object_versions) = {
             let mut alive = self.caches.alive.lock().expect("liveness lock");
-            objects_from(
+            eligibility::objects_from(
                 &self.caches,
                 &mut alive,
                 &mut self.slow_warned,
@@ -645,10 +648,11 @@ impl Reconciler {
     /// leader alone observes it, so that the replicas' histograms add up.
     fn observe_failovers(&mut self, objects: &[reconcile::NodeIn], now: Instant) {
         let alive = self.caches.alive.lock().expect("liveness lock");
-        for took in
-            self.failovers
-                .observe(&failover::serving(objects), |n| alive.last_change(n), now)
-        {
+        for took in self.failovers.observe(
+            &failover_metric::serving(objects),
+            |n| alive.last_change(n),
+            now,
+        ) {
             self.failover.observe(took.as_secs_f64());
         }
     }
@@ -827,120 +831,6 @@ fn node_networks(caches: &kube_edge::Caches) -> reconcile::NodeNetworks {
         out.add(&addresses, &cidrs);
     }
     out
-}
-
-/// The node objects as the decision reads them (each judged on our clock
-/// by `alive`, which the watch gives their heartbeats as they arrive),
-/// sorted by name, and the resourceVersion of each.
-fn objects_from(
-    caches: &kube_edge::Caches,
-    alive: &mut liveness::Liveness,
-    slow_warned: &mut BTreeSet<String>,
-    let_go: &mut lan_verdict::LetGo,
-    now: Instant,
-) -> (Vec<reconcile::NodeIn>, HashMap<String, String>) {
-    let mut versions = HashMap::new();
-    let mut objects = Vec::new();
-    let mut names = BTreeSet::new();
-    let state = caches.node_objects.state();
-    let reporters: Vec<lan_verdict::Reporter<'_>> = state
-        .iter()
-        .filter_map(|o| {
-            let name = o.metadata.name.as_deref()?;
-            let status = o.status.as_ref()?;
-            Some(lan_verdict::Reporter {
-                name,
-                lan: status.lan.as_ref()?,
-                fresh: alive.fresh(name, now),
-                on_time: alive.on_time(name, now),
-                restarting: alive.restarting(name, now),
-                fenced: status.conditions.iter().any(|c| {
-                    c.type_ == hna_contract::node_object::READY
-                        && c.reason == hna_contract::node_object::FENCED
-                }),
-            })
-        })
-        .collect();
-    let lan = lan_verdict::judge(&reporters);
-    let lan_dead = &lan.dead;
-    let was_dead: BTreeSet<String> = let_go.dead().map(str::to_string).collect();
-    let unheard: BTreeSet<String> = state
-        .iter()
-        .filter(|o| {
-            o.status
-                .as_ref()
-                .and_then(|s| s.lan.as_ref())
-                .is_some_and(|l| l.unheard)
-        })
-        .filter_map(|o| o.metadata.name.clone())
-        .collect();
-    for n in let_go.observe(lan_dead, &unheard, now) {
-        let witnesses: Vec<&str> = reporters
-            .iter()
-            .filter(|r| r.lan.down.contains(&n))
-            .map(|r| r.name)
-            .collect();
-        let lets_go_first = let_go.lets_go_first(&n, alive.on_time(&n, now), now);
-        tracing::warn!(node = %n, reported_by = ?witnesses, said_unheard = unheard.contains(&n), on_time = alive.on_time(&n, now), lets_go_first, "dead on its LAN by its witnesses' agreement: its Services move");
-    }
-    for n in was_dead.difference(lan_dead) {
-        tracing::info!(node = %n, "no longer dead on its LAN");
-    }
-    for o in state.iter() {
-        let Some(name) = o.metadata.name.clone() else {
-            continue;
-        };
-        // Its heartbeat was given to `alive` when the watch delivered it.
-        let status = o.status.as_ref();
-        let period = status
-            .and_then(|s| s.heartbeat_period_ms)
-            .map(Duration::from_millis);
-        let too_slow = alive.too_slow(period);
-        if too_slow && slow_warned.insert(name.clone()) {
-            tracing::warn!(
-                node = %name,
-                heartbeat = ?period,
-                node_stale_after = ?alive.stale_after(),
-                "this node's agent writes its heartbeat too seldom for --node-stale-after (two must fit in it): it gets no addresses; lower `lb_heartbeat` in its configuration"
-            );
-        } else if !too_slow {
-            slow_warned.remove(&name);
-        }
-        // A stale status with a witness that hears the node: cut off from
-        // the API server only, it serves on (nothing moves).
-        let fresh = alive.fresh(&name, now);
-        let heard = fresh || lan.vouched.contains(&name);
-        let eligible =
-            !too_slow && !lan_dead.contains(&name) && heard && status.is_some_and(|s| s.ready);
-        // Its spec's version: the status moves the resourceVersion with
-        // every write of the node's (`kube_edge::generation_guarded`).
-        if let Some(g) = o.metadata.generation {
-            versions.insert(format!("node/{name}"), kube_edge::generation_token(g));
-        }
-        if let Some(mut n) = kube_edge::node_in(o, eligible) {
-            // Late by its own stated period (two heartbeats missed), it is
-            // probably cut off from the API server: it keeps what it holds
-            // and is given nothing new, which it could not read. Not only
-            // once stale (40 s), which a leader that has just started
-            // counts from its own start: the soak saw one give a Service to
-            // a node cut off 43 s before, 22 s after it began to lead.
-            n.keep_only = eligible && !alive.on_time(&name, now);
-            n.unproven = !alive.written(&name);
-            n.lets_go_first = let_go.lets_go_first(&name, alive.on_time(&name, now), now);
-            // Neither the heartbeat nor a renewal's new expiry moves a
-            // decision: without them, a write that carries nothing else
-            // wakes no pass (issue #30).
-            n.status.heartbeat = None;
-            for l in &mut n.status.leases {
-                l.expires = None;
-            }
-            objects.push(n);
-        }
-        names.insert(name);
-    }
-    alive.retain(|n| names.contains(n));
-    objects.sort_by(|a, b| a.name.cmp(&b.name));
-    (objects, versions)
 }
 
 /// The controller's `STATUS=` line before it is connected.
