@@ -17,6 +17,7 @@
 pub(crate) mod apply;
 pub(crate) mod delivery;
 mod fence;
+mod holder;
 mod kept;
 mod lan_word;
 pub mod lease_metrics;

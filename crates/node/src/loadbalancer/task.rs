@@ -86,43 +86,7 @@ const STOPPING_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 /// node takes no address over: what it reads as its assignments may have
 /// moved since.
 const OUT_OF_TOUCH_AFTER: Duration = Duration::from_secs(2);
-/// How long a node may hold none of the addresses its assignments want,
-/// unable to read them again, before it stands down on the LAN
-/// (`Lb::judge_stand_down`): longer than a read takes when the API
-/// server answers (well under a second), so a node whose reads succeed
-/// never stands down.
-pub(crate) const STAND_DOWN_AFTER: Duration = Duration::from_secs(2);
-/// How long the LAN's silence is borne before the fence when the addresses
-/// have no lifetime (`lb_address_lifetime = 0`): the witnesses' default.
-const DEFAULT_LAN_WAIT: Duration = Duration::from_secs(1);
-
-/// How long a pause must be for this node's Services to be taken for
-/// held elsewhere after it (see `Lb::after_pause`): the address lifetime
-/// (`lb_address_lifetime`; zero is off, then 1 s, the witnesses' default).
-pub(crate) fn lan_wait(address_lifetime: Duration) -> Duration {
-    if address_lifetime.is_zero() {
-        DEFAULT_LAN_WAIT
-    } else {
-        address_lifetime
-    }
-}
-/// How much longer than the pause watch's lower bound a pause may have
-/// lasted: the RTC tells whole seconds, and its edge is found to within a
-/// few milliseconds (`crate::pause`).
-const PAUSE_BOUND_SLACK: Duration = Duration::from_millis(1050);
-
-/// From how long a pause's lower bound on, its witnesses may have reported
-/// this node, and its Services may be held elsewhere: the pause may have
-/// been as long as the address lifetime and the witnesses' margin
-/// (`membership::swim::WITNESS_MARGIN`). Below it, the pause was surely
-/// shorter than any verdict on this node, and its held addresses are
-/// announced again; from it on, nothing is announced (issue #49: the
-/// whole-second RTC understated pauses by up to a second, and a resumed
-/// holder announced addresses another node had taken over meanwhile).
-pub(crate) fn may_have_been_judged_from(address_lifetime: Duration) -> Duration {
-    (lan_wait(address_lifetime) + crate::membership::swim::WITNESS_MARGIN)
-        .saturating_sub(PAUSE_BOUND_SLACK)
-}
+pub(crate) use super::holder::{STAND_DOWN_AFTER, lan_wait, may_have_been_judged_from};
 
 /// `status.reason` of a stopping agent.
 pub(crate) const STOPPING: &str =
@@ -761,7 +725,9 @@ impl<E: LeaseEngine> Lb<E> {
             .timing
             .address_lifetime
             .unwrap_or_default();
-        if at_least >= may_have_been_judged_from(address_lifetime) {
+        if super::holder::after_pause(at_least, address_lifetime)
+            == super::holder::AfterPause::HandOver
+        {
             self.lapse(self.ran.0);
             hand_over_every_lease(&*self.engine).await;
             tracing::warn!(
@@ -1133,22 +1099,17 @@ impl<E: LeaseEngine> Lb<E> {
     ///
     /// A node that holds anything keeps serving when cut off, as before.
     fn judge_stand_down(&mut self, leases: &[LeaseStatus]) {
-        let now = Instant::now();
-        let unserved = self.spec_stale
-            && self.lan_word.is_none()
-            && !self.stopping
-            && !self.wanted_interfaces().is_empty()
-            && !leases.iter().any(|l| l.state.holds_address());
-        let stand_down = if unserved {
-            let since = *self.unserved_since.get_or_insert(now);
-            let due = since + STAND_DOWN_AFTER;
-            self.stand_down_at = (due > now).then_some(due);
-            due <= now
-        } else {
-            self.unserved_since = None;
-            self.stand_down_at = None;
-            false
-        };
+        let unserved = super::holder::unserved(
+            self.spec_stale,
+            self.lan_word.is_some(),
+            self.stopping,
+            !self.wanted_interfaces().is_empty(),
+            leases.iter().any(|l| l.state.holds_address()),
+        );
+        let decided = super::holder::stand_down(unserved, self.unserved_since, Instant::now());
+        self.unserved_since = decided.unserved_since;
+        self.stand_down_at = decided.again_at;
+        let stand_down = decided.stood_down;
         let object = &self.settings.object;
         self.lan.want.send_if_modified(|w| {
             if w.stood_down == stand_down {
