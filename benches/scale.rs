@@ -745,6 +745,7 @@ fn status(
         default_uplink: Some("eth0".into()),
         nic_macs: vec![mac.to_string()],
         gateway_mac: Some("52:54:00:ff:ff:fe".into()),
+        dhcp_server_macs: Vec::new(),
         gateway_address: Some(GATEWAY.into()),
         held: held.len() as u32,
         addresses: held

@@ -269,6 +269,7 @@ fn full_status() -> node_object::Status {
         default_uplink: Some("eth0".into()),
         nic_macs: vec!["52:54:00:12:34:56".into()],
         gateway_mac: Some("0a:11:22:33:44:55".into()),
+        dhcp_server_macs: Vec::new(),
         gateway_address: Some("10.77.0.1".into()),
         held: 1,
         addresses: "10.77.0.150 (default/web)".into(),

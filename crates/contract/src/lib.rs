@@ -221,6 +221,13 @@ pub mod node_object {
         /// table has it: no Service may use it either.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub gateway_mac: Option<String>,
+        /// The MACs (lower case) the DHCP server's replies to this node's
+        /// leases came from (the server's, or a relay's): no Service may
+        /// use one either, since a DISCOVER from it would move that host's
+        /// port at the switches and be offered that host's lease (issue
+        /// #49). Sorted.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub dhcp_server_macs: Vec<String>,
         /// The default gateway's address: never published as a Service's
         /// address, whatever a node reports BOUND.
         #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -55,6 +55,10 @@ pub struct LeaseStatus {
     pub state: State,
     pub address: Option<Ipv4Addr>,
     pub server: Option<Ipv4Addr>,
+    /// The MAC (lower case) the server's replies for this lease came from:
+    /// the DHCP server's, or a relay's. No Service may use it (issue #49).
+    #[serde(default)]
+    pub server_mac: Option<String>,
     pub(crate) routers: Vec<Ipv4Addr>,
     pub(crate) lease_secs: Option<f64>,
     pub t1_secs: Option<f64>,
@@ -83,6 +87,7 @@ impl LeaseStatus {
             state: State::Init,
             address: None,
             server: None,
+            server_mac: None,
             routers: Vec::new(),
             lease_secs: None,
             t1_secs: None,
@@ -722,6 +727,7 @@ impl<T: Transport, A: AddressConfig> Driver<T, A> {
             state: m.state(),
             address: l.map(|l| l.address),
             server: l.map(|l| l.server_id),
+            server_mac: l.map(|l| crate::mac::format(&l.server_mac)),
             routers: l.map(|l| l.routers.clone()).unwrap_or_default(),
             lease_secs: l.map(|l| l.lease_time.as_secs_f64()),
             t1_secs: l.map(|l| l.t1.as_secs_f64()),
@@ -1426,6 +1432,11 @@ mod tests {
         let st = wait_for(&mut rx, State::Bound).await;
         assert_eq!(st.address, Some(Ipv4Addr::new(10, 77, 0, 150)));
         assert_eq!(st.server, Some(SRV));
+        assert_eq!(
+            st.server_mac.as_deref(),
+            Some(crate::mac::format(&SRV_MAC).as_str()),
+            "the server's replies came from its MAC"
+        );
         assert_eq!(st.t1_secs, Some(20.0));
         let states: Vec<_> = st.transitions.iter().map(|t| t.state).collect();
         assert_eq!(

@@ -210,6 +210,22 @@ impl FakeEngine {
             s.server = Some(server);
         })
     }
+
+    /// [`FakeEngine::bind`], the server's replies from `server_mac`.
+    pub fn bind_from(
+        &self,
+        name: &str,
+        address: Ipv4Addr,
+        server: Ipv4Addr,
+        server_mac: &str,
+    ) -> bool {
+        self.set_status(name, |s| {
+            s.state = State::Bound;
+            s.address = Some(address);
+            s.server = Some(server);
+            s.server_mac = Some(server_mac.to_string());
+        })
+    }
 }
 
 impl LeaseEngine for FakeEngine {

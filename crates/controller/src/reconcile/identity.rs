@@ -348,6 +348,34 @@ mod tests {
         assert_eq!(sim.holders("web"), before, "what runs is kept");
     }
 
+    /// Issue #49: a `kube-vip.io/hwaddr` naming the DHCP server's MAC, as a
+    /// node saw its replies come from it (the server is not the gateway),
+    /// is refused with an Event that says whose it is.
+    #[test]
+    fn the_dhcp_servers_mac_is_refused() {
+        let mut sim = Sim::new(&["n1", "n2"]);
+        for o in &mut sim.objects {
+            o.status.gateway_mac = Some("0a:11:22:33:44:55".into());
+        }
+        sim.objects[1].status.dhcp_server_macs = vec!["0a:11:22:33:44:99".into()];
+        let mut thief = dhcp("thief", &[80]);
+        thief
+            .annotations
+            .insert(kube_vip::HWADDR.into(), "0a:11:22:33:44:99".into());
+        sim.services.push(thief);
+        let plans = sim.settle();
+        let told = crate::reconcile::sim::events(&plans);
+        let (_, why) = told
+            .iter()
+            .find(|(r, _)| *r == reason::MAC_REFUSED)
+            .expect("refused with an Event");
+        assert!(
+            why.contains("DHCP server") && why.contains("node n2"),
+            "{why}"
+        );
+        assert!(sim.holders("thief").is_empty());
+    }
+
     /// Issue #29: a MAC the controller cannot know to be taken (a LAN
     /// host's that is no node and not the gateway) is refused by the
     /// holder, which sees it in its ARP table and keeps serving under the

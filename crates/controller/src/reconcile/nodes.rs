@@ -92,6 +92,17 @@ impl<'a> Nodes<'a> {
             }
         }
         for o in objects.values() {
+            for mac in &o.status.dhcp_server_macs {
+                lan_macs.insert(
+                    mac.clone(),
+                    format!(
+                        "the DHCP server's (its replies to node {} came from it)",
+                        o.name
+                    ),
+                );
+            }
+        }
+        for o in objects.values() {
             for mac in &o.status.nic_macs {
                 lan_macs.insert(mac.clone(), format!("a network card of node {}", o.name));
             }

@@ -825,6 +825,7 @@ impl<E: LeaseEngine> Lb<E> {
     ) -> Sorted {
         let mut sorted = Sorted::default();
         let out_of_touch = self.out_of_touch_reason();
+        let server_macs = dhcp_server_macs(leases);
         let holding: BTreeSet<&str> = leases
             .iter()
             .filter(|l| l.state.holds_address())
@@ -855,7 +856,7 @@ impl<E: LeaseEngine> Lb<E> {
                 // still its own: it keeps serving the addresses it holds,
                 // and takes none over (see `out_of_touch_reason`).
                 sorted.cut_off.insert(w.interface.clone(), why.clone());
-            } else if let Some(why) = mac_refusal(&w, &mac, node) {
+            } else if let Some(why) = mac_refusal(&w, &mac, node, &server_macs) {
                 refuse_mac(
                     &mut sorted.cut_off,
                     &mut sorted.untouched,
@@ -1471,7 +1472,12 @@ struct Sorted {
 /// again, as root, against what its LAN shows it now. A Service's MAC on a
 /// link of this node would steal the node's own traffic, and another
 /// host's that host's.
-fn mac_refusal(w: &lease_plan::Want, mac: &str, node: &NodeView) -> Option<String> {
+fn mac_refusal(
+    w: &lease_plan::Want,
+    mac: &str,
+    node: &NodeView,
+    server_macs: &BTreeSet<String>,
+) -> Option<String> {
     if w.release {
         return None;
     }
@@ -1480,7 +1486,16 @@ fn mac_refusal(w: &lease_plan::Want, mac: &str, node: &NodeView) -> Option<Strin
         .map(|own| format!(
             "MAC {mac} is already this node's interface {own}'s (kube-vip's vip-* link left behind, or the node's own): no macvlan is made with it"
         ))
+        .or_else(|| server_macs.contains(mac).then(|| format!(
+            "MAC {mac} is the DHCP server's (its replies to this node's leases come from it): a DISCOVER from it would move that host's port at the switches and be offered that host's lease; no macvlan is made with it"
+        )))
         .or_else(|| node.mac_taken_on_lan(mac, w.requested_ip))
+}
+
+/// The MACs the DHCP server's replies to these leases came from (lower
+/// case).
+fn dhcp_server_macs(leases: &[LeaseStatus]) -> BTreeSet<String> {
+    leases.iter().filter_map(|l| l.server_mac.clone()).collect()
 }
 
 /// Why the assignment's parent will not carry it, if it will not. The
@@ -1668,6 +1683,7 @@ pub(crate) fn report(
         default_uplink: node.default_uplink.clone(),
         nic_macs: node.nic_macs(),
         gateway_mac: node.gateway_mac.clone(),
+        dhcp_server_macs: dhcp_server_macs(leases).into_iter().collect(),
         gateway_address: node.gateway_address.map(|a| a.to_string()),
         held: held.len() as u32,
         addresses,

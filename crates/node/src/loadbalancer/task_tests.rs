@@ -568,6 +568,41 @@ async fn a_mac_another_lan_host_uses_is_never_a_services() {
     .await;
 }
 
+/// Issue #49: the MAC the DHCP server's replies come from (a host this
+/// node may have no ARP entry for, when the server is not its gateway) is
+/// never a Service's, and the status reports it for the controller.
+#[tokio::test(start_paused = true)]
+async fn the_dhcp_servers_mac_is_never_a_services() {
+    let r = rig();
+    let a = assignment("aaaaaaaa");
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the lease", || r.engine.running().len() == 1).await;
+    assert!(r.engine.bind_from(
+        &a.interface,
+        Ipv4Addr::new(10, 77, 0, 150),
+        Ipv4Addr::new(10, 77, 0, 2),
+        "0a:11:22:33:44:99"
+    ));
+    let thief = Assignment {
+        mac: "0a:11:22:33:44:99".into(),
+        ..assignment("bbbbbbbb")
+    };
+    r.tx.send(spec(&[a.clone(), thief])).await.unwrap();
+    until("the refusal in the status", || {
+        r.writes.last().is_some_and(|s| {
+            s.dhcp_server_macs == ["0a:11:22:33:44:99"]
+                && s.leases.iter().any(|l| {
+                    l.interface == "hlb-bbbbbbbb"
+                        && l.message
+                            .as_deref()
+                            .is_some_and(|m| m.contains("DHCP server"))
+                })
+        })
+    })
+    .await;
+    assert_eq!(r.engine.running(), vec![a.interface.clone()]);
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_invalid_assignment_leaves_its_lease_untouched_and_is_reported() {
     let r = rig();
