@@ -306,6 +306,14 @@ struct Lb<E: LeaseEngine> {
     /// (`super::kept`), so each is written when it changes only.
     kept_spec: Option<Spec>,
     kept_words: BTreeMap<String, crate::membership::transport::Word>,
+    /// The assignments are the last run's, kept in the state directory,
+    /// and the object has not been read yet.
+    kept_unread: bool,
+    /// The start-up sweep kept what the last run's assignments wanted: it
+    /// runs again once the object is read, so that a link the last run
+    /// left for an assignment that has moved since goes (the fault soak
+    /// found such links left for good).
+    swept_on_kept: bool,
 }
 
 /// Runs the loop on `updates` until `shutdown` changes.
@@ -501,6 +509,8 @@ impl<E: LeaseEngine> Lb<E> {
             uplink_lost_at: None,
             kept_spec: None,
             kept_words: BTreeMap::new(),
+            kept_unread: false,
+            swept_on_kept: false,
         }
     }
 
@@ -636,13 +646,18 @@ impl<E: LeaseEngine> Lb<E> {
         );
         self.assignments = Some(next);
         let read_again = current && std::mem::replace(&mut self.spec_stale, false);
+        if current {
+            // Swept on the last run's assignments (`swept_on_kept`): the
+            // next round sweeps again, on what is read.
+            self.kept_unread = false;
+        }
         if current && (self.lapsed_since.is_some() || self.lan_word.is_some()) {
             self.lapsed_since = None;
             if self.lan_word.take().is_some() {
                 tracing::info!(object = %self.settings.object, "assignments read again: no longer holding on its witnesses' word");
             }
         }
-        changed || read_again || self.swept.is_none()
+        changed || read_again || self.swept.is_none() || self.swept_on_kept
     }
 
     /// The assignments this node read may have moved while it could not
@@ -688,7 +703,10 @@ impl<E: LeaseEngine> Lb<E> {
         if !keep.is_empty() {
             tracing::info!(links = ?keep, "adopting the assigned LoadBalancer addresses");
         }
-        self.swept = Some(report.removed);
+        self.swept_on_kept = self.kept_unread;
+        let mut removed = self.swept.take().unwrap_or_default();
+        removed.extend(report.removed);
+        self.swept = Some(removed);
     }
 
     /// One round: plan over the assignments and the running leases, act,
@@ -788,7 +806,7 @@ impl<E: LeaseEngine> Lb<E> {
         let Some(assignments) = self.assignments.clone() else {
             return;
         };
-        if self.swept.is_none() {
+        if self.swept.is_none() || (self.swept_on_kept && !self.kept_unread) {
             self.sweep().await;
         }
         let node = (self.node)();
@@ -1264,6 +1282,12 @@ impl<E: LeaseEngine> Lb<E> {
         );
         self.assignments = Some(spec.assignments.clone());
         self.kept_spec = Some(spec);
+        self.kept_unread = true;
+        // The uplink as it is now: its first look is no carrier's return
+        // (which would ask for a read again), it is where this run began.
+        let node = (self.node)();
+        self.no_carrier = node.no_carrier;
+        self.uplink = node.default_uplink;
         self.spec_stale = true;
         self.read = format!(
             "the last run's assignments, until {} is read",

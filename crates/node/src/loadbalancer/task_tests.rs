@@ -1530,6 +1530,42 @@ async fn restarted_in_an_api_outage_a_node_holds_what_it_kept_on_its_witnesses_w
     assert_eq!(kept.words().len(), 2, "{:?}", kept.words());
 }
 
+/// The fault soak's find: restarted with the last run's assignments kept,
+/// the start-up sweep keeps the links they want; once the object is read
+/// and one of them has moved away, its link goes too (it was left for
+/// good).
+#[tokio::test(start_paused = true)]
+async fn a_link_the_kept_assignments_wanted_goes_once_the_object_says_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let kept = crate::loadbalancer::kept::Kept::in_state_dir(dir.path());
+    let (a, b) = (assignment("aaaaaaaa"), assignment("bbbbbbbb"));
+    kept.keep_spec(&Spec {
+        assignments: vec![a.clone(), b.clone()],
+        peers: vec![],
+    });
+    let engine = FakeEngine::new();
+    let mac = [0x02, 0x11, 0x22, 0x33, 0x44, 0x55];
+    engine.add_link(&a.interface, "eth0", mac);
+    engine.add_link(&b.interface, "eth0", mac);
+    let r = rig_custom(engine, |s| s.kept = Some(kept.clone()));
+    // No read for longer than the adoption wait: swept on what was kept.
+    tokio::time::sleep(ADOPTION_WAIT + Duration::from_secs(1)).await;
+    assert_eq!(
+        r.engine.links().len(),
+        2,
+        "both kept for the kept assignments"
+    );
+    r.tx.send(spec(std::slice::from_ref(&a))).await.unwrap();
+    until("the moved assignment's link gone", || {
+        r.engine.links().keys().cloned().collect::<Vec<_>>() == vec![a.interface.clone()]
+    })
+    .await;
+    until("the read assignment held", || {
+        r.engine.running() == [a.interface.clone()]
+    })
+    .await;
+}
+
 /// The witness's side: what the API server acknowledged of its
 /// accusations reaches its membership, which tells the accused.
 #[tokio::test(start_paused = true)]
