@@ -32,6 +32,11 @@ pub(crate) use crate::membership::transport::Word as KeptWord;
 #[derive(Debug, Clone)]
 pub(crate) struct Kept {
     dir: PathBuf,
+    /// Writes are made off the runtime's threads ([`Kept::ticket`]): the
+    /// newest ticket written per file, so a write that comes late never
+    /// replaces a newer one.
+    written: std::sync::Arc<std::sync::Mutex<BTreeMap<&'static str, u64>>>,
+    tickets: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 const SPEC: &str = "spec.json";
@@ -43,6 +48,8 @@ impl Kept {
     pub(crate) fn in_state_dir(state_dir: &Path) -> Kept {
         Kept {
             dir: state_dir.join("loadbalancer"),
+            written: Default::default(),
+            tickets: Default::default(),
         }
     }
 
@@ -95,6 +102,38 @@ impl Kept {
                 None
             }
         }
+    }
+
+    /// A place in the order of writes, taken where the write is decided
+    /// (in order), for a write carried out elsewhere (in any order).
+    pub(crate) fn ticket(&self) -> u64 {
+        self.tickets
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            .saturating_add(1)
+    }
+
+    /// Runs `write` unless a write of `file` with a newer ticket was made.
+    fn in_order(&self, file: &'static str, ticket: u64, write: impl FnOnce()) {
+        let mut written = self.written.lock().unwrap_or_else(|e| e.into_inner());
+        if written.get(file).is_some_and(|w| *w > ticket) {
+            return;
+        }
+        write();
+        written.insert(file, ticket);
+    }
+
+    /// [`Kept::keep_spec`] (`None`: [`Kept::forget_spec`]) in the order of
+    /// its ticket.
+    pub(crate) fn keep_spec_in_order(&self, ticket: u64, spec: Option<&Spec>) {
+        self.in_order(SPEC, ticket, || match spec {
+            Some(s) => self.keep_spec(s),
+            None => self.forget_spec(),
+        });
+    }
+
+    /// [`Kept::keep_words`] in the order of its ticket.
+    pub(crate) fn keep_words_in_order(&self, ticket: u64, words: &BTreeMap<String, KeptWord>) {
+        self.in_order(WORDS, ticket, || self.keep_words(words));
     }
 
     pub(crate) fn spec(&self) -> Option<Spec> {
@@ -228,6 +267,25 @@ mod tests {
         assert_eq!(kept.next_epoch(1_000_000 - 120_000), 1_000_001);
         assert_eq!(kept.next_epoch(1_000_001), 1_000_002);
         assert_eq!(kept.next_epoch(2_000_000), 2_000_000);
+    }
+
+    /// Writes carried out out of order keep the newest.
+    #[test]
+    fn a_late_write_never_replaces_a_newer_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept = Kept::in_state_dir(dir.path());
+        let older = kept.ticket();
+        let newer = kept.ticket();
+        let spec = |n: usize| Spec {
+            assignments: vec![Default::default(); n],
+            peers: vec![],
+        };
+        kept.keep_spec_in_order(newer, Some(&spec(2)));
+        kept.keep_spec_in_order(older, Some(&spec(1)));
+        assert_eq!(kept.spec().map(|s| s.assignments.len()), Some(2));
+        let forget = kept.ticket();
+        kept.keep_spec_in_order(forget, None);
+        assert_eq!(kept.spec(), None);
     }
 
     /// Garbage in any file is taken as absent, never a panic.

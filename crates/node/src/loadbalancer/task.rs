@@ -1304,10 +1304,8 @@ impl<E: LeaseEngine> Lb<E> {
         if self.kept_spec.as_ref() == spec {
             return;
         }
-        match spec {
-            Some(s) => kept.keep_spec(s),
-            None => kept.forget_spec(),
-        }
+        let (kept, to_keep, ticket) = (kept.clone(), spec.cloned(), kept.ticket());
+        tokio::task::spawn_blocking(move || kept.keep_spec_in_order(ticket, to_keep.as_ref()));
         self.kept_spec = spec.cloned();
     }
 
@@ -1326,7 +1324,11 @@ impl<E: LeaseEngine> Lb<E> {
             .map(|(n, a)| (n.clone(), a.word()))
             .collect();
         if words != self.kept_words && !words.is_empty() {
-            kept.keep_words(&words);
+            // Off the runtime's threads: an fsync on a loaded VM's disk
+            // must not hold up the loop (a resumed VM lets go of its
+            // addresses from it).
+            let (kept, to_keep, ticket) = (kept.clone(), words.clone(), kept.ticket());
+            tokio::task::spawn_blocking(move || kept.keep_words_in_order(ticket, &to_keep));
             self.kept_words = words;
         }
     }
