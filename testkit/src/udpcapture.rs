@@ -11,6 +11,9 @@ use anyhow::{Result, bail};
 use crate::rig::forward::in_netns;
 
 const ETH_P_IP: u16 = 0x0800;
+/// Every protocol: a bridge port's frames reach only `ETH_P_ALL` taps (the
+/// bridge takes them before the per-protocol ones).
+const ETH_P_ALL: u16 = 0x0003;
 
 /// One captured datagram.
 #[derive(Debug, Clone)]
@@ -29,16 +32,21 @@ pub fn capture(ns: &str, ifname: &str, port: u16, for_: Duration) -> Result<Vec<
     let mut buf = vec![0u8; 65536];
     let until = Instant::now() + for_;
     while Instant::now() < until {
-        // SAFETY: recv into a live buffer of the length given.
+        // SAFETY: recvfrom into a live buffer and address of the lengths
+        // given.
+        let mut sa: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        let mut sa_len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
         let n = unsafe {
-            libc::recv(
+            libc::recvfrom(
                 fd.as_raw_fd(),
                 buf.as_mut_ptr() as *mut libc::c_void,
                 buf.len(),
                 0,
+                &mut sa as *mut _ as *mut libc::sockaddr,
+                &mut sa_len,
             )
         };
-        if n <= 0 {
+        if n <= 0 || sa.sll_protocol != ETH_P_IP.to_be() {
             continue;
         }
         if let Some(d) = parse(&buf[..n as usize]).filter(|d| d.to_port == port) {
@@ -69,7 +77,8 @@ fn parse(p: &[u8]) -> Option<Datagram> {
     })
 }
 
-/// A cooked IPv4 packet socket on `ifname`, with a 10 ms receive timeout.
+/// A cooked packet socket on `ifname` for every protocol, with a 10 ms
+/// receive timeout.
 fn open(ifname: &str) -> Result<OwnedFd> {
     let name = std::ffi::CString::new(ifname)?;
     // SAFETY: plain syscalls on a descriptor owned here; every pointer is
@@ -82,7 +91,7 @@ fn open(ifname: &str) -> Result<OwnedFd> {
         let fd = libc::socket(
             libc::AF_PACKET,
             libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            i32::from(ETH_P_IP.to_be()),
+            i32::from(ETH_P_ALL.to_be()),
         );
         if fd < 0 {
             bail!("socket(AF_PACKET): {}", std::io::Error::last_os_error());
@@ -90,7 +99,7 @@ fn open(ifname: &str) -> Result<OwnedFd> {
         let fd = OwnedFd::from_raw_fd(fd);
         let mut sa: libc::sockaddr_ll = std::mem::zeroed();
         sa.sll_family = libc::AF_PACKET as u16;
-        sa.sll_protocol = ETH_P_IP.to_be();
+        sa.sll_protocol = ETH_P_ALL.to_be();
         sa.sll_ifindex = ifindex;
         if libc::bind(
             fd.as_raw_fd(),
