@@ -814,6 +814,9 @@ impl<E: LeaseEngine> Lb<E> {
         self.uplink = node.default_uplink.clone();
         // One look at the leases serves the whole round.
         let leases = self.engine.snapshot();
+        if leases.iter().any(|l| l.state == hna_dhcp::State::Expired) {
+            self.after_expiry();
+        }
         let sorted = self.sort_assignments(&assignments, &node, &leases);
         let mut failures = BTreeMap::new();
         let actions = self.actions(&sorted, &node, &leases, &mut failures);
@@ -1330,6 +1333,22 @@ impl<E: LeaseEngine> Lb<E> {
             let (kept, to_keep, ticket) = (kept.clone(), words.clone(), kept.ticket());
             tokio::task::spawn_blocking(move || kept.keep_words_in_order(ticket, &to_keep));
             self.kept_words = words;
+        }
+    }
+
+    /// A held address expired in the kernel: this node did not confirm it
+    /// for its lifetime (stalled, frozen), so it may have been judged from
+    /// since then. Out of touch with the API server, that is a lapse like
+    /// any other (`super::lan_word`): before, the address stayed dark
+    /// until the node stood down and its Services moved, its witnesses not
+    /// having accused it (issue #49).
+    fn after_expiry(&mut self) {
+        if self.out_of_touch || self.spec_stale {
+            let since = Instant::now()
+                .checked_sub(self.lan_wait())
+                .unwrap_or_else(Instant::now);
+            self.lapse(since);
+            self.judge_lan_word();
         }
     }
 

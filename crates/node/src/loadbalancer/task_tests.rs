@@ -1566,6 +1566,51 @@ async fn a_link_the_kept_assignments_wanted_goes_once_the_object_says_otherwise(
     .await;
 }
 
+/// Issue #49: cut off from the API server, a node stalls for a little
+/// longer than its address lifetime (its witnesses do not accuse it yet):
+/// the kernel drops the address. Its witnesses' word unchanged, it takes
+/// the address back at once instead of standing down.
+#[tokio::test(start_paused = true)]
+async fn cut_off_an_expired_address_comes_back_on_the_witnesses_word() {
+    let r = rig_with_lifetime();
+    let before = Instant::now();
+    r.lan.send_replace(vouched(&heard_now(), before));
+    let a = held_and_written(&r, "aaaaaaaa").await;
+    r.writes.fail.store(true, Ordering::SeqCst);
+    // Out of touch: a heartbeat (5 s here) failed, 2 s after the last write.
+    until("out of touch", || {
+        r.out
+            .borrow()
+            .status
+            .leases
+            .iter()
+            .all(|l| l.state == "BOUND")
+            && r.out.borrow().write_error.is_some()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    r.engine.take_calls();
+    assert!(r.engine.set_status(&a.interface, |s| {
+        s.state = hna_dhcp::State::Expired;
+        s.address = None;
+    }));
+    r.lan.send_replace(vouched(&heard_now(), before));
+    tokio::time::sleep(STAND_DOWN_AFTER).await;
+    assert_eq!(
+        r.engine.running(),
+        vec![a.interface.clone()],
+        "held again: {:?}",
+        r.engine.calls()
+    );
+    assert!(
+        matches!(r.engine.calls().last(), Some(Call::Start { name, .. }) if *name == a.interface),
+        "started again, and left running: {:?}",
+        r.engine.calls()
+    );
+    tokio::time::sleep(STAND_DOWN_AFTER * 2).await;
+    assert!(!r.want.borrow().stood_down);
+}
+
 /// The witness's side: what the API server acknowledged of its
 /// accusations reaches its membership, which tells the accused.
 #[tokio::test(start_paused = true)]
