@@ -145,26 +145,12 @@ fn lan_blips_in_a_hung_api_server_leave_every_address_answered_by_one_node() -> 
         lease_time: Some(LEASE_TIME.into()),
         ..options()
     })?;
-    let mut addresses = Vec::new();
-    for i in 0..6 {
-        let (ip, holder) = served(&lb, &format!("bad-day-{i}"))?;
-        let carriers = lb.carriers(ip);
-        ensure!(carriers.len() == 1, "{ip}: {carriers:?}");
-        addresses.push(Served {
-            ip,
-            holder,
-            mac: carriers[0].1.mac.to_lowercase(),
-        });
-    }
-    let busiest = (0..lb.guests())
-        .max_by_key(|g| addresses.iter().filter(|a| a.holder == *g).count())
-        .expect("guests");
-    lb.wait_for_membership(Duration::from_secs(30))?;
-    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
-    let probers = addresses
-        .iter()
-        .map(|a| failover::arp_prober(&lb, a.ip))
-        .collect::<Result<Vec<_>>>()?;
+    let Watched {
+        addresses,
+        busiest,
+        watch,
+        probers,
+    } = watched_services(&lb, "bad-day")?;
     let t0 = Instant::now();
     let hung = lb.rig.apiserver().context("API server")?.hang()?;
     let hung_at = unix_secs();
@@ -286,24 +272,7 @@ fn lan_blips_in_a_hung_api_server_leave_every_address_answered_by_one_node() -> 
                 a.holder,
                 story()
             );
-            let asked: Vec<_> = record
-                .probes
-                .iter()
-                .filter(|p| p.sent >= w.from && p.sent + record.every * 5 <= w.to)
-                .collect();
-            ensure!(!asked.is_empty(), "{}: no ARP request {}", a.ip, w.label);
-            for p in &asked {
-                let macs: Vec<String> = p.replies.iter().map(|(_, m)| mac_text(m)).collect();
-                ensure!(
-                    macs == [a.mac.clone()],
-                    "{} {}: the request at {} was answered by {macs:?}, not once by the Service's MAC {}:\n{}",
-                    a.ip,
-                    w.label,
-                    offset_ms(p.sent, t0),
-                    a.mac,
-                    story()
-                );
-            }
+            answered_once_by_its_mac(a, record, w, t0, story)?;
         }
     }
     println!(
@@ -356,26 +325,12 @@ fn lan_blips_in_a_hung_api_server_leave_every_address_answered_by_one_node() -> 
 /// word, and after the long one, whose accusations landed, it does not.
 fn a_holder_cut_off_from_the_api_server_alone_never_goes_dark_nor_answers_twice() -> Result<()> {
     let mut lb = LbRig::start(options())?;
-    let mut addresses = Vec::new();
-    for i in 0..6 {
-        let (ip, holder) = served(&lb, &format!("cut-off-{i}"))?;
-        let carriers = lb.carriers(ip);
-        ensure!(carriers.len() == 1, "{ip}: {carriers:?}");
-        addresses.push(Served {
-            ip,
-            holder,
-            mac: carriers[0].1.mac.to_lowercase(),
-        });
-    }
-    let busiest = (0..lb.guests())
-        .max_by_key(|g| addresses.iter().filter(|a| a.holder == *g).count())
-        .expect("guests");
-    lb.wait_for_membership(Duration::from_secs(30))?;
-    let watch = AddressWatch::start(&guest_namespaces(&lb))?;
-    let probers = addresses
-        .iter()
-        .map(|a| failover::arp_prober(&lb, a.ip))
-        .collect::<Result<Vec<_>>>()?;
+    let Watched {
+        addresses,
+        busiest,
+        watch,
+        probers,
+    } = watched_services(&lb, "cut-off")?;
     let t0 = Instant::now();
     lb.cut_api(busiest);
     // Past the 2 s after which a node whose writes fail takes nothing over.
@@ -432,22 +387,7 @@ fn a_holder_cut_off_from_the_api_server_alone_never_goes_dark_nor_answers_twice(
             story()
         );
         for w in &windows {
-            for p in record
-                .probes
-                .iter()
-                .filter(|p| p.sent >= w.from && p.sent + record.every * 5 <= w.to)
-            {
-                let macs: Vec<String> = p.replies.iter().map(|(_, m)| mac_text(m)).collect();
-                ensure!(
-                    macs == [a.mac.clone()],
-                    "{} {}: the request at {} was answered by {macs:?}, not once by {}:\n{}",
-                    a.ip,
-                    w.label,
-                    offset_ms(p.sent, t0),
-                    a.mac,
-                    story()
-                );
-            }
+            answered_once_by_its_mac(a, record, w, t0, story)?;
         }
         let now = lb.carriers(a.ip);
         if now.len() == 1 && lb.guest_of(&now[0].0) != a.holder {
@@ -466,6 +406,75 @@ fn a_holder_cut_off_from_the_api_server_alone_never_goes_dark_nor_answers_twice(
     println!(
         "guest {busiest}, cut off from the API server alone: held its addresses again on its witnesses' word {on_word} times; {moved} of its addresses moved after the 2 s freeze; none dark past 2 s, none answered twice"
     );
+    Ok(())
+}
+
+/// The test's Services, each held by one guest, watched from the LAN and
+/// from every guest's kernel, the membership settled.
+struct Watched {
+    addresses: Vec<Served>,
+    /// The guest that holds the most of them.
+    busiest: usize,
+    watch: AddressWatch,
+    probers: Vec<hna_testkit::arpprobe::ArpProber>,
+}
+
+fn watched_services(lb: &LbRig, prefix: &str) -> Result<Watched> {
+    let mut addresses = Vec::new();
+    for i in 0..6 {
+        let (ip, holder) = served(lb, &format!("{prefix}-{i}"))?;
+        let carriers = lb.carriers(ip);
+        ensure!(carriers.len() == 1, "{ip}: {carriers:?}");
+        addresses.push(Served {
+            ip,
+            holder,
+            mac: carriers[0].1.mac.to_lowercase(),
+        });
+    }
+    let busiest = (0..lb.guests())
+        .max_by_key(|g| addresses.iter().filter(|a| a.holder == *g).count())
+        .expect("guests");
+    lb.wait_for_membership(Duration::from_secs(30))?;
+    let watch = AddressWatch::start(&guest_namespaces(lb))?;
+    let probers = addresses
+        .iter()
+        .map(|a| failover::arp_prober(lb, a.ip))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Watched {
+        addresses,
+        busiest,
+        watch,
+        probers,
+    })
+}
+
+/// Every request for `a` sent in window `w` (and answered before its end)
+/// was answered exactly once, with the Service's MAC.
+fn answered_once_by_its_mac(
+    a: &Served,
+    record: &ArpRecord,
+    w: &Whole,
+    t0: Instant,
+    story: impl Fn() -> String,
+) -> Result<()> {
+    let asked: Vec<_> = record
+        .probes
+        .iter()
+        .filter(|p| p.sent >= w.from && p.sent + record.every * 5 <= w.to)
+        .collect();
+    ensure!(!asked.is_empty(), "{}: no ARP request {}", a.ip, w.label);
+    for p in asked {
+        let macs: Vec<String> = p.replies.iter().map(|(_, m)| mac_text(m)).collect();
+        ensure!(
+            macs == [a.mac.clone()],
+            "{} {}: the request at {} was answered by {macs:?}, not once by the Service's MAC {}:\n{}",
+            a.ip,
+            w.label,
+            offset_ms(p.sent, t0),
+            a.mac,
+            story()
+        );
+    }
     Ok(())
 }
 
