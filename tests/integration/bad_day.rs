@@ -196,15 +196,7 @@ fn lan_blips_in_a_hung_api_server_leave_every_address_answered_by_one_node() -> 
                 .join("\n"),
             lb.diagnostics()
         );
-        // An observation window, read from the records afterwards.
-        std::thread::sleep(
-            (whole + ANSWERED_WITHIN + STAYS_FOR).saturating_duration_since(Instant::now()),
-        );
-        windows.push(Whole {
-            label: format!("after {fault:?}"),
-            from: whole + ANSWERED_WITHIN,
-            to: Instant::now(),
-        });
+        windows.push(watch_window(format!("after {fault:?}"), whole));
     }
     // Renewed through the outage, as the DHCP server saw it: each lease's
     // expiry is more than a lease time past the outage's start plus T1,
@@ -358,14 +350,7 @@ fn a_holder_cut_off_from_the_api_server_alone_never_goes_dark_nor_answers_twice(
                 .join("\n"),
             lb.agent_log(busiest)
         );
-        std::thread::sleep(
-            (whole + ANSWERED_WITHIN + STAYS_FOR).saturating_duration_since(Instant::now()),
-        );
-        windows.push(Whole {
-            label: format!("after {fault:?}"),
-            from: whole + ANSWERED_WITHIN,
-            to: Instant::now(),
-        });
+        windows.push(watch_window(format!("after {fault:?}"), whole));
     }
     let records = probers
         .into_iter()
@@ -407,6 +392,20 @@ fn a_holder_cut_off_from_the_api_server_alone_never_goes_dark_nor_answers_twice(
         "guest {busiest}, cut off from the API server alone: held its addresses again on its witnesses' word {on_word} times; {moved} of its addresses moved after the 2 s freeze; none dark past 2 s, none answered twice"
     );
     Ok(())
+}
+
+/// Waits out the window from [`ANSWERED_WITHIN`] after `whole` (a
+/// fault's end) to [`STAYS_FOR`] later, which the records are read for
+/// afterwards.
+fn watch_window(label: String, whole: Instant) -> Whole {
+    std::thread::sleep(
+        (whole + ANSWERED_WITHIN + STAYS_FOR).saturating_duration_since(Instant::now()),
+    );
+    Whole {
+        label,
+        from: whole + ANSWERED_WITHIN,
+        to: Instant::now(),
+    }
 }
 
 /// The test's Services, each held by one guest, watched from the LAN and

@@ -83,7 +83,7 @@ pub(crate) fn judge(i: &Inputs<'_>) -> Word {
     let mut doubtful = Vec::new();
     for w in i.witnesses {
         match i.attestations.get(w) {
-            Some(a) if a.accusing => doubtful.push(format!("{w} (accuses it)")),
+            Some(a) if a.word.accusing => doubtful.push(format!("{w} (accuses it)")),
             Some(a) if a.changed >= i.lapsed_since => {
                 doubtful.push(format!("{w} (its word changed since)"))
             }
@@ -224,9 +224,11 @@ mod tests {
                     (
                         w.to_string(),
                         Attestation {
-                            run: 1,
-                            accusations: 0,
-                            accusing: *accusing,
+                            word: crate::membership::transport::Word {
+                                run: 1,
+                                accusations: 0,
+                                accusing: *accusing,
+                            },
                             changed: at(*changed),
                             heard: at(*heard),
                         },

@@ -737,13 +737,7 @@ impl<E: LeaseEngine> Lb<E> {
     async fn after_pause(&mut self, at_least: Duration) {
         let paused_for =
             humantime::format_duration(Duration::from_millis(at_least.as_millis() as u64));
-        let address_lifetime = self
-            .settings
-            .leases
-            .timing
-            .address_lifetime
-            .unwrap_or_default();
-        if super::holder::after_pause(at_least, address_lifetime)
+        if super::holder::after_pause(at_least, self.address_lifetime())
             == super::holder::AfterPause::HandOver
         {
             self.lapse(self.ran.0);
@@ -1147,15 +1141,18 @@ impl<E: LeaseEngine> Lb<E> {
         });
     }
 
+    /// `lb_address_lifetime` (zero: none).
+    fn address_lifetime(&self) -> Duration {
+        self.settings
+            .leases
+            .timing
+            .address_lifetime
+            .unwrap_or_default()
+    }
+
     /// The address lifetime: how long the LAN's silence is borne.
     fn lan_wait(&self) -> Duration {
-        lan_wait(
-            self.settings
-                .leases
-                .timing
-                .address_lifetime
-                .unwrap_or_default(),
-        )
+        lan_wait(self.address_lifetime())
     }
 
     /// Decides the fence ([`super::fence`]): hands every lease over when
@@ -1324,7 +1321,7 @@ impl<E: LeaseEngine> Lb<E> {
             .borrow()
             .attestations
             .iter()
-            .map(|(n, a)| (n.clone(), a.word()))
+            .map(|(n, a)| (n.clone(), a.word))
             .collect();
         if words != self.kept_words && !words.is_empty() {
             // Off the runtime's threads: an fsync on a loaded VM's disk

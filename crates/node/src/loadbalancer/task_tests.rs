@@ -1399,9 +1399,11 @@ fn vouched(
 ) -> crate::membership::transport::LanView {
     use crate::membership::transport::Attestation;
     let word = Attestation {
-        run: 1,
-        accusations: 0,
-        accusing: false,
+        word: crate::membership::transport::Word {
+            run: 1,
+            accusations: 0,
+            accusing: false,
+        },
         changed,
         heard: Instant::now(),
     };

@@ -181,12 +181,16 @@ impl Acknowledged {
     }
 }
 
-/// A witness's word without its times: what a run keeps for the next
-/// (`loadbalancer::kept`) and compares the witness's next word with.
+/// A witness's word on the node it watches, without its times: what a run
+/// keeps for the next (`loadbalancer::kept`) and compares the witness's
+/// next word with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Word {
+    /// The witness's run: a new one forgets what the old one wrote.
     pub(crate) run: u64,
+    /// Its acknowledged accusations of the node, in that run.
     pub(crate) accusations: u32,
+    /// Its last acknowledged write lists the node as down.
     pub(crate) accusing: bool,
 }
 
@@ -194,26 +198,11 @@ pub(crate) struct Word {
 /// have read from it (`loadbalancer::lan_word` decides with it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Attestation {
-    /// The witness's run: a new one forgets what the old one wrote.
-    pub(crate) run: u64,
-    /// Its acknowledged accusations of this node, in that run.
-    pub(crate) accusations: u32,
-    /// Its last acknowledged write lists this node as down.
-    pub(crate) accusing: bool,
+    pub(crate) word: Word,
     /// When the word last changed (first heard, included).
     pub(crate) changed: Instant,
     /// When it was last heard.
     pub(crate) heard: Instant,
-}
-
-impl Attestation {
-    pub(crate) fn word(&self) -> Word {
-        Word {
-            run: self.run,
-            accusations: self.accusations,
-            accusing: self.accusing,
-        }
-    }
 }
 
 /// What a witness knows of a node it watches.
@@ -470,9 +459,7 @@ impl Member {
                 continue;
             };
             self.attested.entry(name).or_insert(Attestation {
-                run: w.run,
-                accusations: w.accusations,
-                accusing: w.accusing,
+                word: *w,
                 changed: at,
                 heard: at,
             });
@@ -493,21 +480,18 @@ impl Member {
         if word.len() < 13 || !self.witnesses.contains(name) {
             return false;
         }
-        let run = u64::from_be_bytes(word[..8].try_into().expect("8 bytes"));
-        let accusations = u32::from_be_bytes(word[8..12].try_into().expect("4 bytes"));
-        let accusing = word[12] & FLAG_ACCUSING != 0;
-        let same = |a: &Attestation| {
-            a.run == run && a.accusations == accusations && a.accusing == accusing
+        let word = Word {
+            run: u64::from_be_bytes(word[..8].try_into().expect("8 bytes")),
+            accusations: u32::from_be_bytes(word[8..12].try_into().expect("4 bytes")),
+            accusing: word[12] & FLAG_ACCUSING != 0,
         };
         match self.attested.get_mut(name) {
-            Some(a) if same(a) => a.heard = now,
+            Some(a) if a.word == word => a.heard = now,
             _ => {
                 self.attested.insert(
                     name.clone(),
                     Attestation {
-                        run,
-                        accusations,
-                        accusing,
+                        word,
                         changed: now,
                         heard: now,
                     },
@@ -1244,7 +1228,11 @@ mod tests {
             lan.members[victim].witnesses(),
             witnesses.iter().cloned().collect::<Vec<_>>()
         );
-        assert!(words.values().all(|a| a.accusations == 0 && !a.accusing));
+        assert!(
+            words
+                .values()
+                .all(|a| a.word.accusations == 0 && !a.word.accusing)
+        );
         let before = words.clone();
 
         // Cut off past its witnesses' verdict; they accuse, nothing lands.
@@ -1272,14 +1260,14 @@ mod tests {
         lan.members[first].set_acknowledged(acknowledged.clone());
         lan.run_for(Duration::from_millis(300));
         let w = lan.members[victim].attestations()[&Lan::name(first)];
-        assert_eq!((w.accusations, w.accusing), (1, true));
+        assert_eq!((w.word.accusations, w.word.accusing), (1, true));
         assert!(w.changed > cut_at);
         acknowledged.record(&[]);
         lan.members[first].set_acknowledged(acknowledged);
         lan.run_for(Duration::from_millis(300));
         let w = lan.members[victim].attestations()[&Lan::name(first)];
         assert_eq!(
-            (w.accusations, w.accusing),
+            (w.word.accusations, w.word.accusing),
             (1, false),
             "withdrawn, still counted"
         );
